@@ -1,0 +1,41 @@
+"""Specific exceptions, each with a message a user can act on."""
+
+from __future__ import annotations
+
+
+class GpuherdError(Exception):
+    """Base of every gpuherd error."""
+
+
+class EventDecodeError(GpuherdError):
+    """Stored bytes are not a known event (or an old version without an upcaster)."""
+
+
+class LogError(GpuherdError):
+    """The event log could not carry out a request."""
+
+
+class ConcurrencyError(LogError):
+    """An aggregate changed since the writer last read it (expected subject sequence did not match)."""
+
+    def __init__(self, subject: str, expected: int, actual: int | None = None) -> None:
+        self.subject = subject
+        self.expected = expected
+        self.actual = actual
+        found = "" if actual is None else f", found {actual}"
+        super().__init__(
+            f"{subject} changed since it was read (expected last sequence {expected}{found}); "
+            "re-read the aggregate and decide again"
+        )
+
+
+class LeaseLost(GpuherdError):
+    """Another instance holds the leader lease now; this one must stop deciding."""
+
+
+class SubmissionError(GpuherdError):
+    """The cluster rejected a job submission; the message says why."""
+
+
+class NatsServerError(GpuherdError):
+    """The embedded nats-server could not be started."""

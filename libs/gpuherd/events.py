@@ -1,0 +1,337 @@
+"""The event catalogue: every fact gpuherd records, as small msgspec Structs.
+
+All events live in one tagged union (the JSON field ``type`` names the class),
+so a single typed decoder reads the whole log. Each class carries its schema
+version in ``v``; when a class changes shape its version goes up and an
+*upcaster* turns the stored old shape into the current one on read, so the log
+is never rewritten (the `eventsourcing` library's approach).
+
+Every event has ``id`` (also the JetStream ``Nats-Msg-Id``, so appends are
+idempotent), ``at`` (event time, Unix seconds), ``source`` (who wrote it) and
+``v``. Decisions, events a service writes in reaction to the log, also carry
+``based_on`` (the last stream sequence the decider had folded) and ``cause``
+(the id of the event that triggered them); an audit re-runs the decider on the
+state at ``based_on`` and checks it would decide the same again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+from gpuherd.errors import EventDecodeError
+
+# ---------------------------------------------------------------------------
+# base classes
+
+
+class Event(msgspec.Struct, kw_only=True, frozen=True, tag_field="type", tag=True):
+    """Base of every event. ``VERSION`` is the current schema version of the class."""
+
+    VERSION: ClassVar[int] = 1
+
+    id: str = ""
+    at: float = 0.0
+    source: str = ""
+    v: int = 1
+
+    def subject(self) -> str:
+        """The subject of the aggregate this event belongs to (one per job, node, ...)."""
+        raise NotImplementedError
+
+
+class Decision(Event, kw_only=True, frozen=True):
+    """An event a service decided on, from the log it had folded up to ``based_on``."""
+
+    based_on: int = 0
+    cause: str = ""
+
+
+# ---------------------------------------------------------------------------
+# value types
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU of a node, as its agent saw it at registration."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mb: int
+    nvlink_peers: tuple[int, ...] = ()  # indices of GPUs on the same node linked by NVLink
+
+
+class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    min: int
+    max: int
+
+
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a submitter asks for. See ``services/scheduler/intake.py`` for validation rules."""
+
+    name: str
+    user: str
+    gpus: int
+    vc: str = "default"
+    nodes: int | None = None  # when set, gpus are split evenly over exactly this many nodes
+    command: tuple[str, ...] | None = None
+    duration_s: float | None = None  # how long a `sim` job runs
+    priority: int = 0
+    elastic: Elastic | None = None
+    intake_id: str | None = None
+
+
+class Allocation(msgspec.Struct, frozen=True):
+    node: str
+    gpus: tuple[int, ...]
+
+
+Outcome = Literal["completed", "failed", "cancelled"]
+
+# ---------------------------------------------------------------------------
+# nodes
+
+
+class NodeRegistered(Event, kw_only=True, frozen=True):
+    """An agent announced its node and inventory (again after every agent start).
+
+    v1 described a homogeneous node (``gpu_count``, ``gpu_model``,
+    ``gpu_memory_mb``); v2 lists every GPU with its UUID and NVLink peers.
+    """
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
+    node: str
+    gpus: tuple[GpuInfo, ...]
+    rack: str = ""
+    executor: str = "sim"
+    boot_id: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodeDrained(Event, kw_only=True, frozen=True):
+    node: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodeUndrained(Event, kw_only=True, frozen=True):
+    node: str
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodeLost(Event, kw_only=True, frozen=True):
+    """The node stopped sending heartbeats; its jobs are requeued."""
+
+    node: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+# ---------------------------------------------------------------------------
+# virtual clusters
+
+
+class VcConfigured(Event, kw_only=True, frozen=True):
+    vc: str
+    gpu_quota: int | None = None  # None: no quota of its own beyond the cluster
+    can_borrow: bool = True
+    weight: float = 1.0
+
+    def subject(self) -> str:
+        return f"herd.vc.{self.vc}"
+
+
+# ---------------------------------------------------------------------------
+# jobs
+
+
+class JobSubmitted(Decision, kw_only=True, frozen=True):
+    """A valid submission from intake; the job exists from here on."""
+
+    job: str
+    spec: JobSpec
+    intake_source: str
+    intake_seq: int = 0
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobRejected(Decision, kw_only=True, frozen=True):
+    """An invalid submission, kept with its reason so nothing is dropped silently."""
+
+    intake_source: str
+    intake_seq: int
+    intake_id: str | None = None
+    reason: str
+    payload_excerpt: str = ""  # the first bytes of the submission, for the submitter to see
+
+    def subject(self) -> str:
+        return f"herd.rejected.{self.intake_source}"
+
+
+class JobPlaced(Decision, kw_only=True, frozen=True):
+    """The scheduler gave GPUs to a job attempt (all of its gang at once)."""
+
+    job: str
+    attempt: int
+    allocations: tuple[Allocation, ...]
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobStarted(Decision, kw_only=True, frozen=True):
+    """An agent started its part of a job attempt."""
+
+    job: str
+    attempt: int
+    node: str
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobFinished(Decision, kw_only=True, frozen=True):
+    """A job reached a terminal state. A finished job never runs again."""
+
+    job: str
+    attempt: int
+    outcome: Outcome
+    node: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobCancelRequested(Event, kw_only=True, frozen=True):
+    job: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobRequeued(Decision, kw_only=True, frozen=True):
+    """A placed or running attempt ended without finishing the job; it waits again."""
+
+    job: str
+    attempt: int  # the attempt that ended; the next one is attempt + 1
+    reason: str
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+AnyEvent = (
+    NodeRegistered
+    | NodeDrained
+    | NodeUndrained
+    | NodeLost
+    | VcConfigured
+    | JobSubmitted
+    | JobRejected
+    | JobPlaced
+    | JobStarted
+    | JobFinished
+    | JobCancelRequested
+    | JobRequeued
+)
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]
+
+# ---------------------------------------------------------------------------
+# upcasting
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+_UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(event_type: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    """Register a function turning version ``from_version`` of ``event_type`` into the next one."""
+
+    def register(fn: Upcaster) -> Upcaster:
+        _UPCASTERS[(event_type, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("NodeRegistered", 1)
+def _node_registered_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    count = int(raw.pop("gpu_count"))
+    model = raw.pop("gpu_model", "unknown")
+    memory_mb = int(raw.pop("gpu_memory_mb", 0))
+    node = raw["node"]
+    # v1 agents knew nothing of UUIDs or NVLink: derive stable ids, no peers.
+    raw["gpus"] = [
+        {"index": i, "uuid": f"{node}-gpu{i}", "model": model, "memory_mb": memory_mb} for i in range(count)
+    ]
+    raw["v"] = 2
+    return raw
+
+
+def upcast(raw: dict[str, Any]) -> dict[str, Any]:
+    """Bring a raw event dict up to its class's current version."""
+    type_name = raw.get("type")
+    cls = EVENT_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise EventDecodeError(f"unknown event type {type_name!r}")
+    version = int(raw.get("v", 1))
+    while version < cls.VERSION:
+        step = _UPCASTERS.get((cls.__name__, version))
+        if step is None:
+            raise EventDecodeError(f"no upcaster for {cls.__name__} v{version} -> v{version + 1}")
+        raw = step(dict(raw))
+        version = int(raw.get("v", version + 1))
+    return raw
+
+
+# ---------------------------------------------------------------------------
+# encoding
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(AnyEvent)
+_raw_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> Event:
+    """Decode one stored event; old versions go through the upcasters."""
+    try:
+        event = _decoder.decode(data)
+    except msgspec.ValidationError:
+        event = None  # possibly an older shape: take the slow path
+    except msgspec.DecodeError as exc:
+        raise EventDecodeError(f"not an event: {exc}") from exc
+    if event is not None and event.v == type(event).VERSION:
+        return event
+    try:
+        raw = _raw_decoder.decode(data)
+        return msgspec.convert(upcast(raw), AnyEvent)
+    except msgspec.ValidationError as exc:
+        raise EventDecodeError(f"invalid event: {exc}") from exc
+
+
+def stable_id(*parts: str, length: int = 12) -> str:
+    """A short deterministic id from its inputs (safe as a NATS subject token)."""
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
+    return digest[:length]

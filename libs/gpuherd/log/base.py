@@ -1,0 +1,172 @@
+"""The EventLog interface, shared by the JetStream and the in-memory implementation.
+
+Three streams (names as in JetStream):
+- ``HERD``: state changes, one subject per aggregate (``herd.job.<id>``, ...).
+  Appends are idempotent by event id (``Nats-Msg-Id``), may require the
+  aggregate to be unchanged since it was read (expected last subject
+  sequence), and several events can be appended all-or-nothing.
+- ``HERD_INTAKE`` (``herd.intake.<source>``): raw submissions from other systems.
+- ``HERD_TELEMETRY`` (``herd.telemetry.>``): heartbeats and samples, limited retention.
+
+Plus two small key-value uses: decider snapshots, and leader leases.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from gpuherd.events import Event
+
+HERD = "HERD"
+HERD_INTAKE = "HERD_INTAKE"
+HERD_TELEMETRY = "HERD_TELEMETRY"
+
+# Subjects of the HERD stream: one prefix per aggregate kind. The intake and
+# telemetry prefixes are separate streams, so HERD cannot simply take herd.>.
+HERD_SUBJECTS = ("herd.job.>", "herd.node.>", "herd.vc.>", "herd.rejected.>", "herd.cluster.>")
+INTAKE_PREFIX = "herd.intake"
+TELEMETRY_PREFIX = "herd.telemetry"
+
+SNAPSHOT_BUCKET = "herd_snapshots"
+LEASE_BUCKET = "herd_leases"
+
+TRACEPARENT = "traceparent"
+REPLY_HEADER = "Gpuherd-Reply-To"
+
+
+class Record(NamedTuple):
+    """One stored event and its stream sequence."""
+
+    seq: int
+    event: Event
+    trace: str | None = None  # W3C traceparent that travelled with the event
+
+
+class AppendResult(msgspec.Struct, frozen=True):
+    seqs: tuple[int, ...]
+    duplicate: bool = False  # the log already held these events (same ids): nothing was written
+
+
+class Delivery(msgspec.Struct, frozen=True):
+    """A message from a durable consumer; ``ack`` it once handled, or it comes back."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    at: float
+    deliveries: int
+    token: object = None  # the implementation's handle for ack
+
+
+class DurableConsumer(abc.ABC):
+    """At-least-once consumption that resumes after the last acknowledged message."""
+
+    @abc.abstractmethod
+    async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]: ...
+
+    @abc.abstractmethod
+    async def ack(self, delivery: Delivery) -> None: ...
+
+
+class Lease(abc.ABC):
+    """A leader lease: at most one holder at a time; it expires unless renewed within ``ttl``."""
+
+    name: str
+    holder: str
+    ttl: float
+
+    @abc.abstractmethod
+    async def try_acquire(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def renew(self) -> None:
+        """Extend the lease; raises LeaseLost if another holder has it now."""
+
+    @abc.abstractmethod
+    async def release(self) -> None: ...
+
+
+class EventLog(abc.ABC):
+    """One interface for the JetStream log and the in-memory log."""
+
+    lease_ttl: float = 6.0
+
+    # -- HERD ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        events: Sequence[Event],
+        *,
+        expect: Mapping[str, int] | None = None,
+        trace: str | None = None,
+    ) -> AppendResult:
+        """Append events all-or-nothing, in order.
+
+        ``expect`` maps a subject to the last sequence it must still have (0: no
+        event yet) or ConcurrencyError is raised and nothing is written. Events
+        whose ids the log already holds make the call a no-op (``duplicate``).
+        """
+
+    @abc.abstractmethod
+    async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
+        """Append events one by one with up to ``window`` in flight (not atomic as a whole)."""
+
+    @abc.abstractmethod
+    def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
+        """Events in sequence order from ``start``; up to ``stop`` (default: the end
+        when called), or forever with ``follow``."""
+
+    @abc.abstractmethod
+    async def last_seq(self) -> int: ...
+
+    @abc.abstractmethod
+    async def subject_last_seq(self, subject: str) -> int:
+        """The sequence of the newest event on ``subject`` (0 when there is none)."""
+
+    # -- HERD_INTAKE ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def publish_intake(self, source: str, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        """Store a raw submission (what an outside system publishes to herd.intake.<source>)."""
+
+    @abc.abstractmethod
+    def intake_consumer(self, name: str, ack_wait: float = 10.0) -> DurableConsumer: ...
+
+    # -- HERD_TELEMETRY ------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        """``subject`` is relative to herd.telemetry (e.g. ``node-1.heartbeat``)."""
+
+    @abc.abstractmethod
+    def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
+        """Follow telemetry, from ``since_s`` seconds ago (default: new samples only)."""
+
+    # -- replies to submitters (core messaging, not stored) -------------------------
+
+    @abc.abstractmethod
+    async def reply(self, inbox: str, data: bytes) -> None: ...
+
+    # -- key-value: snapshots and leases -----------------------------------------------
+
+    @abc.abstractmethod
+    async def kv_get(self, bucket: str, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def lease(self, name: str, holder: str) -> Lease:
+        """The leader lease ``name`` as seen by ``holder``; it lasts ``lease_ttl`` seconds unless renewed."""
+
+    async def close(self) -> None:
+        return None
+
+    async def read_all(self, start: int = 1, stop: int | None = None) -> list[Record]:
+        return [r async for r in self.read(start, stop=stop)]

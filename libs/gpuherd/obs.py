@@ -1,0 +1,87 @@
+"""Observability: structlog JSON logs and OpenTelemetry spans carried in message headers.
+
+The trace context travels as a W3C ``traceparent`` header on intake
+messages and on every event appended because of them, so one trace runs
+from a submission through its placement to the job's start on an agent.
+Logs carry ``trace_id`` and ``span_id`` of the current span.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_propagator = TraceContextTextMapPropagator()
+_configured = False
+
+
+def _add_trace_ids(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    span = trace.get_current_span()
+    ctx = span.get_span_context()
+    if ctx.is_valid:
+        event_dict["trace_id"] = format(ctx.trace_id, "032x")
+        event_dict["span_id"] = format(ctx.span_id, "016x")
+    return event_dict
+
+
+def configure(service: str, *, level: str | None = None, json: bool = True, exporter: SpanExporter | None = None) -> None:
+    """Set up logging and tracing for one process. Safe to call more than once."""
+    global _configured
+    level_name = (level or os.environ.get("GPUHERD_LOG_LEVEL", "INFO")).upper()
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_trace_ids,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+    if not _configured:
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        if exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        elif os.environ.get("GPUHERD_TRACE_CONSOLE"):
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+        trace.set_tracer_provider(provider)
+        _configured = True
+
+
+def get_logger(name: str) -> Any:
+    return structlog.get_logger(name)
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("gpuherd")
+
+
+def current_traceparent() -> str | None:
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent")
+
+
+@contextmanager
+def span_from(traceparent: str | None, name: str, **attributes: Any) -> Iterator[trace.Span]:
+    """Start a span whose parent is the context in ``traceparent`` (a root span if None)."""
+    parent = _propagator.extract({"traceparent": traceparent}) if traceparent else otel_context.Context()
+    with tracer().start_as_current_span(name, context=parent, attributes=attributes) as span:
+        yield span

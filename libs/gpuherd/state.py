@@ -1,0 +1,299 @@
+"""Pure folds: events -> ClusterState.
+
+``apply(state, seq, event)`` is the only way state changes. It reads nothing
+but its arguments, so folding the same log always gives the same state: live,
+after a crash, in an audit, or in a simulation. The state is a tree of msgspec
+Structs so a snapshot is one ``msgpack`` encode, and can always be rebuilt
+from the log.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import msgspec
+
+from gpuherd import events as ev
+
+NodeStatus = Literal["up", "drained", "lost"]
+JobStatus = Literal["pending", "placed", "running", "completed", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+ACTIVE: frozenset[str] = frozenset({"placed", "running"})
+
+
+class GpuSlot(msgspec.Struct, kw_only=True):
+    info: ev.GpuInfo
+    job: str | None = None  # the job holding this GPU, if any
+    healthy: bool = True
+
+
+class NodeState(msgspec.Struct, kw_only=True):
+    node: str
+    rack: str
+    executor: str
+    gpus: list[GpuSlot]
+    status: NodeStatus = "up"
+    reason: str = ""
+    boot_id: str = ""
+    registered_at: float = 0.0
+    registered_seq: int = 0
+
+    def free_gpus(self) -> list[int]:
+        return [g.info.index for g in self.gpus if g.job is None and g.healthy]
+
+
+class JobState(msgspec.Struct, kw_only=True):
+    job: str
+    spec: ev.JobSpec
+    status: JobStatus = "pending"
+    order: int = 0  # queue position key: the sequence of its JobSubmitted
+    submitted_at: float = 0.0
+    attempt: int = 0
+    allocations: tuple[ev.Allocation, ...] = ()
+    placed_at: float | None = None
+    first_placed_at: float | None = None
+    started_at: float | None = None
+    started_nodes: list[str] = msgspec.field(default_factory=list)
+    finished_at: float | None = None
+    reason: str = ""  # why it is where it is: last requeue / finish reason
+    cancel_requested: bool = False
+    placement_reason: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.spec.gpus
+
+
+class VcState(msgspec.Struct, kw_only=True):
+    vc: str
+    gpu_quota: int | None = None
+    can_borrow: bool = True
+    weight: float = 1.0
+
+
+def _default_vcs() -> dict[str, VcState]:
+    return {"default": VcState(vc="default")}
+
+
+class ClusterState(msgspec.Struct, kw_only=True):
+    seq: int = 0  # last stream sequence folded
+    now: float = 0.0  # event time of the newest event folded
+    nodes: dict[str, NodeState] = msgspec.field(default_factory=dict)
+    jobs: dict[str, JobState] = msgspec.field(default_factory=dict)
+    queue: list[str] = msgspec.field(default_factory=list)  # pending job ids, in queue order
+    vcs: dict[str, VcState] = msgspec.field(default_factory=_default_vcs)
+    intake_index: dict[str, str] = msgspec.field(default_factory=dict)  # "source/intake_id" -> job id
+    rejected: int = 0
+
+    # -- derived views (never stored separately, so they cannot drift) --------------
+
+    def capacity_gpus(self) -> int:
+        """GPUs of every node ever registered: the most a job could ever get."""
+        return sum(len(n.gpus) for n in self.nodes.values())
+
+    def max_gpus_per_node(self) -> int:
+        return max((len(n.gpus) for n in self.nodes.values()), default=0)
+
+    def free_gpus(self) -> int:
+        return sum(len(n.free_gpus()) for n in self.nodes.values() if n.status == "up")
+
+    def used_gpus(self) -> int:
+        return sum(1 for n in self.nodes.values() for g in n.gpus if g.job is not None)
+
+
+def intake_key(source: str, intake_id: str) -> str:
+    return f"{source}/{intake_id}"
+
+
+# ---------------------------------------------------------------------------
+# the fold
+
+
+def apply(state: ClusterState, seq: int, event: ev.Event) -> ClusterState:
+    """Fold one event into ``state`` (in place) and return it."""
+    handler = _HANDLERS.get(type(event))
+    if handler is not None:
+        handler(state, seq, event)
+    state.seq = seq
+    if event.at > state.now:
+        state.now = event.at
+    return state
+
+
+def fold(records: Iterable[tuple[int, ev.Event]], state: ClusterState | None = None) -> ClusterState:
+    state = state if state is not None else ClusterState()
+    for seq, event in records:
+        apply(state, seq, event)
+    return state
+
+
+def _release(state: ClusterState, job: JobState) -> None:
+    for alloc in job.allocations:
+        node = state.nodes.get(alloc.node)
+        if node is None:
+            continue
+        for index in alloc.gpus:
+            if index < len(node.gpus) and node.gpus[index].job == job.job:
+                node.gpus[index].job = None
+    job.allocations = ()
+
+
+def _enqueue(state: ClusterState, job: JobState) -> None:
+    bisect.insort(state.queue, job.job, key=lambda j: state.jobs[j].order)
+
+
+def _dequeue(state: ClusterState, job_id: str) -> None:
+    try:
+        state.queue.remove(job_id)
+    except ValueError:
+        pass
+
+
+def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> None:
+    old = state.nodes.get(e.node)
+    slots = [GpuSlot(info=g) for g in e.gpus]
+    if old is not None:
+        # A re-registering agent must not wipe allocations the log still holds.
+        for slot in slots:
+            if slot.info.index < len(old.gpus):
+                slot.job = old.gpus[slot.info.index].job
+                slot.healthy = old.gpus[slot.info.index].healthy
+    status: NodeStatus = "drained" if old is not None and old.status == "drained" else "up"
+    state.nodes[e.node] = NodeState(
+        node=e.node,
+        rack=e.rack,
+        executor=e.executor,
+        gpus=slots,
+        status=status,
+        reason=old.reason if status == "drained" and old is not None else "",
+        boot_id=e.boot_id,
+        registered_at=e.at,
+        registered_seq=seq,
+    )
+
+
+def _node_drained(state: ClusterState, seq: int, e: ev.NodeDrained) -> None:
+    node = state.nodes.get(e.node)
+    if node is not None and node.status != "lost":
+        node.status = "drained"
+        node.reason = e.reason
+
+
+def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
+    node = state.nodes.get(e.node)
+    if node is not None and node.status == "drained":
+        node.status = "up"
+        node.reason = ""
+
+
+def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:
+    node = state.nodes.get(e.node)
+    if node is not None:
+        node.status = "lost"
+        node.reason = e.reason
+
+
+def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
+    state.vcs[e.vc] = VcState(vc=e.vc, gpu_quota=e.gpu_quota, can_borrow=e.can_borrow, weight=e.weight)
+
+
+def _job_submitted(state: ClusterState, seq: int, e: ev.JobSubmitted) -> None:
+    if e.job in state.jobs:
+        return
+    job = JobState(job=e.job, spec=e.spec, order=seq, submitted_at=e.at)
+    state.jobs[e.job] = job
+    if e.spec.intake_id is not None:
+        state.intake_index[intake_key(e.intake_source, e.spec.intake_id)] = e.job
+    state.queue.append(e.job)  # seq only grows, so appending keeps queue order
+
+
+def _job_rejected(state: ClusterState, seq: int, e: ev.JobRejected) -> None:
+    state.rejected += 1
+
+
+def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status != "pending" or e.attempt != job.attempt:
+        return
+    for alloc in e.allocations:
+        node = state.nodes[alloc.node]
+        for index in alloc.gpus:
+            node.gpus[index].job = e.job
+    job.allocations = e.allocations
+    job.status = "placed"
+    job.placed_at = e.at
+    job.placement_reason = e.reason
+    if job.first_placed_at is None:
+        job.first_placed_at = e.at
+    _dequeue(state, e.job)
+
+
+def _job_started(state: ClusterState, seq: int, e: ev.JobStarted) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+        return
+    if e.node not in job.started_nodes:
+        job.started_nodes.append(e.node)
+    if job.status == "placed":
+        job.status = "running"
+        job.started_at = e.at
+
+
+def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status in TERMINAL or e.attempt != job.attempt:
+        return  # a stale attempt's report: that attempt was already requeued
+    _release(state, job)
+    _dequeue(state, e.job)
+    job.status = e.outcome
+    job.finished_at = e.at
+    job.reason = e.reason
+
+
+def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
+    job = state.jobs.get(e.job)
+    if job is not None and job.status not in TERMINAL:
+        job.cancel_requested = True
+
+
+def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+        return
+    _release(state, job)
+    job.status = "pending"
+    job.attempt += 1
+    job.placed_at = None
+    job.started_at = None
+    job.started_nodes = []
+    job.reason = e.reason
+    _enqueue(state, job)
+
+
+_HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
+    ev.NodeRegistered: _node_registered,
+    ev.NodeDrained: _node_drained,
+    ev.NodeUndrained: _node_undrained,
+    ev.NodeLost: _node_lost,
+    ev.VcConfigured: _vc_configured,
+    ev.JobSubmitted: _job_submitted,
+    ev.JobRejected: _job_rejected,
+    ev.JobPlaced: _job_placed,
+    ev.JobStarted: _job_started,
+    ev.JobFinished: _job_finished,
+    ev.JobCancelRequested: _job_cancel_requested,
+    ev.JobRequeued: _job_requeued,
+}  # type: ignore[dict-item]
+
+_snapshot_encoder = msgspec.msgpack.Encoder()
+_snapshot_decoder = msgspec.msgpack.Decoder(ClusterState)
+
+
+def encode_state(state: ClusterState) -> bytes:
+    return _snapshot_encoder.encode(state)
+
+
+def decode_state(data: bytes) -> ClusterState:
+    return _snapshot_decoder.decode(data)
