@@ -279,9 +279,7 @@ def _node_registered_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     memory_mb = int(raw.pop("gpu_memory_mb", 0))
     node = raw["node"]
     # v1 agents knew nothing of UUIDs or NVLink: derive stable ids, no peers.
-    raw["gpus"] = [
-        {"index": i, "uuid": f"{node}-gpu{i}", "model": model, "memory_mb": memory_mb} for i in range(count)
-    ]
+    raw["gpus"] = [{"index": i, "uuid": f"{node}-gpu{i}", "model": model, "memory_mb": memory_mb} for i in range(count)]
     raw["v"] = 2
     return raw
 

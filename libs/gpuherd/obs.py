@@ -36,7 +36,9 @@ def _add_trace_ids(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any
     return event_dict
 
 
-def configure(service: str, *, level: str | None = None, json: bool = True, exporter: SpanExporter | None = None) -> None:
+def configure(
+    service: str, *, level: str | None = None, json: bool = True, exporter: SpanExporter | None = None
+) -> None:
     """Set up logging and tracing for one process. Safe to call more than once."""
     global _configured
     level_name = (level or os.environ.get("GPUHERD_LOG_LEVEL", "INFO")).upper()

@@ -10,6 +10,7 @@ from the log.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -145,10 +146,8 @@ def _enqueue(state: ClusterState, job: JobState) -> None:
 
 
 def _dequeue(state: ClusterState, job_id: str) -> None:
-    try:
+    with contextlib.suppress(ValueError):
         state.queue.remove(job_id)
-    except ValueError:
-        pass
 
 
 def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> None:

@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -46,6 +48,7 @@ from gpuherd.log.base import (
     HERD_TELEMETRY,
     INTAKE_PREFIX,
     LEASE_BUCKET,
+    REPLY_HEADER,
     SNAPSHOT_BUCKET,
     TELEMETRY_PREFIX,
     TRACEPARENT,
@@ -112,9 +115,7 @@ class JetStreamLog(EventLog):
         self._owns_connection = False
 
     @classmethod
-    async def open(
-        cls, url: str, *, name: str = "gpuherd", settings: JetStreamSettings | None = None
-    ) -> JetStreamLog:
+    async def open(cls, url: str, *, name: str = "gpuherd", settings: JetStreamSettings | None = None) -> JetStreamLog:
         nc = await connect(url, name=name)
         self = cls(nc, settings)
         self._owns_connection = True
@@ -196,7 +197,7 @@ class JetStreamLog(EventLog):
                         raise
                     await self.js.update_stream(config)
                 return
-            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+            except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
                 # JetStream can take a moment after server start (or a cluster election).
                 await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
         raise LogError(f"could not create stream {config.name}: JetStream did not answer")
@@ -208,7 +209,7 @@ class JetStreamLog(EventLog):
                     return await self.js.key_value(config.bucket)
                 except nats.js.errors.BucketNotFoundError:
                     return await self.js.create_key_value(config)
-            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+            except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
                 await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
         raise LogError(f"could not open KV bucket {config.bucket}")
 
@@ -319,9 +320,7 @@ class JetStreamLog(EventLog):
         await asyncio.gather(*tasks)
         return seqs
 
-    async def read(
-        self, start: int = 1, *, stop: int | None = None, follow: bool = False
-    ) -> AsyncIterator[Record]:
+    async def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
         if not follow and stop is None:
             stop = await self.last_seq()
         next_seq = max(start, 1)
@@ -335,7 +334,7 @@ class JetStreamLog(EventLog):
                 try:
                     wait = 1.0 if follow else 5.0
                     msgs = await sub.fetch(batch=512, timeout=wait)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py raises both its own and the builtin one
                     if follow:
                         continue
                     # A bounded read that times out: the consumer may be gone; recreate it.
@@ -417,8 +416,13 @@ class JetStreamLog(EventLog):
     async def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
         filter_subject = f"{TELEMETRY_PREFIX}.{subject}"
         if since_s is None:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.NONE, mem_storage=True,
-                                    inactive_threshold=30.0, filter_subject=filter_subject)
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.NEW,
+                ack_policy=AckPolicy.NONE,
+                mem_storage=True,
+                inactive_threshold=30.0,
+                filter_subject=filter_subject,
+            )
         else:
             config = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_TIME,
@@ -439,7 +443,7 @@ class JetStreamLog(EventLog):
                         continue
                 try:
                     msgs = await sub.fetch(batch=256, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats-py raises both its own and the builtin one
                     continue
                 except (nats.errors.Error, nats.js.errors.Error, ConnectionError):
                     sub = await self._reset(sub)
@@ -476,11 +480,17 @@ class JetStreamLog(EventLog):
 
     async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
         if len(value) > self.settings.snapshot_max_bytes:
-            raise LogError(f"value for {bucket}/{key} is {len(value)} bytes, over the {self.settings.snapshot_max_bytes} limit")
+            raise LogError(
+                f"value for {bucket}/{key} is {len(value)} bytes, over the {self.settings.snapshot_max_bytes} limit"
+            )
         await self._kv[bucket].put(key, value)
 
     def lease(self, name: str, holder: str) -> Lease:
         return _JetStreamLease(self, name, holder)
+
+
+def _content_key(subject: str, data: bytes) -> bytes:
+    return hashlib.blake2b(subject.encode() + b"\x00" + data, digest_size=16).digest()
 
 
 def _rfc3339(ts: float) -> str:
@@ -488,12 +498,33 @@ def _rfc3339(ts: float) -> str:
 
 
 class _JetStreamConsumer(DurableConsumer):
+    """A durable pull consumer. On the intake stream it also learns the reply
+    inbox of plain NATS requests (the stream keeps no reply subject), so the
+    verdict can answer them: a core subscription sees the request first and
+    the stored copy is matched to it by subject and content."""
+
     def __init__(self, log_: JetStreamLog, stream: str, name: str, ack_wait: float) -> None:
         self._log = log_
         self._stream = stream
         self._name = name
         self._ack_wait = ack_wait
         self._sub: Any = None
+        self._requests: Any = None
+        self._reply_inboxes: dict[bytes, collections.deque[str]] = {}
+
+    async def _watch_requests(self) -> None:
+        if self._requests is not None or self._stream != HERD_INTAKE:
+            return
+
+        async def remember(msg: Any) -> None:
+            if msg.reply and not (msg.headers or {}).get(REPLY_HEADER):
+                key = _content_key(msg.subject, msg.data)
+                inboxes = self._reply_inboxes.setdefault(key, collections.deque(maxlen=64))
+                inboxes.append(msg.reply)
+                if len(self._reply_inboxes) > 10_000:  # forget the oldest unanswered requests
+                    self._reply_inboxes.pop(next(iter(self._reply_inboxes)))
+
+        self._requests = await self._log.nc.subscribe(f"{INTAKE_PREFIX}.>", queue=f"{self._name}-requests", cb=remember)
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -504,16 +535,15 @@ class _JetStreamConsumer(DurableConsumer):
                 deliver_policy=DeliverPolicy.ALL,
                 max_ack_pending=10_000,
             )
-            self._sub = await self._log.js.pull_subscribe(
-                "", durable=self._name, stream=self._stream, config=config
-            )
+            self._sub = await self._log.js.pull_subscribe("", durable=self._name, stream=self._stream, config=config)
         return self._sub
 
     async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
         try:
+            await self._watch_requests()
             sub = await self._subscription()
             msgs = await sub.fetch(batch=max_messages, timeout=timeout)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats-py raises both its own and the builtin one
             return []
         except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
             log.warning("durable consumer fetch failed; retrying", consumer=self._name, error=repr(exc))
@@ -523,12 +553,17 @@ class _JetStreamConsumer(DurableConsumer):
         out = []
         for msg in msgs:
             meta = msg.metadata
+            headers = dict(msg.headers or {})
+            if REPLY_HEADER not in headers:
+                inboxes = self._reply_inboxes.get(_content_key(msg.subject, msg.data))
+                if inboxes:
+                    headers[REPLY_HEADER] = inboxes.popleft()
             out.append(
                 Delivery(
                     seq=meta.sequence.stream,
                     subject=msg.subject,
                     data=msg.data,
-                    headers=dict(msg.headers or {}),
+                    headers=headers,
                     at=meta.timestamp.timestamp(),
                     deliveries=meta.num_delivered,
                     token=msg,

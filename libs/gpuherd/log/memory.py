@@ -90,9 +90,7 @@ class MemoryLog(EventLog):
             seqs.extend(result.seqs)
         return seqs
 
-    async def read(
-        self, start: int = 1, *, stop: int | None = None, follow: bool = False
-    ) -> AsyncIterator[Record]:
+    async def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
         end = None if follow else (stop if stop is not None else len(self._records))
         seq = max(start, 1)
         while end is None or seq <= end:
@@ -160,8 +158,9 @@ class MemoryLog(EventLog):
                 position += 1
                 if (cutoff is None or item.at >= cutoff) and item.subject.startswith(prefix):
                     yield item
+            seen = len(items)
             async with self._telemetry_changed:
-                await self._telemetry_changed.wait_for(lambda n=len(items): len(self._telemetry) > n)
+                await self._telemetry_changed.wait_for(lambda seen=seen: len(self._telemetry) > seen)
 
     async def reply(self, inbox: str, data: bytes) -> None:
         self.replies.append((inbox, data))
@@ -225,9 +224,7 @@ class _MemoryConsumer(DurableConsumer):
         try:
             async with self._log._intake_changed:
                 await asyncio.wait_for(
-                    self._log._intake_changed.wait_for(
-                        lambda: self._state.next_index < len(self._log._intake)
-                    ),
+                    self._log._intake_changed.wait_for(lambda: self._state.next_index < len(self._log._intake)),
                     timeout,
                 )
         except TimeoutError:

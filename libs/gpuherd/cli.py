@@ -1,0 +1,340 @@
+"""The ``gpuherd`` command: start a cluster, submit, look, cancel, replay and audit.
+
+Tables for people; ``--json`` for machines. The NATS address comes from
+``--nats-url``, else ``NATS_URL``, else the cluster file that ``gpuherd up``
+writes in its data folder, else nats://127.0.0.1:4222.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
+from gpuherd.state import ClusterState, fold
+
+console = Console()
+DEFAULT_DATA_DIR = ".gpuherd"
+CLUSTER_FILE = "cluster.json"
+
+# Deciders the audit can re-run, named by import path so this library never imports a service.
+AUDITABLE = {"scheduler": "services.scheduler.decide:SchedulerDecider"}
+
+
+def _nats_url(args: argparse.Namespace) -> str:
+    if getattr(args, "nats_url", None):
+        return args.nats_url
+    if os.environ.get("NATS_URL"):
+        return os.environ["NATS_URL"]
+    cluster = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / CLUSTER_FILE
+    if cluster.exists():
+        return msgspec.json.decode(cluster.read_bytes())["nats_url"]
+    return "nats://127.0.0.1:4222"
+
+
+def load_decider(name: str, policy: str = "fifo") -> Any:
+    try:
+        target = AUDITABLE[name]
+    except KeyError:
+        raise GpuherdError(f"no decider named {name!r}; auditable: {', '.join(AUDITABLE)}") from None
+    module, cls = target.split(":")
+    decider_cls = getattr(importlib.import_module(module), cls)
+    policy_mod = importlib.import_module("services.scheduler.policy")
+    return decider_cls(policy_mod.make_policy(policy))
+
+
+async def _open(args: argparse.Namespace):
+    from gpuherd.log import open_log
+
+    try:
+        return await asyncio.wait_for(open_log(_nats_url(args), name="gpuherd-cli"), 10)
+    except (TimeoutError, OSError) as exc:
+        raise GpuherdError(
+            f"cannot reach NATS at {_nats_url(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
+        ) from None
+
+
+async def _state(args: argparse.Namespace) -> tuple[ClusterState, list[Any]]:
+    log_ = await _open(args)
+    try:
+        records = await log_.read_all()
+    finally:
+        await log_.close()
+    return fold((r.seq, r.event) for r in records), records
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+
+
+def _fmt_time(ts: float | None) -> str:
+    return "" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from gpuherd.client import Client, load_spec_file
+
+    async def run() -> int:
+        spec = load_spec_file(args.file)
+        client = await Client.connect(_nats_url(args), source=args.source)
+        try:
+            job_id = await client.submit(spec, timeout=args.timeout)
+        finally:
+            await client.close()
+        if args.json:
+            _print_json({"ok": True, "job_id": job_id})
+        else:
+            console.print(f"submitted [bold]{job_id}[/bold]")
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from gpuherd.client import Client
+
+    async def run() -> int:
+        client = await Client.connect(_nats_url(args), source="cli")
+        try:
+            await client.cancel(args.job, args.reason)
+        finally:
+            await client.close()
+        console.print(f"cancel requested for {args.job}")
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    state, _ = asyncio.run(_state(args))
+    jobs = sorted(state.jobs.values(), key=lambda j: j.order)
+    if args.status:
+        jobs = [j for j in jobs if j.status == args.status]
+    if args.json:
+        _print_json([msgspec.to_builtins(j) for j in jobs])
+        return 0
+    table = Table(title=f"jobs ({len(jobs)})")
+    for col in ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "nodes", "why"):
+        table.add_column(col)
+    for j in jobs[-args.limit :]:
+        waited = (j.first_placed_at or state.now) - j.submitted_at
+        nodes = ",".join(a.node for a in j.allocations)
+        why = j.reason or j.placement_reason
+        if j.status == "pending":
+            position = state.queue.index(j.job) if j.job in state.queue else -1
+            why = f"queue position {position + 1}; {state.free_gpus()} GPUs free" + (
+                f"; {j.reason}" if j.reason else ""
+            )
+        table.add_row(
+            j.job,
+            j.spec.name,
+            j.spec.user,
+            j.spec.vc,
+            str(j.gpus),
+            j.status,
+            str(j.attempt),
+            _fmt_time(j.submitted_at),
+            f"{waited:.1f}",
+            nodes,
+            why,
+        )
+    console.print(table)
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    state, _ = asyncio.run(_state(args))
+    nodes = sorted(state.nodes.values(), key=lambda n: n.node)
+    if args.json:
+        _print_json([msgspec.to_builtins(n) for n in nodes])
+        return 0
+    table = Table(title=f"nodes ({len(nodes)})")
+    for col in ("node", "status", "executor", "rack", "gpus", "free", "jobs", "why"):
+        table.add_column(col)
+    for n in nodes:
+        jobs = sorted({g.job for g in n.gpus if g.job})
+        table.add_row(
+            n.node,
+            n.status,
+            n.executor,
+            n.rack,
+            str(len(n.gpus)),
+            str(len(n.free_gpus())),
+            ",".join(jobs)[:60],
+            n.reason,
+        )
+    console.print(table)
+    return 0
+
+
+def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
+    if args.job and getattr(event, "job", None) != args.job:
+        return False
+    if args.node:
+        nodes = {getattr(event, "node", None)} | {a.node for a in getattr(event, "allocations", ())}
+        if args.node not in nodes:
+            return False
+    return not (args.type and type(event).__name__ not in args.type.split(","))
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    async def run() -> int:
+        log_ = await _open(args)
+        try:
+            start = 1
+            if args.last and not args.follow:
+                start = max(1, await log_.last_seq() - args.last + 1)
+            async for record in log_.read(start, follow=args.follow):
+                if not _matches(record.event, args):
+                    continue
+                if args.json:
+                    _print_json({"seq": record.seq, **msgspec.to_builtins(record.event)})
+                else:
+                    data = msgspec.to_builtins(record.event)
+                    kind = data.pop("type")
+                    for key in ("id", "v", "at"):
+                        data.pop(key, None)
+                    console.print(
+                        f"[dim]{record.seq:>6} {_fmt_time(record.event.at)}[/dim] [bold]{kind}[/bold] "
+                        f"{msgspec.json.encode(data).decode()}",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+        finally:
+            await log_.close()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from gpuherd.audit import audit
+
+    _, records = asyncio.run(_state(args))
+    if not args.audit:
+        state = fold((r.seq, r.event) for r in records)
+        summary = {
+            "events": len(records),
+            "jobs": len(state.jobs),
+            "nodes": len(state.nodes),
+            "by_status": dict(Counter(j.status for j in state.jobs.values())),
+        }
+        _print_json(summary) if args.json else console.print(summary)
+        return 0
+    decider = load_decider(args.decider, args.policy)
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("re-running decisions", total=len(records))
+        report = audit(records, decider, progress=lambda i: progress.update(task, completed=i))
+    if args.json:
+        _print_json(msgspec.to_builtins(report) | {"ok": report.ok})
+    else:
+        console.print(
+            f"audited {report.events} events: {report.batches_checked} decision batches, "
+            f"{report.decisions_checked} decisions of {report.decider}"
+        )
+        if report.ok:
+            console.print("[green]no mismatches[/green]: every decision would be made again")
+        else:
+            table = Table(title=f"{len(report.mismatches)} mismatches")
+            for col in ("seq", "event", "kind", "detail"):
+                table.add_column(col)
+            for m in report.mismatches:
+                table.add_row(str(m.seq), m.event_id, m.kind, m.detail)
+            console.print(table)
+    return 0 if report.ok else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gpuherd.cluster import run_cluster
+
+    return run_cluster(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuherd", description="Event-sourced resource manager for DL training")
+    parser.add_argument("--nats-url", default=None, help="NATS server (default: NATS_URL or the local cluster)")
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where `up` keeps NATS data, logs, cluster file")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start NATS (unless NATS_URL), the services and node agents")
+    up.add_argument("--agents", type=int, default=2)
+    up.add_argument("--executor", default="sim", choices=["sim"])
+    up.add_argument("--gpus-per-node", type=int, default=8)
+    up.add_argument("--policy", default="fifo")
+    up.add_argument("--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
+    up.add_argument("--demo", choices=["philly"], default=None, help="submit a demo workload, report, and stop")
+    up.add_argument("--demo-jobs", type=int, default=300)
+    up.add_argument("--demo-seconds", type=float, default=45.0, help="wall time the demo's arrivals span")
+    up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")
+    up.add_argument("--fresh", action="store_true", help="start from an empty data folder")
+    up.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("submit", help="submit a job spec (JSON or YAML) through intake")
+    s.add_argument("file")
+    s.add_argument("--source", default="cli", help="intake source (herd.intake.<source>)")
+    s.add_argument("--timeout", type=float, default=30.0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_submit)
+
+    j = sub.add_parser("jobs", help="list jobs and why they wait")
+    j.add_argument("--status", default=None)
+    j.add_argument("--limit", type=int, default=50)
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(func=cmd_jobs)
+
+    n = sub.add_parser("nodes", help="list nodes and their GPUs")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=cmd_nodes)
+
+    c = sub.add_parser("cancel", help="cancel a job")
+    c.add_argument("job")
+    c.add_argument("--reason", default="cancelled by user")
+    c.set_defaults(func=cmd_cancel)
+
+    e = sub.add_parser("events", help="print the event log (filter by job, node, type)")
+    e.add_argument("--job", default=None)
+    e.add_argument("--node", default=None)
+    e.add_argument("--type", default=None, help="event type(s), comma-separated, e.g. JobPlaced,JobFinished")
+    e.add_argument("--last", type=int, default=0, help="only the last N events")
+    e.add_argument("--follow", "-f", action="store_true")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_events)
+
+    r = sub.add_parser("replay", help="re-fold the log; with --audit, re-run the decider at every decision")
+    r.add_argument("--audit", action="store_true")
+    r.add_argument("--decider", default="scheduler")
+    r.add_argument("--policy", default="fifo")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_replay)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except GpuherdError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,300 @@
+"""The service shell: consume -> fold -> decide -> append, idempotently.
+
+A decider is two pure functions over a state: ``evolve(state, seq, event)``
+folds an event, ``decide(state, event)`` returns the events it decides on.
+The runner does all I/O around them:
+
+* **Output ids come from the input.** The n-th decision caused by the event
+  at sequence ``s`` has id ``<service>:<s>:<n>`` and is stamped with
+  ``based_on`` (the last sequence folded) and ``cause`` (the event's id). A
+  re-run after a crash produces the same ids, and the log's dedupe makes the
+  append a no-op.
+* **A decision sees every earlier decision of its decider.** After appending,
+  the runner decides nothing more until it has folded its own outputs; the
+  events that arrive meanwhile wait in order. So the state a decision was
+  made on is exactly ``fold(log[1..based_on])``, which is what the audit
+  re-runs.
+* **Restart.** The runner loads its snapshot (state, sequence), then folds
+  the log to its head. Events of that tail whose decisions are already in
+  the log (found by the ids above) are not decided again; the rest are
+  decided once the head is reached, on a state that includes every decision
+  of the past.
+* **One active instance.** The runner acts only while it holds the KV lease
+  ``decider.<service>``; standbys wait for it to expire.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import contextlib
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.errors import LeaseLost, LogError
+from gpuherd.log.base import SNAPSHOT_BUCKET, AppendResult, EventLog, Record
+from gpuherd.obs import current_traceparent, get_logger, span_from
+
+log = get_logger("gpuherd.decider")
+
+
+class HasClock(Protocol):
+    seq: int
+    now: float
+
+
+S = TypeVar("S", bound=HasClock)
+
+
+class Decider(abc.ABC, Generic[S]):
+    """A pure decider. Subclasses must not read clocks, randomness or I/O."""
+
+    name: str
+
+    @abc.abstractmethod
+    def initial_state(self) -> S: ...
+
+    @abc.abstractmethod
+    def evolve(self, state: S, seq: int, event: ev.Event) -> S: ...
+
+    @abc.abstractmethod
+    def decide(self, state: S, event: ev.Event) -> list[ev.Event]:
+        """Drafts of the decisions to append; ids and provenance are stamped by ``stamp``."""
+
+    @abc.abstractmethod
+    def encode_state(self, state: S) -> bytes: ...
+
+    @abc.abstractmethod
+    def decode_state(self, data: bytes) -> S: ...
+
+
+def decision_id(service: str, cause_seq: int, n: int) -> str:
+    return f"{service}:{cause_seq}:{n}"
+
+
+def cause_seq_of(event: ev.Event, service: str) -> int | None:
+    """The cause sequence encoded in a decision id of ``service`` (None for other ids)."""
+    prefix = service + ":"
+    if not event.id.startswith(prefix):
+        return None
+    parts = event.id.split(":")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def stamp(service: str, drafts: Sequence[ev.Event], cause: Record, state: HasClock) -> list[ev.Event]:
+    """Give drafts their deterministic id, time and provenance."""
+    out = []
+    for n, draft in enumerate(drafts):
+        fields: dict[str, Any] = {
+            "id": decision_id(service, cause.seq, n),
+            "at": state.now,
+            "source": service,
+        }
+        if isinstance(draft, ev.Decision):
+            fields["based_on"] = state.seq
+            fields["cause"] = cause.event.id
+        out.append(msgspec.structs.replace(draft, **fields))
+    return out
+
+
+def decide_stamped(decider: Decider[S], state: S, cause: Record) -> list[ev.Event]:
+    """What the decider decides on ``cause`` at ``state``, fully stamped (used live and by the audit)."""
+    drafts = decider.decide(state, cause.event)
+    return stamp(decider.name, drafts, cause, state) if drafts else []
+
+
+class Snapshot(msgspec.Struct):
+    v: int
+    seq: int
+    state: bytes
+
+
+async def append_reliably(
+    log_: EventLog, events: Sequence[ev.Event], *, trace: str | None = None, give_up_after: float = 3600.0
+) -> AppendResult:
+    """Append, retrying through NATS outages; safe because ids make appends idempotent."""
+    deadline = time.monotonic() + give_up_after
+    delay = 0.05
+    while True:
+        try:
+            return await log_.append(events, trace=trace)
+        except LogError:
+            raise
+        except Exception as exc:  # connection loss, timeouts, no responders while the server restarts
+            if time.monotonic() > deadline:
+                raise
+            log.warning("append failed; retrying", error=repr(exc), events=len(events))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+ExtraTask = Callable[["DeciderRunner[Any]"], Awaitable[None]]
+
+
+class DeciderRunner(Generic[S]):
+    """Runs one decider against a log: lease, snapshot, catch-up, live loop."""
+
+    def __init__(
+        self,
+        log_: EventLog,
+        decider: Decider[S],
+        *,
+        instance: str,
+        snapshot_every: int = 1000,
+        snapshot_interval_s: float = 10.0,
+        extra_tasks: Sequence[ExtraTask] = (),
+    ) -> None:
+        self.log = log_
+        self.decider = decider
+        self.instance = instance
+        self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        self.extra_tasks = list(extra_tasks)
+        self.state: S = decider.initial_state()
+        self.is_leader = False
+        self.caught_up = asyncio.Event()
+        self.decisions_appended = 0
+        self._pending: collections.deque[Record] = collections.deque()
+        self._wait_until = 0  # decide nothing before our own outputs up to here are folded
+        self._snapshot_seq = 0
+        self._snapshot_time = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return self.decider.name
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    async def load_snapshot(self) -> None:
+        data = await self.log.kv_get(SNAPSHOT_BUCKET, self.name)
+        if data is None:
+            return
+        try:
+            snap = msgspec.msgpack.decode(zlib.decompress(data), type=Snapshot)
+            self.state = self.decider.decode_state(snap.state)
+            self._snapshot_seq = snap.seq
+        except (msgspec.DecodeError, zlib.error) as exc:
+            # A snapshot is only a cache of the log: rebuild from the start.
+            log.warning("snapshot unreadable; rebuilding from the log", error=str(exc))
+            self.state = self.decider.initial_state()
+
+    async def save_snapshot(self) -> None:
+        snap = Snapshot(v=1, seq=self.state.seq, state=self.decider.encode_state(self.state))
+        data = zlib.compress(msgspec.msgpack.encode(snap), 1)
+        try:
+            await self.log.kv_put(SNAPSHOT_BUCKET, self.name, data)
+        except Exception as exc:  # a missed snapshot costs a longer catch-up, nothing else
+            log.warning("snapshot not saved", error=repr(exc), bytes=len(data))
+            return
+        self._snapshot_seq = self.state.seq
+        self._snapshot_time = time.monotonic()
+
+    # -- lease ---------------------------------------------------------------------------------
+
+    async def acquire_leadership(self, stop: asyncio.Event) -> bool:
+        lease = self.log.lease(f"decider.{self.name}", self.instance)
+        announced = False
+        while not stop.is_set():
+            if await lease.try_acquire():
+                self._lease = lease
+                self.is_leader = True
+                log.info("leader", decider=self.name, instance=self.instance)
+                return True
+            if not announced:
+                log.info("standby: another instance holds the lease", decider=self.name)
+                announced = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), lease.ttl / 3)
+        return False
+
+    async def _keep_lease(self) -> None:
+        while True:
+            await asyncio.sleep(self._lease.ttl / 3)
+            try:
+                await self._lease.renew()
+            except LeaseLost:
+                raise
+            except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
+                log.warning("lease renewal failed; retrying", error=repr(exc))
+
+    # -- main loop -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        if not await self.acquire_leadership(stop):
+            return
+        await self.load_snapshot()
+        tasks = [
+            asyncio.create_task(self._keep_lease(), name="lease"),
+            asyncio.create_task(self._consume(), name="consume"),
+            asyncio.create_task(stop.wait(), name="stop"),
+        ]
+        for extra in self.extra_tasks:
+            tasks.append(asyncio.create_task(extra(self), name=getattr(extra, "__name__", "extra")))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.get_name() != "stop" and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.is_leader and stop.is_set():
+                with contextlib.suppress(Exception):
+                    await self._lease.release()
+            self.is_leader = False
+
+    async def _consume(self) -> None:
+        head = await self.log.last_seq()
+        catching_up = head > self.state.seq
+        decided: set[int] = set()
+        if not catching_up:
+            self.caught_up.set()
+        log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
+        async for record in self.log.read(self.state.seq + 1, follow=True):
+            self.state = self.decider.evolve(self.state, record.seq, record.event)
+            if catching_up:
+                cause = cause_seq_of(record.event, self.name)
+                if cause is not None:
+                    decided.add(cause)
+            self._pending.append(record)
+            if catching_up and record.seq >= head:
+                catching_up = False
+                self._pending = collections.deque(r for r in self._pending if r.seq not in decided)
+                decided.clear()
+                log.info("caught up", decider=self.name, seq=record.seq, to_decide=len(self._pending))
+                self.caught_up.set()
+            if not catching_up and self.state.seq >= self._wait_until:
+                await self._decide_pending()
+                await self._maybe_snapshot()
+
+    async def _decide_pending(self) -> None:
+        while self._pending and self.state.seq >= self._wait_until:
+            record = self._pending.popleft()
+            outputs = decide_stamped(self.decider, self.state, record)
+            if not outputs:
+                continue
+            with span_from(record.trace, f"{self.name}.decide", cause=record.event.id) as span:
+                trace = current_traceparent() if span.get_span_context().is_valid else record.trace
+                result = await append_reliably(self.log, outputs, trace=trace)
+            self.decisions_appended += len(outputs)
+            if result.seqs:
+                self._wait_until = max(result.seqs)
+
+    async def _maybe_snapshot(self) -> None:
+        if self._pending or self.state.seq < self._wait_until:
+            return  # only a quiescent state is a valid snapshot: everything in it is decided
+        due = self.state.seq - self._snapshot_seq >= self.snapshot_every or (
+            self.state.seq > self._snapshot_seq and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
+        )
+        if due:
+            await self.save_snapshot()

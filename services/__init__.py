@@ -1,0 +1,1 @@
+"""gpuherd services. Each one imports the ``gpuherd`` library and never another service."""

@@ -1,0 +1,1 @@
+"""The analytics service: arrives with its own issue. It will import only `gpuherd` and talk through events."""

@@ -1,0 +1,1 @@
+"""The elastic service: arrives with its own issue. It will import only `gpuherd` and talk through events."""

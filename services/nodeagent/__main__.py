@@ -1,0 +1,3 @@
+from services.nodeagent.agent import main
+
+main()

@@ -1,0 +1,141 @@
+"""Intake: turn a raw submission into JobSubmitted, or JobRejected with a reason a person can act on.
+
+``judge`` is pure: it reads the submission and the cluster state, nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from gpuherd import events as ev
+from gpuherd.state import ClusterState, intake_key
+
+MAX_SUBMISSION_BYTES = 64 * 1024
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,128}$")
+_SOURCE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_spec_decoder = msgspec.json.Decoder(ev.JobSpec)
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    event: ev.JobSubmitted | ev.JobRejected
+    job_id: str | None = None
+    duplicate: bool = False  # the same intake id was submitted before: same job, nothing new
+
+    def reply(self) -> bytes:
+        if isinstance(self.event, ev.JobRejected):
+            return msgspec.json.encode({"ok": False, "error": self.event.reason})
+        return msgspec.json.encode({"ok": True, "job_id": self.job_id, "duplicate": self.duplicate})
+
+
+def job_id_for(source: str, intake_id: str) -> str:
+    return "j" + ev.stable_id(source, intake_id, length=11)
+
+
+def _excerpt(data: bytes) -> str:
+    return data[:256].decode("utf-8", errors="replace")
+
+
+def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
+    if not spec.name.strip():
+        return "`name` must not be empty"
+    if len(spec.name) > 256 or len(spec.user) > 256:
+        return "`name` and `user` are limited to 256 characters"
+    if not spec.user.strip():
+        return "`user` must not be empty"
+    if spec.gpus <= 0:
+        return f"`gpus` must be at least 1, got {spec.gpus}"
+    if spec.command is None and spec.duration_s is None:
+        return "give `command` (a list of strings to run) or `duration_s` (for sim jobs)"
+    if spec.command is not None and (not spec.command or not all(spec.command)):
+        return "`command` must be a non-empty list of non-empty strings"
+    if spec.duration_s is not None and not spec.duration_s > 0:
+        return f"`duration_s` must be positive, got {spec.duration_s}"
+    if spec.intake_id is not None and not _ID_PATTERN.match(spec.intake_id):
+        return "`intake_id` must be 1-128 characters of letters, digits and _.:@/+=-"
+    if spec.elastic is not None:
+        lo, hi = spec.elastic.min, spec.elastic.max
+        if not 1 <= lo <= hi:
+            return f"`elastic` needs 1 <= min <= max, got min={lo} max={hi}"
+        if not lo <= spec.gpus <= hi:
+            return f"`gpus` ({spec.gpus}) must lie within elastic min..max ({lo}..{hi})"
+    if spec.vc not in state.vcs:
+        known = ", ".join(sorted(state.vcs))
+        return f"unknown virtual cluster {spec.vc!r}; known: {known}"
+    capacity = state.capacity_gpus()
+    if capacity == 0:
+        return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
+    if spec.gpus > capacity:
+        return f"asks for {spec.gpus} GPUs but the whole cluster has {capacity} ({len(state.nodes)} nodes)"
+    if spec.nodes is not None:
+        if spec.nodes <= 0:
+            return f"`nodes` must be at least 1, got {spec.nodes}"
+        if spec.gpus % spec.nodes:
+            return f"`gpus` ({spec.gpus}) must divide evenly over `nodes` ({spec.nodes})"
+        if spec.nodes > len(state.nodes):
+            return f"asks for {spec.nodes} nodes but the cluster has {len(state.nodes)}"
+        per_node = spec.gpus // spec.nodes
+        if per_node > state.max_gpus_per_node():
+            return f"asks for {per_node} GPUs per node but the largest node has {state.max_gpus_per_node()}"
+    return None
+
+
+def judge(
+    state: ClusterState,
+    *,
+    source: str,
+    intake_seq: int,
+    data: bytes,
+    at: float,
+    msg_id: str | None = None,
+    service: str = "scheduler",
+) -> Verdict:
+    """Decide on one submission. ``msg_id`` is the Nats-Msg-Id header, the default intake id."""
+    cause = f"intake:{source}:{intake_seq}"
+
+    def reject(reason: str, intake_id: str | None = None) -> Verdict:
+        return Verdict(
+            ev.JobRejected(
+                id=f"{service}:rejected:{source}:{intake_seq}",
+                at=at,
+                source=service,
+                based_on=state.seq,
+                cause=cause,
+                intake_source=source if _SOURCE_PATTERN.match(source) else "_invalid",
+                intake_seq=intake_seq,
+                intake_id=intake_id,
+                reason=reason,
+                payload_excerpt=_excerpt(data),
+            )
+        )
+
+    if not _SOURCE_PATTERN.match(source):
+        return reject("publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'")
+    if len(data) > MAX_SUBMISSION_BYTES:
+        return reject(f"submission is {len(data)} bytes; the limit is {MAX_SUBMISSION_BYTES} bytes")
+    try:
+        spec = _spec_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        return reject(f"invalid job spec: {exc}")
+    except msgspec.DecodeError as exc:
+        return reject(f"submission is not valid JSON: {exc}")
+    problem = _spec_problem(spec, state)
+    if problem is not None:
+        return reject(problem, spec.intake_id)
+    intake_id = spec.intake_id or msg_id or f"seq-{intake_seq}"
+    if spec.intake_id is None:
+        spec = msgspec.structs.replace(spec, intake_id=intake_id)
+    job_id = job_id_for(source, intake_id)
+    existing = state.intake_index.get(intake_key(source, intake_id))
+    submitted = ev.JobSubmitted(
+        id=f"{service}:intake:{source}:{intake_id}",
+        at=at,
+        source=service,
+        based_on=state.seq,
+        cause=cause,
+        job=job_id,
+        spec=spec,
+        intake_source=source,
+        intake_seq=intake_seq,
+    )
+    return Verdict(submitted, job_id=job_id, duplicate=existing is not None)

@@ -1,0 +1,162 @@
+"""The scheduler service shell: all of the scheduler's I/O lives here.
+
+Three loops share one folded state, and run only while this instance holds
+the scheduler's lease:
+- the decider runner (placement decisions),
+- intake: raw submissions -> JobSubmitted/JobRejected, then the reply,
+- liveness: nodes whose heartbeats stop are declared lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+
+from gpuherd import events as ev
+from gpuherd.decider import DeciderRunner, append_reliably
+from gpuherd.errors import ConcurrencyError, LogError
+from gpuherd.log import EventLog, open_log
+from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
+from gpuherd.obs import configure, current_traceparent, get_logger, span_from
+from gpuherd.state import ClusterState
+
+from services.scheduler.decide import SchedulerDecider
+from services.scheduler.intake import Verdict, judge
+from services.scheduler.policy import make_policy
+
+log = get_logger("gpuherd.scheduler")
+
+INTAKE_CONSUMER = "scheduler-intake"
+
+
+async def handle_submission(log_: EventLog, state: ClusterState, delivery, *, service: str = "scheduler") -> Verdict:
+    """Judge one intake message, record the verdict in HERD, reply, and only then acknowledge."""
+    source = delivery.subject[len(INTAKE_PREFIX) + 1 :]
+    with span_from(delivery.headers.get("traceparent"), "scheduler.intake", source=source, intake_seq=delivery.seq):
+        verdict = judge(
+            state,
+            source=source,
+            intake_seq=delivery.seq,
+            data=delivery.data,
+            at=delivery.at,
+            msg_id=delivery.headers.get("Nats-Msg-Id"),
+            service=service,
+        )
+        trace = current_traceparent()
+        if not verdict.duplicate:
+            expect = {verdict.event.subject(): 0} if isinstance(verdict.event, ev.JobSubmitted) else None
+            try:
+                already = await append_reliably_expect(log_, verdict.event, expect, trace)
+                if already and isinstance(verdict.event, ev.JobSubmitted):
+                    verdict = Verdict(verdict.event, job_id=verdict.job_id, duplicate=True)
+            except ConcurrencyError:
+                # The job's subject already has events: an earlier submission with this intake id.
+                verdict = Verdict(verdict.event, job_id=verdict.job_id, duplicate=True)
+        reply_to = delivery.headers.get(REPLY_HEADER)
+        if reply_to:
+            with contextlib.suppress(Exception):
+                await log_.reply(reply_to, verdict.reply())
+        if isinstance(verdict.event, ev.JobRejected):
+            log.info("submission rejected", source=source, reason=verdict.event.reason)
+        else:
+            log.info("job submitted", job=verdict.job_id, source=source, duplicate=verdict.duplicate)
+    return verdict
+
+
+async def append_reliably_expect(
+    log_: EventLog, event: ev.Event, expect: dict[str, int] | None, trace: str | None
+) -> bool:
+    """Append one event; True when the log already had it (dedupe)."""
+    delay = 0.05
+    while True:
+        try:
+            result = await log_.append([event], expect=expect, trace=trace)
+            return result.duplicate
+        except (ConcurrencyError, LogError):
+            raise
+        except Exception as exc:  # NATS away for a moment: the id makes a retry safe
+            log.warning("intake append failed; retrying", error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
+    await runner.caught_up.wait()
+    consumer = runner.log.intake_consumer(INTAKE_CONSUMER)
+    while True:
+        deliveries = await consumer.fetch(64, timeout=1.0)
+        for delivery in deliveries:
+            await handle_submission(runner.log, runner.state, delivery)
+            await consumer.ack(delivery)
+
+
+def liveness_loop(lost_after_s: float):
+    async def liveness(runner: DeciderRunner[ClusterState]) -> None:
+        await runner.caught_up.wait()
+        started = time.time()
+        last_seen: dict[str, float] = {}
+
+        async def watch() -> None:
+            async for beat in runner.log.telemetry("*.heartbeat"):
+                last_seen[beat.subject.split(".")[2]] = time.time()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while True:
+                await asyncio.sleep(min(1.0, lost_after_s / 4))
+                now = time.time()
+                for name, node in list(runner.state.nodes.items()):
+                    if node.status == "lost":
+                        continue
+                    seen = max(last_seen.get(name, started), node.registered_at)
+                    if now - seen > lost_after_s:
+                        lost = ev.NodeLost(
+                            id=f"scheduler:lost:{name}:{node.registered_seq}",
+                            at=now,
+                            source="scheduler",
+                            node=name,
+                            reason=f"no heartbeat for {now - seen:.0f}s",
+                        )
+                        log.warning("node lost", node=name, silent_s=round(now - seen, 1))
+                        await append_reliably(runner.log, [lost])
+        finally:
+            watcher.cancel()
+
+    return liveness
+
+
+async def serve(url: str, *, policy: str = "fifo", lost_after_s: float = 10.0, instance: str | None = None) -> None:
+    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+    log_ = await open_log(url, name=f"scheduler-{instance}")
+    runner = DeciderRunner(
+        log_,
+        SchedulerDecider(make_policy(policy)),
+        instance=instance,
+        extra_tasks=[intake_loop, liveness_loop(lost_after_s)],
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.run(stop)
+    finally:
+        await log_.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gpuherd-scheduler", description="gpuherd scheduler service")
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--policy", default=os.environ.get("GPUHERD_POLICY", "fifo"))
+    parser.add_argument(
+        "--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost"
+    )
+    parser.add_argument("--instance", default=None, help="instance id for the leader lease")
+    args = parser.parse_args(argv)
+    configure("scheduler")
+    asyncio.run(serve(args.nats_url, policy=args.policy, lost_after_s=args.lost_after, instance=args.instance))
