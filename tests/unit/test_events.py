@@ -1,0 +1,90 @@
+import msgspec
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.errors import EventDecodeError
+
+GPU = ev.GpuInfo(index=0, uuid="GPU-1", model="H100", memory_mb=81920, nvlink_peers=(1,))
+SPEC = ev.JobSpec(name="train", user="ana", gpus=2, duration_s=5.0)
+
+SAMPLES: list[ev.Event] = [
+    ev.NodeRegistered(id="a", at=1.0, source="agent", node="n1", gpus=(GPU,), rack="r1"),
+    ev.NodeDrained(id="b", node="n1", reason="maintenance"),
+    ev.NodeUndrained(id="c", node="n1"),
+    ev.NodeLost(id="d", node="n1", reason="no heartbeat"),
+    ev.VcConfigured(id="e", vc="vision", gpu_quota=16),
+    ev.JobSubmitted(id="f", job="j1", spec=SPEC, intake_source="cli", intake_seq=3, based_on=2, cause="x"),
+    ev.JobRejected(id="g", intake_source="cli", intake_seq=4, reason="bad"),
+    ev.JobPlaced(id="h", job="j1", attempt=0, allocations=(ev.Allocation("n1", (0, 1)),), based_on=9, cause="f"),
+    ev.JobStarted(id="i", job="j1", attempt=0, node="n1"),
+    ev.JobFinished(id="j", job="j1", attempt=0, outcome="completed", exit_code=0),
+    ev.JobCancelRequested(id="k", job="j1"),
+    ev.JobRequeued(id="l", job="j1", attempt=0, reason="node lost"),
+]
+
+
+def test_catalogue_covers_every_sample() -> None:
+    assert {type(e).__name__ for e in SAMPLES} == set(ev.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_roundtrip(event: ev.Event) -> None:
+    data = ev.encode(event)
+    assert msgspec.json.decode(data)["type"] == type(event).__name__
+    assert ev.decode(data) == event
+
+
+def test_every_event_has_provenance_fields() -> None:
+    for event in SAMPLES:
+        assert {"id", "at", "source", "v"} <= set(event.__struct_fields__)
+    for cls in (ev.JobSubmitted, ev.JobRejected, ev.JobPlaced, ev.JobRequeued):
+        assert {"based_on", "cause"} <= set(cls.__struct_fields__)
+
+
+def test_subjects_are_per_aggregate() -> None:
+    assert SAMPLES[0].subject() == "herd.node.n1"
+    assert SAMPLES[7].subject() == "herd.job.j1"
+    assert SAMPLES[4].subject() == "herd.vc.vision"
+
+
+# A NodeRegistered exactly as v1 agents wrote it (homogeneous GPUs, no UUIDs).
+V1_NODE_REGISTERED = (
+    b'{"type":"NodeRegistered","id":"agent.n7:register:1f2e","at":1700000000.5,"source":"agent.n7",'
+    b'"v":1,"node":"n7","gpu_count":4,"gpu_model":"V100-SXM2-32GB","gpu_memory_mb":32768,"rack":"r2",'
+    b'"executor":"sim","boot_id":"1f2e"}'
+)
+
+
+def test_upcaster_reads_v1_payload() -> None:
+    event = ev.decode(V1_NODE_REGISTERED)
+    assert isinstance(event, ev.NodeRegistered)
+    assert event.v == ev.NodeRegistered.VERSION == 2
+    assert [g.index for g in event.gpus] == [0, 1, 2, 3]
+    assert {g.model for g in event.gpus} == {"V100-SXM2-32GB"}
+    assert {g.memory_mb for g in event.gpus} == {32768}
+    assert event.gpus[2].uuid == "n7-gpu2"
+    assert event.rack == "r2" and event.node == "n7"
+    # Re-encoding writes the current version, which decodes on the fast path.
+    assert ev.decode(ev.encode(event)) == event
+
+
+def test_unknown_type_and_garbage_are_specific_errors() -> None:
+    with pytest.raises(EventDecodeError, match="unknown event type"):
+        ev.decode(b'{"type":"Nope","id":"x"}')
+    with pytest.raises(EventDecodeError, match="not an event"):
+        ev.decode(b"\xff not json")
+    with pytest.raises(EventDecodeError, match="invalid event"):
+        ev.decode(b'{"type":"JobStarted","id":"x","v":1,"job":3,"attempt":0,"node":"n"}')
+
+
+def test_missing_upcaster_is_reported() -> None:
+    payload = b'{"type":"NodeRegistered","id":"x","v":0,"node":"n"}'
+    with pytest.raises(EventDecodeError, match="no upcaster for NodeRegistered v0"):
+        ev.decode(payload)
+
+
+def test_stable_id_is_deterministic_and_subject_safe() -> None:
+    a = ev.stable_id("cli", "job-1")
+    assert a == ev.stable_id("cli", "job-1")
+    assert a != ev.stable_id("cli", "job-2")
+    assert a.isalnum()

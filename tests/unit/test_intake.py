@@ -1,0 +1,102 @@
+import msgspec
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.state import ClusterState, apply
+from services.scheduler.intake import MAX_SUBMISSION_BYTES, job_id_for, judge
+from tests.helpers import node
+
+
+def cluster() -> ClusterState:
+    state = ClusterState()
+    for seq, e in enumerate([node("n1", 8), node("n2", 8), ev.VcConfigured(id="vc", vc="vision")], 1):
+        apply(state, seq, e)
+    return state
+
+
+def verdict(data: bytes | dict, state: ClusterState | None = None, **kw):
+    raw = data if isinstance(data, bytes) else msgspec.json.encode(data)
+    return judge(state or cluster(), source=kw.pop("source", "teamA"), intake_seq=kw.pop("seq", 7), data=raw, at=5.0,
+                 **kw)
+
+
+GOOD = {"name": "resnet", "user": "ana", "gpus": 4, "duration_s": 60}
+
+
+def test_valid_spec_becomes_job_submitted() -> None:
+    v = verdict(GOOD | {"intake_id": "abc"})
+    assert isinstance(v.event, ev.JobSubmitted)
+    assert v.event.job == v.job_id == job_id_for("teamA", "abc")
+    assert v.event.spec.vc == "default" and v.event.spec.gpus == 4
+    assert v.event.id == "scheduler:intake:teamA:abc" and v.event.cause == "intake:teamA:7"
+    assert v.event.based_on == 3 and v.event.subject() == f"herd.job.{v.job_id}"
+    assert msgspec.json.decode(v.reply()) == {"ok": True, "job_id": v.job_id, "duplicate": False}
+
+
+def test_default_intake_id_is_the_message_id_else_the_sequence() -> None:
+    assert verdict(GOOD, msg_id="m-1").event.spec.intake_id == "m-1"
+    assert verdict(GOOD, seq=42).event.spec.intake_id == "seq-42"
+
+
+def test_same_intake_id_twice_is_one_job() -> None:
+    state = cluster()
+    first = verdict(GOOD | {"intake_id": "x"}, state)
+    apply(state, 4, first.event)
+    again = verdict(GOOD | {"intake_id": "x", "name": "changed"}, state, seq=8)
+    assert again.duplicate and again.job_id == first.job_id
+    other_source = verdict(GOOD | {"intake_id": "x"}, state, source="teamB")
+    assert not other_source.duplicate and other_source.job_id != first.job_id
+
+
+BAD = [
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[1, 2]", "invalid job spec: Expected `object`"),
+    ({"name": "x", "user": "u", "gpus": "four", "duration_s": 1}, "Expected `int`, got `str` - at `$.gpus`"),
+    ({"name": "x", "gpus": 1, "duration_s": 1}, "missing required field `user`"),
+    (GOOD | {"gpu": 1}, "unknown field `gpu`"),
+    (GOOD | {"gpus": 0}, "`gpus` must be at least 1, got 0"),
+    (GOOD | {"gpus": -2}, "`gpus` must be at least 1, got -2"),
+    (GOOD | {"gpus": 17}, "asks for 17 GPUs but the whole cluster has 16 (2 nodes)"),
+    (GOOD | {"vc": "nlp"}, "unknown virtual cluster 'nlp'; known: default, vision"),
+    (GOOD | {"nodes": 3}, "`gpus` (4) must divide evenly over `nodes` (3)"),
+    (GOOD | {"gpus": 12, "nodes": 1}, "asks for 12 GPUs per node but the largest node has 8"),
+    (GOOD | {"nodes": 4}, "asks for 4 nodes but the cluster has 2"),
+    ({"name": "x", "user": "u", "gpus": 1}, "give `command`"),
+    (GOOD | {"duration_s": 0}, "`duration_s` must be positive"),
+    (GOOD | {"command": []}, "`command` must be a non-empty list"),
+    (GOOD | {"name": " "}, "`name` must not be empty"),
+    (GOOD | {"elastic": {"min": 4, "max": 2}}, "`elastic` needs 1 <= min <= max"),
+    (GOOD | {"elastic": {"min": 1, "max": 2}}, "must lie within elastic min..max"),
+    (GOOD | {"intake_id": "has space"}, "`intake_id` must be 1-128 characters"),
+    (GOOD | {"priority": True}, "Expected `int`, got `bool`"),
+]
+
+
+@pytest.mark.parametrize(("data", "reason"), BAD, ids=[r for _, r in BAD])
+def test_bad_input_is_rejected_with_a_reason(data, reason) -> None:
+    v = verdict(data)
+    assert isinstance(v.event, ev.JobRejected)
+    assert reason in v.event.reason
+    assert v.event.id == "scheduler:rejected:teamA:7" and v.event.intake_seq == 7
+    assert v.event.payload_excerpt, "the submission is recorded with its rejection"
+    assert msgspec.json.decode(v.reply()) == {"ok": False, "error": v.event.reason}
+
+
+def test_oversized_payload_is_rejected() -> None:
+    big = msgspec.json.encode(GOOD | {"name": "x" * MAX_SUBMISSION_BYTES})
+    v = verdict(big)
+    assert isinstance(v.event, ev.JobRejected)
+    assert f"the limit is {MAX_SUBMISSION_BYTES} bytes" in v.event.reason
+    assert len(v.event.payload_excerpt) <= 256
+
+
+def test_no_nodes_yet_is_an_actionable_rejection() -> None:
+    v = verdict(GOOD, ClusterState())
+    assert "no GPU nodes have registered yet" in v.event.reason
+
+
+def test_bad_source_token() -> None:
+    v = verdict(GOOD, source="a.b")
+    assert isinstance(v.event, ev.JobRejected) and "herd.intake.<source>" in v.event.reason
+    assert v.event.subject() == "herd.rejected._invalid"
