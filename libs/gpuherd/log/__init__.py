@@ -33,7 +33,14 @@ __all__ = [
 
 
 async def open_log(url: str, *, name: str = "gpuherd", **settings: object) -> EventLog:
-    """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client)."""
+    """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client).
+
+    ``GPUHERD_LEASE_TTL`` and ``GPUHERD_REPLICAS`` set the lease TTL and stream replicas
+    when the streams are first created (3 replicas in the compose cluster)."""
+    import os
+
     from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings
 
+    settings.setdefault("lease_ttl_s", float(os.environ.get("GPUHERD_LEASE_TTL", "6")))
+    settings.setdefault("replicas", int(os.environ.get("GPUHERD_REPLICAS", "1")))
     return await JetStreamLog.open(url, name=name, settings=JetStreamSettings(**settings))  # type: ignore[arg-type]

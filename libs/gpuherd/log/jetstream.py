@@ -97,6 +97,7 @@ async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
         "connect_timeout": 2,
+        "drain_timeout": 2,
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,

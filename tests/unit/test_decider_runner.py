@@ -1,0 +1,136 @@
+"""The decider runner on the in-memory log.
+
+The log's duplicate window is 0 here, so a decision made twice would be
+stored twice: these tests see the runner's own guarantees, not dedupe's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from gpuherd import events as ev
+from gpuherd.decider import DeciderRunner, cause_seq_of
+from gpuherd.invariants import violations
+from gpuherd.log import MemoryLog
+from services.scheduler.decide import SchedulerDecider
+from tests.helpers import finish, node, submit
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def placements(log: MemoryLog) -> list[ev.JobPlaced]:
+    return [r.event for r in log._records if isinstance(r.event, ev.JobPlaced)]
+
+
+async def start(log: MemoryLog, instance: str = "a", **kw) -> tuple[DeciderRunner, asyncio.Event, asyncio.Task]:
+    runner = DeciderRunner(log, SchedulerDecider(), instance=instance, **kw)
+    stop = asyncio.Event()
+    return runner, stop, asyncio.create_task(runner.run(stop))
+
+
+async def test_runner_places_and_records_provenance() -> None:
+    log = MemoryLog(duplicate_window=0)
+    runner, stop, task = await start(log)
+    await log.append([node("n1", 2)])
+    await log.append([submit("a", 2)])
+    await log.append([submit("b", 1)])
+    await until(lambda: len(placements(log)) == 1)
+    await log.append([finish("a")])
+    await until(lambda: len(placements(log)) == 2)
+    a, b = placements(log)
+    by_id = {r.event.id: r.seq for r in log._records}
+    for placed in (a, b):
+        cause_seq = by_id[placed.cause]
+        assert placed.id == f"scheduler:{cause_seq}:0", "ids derive from the cause's sequence"
+        assert cause_seq <= placed.based_on < by_id[placed.id], "decided on a state at or after its cause"
+    assert a.job == "a" and a.based_on >= by_id["scheduler:intake:test:a"]
+    assert b.job == "b" and b.based_on >= by_id["fin-a-0"], "b could only start once a had finished"
+    stop.set()
+    await task
+
+
+async def test_restart_from_snapshot_decides_nothing_twice() -> None:
+    log = MemoryLog(duplicate_window=0)
+    runner, stop, task = await start(log, snapshot_every=1)
+    await log.append([node("n1", 4)])
+    for j in "abcd":
+        await log.append([submit(j, 2)])
+    await until(lambda: len(placements(log)) == 2)
+    stop.set()
+    await task
+    await log.append([finish("a")])  # arrives while no scheduler runs
+    runner2, stop2, task2 = await start(log, instance="b")
+    await until(lambda: len(placements(log)) == 3)
+    await asyncio.sleep(0.2)
+    assert runner2.state.seq == await log.last_seq()
+    stop2.set()
+    await task2
+    assert [p.job for p in placements(log)] == ["a", "b", "c"]
+    assert violations(log._records) == []
+
+
+class CrashAfterAppend(MemoryLog):
+    """Appends succeed, then the process 'dies' before it sees its own output."""
+
+    def __init__(self, crash_on: int) -> None:
+        super().__init__(duplicate_window=0)
+        self.crash_on = crash_on
+        self.appends = 0
+
+    async def append(self, events, **kw):
+        result = await super().append(events, **kw)
+        if events and cause_seq_of(events[0], "scheduler") is not None:
+            self.appends += 1
+            if self.appends == self.crash_on:
+                raise asyncio.CancelledError  # the task dies here, like a SIGKILL right after the write
+        return result
+
+
+async def test_crash_right_after_append_then_restart_adds_no_duplicate() -> None:
+    # Decision appends in this history: (1) place a and b, (2) after a finishes, place c.
+    for crash_on in (1, 2):
+        log = CrashAfterAppend(crash_on)
+        await log.append([node("n1", 2), node("n2", 2)])
+        await log.append([submit("a", 2)])
+        await log.append([submit("b", 2)])
+        await log.append([submit("c", 2)])
+        runner, stop, task = await start(log)
+        await until(lambda: len(placements(log)) == 2)
+        await log.append([finish("a")])
+        await until(task.done, timeout=2)
+        log._leases.clear()  # a killed process's lease expires; skip the wait
+        log.crash_on = 0
+        runner2, stop2, task2 = await start(log, instance="b")
+        await until(lambda: len(placements(log)) == 3)
+        await asyncio.sleep(0.1)
+        stop2.set()
+        await task2
+        ids = Counter(r.event.id for r in log._records)
+        assert max(ids.values()) == 1, f"duplicate events after crash #{crash_on}: {ids.most_common(2)}"
+        assert [p.job for p in placements(log)] == ["a", "b", "c"]
+        assert violations(log._records) == []
+
+
+async def test_standby_waits_for_the_lease() -> None:
+    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    a, stop_a, task_a = await start(log, "a")
+    await until(lambda: a.is_leader)
+    b, stop_b, task_b = await start(log, "b")
+    await log.append([node("n1", 1)])
+    await log.append([submit("x", 1)])
+    await until(lambda: len(placements(log)) == 1)
+    assert not b.is_leader
+    stop_a.set()
+    await task_a
+    await until(lambda: b.is_leader, timeout=3)
+    await log.append([finish("x"), submit("y", 1)])
+    await until(lambda: len(placements(log)) == 2)
+    stop_b.set()
+    await task_b
+    assert violations(log._records) == []
