@@ -1,0 +1,77 @@
+"""Real service processes for integration tests: start, SIGKILL, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuherd.log import EventLog
+from gpuherd.state import ClusterState, fold
+
+FAST_ENV = {"GPUHERD_LEASE_TTL": "2", "PYTHONUNBUFFERED": "1", "GPUHERD_LOG_LEVEL": "INFO"}
+
+
+class Services:
+    def __init__(self, nats_url: str, log_dir: Path, *, agents: int = 2, gpus: int = 4, lost_after: float = 6.0):
+        self.url = nats_url
+        self.log_dir = log_dir
+        self.specs: dict[str, list[str]] = {
+            "scheduler": ["-m", "services.scheduler", "--nats-url", nats_url, "--lost-after", str(lost_after)],
+        }
+        for i in range(1, agents + 1):
+            self.specs[f"agent-{i}"] = ["-m", "services.nodeagent", "--nats-url", nats_url, "--node", f"n{i}",
+                                        "--gpus", str(gpus)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.env = dict(os.environ, **FAST_ENV)
+
+    def start(self, name: str) -> None:
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        self.procs[name] = subprocess.Popen([sys.executable, *self.specs[name]], stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.env, start_new_session=True)
+        log.close()
+
+    def start_all(self) -> None:
+        for name in self.specs:
+            self.start(name)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def crashed(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() not in (None, -9, -15, 0)]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
+
+
+async def wait_state(log: EventLog, predicate: Callable[[ClusterState], bool], timeout: float) -> ClusterState:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            state = fold((r.seq, r.event) for r in await log.read_all())
+            if predicate(state):
+                return state
+        except Exception:  # the server may be restarting
+            state = None
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not reached in {timeout}s; last state: "
+                                 f"{None if state is None else {j.job: j.status for j in state.jobs.values()}}")
+        await asyncio.sleep(0.3)

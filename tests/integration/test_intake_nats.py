@@ -1,0 +1,124 @@
+"""Submissions over real NATS: replies, recorded rejections, idempotent intake ids, trace context."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+import nats
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.client import Client
+from gpuherd.errors import SubmissionError
+from gpuherd.log import open_log
+from tests.integration.procs import Services, wait_state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def cluster(local_nats, tmp_path):
+    services = Services(local_nats.url, tmp_path, agents=2, gpus=4)
+    services.start_all()
+    log = await open_log(local_nats.url, name="test")
+    await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+    yield services, log
+    services.stop_all()
+    await log.close()
+
+
+GOOD = {"name": "t", "user": "u", "gpus": 2, "duration_s": 0.5}
+BAD = {
+    b"{oops": "not valid JSON",
+    msgspec.json.encode({"name": "t", "user": "u", "gpus": "2", "duration_s": 1}): "Expected `int`, got `str`",
+    msgspec.json.encode({"name": "t", "gpus": 1, "duration_s": 1}): "missing required field `user`",
+    msgspec.json.encode(GOOD | {"colour": "red"}): "unknown field `colour`",
+    msgspec.json.encode(GOOD | {"gpus": 0}): "`gpus` must be at least 1",
+    msgspec.json.encode(GOOD | {"gpus": -1}): "`gpus` must be at least 1",
+    msgspec.json.encode(GOOD | {"gpus": 9}): "the whole cluster has 8",
+    msgspec.json.encode(GOOD | {"vc": "nope"}): "unknown virtual cluster 'nope'",
+    msgspec.json.encode(GOOD | {"name": "x" * 70_000}): "the limit is 65536 bytes",
+}
+
+
+async def test_every_bad_input_gets_a_reason_and_is_recorded(cluster) -> None:
+    services, log = cluster
+    client = await Client.connect(services.url, source="teamA")
+    try:
+        for data, reason in BAD.items():
+            verdict = await client.submit_raw(data, timeout=20)
+            assert not verdict.ok and reason in (verdict.error or ""), (reason, verdict)
+    finally:
+        await client.close()
+    state = await wait_state(log, lambda s: s.rejected == len(BAD), 10)
+    rejected = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobRejected)]
+    assert len(rejected) == len(BAD) and not state.jobs
+    assert all(e.intake_source == "teamA" and e.payload_excerpt for e in rejected)
+
+
+async def test_plain_nats_request_gets_the_verdict(cluster) -> None:
+    services, log = cluster
+    nc = await nats.connect(services.url)
+    try:
+        reply = await nc.request("herd.intake.teamB", msgspec.json.encode(GOOD | {"intake_id": "r1"}), timeout=10)
+        answer = msgspec.json.decode(reply.data)
+        assert answer["ok"] and answer["job_id"].startswith("j"), answer
+        again = msgspec.json.decode((await nc.request("herd.intake.teamB", msgspec.json.encode(GOOD | {
+            "intake_id": "r1", "name": "resent"}), timeout=10)).data)
+        assert again == {"ok": True, "job_id": answer["job_id"], "duplicate": True}
+        bad = msgspec.json.decode((await nc.request("herd.intake.teamB", b"[]", timeout=10)).data)
+        assert bad["ok"] is False and "Expected `object`" in bad["error"]
+        # Fire-and-forget publishing works too: the stream keeps it, the scheduler judges it.
+        await nc.publish("herd.intake.teamB", msgspec.json.encode(GOOD | {"intake_id": "p1"}))
+    finally:
+        await nc.close()
+    await wait_state(log, lambda s: len(s.jobs) == 2 and s.rejected == 1, 15)
+
+
+async def test_same_intake_id_is_one_job_and_client_errors_are_specific(cluster) -> None:
+    services, log = cluster
+    client = await Client.connect(services.url, source="teamC")
+    try:
+        intake_id = uuid.uuid4().hex
+        first = await client.submit(GOOD | {"intake_id": intake_id})
+        second = await client.submit(GOOD | {"intake_id": intake_id})
+        assert first == second
+        with pytest.raises(SubmissionError, match="unknown virtual cluster"):
+            await client.submit(GOOD | {"vc": "ghost"})
+    finally:
+        await client.close()
+    state = await wait_state(log, lambda s: s.jobs and all(j.status == "completed" for j in s.jobs.values()), 20)
+    assert list(state.jobs) == [first]
+
+
+async def test_trace_context_runs_from_intake_to_job_start(cluster) -> None:
+    services, log = cluster
+    trace_id = uuid.uuid4().hex
+    traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    nc = await nats.connect(services.url)
+    try:
+        await nc.request("herd.intake.teamD", msgspec.json.encode(GOOD | {"intake_id": "traced"}),
+                         headers={"traceparent": traceparent}, timeout=10)
+    finally:
+        await nc.close()
+    await wait_state(log, lambda s: any(j.status == "completed" for j in s.jobs.values()), 20)
+    records = await log.read_all()
+    traced = {type(r.event).__name__ for r in records if r.trace and r.trace.split("-")[1] == trace_id}
+    assert {"JobSubmitted", "JobPlaced", "JobStarted"} <= traced
+
+
+async def test_submit_while_scheduler_down_is_judged_when_it_returns(cluster) -> None:
+    services, log = cluster
+    services.kill("scheduler")
+    nc = await nats.connect(services.url)
+    try:
+        await nc.publish("herd.intake.teamE", msgspec.json.encode(GOOD | {"intake_id": "late"}))
+        await nc.flush()
+    finally:
+        await nc.close()
+    await asyncio.sleep(1)
+    services.start("scheduler")
+    await wait_state(log, lambda s: any(j.spec.intake_id == "late" and j.status == "completed"
+                                        for j in s.jobs.values()), 30)
