@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 from rich.console import Console
 from rich.table import Table
 
@@ -59,8 +60,8 @@ async def _open(args: argparse.Namespace):
     from gpuherd.log import open_log
 
     try:
-        return await asyncio.wait_for(open_log(_nats_url(args), name="gpuherd-cli"), 10)
-    except (TimeoutError, OSError) as exc:
+        return await asyncio.wait_for(open_log(_nats_url(args), name="gpuherd-cli", persistent=False), 10)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise GpuherdError(
             f"cannot reach NATS at {_nats_url(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
         ) from None
@@ -331,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from gpuherd.obs import configure
+
+    configure("cli", level=os.environ.get("GPUHERD_LOG_LEVEL", "WARNING"), json=False)  # logs go to stderr
     try:
         sys.exit(args.func(args))
     except GpuherdError as exc:

@@ -55,10 +55,16 @@ class Client:
         self.source = source
 
     @classmethod
-    async def connect(cls, url: str, *, source: str = "cli") -> Client:
+    async def connect(cls, url: str, *, source: str = "cli", persistent: bool = False) -> Client:
+        """``persistent``: keep reconnecting through NATS outages (long-lived submitters)."""
         from gpuherd.log.jetstream import connect
 
-        return cls(await connect(url, name=f"client-{source}"), source)
+        options = {} if persistent else {"max_reconnect_attempts": 3}
+        try:
+            nc = await connect(url, name=f"client-{source}", **options)
+        except Exception as exc:
+            raise SubmissionError(f"cannot reach NATS at {url}: {exc!r}") from None
+        return cls(nc, source)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -46,7 +46,9 @@ def violations(records: Iterable[Record]) -> list[str]:
             job = state.jobs.get(event.job)
             if job is not None and job.status in TERMINAL:
                 if event.attempt == job.attempt:
-                    problems.append(f"seq {record.seq}: {event.job} finished twice ({job.status}, then {event.outcome})")
+                    problems.append(
+                        f"seq {record.seq}: {event.job} finished twice ({job.status}, then {event.outcome})"
+                    )
             elif job is not None and event.attempt == job.attempt:
                 terminal[event.job] += 1
         apply(state, record.seq, event)

@@ -21,12 +21,12 @@ import time
 import uuid
 
 import msgspec
+
 from gpuherd import events as ev
 from gpuherd.decider import append_reliably
 from gpuherd.log import EventLog, open_log
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ACTIVE, ClusterState, apply
-
 from services.nodeagent.executors import Executor, SimExecutor, TaskExit, TaskKey
 
 log = get_logger("gpuherd.nodeagent")

@@ -12,7 +12,6 @@ from __future__ import annotations
 from gpuherd import events as ev
 from gpuherd.decider import Decider
 from gpuherd.state import ACTIVE, ClusterState, apply, decode_state, encode_state
-
 from services.scheduler.placement import free_by_node, place
 from services.scheduler.policy import Fifo, Policy
 

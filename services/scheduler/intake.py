@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import msgspec
+
 from gpuherd import events as ev
 from gpuherd.state import ClusterState, intake_key
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import msgspec
+
 from gpuherd.events import Allocation, JobSpec
 from gpuherd.state import ClusterState
 

@@ -24,7 +24,6 @@ from gpuherd.log import EventLog, open_log
 from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
-
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Verdict, judge
 from services.scheduler.policy import make_policy

@@ -24,15 +24,28 @@ class Services:
             "scheduler": ["-m", "services.scheduler", "--nats-url", nats_url, "--lost-after", str(lost_after)],
         }
         for i in range(1, agents + 1):
-            self.specs[f"agent-{i}"] = ["-m", "services.nodeagent", "--nats-url", nats_url, "--node", f"n{i}",
-                                        "--gpus", str(gpus)]
+            self.specs[f"agent-{i}"] = [
+                "-m",
+                "services.nodeagent",
+                "--nats-url",
+                nats_url,
+                "--node",
+                f"n{i}",
+                "--gpus",
+                str(gpus),
+            ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = dict(os.environ, **FAST_ENV)
 
     def start(self, name: str) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-        self.procs[name] = subprocess.Popen([sys.executable, *self.specs[name]], stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, *self.specs[name]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
         log.close()
 
     def start_all(self) -> None:
@@ -72,6 +85,8 @@ async def wait_state(log: EventLog, predicate: Callable[[ClusterState], bool], t
         except Exception:  # the server may be restarting
             state = None
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not reached in {timeout}s; last state: "
-                                 f"{None if state is None else {j.job: j.status for j in state.jobs.values()}}")
+            raise AssertionError(
+                f"condition not reached in {timeout}s; last state: "
+                f"{None if state is None else {j.job: j.status for j in state.jobs.values()}}"
+            )
         await asyncio.sleep(0.3)

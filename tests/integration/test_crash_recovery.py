@@ -26,12 +26,17 @@ JOBS = 40
 
 
 async def submit_workload(url: str, rng: random.Random, n: int = JOBS) -> list[str]:
-    client = await Client.connect(url, source="crash")
+    client = await Client.connect(url, source="crash", persistent=True)
     try:
         ids = []
         for i in range(n):
-            spec = {"name": f"w{i}", "user": "u", "gpus": rng.choice([1, 1, 2, 4]), "duration_s": rng.uniform(0.2, 1.2),
-                    "intake_id": f"w{i}"}
+            spec = {
+                "name": f"w{i}",
+                "user": "u",
+                "gpus": rng.choice([1, 1, 2, 4]),
+                "duration_s": rng.uniform(0.2, 1.2),
+                "intake_id": f"w{i}",
+            }
             ids.append(await client.submit(spec, timeout=60))
         return ids
     finally:
@@ -76,8 +81,9 @@ async def test_sigkill_scheduler_and_agents_mid_run(local_nats, tmp_path) -> Non
         await asyncio.sleep(7)
         services.start("agent-2")
         job_ids = await submitter
-        await wait_state(log, lambda s: len(s.jobs) == JOBS and all(j.status == "completed" for j in s.jobs.values()),
-                         120)
+        await wait_state(
+            log, lambda s: len(s.jobs) == JOBS and all(j.status == "completed" for j in s.jobs.values()), 120
+        )
         assert services.crashed() == [], services.logs()
     finally:
         services.stop_all()
@@ -102,8 +108,9 @@ async def test_nats_server_restart_mid_run(tmp_path) -> None:
         await asyncio.sleep(2.0)
         server = NatsServer(tmp_path / "nats", port=server.port).start()
         job_ids = await submitter
-        await wait_state(log, lambda s: len(s.jobs) == JOBS and all(j.status == "completed" for j in s.jobs.values()),
-                         120)
+        await wait_state(
+            log, lambda s: len(s.jobs) == JOBS and all(j.status == "completed" for j in s.jobs.values()), 120
+        )
         await log.close()
         assert services.crashed() == [], services.logs()
     finally:

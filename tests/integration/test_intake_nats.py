@@ -65,8 +65,13 @@ async def test_plain_nats_request_gets_the_verdict(cluster) -> None:
         reply = await nc.request("herd.intake.teamB", msgspec.json.encode(GOOD | {"intake_id": "r1"}), timeout=10)
         answer = msgspec.json.decode(reply.data)
         assert answer["ok"] and answer["job_id"].startswith("j"), answer
-        again = msgspec.json.decode((await nc.request("herd.intake.teamB", msgspec.json.encode(GOOD | {
-            "intake_id": "r1", "name": "resent"}), timeout=10)).data)
+        again = msgspec.json.decode(
+            (
+                await nc.request(
+                    "herd.intake.teamB", msgspec.json.encode(GOOD | {"intake_id": "r1", "name": "resent"}), timeout=10
+                )
+            ).data
+        )
         assert again == {"ok": True, "job_id": answer["job_id"], "duplicate": True}
         bad = msgspec.json.decode((await nc.request("herd.intake.teamB", b"[]", timeout=10)).data)
         assert bad["ok"] is False and "Expected `object`" in bad["error"]
@@ -99,8 +104,12 @@ async def test_trace_context_runs_from_intake_to_job_start(cluster) -> None:
     traceparent = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
     nc = await nats.connect(services.url)
     try:
-        await nc.request("herd.intake.teamD", msgspec.json.encode(GOOD | {"intake_id": "traced"}),
-                         headers={"traceparent": traceparent}, timeout=10)
+        await nc.request(
+            "herd.intake.teamD",
+            msgspec.json.encode(GOOD | {"intake_id": "traced"}),
+            headers={"traceparent": traceparent},
+            timeout=10,
+        )
     finally:
         await nc.close()
     await wait_state(log, lambda s: any(j.status == "completed" for j in s.jobs.values()), 20)
@@ -120,5 +129,6 @@ async def test_submit_while_scheduler_down_is_judged_when_it_returns(cluster) ->
         await nc.close()
     await asyncio.sleep(1)
     services.start("scheduler")
-    await wait_state(log, lambda s: any(j.spec.intake_id == "late" and j.status == "completed"
-                                        for j in s.jobs.values()), 30)
+    await wait_state(
+        log, lambda s: any(j.spec.intake_id == "late" and j.status == "completed" for j in s.jobs.values()), 30
+    )

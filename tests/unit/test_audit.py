@@ -18,8 +18,16 @@ def test_untampered_log_has_no_mismatch() -> None:
 
 def test_forged_decision_is_reported() -> None:
     log = drive(HISTORY)
-    forged = ev.JobPlaced(id="scheduler:3:1", at=0.0, source="scheduler", based_on=3, cause=log[2].event.id,
-                          job="b", attempt=0, allocations=(ev.Allocation("n1", (0, 1, 2, 3)),))
+    forged = ev.JobPlaced(
+        id="scheduler:3:1",
+        at=0.0,
+        source="scheduler",
+        based_on=3,
+        cause=log[2].event.id,
+        job="b",
+        attempt=0,
+        allocations=(ev.Allocation("n1", (0, 1, 2, 3)),),
+    )
     log.append(Record(len(log) + 1, forged))
     report = audit(log, SchedulerDecider())
     assert [(m.event_id, m.kind) for m in report.mismatches] == [("scheduler:3:1", "unexpected")]
@@ -39,7 +47,8 @@ def test_altered_decision_is_reported_as_differing() -> None:
 
 def test_event_claiming_to_be_the_scheduler_is_unattributable() -> None:
     log = drive(HISTORY)
-    log.append(Record(len(log) + 1, ev.JobRequeued(id="hand-made", source="scheduler", job="c", attempt=0,
-                                                   reason="trust me")))
+    log.append(
+        Record(len(log) + 1, ev.JobRequeued(id="hand-made", source="scheduler", job="c", attempt=0, reason="trust me"))
+    )
     report = audit(log, SchedulerDecider())
     assert [m.kind for m in report.mismatches] == ["unattributable"]

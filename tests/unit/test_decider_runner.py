@@ -36,7 +36,7 @@ async def start(log: MemoryLog, instance: str = "a", **kw) -> tuple[DeciderRunne
 
 async def test_runner_places_and_records_provenance() -> None:
     log = MemoryLog(duplicate_window=0)
-    runner, stop, task = await start(log)
+    _, stop, task = await start(log)
     await log.append([node("n1", 2)])
     await log.append([submit("a", 2)])
     await log.append([submit("b", 1)])
@@ -57,7 +57,7 @@ async def test_runner_places_and_records_provenance() -> None:
 
 async def test_restart_from_snapshot_decides_nothing_twice() -> None:
     log = MemoryLog(duplicate_window=0)
-    runner, stop, task = await start(log, snapshot_every=1)
+    _, stop, task = await start(log, snapshot_every=1)
     await log.append([node("n1", 4)])
     for j in "abcd":
         await log.append([submit(j, 2)])
@@ -100,14 +100,14 @@ async def test_crash_right_after_append_then_restart_adds_no_duplicate() -> None
         await log.append([submit("a", 2)])
         await log.append([submit("b", 2)])
         await log.append([submit("c", 2)])
-        runner, stop, task = await start(log)
-        await until(lambda: len(placements(log)) == 2)
+        _, _, task = await start(log)
+        await until(lambda log=log: len(placements(log)) == 2)
         await log.append([finish("a")])
         await until(task.done, timeout=2)
         log._leases.clear()  # a killed process's lease expires; skip the wait
         log.crash_on = 0
-        runner2, stop2, task2 = await start(log, instance="b")
-        await until(lambda: len(placements(log)) == 3)
+        _, stop2, task2 = await start(log, instance="b")
+        await until(lambda log=log: len(placements(log)) == 3)
         await asyncio.sleep(0.1)
         stop2.set()
         await task2

@@ -16,8 +16,9 @@ def cluster() -> ClusterState:
 
 def verdict(data: bytes | dict, state: ClusterState | None = None, **kw):
     raw = data if isinstance(data, bytes) else msgspec.json.encode(data)
-    return judge(state or cluster(), source=kw.pop("source", "teamA"), intake_seq=kw.pop("seq", 7), data=raw, at=5.0,
-                 **kw)
+    return judge(
+        state or cluster(), source=kw.pop("source", "teamA"), intake_seq=kw.pop("seq", 7), data=raw, at=5.0, **kw
+    )
 
 
 GOOD = {"name": "resnet", "user": "ana", "gpus": 4, "duration_s": 60}

@@ -67,8 +67,15 @@ def test_multi_node_gang_and_even_split() -> None:
 
 
 def test_lost_node_requeues_its_jobs_then_places_elsewhere() -> None:
-    log = drive([node("n1", 2), node("n2", 2), submit("a", 2), submit("b", 2),
-                 ev.NodeLost(id="lost", node="n1", reason="silent")])
+    log = drive(
+        [
+            node("n1", 2),
+            node("n2", 2),
+            submit("a", 2),
+            submit("b", 2),
+            ev.NodeLost(id="lost", node="n1", reason="silent"),
+        ]
+    )
     requeued = decisions(log, ev.JobRequeued)
     assert [(r.job, r.attempt) for r in requeued] == [("a", 0)]
     assert "node n1 lost" in requeued[0].reason
@@ -76,12 +83,15 @@ def test_lost_node_requeues_its_jobs_then_places_elsewhere() -> None:
     assert placed == [("a", 0), ("b", 0)], "no free GPU is left for a's retry while b runs"
     log2 = drive([node("n1", 2), node("n2", 2), submit("a", 2), ev.NodeLost(id="lost", node="n1")])
     assert [(p.job, p.attempt, p.allocations[0].node) for p in decisions(log2, ev.JobPlaced)] == [
-        ("a", 0, "n1"), ("a", 1, "n2")]
+        ("a", 0, "n1"),
+        ("a", 1, "n2"),
+    ]
 
 
 def test_cancel_of_waiting_job_is_final_and_frees_the_head() -> None:
-    log = drive([node("n1", 1), submit("a"), submit("b"), submit("c"), ev.JobCancelRequested(id="c", job="b"),
-                 finish("a")])
+    log = drive(
+        [node("n1", 1), submit("a"), submit("b"), submit("c"), ev.JobCancelRequested(id="c", job="b"), finish("a")]
+    )
     fins = decisions(log, ev.JobFinished)
     assert [(f.job, f.outcome) for f in fins if f.source == "scheduler"] == [("b", "cancelled")]
     assert [p.job for p in decisions(log, ev.JobPlaced)] == ["a", "c"]

@@ -4,8 +4,14 @@ from tests.helpers import finish, node, records, submit
 
 
 def placed(job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0) -> ev.JobPlaced:
-    return ev.JobPlaced(id=f"p-{job}-{attempt}", at=at, source="scheduler", job=job, attempt=attempt,
-                        allocations=tuple(ev.Allocation(n, g) for n, g in allocs))
+    return ev.JobPlaced(
+        id=f"p-{job}-{attempt}",
+        at=at,
+        source="scheduler",
+        job=job,
+        attempt=attempt,
+        allocations=tuple(ev.Allocation(n, g) for n, g in allocs),
+    )
 
 
 def run(*events: ev.Event) -> ClusterState:

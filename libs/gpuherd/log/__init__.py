@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-async def open_log(url: str, *, name: str = "gpuherd", **settings: object) -> EventLog:
+async def open_log(url: str, *, name: str = "gpuherd", persistent: bool = True, **settings: object) -> EventLog:
     """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client).
 
     ``GPUHERD_LEASE_TTL`` and ``GPUHERD_REPLICAS`` set the lease TTL and stream replicas
@@ -43,4 +43,9 @@ async def open_log(url: str, *, name: str = "gpuherd", **settings: object) -> Ev
 
     settings.setdefault("lease_ttl_s", float(os.environ.get("GPUHERD_LEASE_TTL", "6")))
     settings.setdefault("replicas", int(os.environ.get("GPUHERD_REPLICAS", "1")))
-    return await JetStreamLog.open(url, name=name, settings=JetStreamSettings(**settings))  # type: ignore[arg-type]
+    return await JetStreamLog.open(
+        url,
+        name=name,
+        settings=JetStreamSettings(**settings),
+        persistent=persistent,  # type: ignore[arg-type]
+    )

@@ -86,7 +86,7 @@ async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
         log.warning("nats error", error=str(exc))
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected", url=url)
+        log.info("nats disconnected", url=url)  # on close too; a lost server shows in error_cb
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", url=url)
@@ -116,8 +116,11 @@ class JetStreamLog(EventLog):
         self._owns_connection = False
 
     @classmethod
-    async def open(cls, url: str, *, name: str = "gpuherd", settings: JetStreamSettings | None = None) -> JetStreamLog:
-        nc = await connect(url, name=name)
+    async def open(
+        cls, url: str, *, name: str = "gpuherd", settings: JetStreamSettings | None = None, persistent: bool = True
+    ) -> JetStreamLog:
+        """``persistent``: reconnect forever (services); else give up after a few tries (CLI, tests)."""
+        nc = await connect(url, name=name) if persistent else await connect(url, name=name, max_reconnect_attempts=3)
         self = cls(nc, settings)
         self._owns_connection = True
         await self.ensure_streams()

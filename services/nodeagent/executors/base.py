@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import msgspec
+
 from gpuherd.events import GpuInfo, JobSpec
 
 

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 
 from gpuherd.events import GpuInfo, JobSpec
-
 from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey
 
 

@@ -1,0 +1,45 @@
+# gpuherd: `make run` starts a whole cluster with a demo workload; `make test` runs the tests.
+# Both create .venv and install what is needed on a fresh machine.
+
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-stamp
+
+.PHONY: install run up test test-fast lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned here (a CPU wheel is on the build machines; an open range would pull GBs of CUDA
+# packages); pyproject.toml declares torch>=2.4 so a GPU machine's own torch satisfies it.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+## run: embedded NATS + scheduler + 4 sim agents, a 300-job slice of the Philly trace, summary and audit
+run: install
+	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --demo philly
+
+## up: a cluster that stays up (Ctrl-C stops it); NATS_URL selects an existing NATS
+up: install
+	$(VENV)/bin/gpuherd up --agents 2 --gpus-per-node 8
+
+test: install lint
+	$(VENV)/bin/pytest -q
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check libs services tests bench
+	$(VENV)/bin/ruff format --check libs services tests bench
+
+bench: install
+	$(PY) bench/bench_log.py
+
+clean:
+	rm -rf .gpuherd .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from gpuherd.cli import main
+
+main()

@@ -1,0 +1,143 @@
+"""The `gpuherd` command end to end: `up` in the background, then submit/jobs/nodes/events/cancel/replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+GPUHERD = [sys.executable, "-m", "gpuherd"]
+ENV = dict(os.environ, GPUHERD_LEASE_TTL="2", PYTHONUNBUFFERED="1", COLUMNS="200")
+ENV.pop("NATS_URL", None)
+
+
+def cli(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [*GPUHERD, "--data-dir", str(data_dir), *args], capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"gpuherd {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def wait_for(fn, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = fn()
+            if value:
+                return value
+        except (AssertionError, json.JSONDecodeError, FileNotFoundError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def running_cluster(tmp_path):
+    data = tmp_path / "data"
+    up = subprocess.Popen(
+        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "2", "--gpus-per-node", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        wait_for(lambda: (data / "cluster.json").exists(), 30)
+        wait_for(lambda: len(json.loads(cli(data, "nodes", "--json").stdout)) == 2, 60)
+        yield data, up
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+
+
+def test_cli_round_trip(running_cluster, tmp_path) -> None:
+    data, up = running_cluster
+    nodes = json.loads(cli(data, "nodes", "--json").stdout)
+    assert {n["node"] for n in nodes} == {"node-1", "node-2"} and all(len(n["gpus"]) == 4 for n in nodes)
+
+    short = tmp_path / "short.yaml"
+    short.write_text("name: short\nuser: ana\ngpus: 2\nduration_s: 0.5\n")
+    job = json.loads(cli(data, "submit", str(short), "--json").stdout)["job_id"]
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps({"name": "long", "user": "ben", "gpus": 8, "nodes": 2, "duration_s": 600}))
+    long_id = json.loads(cli(data, "submit", str(long), "--json").stdout)["job_id"]
+
+    bad = cli(data, "submit", str(ROOT / "examples" / "jobs" / "invalid.yaml"), check=False)
+    assert bad.returncode == 2 and "`gpus` must be at least 1, got 0" in bad.stdout
+
+    def status(job_id: str) -> str:
+        return next(j["status"] for j in json.loads(cli(data, "jobs", "--json").stdout) if j["job"] == job_id)
+
+    wait_for(lambda: status(job) == "completed")
+    wait_for(lambda: status(long_id) == "running")
+    table = cli(data, "jobs").stdout
+    assert "long" in table and "running" in table
+
+    cli(data, "cancel", long_id)
+    wait_for(lambda: status(long_id) == "cancelled")
+    missing = cli(data, "cancel", "jdoesnotexist", check=False)
+    assert missing.returncode == 2 and "no job 'jdoesnotexist'" in missing.stdout
+
+    events = [json.loads(line) for line in cli(data, "events", "--job", long_id, "--json").stdout.splitlines()]
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["JobSubmitted", "JobPlaced", "JobStarted"] and "JobCancelRequested" in kinds
+    assert kinds[-1] == "JobFinished" and events[-1]["outcome"] == "cancelled"
+    placed = cli(data, "events", "--type", "JobPlaced", "--node", "node-2", "--json").stdout.splitlines()
+    assert any(json.loads(line)["job"] == long_id for line in placed)
+
+    audit = json.loads(cli(data, "replay", "--audit", "--json").stdout)
+    assert audit["ok"] and audit["decisions_checked"] >= 2 and audit["mismatches"] == []
+
+    up.send_signal(signal.SIGINT)
+    output, _ = up.communicate(timeout=30)
+    assert up.returncode == 0 and "stopped" in output
+
+
+def test_demo_runs_and_audits_clean(tmp_path) -> None:
+    trace = ROOT.parent / "shared" / "traces" / "philly" / "philly.csv"
+    if not trace.exists():
+        pytest.skip("../shared/traces/philly/philly.csv is not beside this checkout")
+    result = subprocess.run(
+        [
+            *GPUHERD,
+            "--data-dir",
+            str(tmp_path / "demo"),
+            "up",
+            "--agents",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--demo",
+            "philly",
+            "--demo-jobs",
+            "40",
+            "--demo-seconds",
+            "4",
+            "--trace",
+            str(trace),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=ENV,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no mismatches" in result.stdout and "mean_queue_s" in result.stdout
