@@ -94,9 +94,11 @@ class Agent:
             with contextlib.suppress(Exception):
                 await lease.release()
 
-    async def register(self) -> None:
+    async def register(self, after_seq: int = 0) -> None:
+        """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
+        suffix = f":{after_seq}" if after_seq else ""
         event = ev.NodeRegistered(
-            id=f"{self.source}:register:{self.boot_id}",
+            id=f"{self.source}:register:{self.boot_id}{suffix}",
             at=self.clock(),
             source=self.source,
             node=self.node,
@@ -131,11 +133,18 @@ class Agent:
                 if record.seq >= head:
                     self.caught_up.set()
                     await self.reconcile_all()
+                    me = self.state.nodes.get(self.node)
+                    if me is not None and me.status == "lost":
+                        await self.register(after_seq=record.seq)
                 continue
             if job_id is not None:
                 await self.reconcile(job_id)
-            elif isinstance(record.event, ev.NodeLost | ev.NodeRegistered) and record.event.node == self.node:
+            elif isinstance(record.event, ev.NodeLost) and record.event.node == self.node:
+                # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
+                # requeues stand, and the node comes back for new work.
+                log.warning("this node was declared lost; registering again", reason=record.event.reason)
                 await self.reconcile_all()
+                await self.register(after_seq=record.seq)
 
     # -- reconciliation --------------------------------------------------------------------
 

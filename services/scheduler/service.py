@@ -112,7 +112,8 @@ def liveness_loop(lost_after_s: float):
                 for name, node in list(runner.state.nodes.items()):
                     if node.status == "lost":
                         continue
-                    seen = max(last_seen.get(name, started), node.registered_at)
+                    # Our own outage is no evidence against a node: count silence from our reconnect.
+                    seen = max(last_seen.get(name, started), node.registered_at, runner.log.connected_since())
                     if now - seen > lost_after_s:
                         lost = ev.NodeLost(
                             id=f"scheduler:lost:{name}:{node.registered_seq}",

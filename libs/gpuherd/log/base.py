@@ -165,6 +165,10 @@ class EventLog(abc.ABC):
     def lease(self, name: str, holder: str) -> Lease:
         """The leader lease ``name`` as seen by ``holder``; it lasts ``lease_ttl`` seconds unless renewed."""
 
+    def connected_since(self) -> float:
+        """When this process last (re)connected to the log; silence before it says nothing about others."""
+        return 0.0
+
     async def close(self) -> None:
         return None
 

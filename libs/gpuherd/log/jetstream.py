@@ -59,6 +59,7 @@ from gpuherd.log.base import (
     Lease,
     Record,
 )
+from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.log")
@@ -114,6 +115,15 @@ class JetStreamLog(EventLog):
         self.js: JetStreamContext = nc.jetstream(timeout=self.settings.request_timeout_s)
         self._kv: dict[str, Any] = {}
         self._owns_connection = False
+        self._connected_since = time.time()
+        previous = nc._reconnected_cb
+
+        async def on_reconnect() -> None:
+            self._connected_since = time.time()
+            if previous is not None:
+                await previous()
+
+        nc._reconnected_cb = on_reconnect
 
     @classmethod
     async def open(
@@ -327,70 +337,12 @@ class JetStreamLog(EventLog):
     async def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
         if not follow and stop is None:
             stop = await self.last_seq()
-        next_seq = max(start, 1)
-        if stop is not None and next_seq > stop:
+        start = max(start, 1)
+        if stop is not None and start > stop:
             return
-        sub = None
-        try:
-            while True:
-                if sub is None:
-                    sub = await self._ordered_pull(HERD, next_seq)
-                try:
-                    wait = 1.0 if follow else 5.0
-                    msgs = await sub.fetch(batch=512, timeout=wait)
-                except TimeoutError:  # nats-py raises both its own and the builtin one
-                    if follow:
-                        continue
-                    # A bounded read that times out: the consumer may be gone; recreate it.
-                    sub = await self._reset(sub)
-                    continue
-                except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
-                    log.warning("replay consumer broke; resuming", next_seq=next_seq, error=repr(exc))
-                    sub = await self._reset(sub)
-                    await asyncio.sleep(0.2)
-                    continue
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    if seq < next_seq:
-                        continue  # a redelivery after a reset: already seen
-                    if seq > next_seq:
-                        # A gap means this consumer is not the ordered view any more.
-                        sub = await self._reset(sub)
-                        break
-                    headers = msg.headers or {}
-                    yield Record(seq, ev.decode(msg.data), headers.get(TRACEPARENT))
-                    next_seq = seq + 1
-                    if stop is not None and seq >= stop:
-                        return
-        finally:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-
-    async def _reset(self, sub: Any) -> None:
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return None
-
-    async def _ordered_pull(self, stream: str, start: int) -> Any:
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start,
-            ack_policy=AckPolicy.NONE,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=30.0,
-            max_waiting=4,
-        )
-        for attempt in range(1000):
-            try:
-                return await self.js.pull_subscribe("", stream=stream, config=config)
-            except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
-                if attempt % 20 == 0:
-                    log.warning("cannot open replay consumer yet", stream=stream, error=repr(exc))
-                await asyncio.sleep(min(0.1 * (attempt + 1), 1.0))
-        raise LogError(f"cannot open a consumer on {stream}")
+        async for seq, msg in ordered_messages(self.nc, self.js, HERD, start, stop=stop, follow=follow):
+            headers = msg.headers
+            yield Record(seq, ev.decode(msg.data), headers.get(TRACEPARENT) if headers else None)
 
     async def last_seq(self) -> int:
         info = await self.js.stream_info(HERD)
@@ -419,56 +371,23 @@ class JetStreamLog(EventLog):
 
     async def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
         filter_subject = f"{TELEMETRY_PREFIX}.{subject}"
-        if since_s is None:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.NEW,
-                ack_policy=AckPolicy.NONE,
-                mem_storage=True,
-                inactive_threshold=30.0,
-                filter_subject=filter_subject,
+        info = await self.js.stream_info(HERD_TELEMETRY)
+        start = int(info.state.last_seq) + 1
+        cutoff = None if since_s is None else time.time() - since_s
+        if cutoff is not None:
+            start = int(info.state.first_seq) or 1
+        async for seq, msg in ordered_messages(
+            self.nc, self.js, HERD_TELEMETRY, start, stop=None, follow=True, filter_subject=filter_subject
+        ):
+            at = stream_time(msg.reply)
+            if cutoff is not None and at < cutoff:
+                continue
+            yield Delivery(
+                seq=seq, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}), at=at, deliveries=1
             )
-        else:
-            config = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_TIME,
-                opt_start_time=_rfc3339(time.time() - since_s),
-                ack_policy=AckPolicy.NONE,
-                mem_storage=True,
-                inactive_threshold=30.0,
-                filter_subject=filter_subject,
-            )
-        sub = None
-        try:
-            while True:
-                if sub is None:
-                    try:
-                        sub = await self.js.pull_subscribe(filter_subject, stream=HERD_TELEMETRY, config=config)
-                    except (nats.errors.Error, nats.js.errors.Error, ConnectionError):
-                        await asyncio.sleep(0.5)
-                        continue
-                try:
-                    msgs = await sub.fetch(batch=256, timeout=1.0)
-                except TimeoutError:  # nats-py raises both its own and the builtin one
-                    continue
-                except (nats.errors.Error, nats.js.errors.Error, ConnectionError):
-                    sub = await self._reset(sub)
-                    config.deliver_policy = DeliverPolicy.NEW
-                    config.opt_start_time = None
-                    await asyncio.sleep(0.2)
-                    continue
-                for msg in msgs:
-                    meta = msg.metadata
-                    yield Delivery(
-                        seq=meta.sequence.stream,
-                        subject=msg.subject,
-                        data=msg.data,
-                        headers=dict(msg.headers or {}),
-                        at=meta.timestamp.timestamp(),
-                        deliveries=1,
-                    )
-        finally:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+
+    def connected_since(self) -> float:
+        return self._connected_since
 
     async def reply(self, inbox: str, data: bytes) -> None:
         await self.nc.publish(inbox, data)

@@ -1,0 +1,142 @@
+"""An ordered reader of a JetStream stream: every sequence once, in order, across server restarts.
+
+nats-py's ``fetch`` hands back roughly one message per call under load and
+waits on each message with ``wait_for``; replaying a long log that way costs
+more in the client than in the server. This reader keeps one subscription
+with a callback, issues pull requests of ``PULL`` messages at a time to an
+ephemeral consumer (no acks, memory storage), reads each message's stream
+sequence from its ack subject, and recreates the consumer from the next
+expected sequence whenever it sees a gap, the consumer disappears, or the
+server goes quiet (no message, status or heartbeat) for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from gpuherd.errors import LogError
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.log")
+
+PULL = 1000
+EXPIRES_S = 5.0
+HEARTBEAT_S = 1.0
+SILENCE_S = 4.0  # no heartbeat for this long: the consumer (or the server) is gone
+
+
+def stream_seq(reply: str) -> int:
+    """The stream sequence in a JetStream ack subject (v1: 9 tokens, v2 with domain and hash: 12)."""
+    tokens = reply.split(".")
+    return int(tokens[5] if len(tokens) == 9 else tokens[7])
+
+
+def stream_time(reply: str) -> float:
+    """The stored timestamp (Unix seconds) in a JetStream ack subject."""
+    tokens = reply.split(".")
+    return int(tokens[7] if len(tokens) == 9 else tokens[9]) / 1e9
+
+
+async def ordered_messages(
+    nc: Any, js: Any, stream: str, start: int, *, stop: int | None, follow: bool, filter_subject: str | None = None
+) -> AsyncIterator[tuple[int, Any]]:
+    """Yield (stream sequence, message) from ``start``: up to ``stop``, or forever with ``follow``."""
+    buffer: collections.deque[Any] = collections.deque()
+    arrived = asyncio.Event()
+
+    async def on_message(msg: Any) -> None:
+        buffer.append(msg)
+        arrived.set()
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_message, pending_msgs_limit=4 * PULL)
+    next_seq = start
+    consumer: str | None = None
+    remaining = 0  # messages the open pull request may still deliver
+    pull_request = msgspec.json.encode(
+        {"batch": PULL, "expires": int(EXPIRES_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
+    )
+    try:
+        while True:
+            if consumer is None:
+                consumer = await _create_consumer(js, stream, next_seq, filter_subject)
+                buffer.clear()
+                remaining = 0
+            if remaining == 0:
+                await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", pull_request, reply=inbox)
+                remaining = PULL
+            if not buffer:
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), SILENCE_S)
+                except TimeoutError:
+                    log.info("replay consumer silent; recreating", stream=stream, next_seq=next_seq)
+                    consumer = await _drop_consumer(js, stream, consumer)
+                continue
+            while buffer:
+                msg = buffer.popleft()
+                if not msg.data and msg.headers and "Status" in msg.headers:
+                    status = msg.headers["Status"]
+                    if status == "100":
+                        continue  # idle heartbeat: the request is alive
+                    if status in ("404", "408"):
+                        remaining = 0  # the request ended; ask again
+                        if not follow and stop is None:
+                            return
+                        continue
+                    consumer = await _drop_consumer(js, stream, consumer)  # 409 and friends: start over
+                    break
+                seq = stream_seq(msg.reply)
+                remaining -= 1
+                if seq < next_seq:
+                    continue  # seen before a reset
+                if seq > next_seq and filter_subject is None:
+                    consumer = await _drop_consumer(js, stream, consumer)  # a gap: not the ordered view any more
+                    break
+                yield seq, msg
+                next_seq = seq + 1
+                if stop is not None and seq >= stop:
+                    return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await js._jsm.delete_consumer(stream, consumer)
+
+
+async def _create_consumer(js: Any, stream: str, start: int, filter_subject: str | None) -> str:
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start,
+        ack_policy=AckPolicy.NONE,
+        mem_storage=True,
+        num_replicas=1,
+        inactive_threshold=30.0,
+        filter_subject=filter_subject,
+    )
+    for attempt in range(10_000):
+        try:
+            info = await js._jsm.add_consumer(stream, config=config)
+            return str(info.name)
+        except (nats.errors.Error, nats.js.errors.Error, ConnectionError, TimeoutError) as exc:
+            if attempt % 20 == 0:
+                log.warning("cannot open replay consumer yet; retrying", stream=stream, error=repr(exc))
+            await asyncio.sleep(min(0.1 * (attempt + 1), 1.0))
+    raise LogError(f"cannot open a consumer on {stream}")
+
+
+async def _drop_consumer(js: Any, stream: str, consumer: str | None) -> None:
+    if consumer is not None:
+        with contextlib.suppress(Exception):
+            await js._jsm.delete_consumer(stream, consumer)
+    return None
