@@ -31,12 +31,13 @@ import collections
 import contextlib
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.aio import acquire_lease, run_until_stopped
 from gpuherd.errors import LeaseLost, LogError
 from gpuherd.log.base import SNAPSHOT_BUCKET, AppendResult, EventLog, Record
 from gpuherd.obs import current_traceparent, get_logger, span_from
@@ -118,14 +119,21 @@ class Snapshot(msgspec.Struct):
 
 
 async def append_reliably(
-    log_: EventLog, events: Sequence[ev.Event], *, trace: str | None = None, give_up_after: float = 3600.0
+    log_: EventLog,
+    events: Sequence[ev.Event],
+    *,
+    expect: Mapping[str, int] | None = None,
+    trace: str | None = None,
+    give_up_after: float = 3600.0,
 ) -> AppendResult:
-    """Append, retrying through NATS outages; safe because ids make appends idempotent."""
+    """Append, retrying through NATS outages; safe because ids make appends idempotent.
+
+    Refusals by the log (LogError, ConcurrencyError among them) are not retried."""
     deadline = time.monotonic() + give_up_after
     delay = 0.05
     while True:
         try:
-            return await log_.append(events, trace=trace)
+            return await log_.append(events, expect=expect, trace=trace)
         except LogError:
             raise
         except Exception as exc:  # connection loss, timeouts, no responders while the server restarts
@@ -201,19 +209,11 @@ class DeciderRunner(Generic[S]):
 
     async def acquire_leadership(self, stop: asyncio.Event) -> bool:
         lease = self.log.lease(f"decider.{self.name}", self.instance)
-        announced = False
-        while not stop.is_set():
-            if await lease.try_acquire():
-                self._lease = lease
-                self.is_leader = True
-                log.info("leader", decider=self.name, instance=self.instance)
-                return True
-            if not announced:
-                log.info("standby: another instance holds the lease", decider=self.name)
-                announced = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), lease.ttl / 3)
-        return False
+        if not await acquire_lease(lease, stop, f"decider {self.name}"):
+            return False
+        self._lease = lease
+        self.is_leader = True
+        return True
 
     async def _keep_lease(self) -> None:
         while True:
@@ -232,23 +232,13 @@ class DeciderRunner(Generic[S]):
         if not await self.acquire_leadership(stop):
             return
         await self.load_snapshot()
-        tasks = [
-            asyncio.create_task(self._keep_lease(), name="lease"),
-            asyncio.create_task(self._consume(), name="consume"),
-            asyncio.create_task(stop.wait(), name="stop"),
-        ]
+        coroutines = {"lease": self._keep_lease(), "consume": self._consume()}
         for extra in self.extra_tasks:
-            tasks.append(asyncio.create_task(extra(self), name=getattr(extra, "__name__", "extra")))
+            coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.get_name() != "stop" and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            await run_until_stopped(coroutines, stop)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.is_leader and stop.is_set():
+            if stop.is_set():
                 with contextlib.suppress(Exception):
                     await self._lease.release()
             self.is_leader = False

@@ -16,13 +16,13 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import time
 import uuid
 
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
 from gpuherd.decider import append_reliably
 from gpuherd.log import EventLog, open_log
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
@@ -67,28 +67,13 @@ class Agent:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        lease = self.log.lease(f"agent.{self.node}", self.boot_id)
-        while not await lease.try_acquire():
-            log.info("another agent holds this node's lease; waiting", node=self.node)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), lease.ttl / 3)
-            if stop.is_set():
-                return
+        lease = self.log.lease(f"agent.{self.node}", self.boot_id)  # one agent per node
+        if not await acquire_lease(lease, stop, f"node {self.node}"):
+            return
         await self.register()
-        tasks = [
-            asyncio.create_task(self._heartbeat(lease), name="heartbeat"),
-            asyncio.create_task(self._follow(), name="follow"),
-            asyncio.create_task(stop.wait(), name="stop"),
-        ]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.get_name() != "stop" and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            await run_until_stopped({"heartbeat": self._heartbeat(lease), "follow": self._follow()}, stop)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             # Timers of sim tasks die with us; the next agent adopts them from the log.
             await self.executor.shutdown()
             with contextlib.suppress(Exception):
@@ -231,13 +216,8 @@ def make_executor(kind: str, gpus: int, island: int) -> Executor:
 
 async def serve(url: str, node: str, executor: Executor, rack: str) -> None:
     log_ = await open_log(url, name=f"agent-{node}")
-    agent = Agent(log_, node, executor, rack=rack)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await agent.run(stop)
+        await serve_until_signal(Agent(log_, node, executor, rack=rack).run)
     finally:
         await log_.close()
 

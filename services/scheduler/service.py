@@ -13,14 +13,14 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import time
 
 from gpuherd import events as ev
-from gpuherd.decider import DeciderRunner, append_reliably
-from gpuherd.errors import ConcurrencyError, LogError
-from gpuherd.log import EventLog, open_log
+from gpuherd.aio import serve_until_signal
+from gpuherd.decider import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.errors import ConcurrencyError
+from gpuherd.log import Delivery, EventLog, open_log
 from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
@@ -33,7 +33,9 @@ log = get_logger("gpuherd.scheduler")
 INTAKE_CONSUMER = "scheduler-intake"
 
 
-async def handle_submission(log_: EventLog, state: ClusterState, delivery, *, service: str = "scheduler") -> Verdict:
+async def handle_submission(
+    log_: EventLog, state: ClusterState, delivery: Delivery, *, service: str = "scheduler"
+) -> Verdict:
     """Judge one intake message, record the verdict in HERD, reply, and only then acknowledge."""
     source = delivery.subject[len(INTAKE_PREFIX) + 1 :]
     with span_from(delivery.headers.get("traceparent"), "scheduler.intake", source=source, intake_seq=delivery.seq):
@@ -50,8 +52,8 @@ async def handle_submission(log_: EventLog, state: ClusterState, delivery, *, se
         if not verdict.duplicate:
             expect = {verdict.event.subject(): 0} if isinstance(verdict.event, ev.JobSubmitted) else None
             try:
-                already = await append_reliably_expect(log_, verdict.event, expect, trace)
-                if already and isinstance(verdict.event, ev.JobSubmitted):
+                result = await append_reliably(log_, [verdict.event], expect=expect, trace=trace)
+                if result.duplicate and isinstance(verdict.event, ev.JobSubmitted):
                     verdict = Verdict(verdict.event, job_id=verdict.job_id, duplicate=True)
             except ConcurrencyError:
                 # The job's subject already has events: an earlier submission with this intake id.
@@ -67,23 +69,6 @@ async def handle_submission(log_: EventLog, state: ClusterState, delivery, *, se
     return verdict
 
 
-async def append_reliably_expect(
-    log_: EventLog, event: ev.Event, expect: dict[str, int] | None, trace: str | None
-) -> bool:
-    """Append one event; True when the log already had it (dedupe)."""
-    delay = 0.05
-    while True:
-        try:
-            result = await log_.append([event], expect=expect, trace=trace)
-            return result.duplicate
-        except (ConcurrencyError, LogError):
-            raise
-        except Exception as exc:  # NATS away for a moment: the id makes a retry safe
-            log.warning("intake append failed; retrying", error=repr(exc))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-
 async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     await runner.caught_up.wait()
     consumer = runner.log.intake_consumer(INTAKE_CONSUMER)
@@ -94,7 +79,7 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
             await consumer.ack(delivery)
 
 
-def liveness_loop(lost_after_s: float):
+def liveness_loop(lost_after_s: float) -> ExtraTask:
     async def liveness(runner: DeciderRunner[ClusterState]) -> None:
         await runner.caught_up.wait()
         started = time.time()
@@ -139,12 +124,8 @@ async def serve(url: str, *, policy: str = "fifo", lost_after_s: float = 10.0, i
         instance=instance,
         extra_tasks=[intake_loop, liveness_loop(lost_after_s)],
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await runner.run(stop)
+        await serve_until_signal(runner.run)
     finally:
         await log_.close()
 

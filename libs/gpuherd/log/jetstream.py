@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -67,7 +68,7 @@ log = get_logger("gpuherd.log")
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_BATCH_DUPLICATE_ID = 10201
 MAX_BATCH = 1000
-_BATCH_COUNTER = 0
+_batch_numbers = itertools.count(1)  # batch ids: unique per process, with the client id and clock
 
 
 class JetStreamSettings(msgspec.Struct, kw_only=True):
@@ -251,8 +252,6 @@ class JetStreamLog(EventLog):
             return AppendResult(seqs=())
         if len(events) > MAX_BATCH:
             raise LogError(f"an atomic append holds at most {MAX_BATCH} events, got {len(events)}")
-        # The same subject twice in one batch may only be checked on its first event.
-        seen: set[str] = set()
         if len(events) == 1:
             event = events[0]
             try:
@@ -262,18 +261,16 @@ class JetStreamLog(EventLog):
             except nats.js.errors.APIError as exc:
                 raise self._map_error(exc, event.subject(), expect) from exc
             return AppendResult(seqs=(ack.seq,), duplicate=bool(ack.duplicate))
-        return await self._append_batch(events, expect, trace, seen)
+        return await self._append_batch(events, expect, trace)
 
     async def _append_batch(
         self,
         events: Sequence[ev.Event],
         expect: Mapping[str, int] | None,
         trace: str | None,
-        seen: set[str],
     ) -> AppendResult:
-        global _BATCH_COUNTER
-        _BATCH_COUNTER += 1
-        batch_id = f"{self.nc.client_id}-{_BATCH_COUNTER}-{time.monotonic_ns() % 10**12}"
+        batch_id = f"{self.nc.client_id}-{next(_batch_numbers)}-{time.monotonic_ns() % 10**12}"
+        seen: set[str] = set()  # the same subject twice in one batch is checked on its first event only
         timeout = self.settings.request_timeout_s
         last = len(events)
         for n, event in enumerate(events, start=1):

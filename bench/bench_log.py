@@ -1,0 +1,297 @@
+"""Event-log benchmark: append and replay throughput, and submit -> placed latency.
+
+Runs against a fresh embedded nats-server (file storage, as deployed) on this machine:
+
+1. append, one event per round trip (the baseline), pipelined with 256 in flight, and
+   atomic batches of 1,000;
+2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline);
+3. 2,000 submissions through the intake path (the Python client) to a real scheduler
+   process, with 100 sim nodes x 8 GPUs emulated in this process (they register, send
+   heartbeats, and finish each job after its duration): latency from publishing the
+   submission to the verdict reply, and to the JobPlaced event being readable in the log.
+
+Usage: python bench/bench_log.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuherd import events as ev
+from gpuherd.client import Client
+from gpuherd.log import open_log
+from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.natsd import NatsServer
+
+console = Console()
+SPEC = ev.JobSpec(name="bench", user="u", gpus=1, duration_s=1.0)
+
+
+def job_events(prefix: str, n: int) -> list[ev.Event]:
+    return [
+        ev.JobSubmitted(
+            id=f"{prefix}-{i}",
+            at=float(i),
+            source="bench",
+            job=f"{prefix}{i}",
+            spec=SPEC,
+            intake_source="bench",
+            based_on=i,
+            cause=f"c{i}",
+        )
+        for i in range(n)
+    ]
+
+
+async def bench_appends(log: JetStreamLog, quick: bool) -> list[tuple[str, float, float]]:
+    rows = []
+    n_single = 500 if quick else 2000
+    events = job_events("one", n_single)
+    t = time.perf_counter()
+    for e in events:
+        await log.append([e])
+    single = n_single / (time.perf_counter() - t)
+    rows.append(("append, one per round trip", single, 1.0))
+
+    n = 5000 if quick else 20_000
+    events = job_events("pipe", n)
+    t = time.perf_counter()
+    await log.append_pipelined(events, window=256)
+    rows.append(("append, pipelined (256 in flight)", n / (time.perf_counter() - t), 0.0))
+
+    events = job_events("batch", n)
+    t = time.perf_counter()
+    for i in range(0, n, 1000):
+        await log.append(events[i : i + 1000])
+    rows.append(("append, atomic batches of 1,000", n / (time.perf_counter() - t), 0.0))
+    return [(name, rate, rate / single) for name, rate, _ in rows]
+
+
+async def naive_replay(log: JetStreamLog) -> int:
+    """nats-py's own pull consumer and fetch loop: the baseline the ordered reader replaces."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    last = await log.last_seq()
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, mem_storage=True)
+    sub = await log.js.pull_subscribe("", stream="HERD", config=config)
+    count = 0
+    while count < last:
+        for msg in await sub.fetch(batch=1000, timeout=5):
+            ev.decode(msg.data)
+            count += 1
+    await sub.unsubscribe()
+    return count
+
+
+async def bench_replay(log: JetStreamLog) -> list[tuple[str, float, float]]:
+    t = time.perf_counter()
+    n_base = await naive_replay(log)
+    base = n_base / (time.perf_counter() - t)
+    t = time.perf_counter()
+    n = len(await log.read_all())
+    ours = n / (time.perf_counter() - t)
+    return [
+        (f"replay {n_base:,} events, nats-py fetch loop", base, 1.0),
+        (f"replay {n:,} events, ordered reader", ours, ours / base),
+    ]
+
+
+class SimNodes:
+    """100 sim nodes in one process: registration, heartbeats, and jobs that end after their duration."""
+
+    def __init__(self, log: JetStreamLog, nodes: int, gpus: int) -> None:
+        self.log = log
+        self.nodes = [f"b{i:03d}" for i in range(nodes)]
+        self.gpus = gpus
+        self.placed_at: dict[str, float] = {}  # intake id -> perf_counter when JobPlaced was read
+        self.intake_of: dict[str, str] = {}  # job -> intake id
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        registrations = [
+            ev.NodeRegistered(
+                id=f"bench-reg-{n}",
+                at=time.time(),
+                source="bench",
+                node=n,
+                gpus=tuple(
+                    ev.GpuInfo(index=i, uuid=f"{n}-{i}", model="SIM", memory_mb=81920) for i in range(self.gpus)
+                ),
+            )
+            for n in self.nodes
+        ]
+        await self.log.append(registrations)
+        self.tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._follow())]
+
+    async def _heartbeats(self) -> None:
+        while True:
+            for n in self.nodes:
+                await self.log.publish_telemetry(f"{n}.heartbeat", b"{}")
+            await asyncio.sleep(2)
+
+    async def _follow(self) -> None:
+        async for record in self.log.read(1, follow=True):
+            e = record.event
+            if isinstance(e, ev.JobSubmitted) and e.spec.intake_id:
+                self.intake_of[e.job] = e.spec.intake_id
+            elif isinstance(e, ev.JobPlaced):
+                intake = self.intake_of.get(e.job)
+                if intake is not None:
+                    self.placed_at.setdefault(intake, time.perf_counter())
+                asyncio.create_task(self._run(e))
+
+    async def _run(self, placed: ev.JobPlaced) -> None:
+        node = placed.allocations[0].node
+        await self.log.append(
+            [
+                ev.JobStarted(
+                    id=f"bench-start-{placed.job}-{placed.attempt}",
+                    at=time.time(),
+                    source="bench",
+                    job=placed.job,
+                    attempt=placed.attempt,
+                    node=node,
+                )
+            ]
+        )
+        await asyncio.sleep(1.0)
+        await self.log.append(
+            [
+                ev.JobFinished(
+                    id=f"bench-fin-{placed.job}-{placed.attempt}",
+                    at=time.time(),
+                    source="bench",
+                    job=placed.job,
+                    attempt=placed.attempt,
+                    outcome="completed",
+                    node=node,
+                )
+            ]
+        )
+
+    def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+async def bench_latency(url: str, data_dir: Path, quick: bool) -> list[tuple[str, float, float, float, float]]:
+    submissions = 500 if quick else 2000
+    rate = 200.0  # per second: well under what 800 GPUs of 1 s jobs absorb, so latency is not queueing
+    env = dict(os.environ, GPUHERD_LOG_LEVEL="WARNING")
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler", "--nats-url", url, "--lost-after", "600"],
+        stdout=open(data_dir / "scheduler.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    log = await open_log(url, name="bench-nodes")
+    nodes = SimNodes(log, 100, 8)
+    client = await Client.connect(url, source="bench")
+    try:
+        await nodes.start()
+        await asyncio.sleep(2.0)  # the scheduler catches up and registers the nodes
+        sent: dict[str, float] = {}
+        verdict_at: dict[str, float] = {}
+
+        async def one(i: int) -> None:
+            intake = f"lat-{i}"
+            sent[intake] = time.perf_counter()
+            spec = {"name": f"b{i}", "user": "u", "gpus": 1 + (i % 10 == 0), "duration_s": 1.0, "intake_id": intake}
+            await client.submit(spec, timeout=60)
+            verdict_at[intake] = time.perf_counter()
+
+        start = time.perf_counter()
+        pending = []
+        for i in range(submissions):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            pending.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*pending)
+        deadline = time.monotonic() + 30
+        while len(nodes.placed_at) < submissions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        verdict_ms = [1000 * (verdict_at[k] - sent[k]) for k in verdict_at]
+        placed_ms = [1000 * (nodes.placed_at[k] - sent[k]) for k in nodes.placed_at]
+        if len(placed_ms) < submissions:
+            console.print(f"[red]only {len(placed_ms)} of {submissions} jobs were placed[/red]")
+        return [
+            (
+                f"submit -> verdict reply ({len(verdict_ms)})",
+                statistics.median(verdict_ms),
+                pct(verdict_ms, 99),
+                max(verdict_ms),
+                1.0,
+            ),
+            (
+                f"submit -> JobPlaced in log ({len(placed_ms)})",
+                statistics.median(placed_ms),
+                pct(placed_ms, 99),
+                max(placed_ms),
+                statistics.median(placed_ms) / statistics.median(verdict_ms),
+            ),
+        ]
+    finally:
+        nodes.stop()
+        await client.close()
+        await log.close()
+        scheduler.terminate()
+        scheduler.wait(10)
+
+
+async def main(quick: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = NatsServer(Path(tmp) / "nats").start()
+        try:
+            log = await open_log(server.url, name="bench")
+            assert isinstance(log, JetStreamLog)
+            appends = await bench_appends(log, quick)
+            replay = await bench_replay(log)
+            await log.close()
+        finally:
+            server.stop()
+        # A fresh log: the jobs appended above would otherwise wait at the head of the queue.
+        server = NatsServer(Path(tmp) / "nats-latency").start()
+        try:
+            latency = await bench_latency(server.url, Path(tmp), quick)
+        finally:
+            server.stop()
+
+    table = Table(title=f"event log on nats-server (file storage), {os.cpu_count()} cores")
+    for col in ("measure", "events/s", "x baseline", "target"):
+        table.add_column(col, justify="right" if col != "measure" else "left")
+    targets = {"atomic": ">= 15,000", "ordered": ">= 40,000"}
+    for name, rate, ratio in appends + replay:
+        target = next((t for k, t in targets.items() if k in name), "")
+        table.add_row(name, f"{rate:,.0f}", f"{ratio:.2f}", target)
+    console.print(table)
+    lat = Table(title="intake -> placement, 100 sim nodes x 8 GPUs, 200 submissions/s")
+    for col in ("path", "p50 ms", "p99 ms", "max ms", "p50 x verdict", "target"):
+        lat.add_column(col, justify="right" if col != "path" else "left")
+    for name, p50, p99, worst, ratio in latency:
+        lat.add_row(
+            name, f"{p50:.1f}", f"{p99:.1f}", f"{worst:.1f}", f"{ratio:.2f}", "p99 <= 50" if "JobPlaced" in name else ""
+        )
+    console.print(lat)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer events, for a smoke run")
+    asyncio.run(main(parser.parse_args().quick))

@@ -1,0 +1,55 @@
+"""Small asyncio helpers every long-running gpuherd process uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from gpuherd.log.base import Lease
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.aio")
+
+
+async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
+    """Run named coroutines together until ``stop`` is set or one of them fails (its error is raised).
+
+    All of them are cancelled and awaited before this returns."""
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in coroutines.items()]
+    tasks.append(asyncio.create_task(stop.wait(), name="stop"))
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task.get_name() != "stop" and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def acquire_lease(lease: Lease, stop: asyncio.Event, what: str) -> bool:
+    """Wait as a standby until ``lease`` is ours (True) or ``stop`` is set (False)."""
+    announced = False
+    while not stop.is_set():
+        if await lease.try_acquire():
+            log.info("lease acquired", lease=lease.name, holder=lease.holder)
+            return True
+        if not announced:
+            log.info(f"standby: another instance holds the lease for {what}", lease=lease.name)
+            announced = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), lease.ttl / 3)
+    return False
+
+
+async def serve_until_signal(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``run(stop)``; SIGTERM and SIGINT set ``stop`` for a clean shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await run(stop)
