@@ -117,6 +117,7 @@ class SimNodes:
         self.placed_at: dict[str, float] = {}  # intake id -> perf_counter when JobPlaced was read
         self.intake_of: dict[str, str] = {}  # job -> intake id
         self.tasks: list[asyncio.Task[None]] = []
+        self.running: set[asyncio.Task[None]] = set()  # jobs in flight (kept so they are not collected)
 
     async def start(self) -> None:
         registrations = [
@@ -149,7 +150,9 @@ class SimNodes:
                 intake = self.intake_of.get(e.job)
                 if intake is not None:
                     self.placed_at.setdefault(intake, time.perf_counter())
-                asyncio.create_task(self._run(e))
+                job = asyncio.create_task(self._run(e))
+                self.running.add(job)
+                job.add_done_callback(self.running.discard)
 
     async def _run(self, placed: ev.JobPlaced) -> None:
         node = placed.allocations[0].node
@@ -187,19 +190,20 @@ class SimNodes:
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 async def bench_latency(url: str, data_dir: Path, quick: bool) -> list[tuple[str, float, float, float, float]]:
     submissions = 500 if quick else 2000
     rate = 200.0  # per second: well under what 800 GPUs of 1 s jobs absorb, so latency is not queueing
     env = dict(os.environ, GPUHERD_LOG_LEVEL="WARNING")
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "services.scheduler", "--nats-url", url, "--lost-after", "600"],
-        stdout=open(data_dir / "scheduler.log", "wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with open(data_dir / "scheduler.log", "wb") as scheduler_log:
+        scheduler = subprocess.Popen(
+            [sys.executable, "-m", "services.scheduler", "--nats-url", url, "--lost-after", "600"],
+            stdout=scheduler_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     log = await open_log(url, name="bench-nodes")
     nodes = SimNodes(log, 100, 8)
     client = await Client.connect(url, source="bench")
