@@ -77,7 +77,7 @@ def summarize(state: ClusterState) -> dict[str, Any]:
     t1 = max((j.finished_at or 0.0 for j in jobs), default=0.0)
     capacity = state.capacity_gpus()
     return {
-        "submitted": len(jobs),
+        "accepted": len(jobs),
         "rejected": state.rejected,
         "completed": len(done),
         "by_status": dict(Counter(j.status for j in jobs)),
@@ -172,6 +172,6 @@ async def run_demo(
         f"audit: re-ran {report.decisions_checked} scheduler decisions over {report.events} events: {verdict}"
     )
     unfinished = (
-        summary["submitted"] - summary["by_status"].get("completed", 0) - summary["by_status"].get("cancelled", 0)
+        summary["accepted"] - summary["by_status"].get("completed", 0) - summary["by_status"].get("cancelled", 0)
     )
     return 0 if report.ok and unfinished == 0 else 1

@@ -15,6 +15,10 @@ class LogError(GpuherdError):
     """The event log could not carry out a request."""
 
 
+class LogUnavailable(GpuherdError):
+    """The log cannot take the request right now (server restarting, no quorum); retrying is safe."""
+
+
 class ConcurrencyError(LogError):
     """An aggregate changed since the writer last read it (expected subject sequence did not match)."""
 

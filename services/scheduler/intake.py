@@ -81,6 +81,34 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
     return None
 
 
+def rejection(
+    state: ClusterState,
+    *,
+    source: str,
+    intake_seq: int,
+    data: bytes,
+    at: float,
+    reason: str,
+    intake_id: str | None = None,
+    service: str = "scheduler",
+) -> Verdict:
+    """The verdict for a submission that cannot become a job; it keeps the start of the payload."""
+    return Verdict(
+        ev.JobRejected(
+            id=f"{service}:rejected:{source}:{intake_seq}",
+            at=at,
+            source=service,
+            based_on=state.seq,
+            cause=f"intake:{source}:{intake_seq}",
+            intake_source=source if _SOURCE_PATTERN.match(source) else "_invalid",
+            intake_seq=intake_seq,
+            intake_id=intake_id,
+            reason=reason,
+            payload_excerpt=_excerpt(data),
+        )
+    )
+
+
 def judge(
     state: ClusterState,
     *,
@@ -95,19 +123,15 @@ def judge(
     cause = f"intake:{source}:{intake_seq}"
 
     def reject(reason: str, intake_id: str | None = None) -> Verdict:
-        return Verdict(
-            ev.JobRejected(
-                id=f"{service}:rejected:{source}:{intake_seq}",
-                at=at,
-                source=service,
-                based_on=state.seq,
-                cause=cause,
-                intake_source=source if _SOURCE_PATTERN.match(source) else "_invalid",
-                intake_seq=intake_seq,
-                intake_id=intake_id,
-                reason=reason,
-                payload_excerpt=_excerpt(data),
-            )
+        return rejection(
+            state,
+            source=source,
+            intake_seq=intake_seq,
+            data=data,
+            at=at,
+            reason=reason,
+            intake_id=intake_id,
+            service=service,
         )
 
     if not _SOURCE_PATTERN.match(source):

@@ -41,7 +41,7 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, LeaseLost, LogError
+from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
 from gpuherd.log.base import (
     HERD,
     HERD_INTAKE,
@@ -293,7 +293,7 @@ class JetStreamLog(EventLog):
                     if code == ERR_WRONG_LAST_SEQUENCE:
                         subj = next(iter(expect or {"?": 0}))
                         raise ConcurrencyError(subj, (expect or {}).get(subj, 0))
-                    raise LogError(f"atomic append refused: {error.get('description')} (code {code})")
+                    raise _refusal("atomic append", error)
                 last_seq = int(answer["seq"])
                 return AppendResult(seqs=tuple(range(last_seq - last + 1, last_seq + 1)))
             if n == 1:
@@ -302,7 +302,7 @@ class JetStreamLog(EventLog):
                 if reply.data:
                     error = msgspec.json.decode(reply.data).get("error")
                     if error:
-                        raise LogError(f"atomic append refused: {error.get('description')}")
+                        raise _refusal("atomic append", error)
             else:
                 await self.nc.publish(subject, data, headers=headers)
         raise AssertionError("unreachable")
@@ -311,7 +311,9 @@ class JetStreamLog(EventLog):
     def _map_error(exc: nats.js.errors.APIError, subject: str, expect: Mapping[str, int] | None) -> Exception:
         if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
             return ConcurrencyError(subject, (expect or {}).get(subject, 0))
-        return LogError(f"append to {subject} refused: {exc.description} (code {exc.err_code})")
+        return _refusal(
+            f"append to {subject}", {"code": exc.code, "err_code": exc.err_code, "description": exc.description}
+        )
 
     async def append_pipelined(self, events: Sequence[ev.Event], window: int = 256) -> list[int]:
         semaphore = asyncio.Semaphore(window)
@@ -407,6 +409,14 @@ class JetStreamLog(EventLog):
 
     def lease(self, name: str, holder: str) -> Lease:
         return _JetStreamLease(self, name, holder)
+
+
+def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
+    """A server-side 5xx (JetStream recovering, no quorum) is worth retrying; anything else is final."""
+    message = f"{what} refused: {error.get('description')} (code {error.get('err_code')})"
+    if int(error.get("code") or 0) >= 500:
+        return LogUnavailable(message)
+    return LogError(message)
 
 
 def _content_key(subject: str, data: bytes) -> bytes:
