@@ -100,9 +100,6 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def free_gpus(self) -> int:
         return sum(len(n.free_gpus()) for n in self.nodes.values() if n.status == "up")
 
-    def used_gpus(self) -> int:
-        return sum(1 for n in self.nodes.values() for g in n.gpus if g.job is not None)
-
 
 def intake_key(source: str, intake_id: str) -> str:
     return f"{source}/{intake_id}"
