@@ -81,58 +81,46 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
     return None
 
 
+class Submission(msgspec.Struct, frozen=True, kw_only=True):
+    """One raw message from herd.intake.<source>, as stored by the HERD_INTAKE stream."""
+
+    source: str
+    seq: int  # its HERD_INTAKE sequence
+    data: bytes
+    at: float  # when the stream stored it
+    msg_id: str | None = None  # its Nats-Msg-Id header: the default intake id
+
+    @property
+    def cause(self) -> str:
+        return f"intake:{self.source}:{self.seq}"
+
+
 def rejection(
-    state: ClusterState,
-    *,
-    source: str,
-    intake_seq: int,
-    data: bytes,
-    at: float,
-    reason: str,
-    intake_id: str | None = None,
-    service: str = "scheduler",
+    state: ClusterState, sub: Submission, reason: str, *, intake_id: str | None = None, service: str = "scheduler"
 ) -> Verdict:
     """The verdict for a submission that cannot become a job; it keeps the start of the payload."""
     return Verdict(
         ev.JobRejected(
-            id=f"{service}:rejected:{source}:{intake_seq}",
-            at=at,
+            id=f"{service}:rejected:{sub.source}:{sub.seq}",
+            at=sub.at,
             source=service,
             based_on=state.seq,
-            cause=f"intake:{source}:{intake_seq}",
-            intake_source=source if _SOURCE_PATTERN.match(source) else "_invalid",
-            intake_seq=intake_seq,
+            cause=sub.cause,
+            intake_source=sub.source if _SOURCE_PATTERN.match(sub.source) else "_invalid",
+            intake_seq=sub.seq,
             intake_id=intake_id,
             reason=reason,
-            payload_excerpt=_excerpt(data),
+            payload_excerpt=_excerpt(sub.data),
         )
     )
 
 
-def judge(
-    state: ClusterState,
-    *,
-    source: str,
-    intake_seq: int,
-    data: bytes,
-    at: float,
-    msg_id: str | None = None,
-    service: str = "scheduler",
-) -> Verdict:
-    """Decide on one submission. ``msg_id`` is the Nats-Msg-Id header, the default intake id."""
-    cause = f"intake:{source}:{intake_seq}"
+def judge(state: ClusterState, sub: Submission, *, service: str = "scheduler") -> Verdict:
+    """Decide on one submission: JobSubmitted, or JobRejected with a reason a person can act on."""
+    source, data = sub.source, sub.data
 
     def reject(reason: str, intake_id: str | None = None) -> Verdict:
-        return rejection(
-            state,
-            source=source,
-            intake_seq=intake_seq,
-            data=data,
-            at=at,
-            reason=reason,
-            intake_id=intake_id,
-            service=service,
-        )
+        return rejection(state, sub, reason, intake_id=intake_id, service=service)
 
     if not _SOURCE_PATTERN.match(source):
         return reject("publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'")
@@ -147,20 +135,20 @@ def judge(
     problem = _spec_problem(spec, state)
     if problem is not None:
         return reject(problem, spec.intake_id)
-    intake_id = spec.intake_id or msg_id or f"seq-{intake_seq}"
+    intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
     if spec.intake_id is None:
         spec = msgspec.structs.replace(spec, intake_id=intake_id)
     job_id = job_id_for(source, intake_id)
     existing = state.intake_index.get(intake_key(source, intake_id))
     submitted = ev.JobSubmitted(
         id=f"{service}:intake:{source}:{intake_id}",
-        at=at,
+        at=sub.at,
         source=service,
         based_on=state.seq,
-        cause=cause,
+        cause=sub.cause,
         job=job_id,
         spec=spec,
         intake_source=source,
-        intake_seq=intake_seq,
+        intake_seq=sub.seq,
     )
     return Verdict(submitted, job_id=job_id, duplicate=existing is not None)

@@ -25,7 +25,7 @@ from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.intake import Verdict, judge, rejection
+from services.scheduler.intake import Submission, Verdict, judge, rejection
 from services.scheduler.policy import make_policy
 
 log = get_logger("gpuherd.scheduler")
@@ -39,28 +39,19 @@ async def handle_submission(
     """Judge one intake message, record the verdict in HERD, reply, and only then acknowledge."""
     source = delivery.subject[len(INTAKE_PREFIX) + 1 :]
     with span_from(delivery.headers.get("traceparent"), "scheduler.intake", source=source, intake_seq=delivery.seq):
+        submission = Submission(
+            source=source,
+            seq=delivery.seq,
+            data=delivery.data,
+            at=delivery.at,
+            msg_id=delivery.headers.get("Nats-Msg-Id"),
+        )
         try:
-            verdict = judge(
-                state,
-                source=source,
-                intake_seq=delivery.seq,
-                data=delivery.data,
-                at=delivery.at,
-                msg_id=delivery.headers.get("Nats-Msg-Id"),
-                service=service,
-            )
+            verdict = judge(state, submission, service=service)
         except Exception as exc:  # a bug must not turn one submission into a crash loop
             log.exception("could not judge a submission; recording it as rejected", intake_seq=delivery.seq)
-            verdict = rejection(
-                state,
-                source=source,
-                intake_seq=delivery.seq,
-                data=delivery.data,
-                at=delivery.at,
-                reason=f"the scheduler failed to judge this submission ({type(exc).__name__}: {exc}); "
-                "it is recorded; please report it",
-                service=service,
-            )
+            reason = f"the scheduler failed to judge this submission ({type(exc).__name__}: {exc}); please report it"
+            verdict = rejection(state, submission, reason, service=service)
         trace = current_traceparent()
         if not verdict.duplicate:
             expect = {verdict.event.subject(): 0} if isinstance(verdict.event, ev.JobSubmitted) else None

@@ -3,7 +3,7 @@ import pytest
 
 from gpuherd import events as ev
 from gpuherd.state import ClusterState, apply
-from services.scheduler.intake import MAX_SUBMISSION_BYTES, job_id_for, judge
+from services.scheduler.intake import MAX_SUBMISSION_BYTES, Submission, job_id_for, judge
 from tests.helpers import node
 
 
@@ -14,11 +14,9 @@ def cluster() -> ClusterState:
     return state
 
 
-def verdict(data: bytes | dict, state: ClusterState | None = None, **kw):
+def verdict(data: bytes | dict, state: ClusterState | None = None, *, source: str = "teamA", seq: int = 7, msg_id=None):
     raw = data if isinstance(data, bytes) else msgspec.json.encode(data)
-    return judge(
-        state or cluster(), source=kw.pop("source", "teamA"), intake_seq=kw.pop("seq", 7), data=raw, at=5.0, **kw
-    )
+    return judge(state or cluster(), Submission(source=source, seq=seq, data=raw, at=5.0, msg_id=msg_id))
 
 
 GOOD = {"name": "resnet", "user": "ana", "gpus": 4, "duration_s": 60}
