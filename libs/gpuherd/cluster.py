@@ -134,21 +134,21 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+
+    def supervise_once() -> None:
+        for p in procs:
+            p.check()
+
     code = 0
     try:
         if args.demo:
             from gpuherd.demo import run_demo
 
-            def supervise_once() -> None:
-                for p in procs:
-                    p.check()
-
             code = asyncio.run(run_demo(url, args, supervise_once, lambda: stopping))
         else:
             console.print("cluster is up; Ctrl-C stops it. Try: gpuherd nodes, gpuherd submit job.yaml, gpuherd jobs")
             while not stopping:
-                for p in procs:
-                    p.check()
+                supervise_once()
                 time.sleep(0.5)
     finally:
         console.print("stopping services ...")

@@ -213,6 +213,11 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job = state.jobs.get(e.job)
     if job is None or job.status != "pending" or e.attempt != job.attempt:
         return
+    if not all(
+        alloc.node in state.nodes and all(0 <= i < len(state.nodes[alloc.node].gpus) for i in alloc.gpus)
+        for alloc in e.allocations
+    ):
+        return  # names GPUs that do not exist: never applied (invariants.violations reports it)
     for alloc in e.allocations:
         node = state.nodes[alloc.node]
         for index in alloc.gpus:

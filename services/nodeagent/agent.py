@@ -114,6 +114,8 @@ class Agent:
             job_id = getattr(record.event, "job", None)
             if isinstance(record.event, ev.JobPlaced) and record.trace:
                 self._traces[record.event.job] = record.trace
+            elif isinstance(record.event, ev.JobFinished):
+                self._traces.pop(record.event.job, None)
             if not self.caught_up.is_set():
                 if record.seq >= head:
                     self.caught_up.set()

@@ -74,3 +74,10 @@ def test_snapshot_roundtrip_equals_fold() -> None:
 def test_fold_is_deterministic() -> None:
     history = [node("n1", 4), submit("a", 2), placed("a", ("n1", (0, 1))), finish("a", at=3.0)]
     assert encode_state(run(*history)) == encode_state(run(*history))
+
+
+def test_placement_on_missing_gpus_is_not_applied() -> None:
+    s = run(node("n1", 2), submit("a", 1))
+    apply(s, 10, placed("a", ("ghost", (0,))))
+    apply(s, 11, placed("a", ("n1", (5,))))
+    assert s.jobs["a"].status == "pending" and s.free_gpus() == 2
