@@ -10,7 +10,16 @@ from gpuherd.log.base import Record
 _ids = itertools.count(1)
 
 
-def node(name: str, gpus: int = 8, *, island: int = 0, rack: str = "r1", at: float = 0.0) -> ev.NodeRegistered:
+def node(
+    name: str,
+    gpus: int = 8,
+    *,
+    island: int = 0,
+    rack: str = "r1",
+    at: float = 0.0,
+    executor: str = "sim",
+    ports: tuple[int, int] | None = None,
+) -> ev.NodeRegistered:
     size = island or gpus
     infos = tuple(
         ev.GpuInfo(
@@ -22,13 +31,41 @@ def node(name: str, gpus: int = 8, *, island: int = 0, rack: str = "r1", at: flo
         )
         for i in range(gpus)
     )
-    return ev.NodeRegistered(id=f"reg-{name}-{next(_ids)}", at=at, source="test", node=name, gpus=infos, rack=rack)
+    return ev.NodeRegistered(
+        id=f"reg-{name}-{next(_ids)}",
+        at=at,
+        source="test",
+        node=name,
+        gpus=infos,
+        rack=rack,
+        executor=executor,
+        address=f"{name}.local" if ports else "",
+        port_range=ports,
+    )
 
 
 def submit(
-    job: str, gpus: int = 1, *, nodes: int | None = None, at: float = 0.0, duration: float = 10.0, vc: str = "default"
+    job: str,
+    gpus: int = 1,
+    *,
+    nodes: int | None = None,
+    at: float = 0.0,
+    duration: float = 10.0,
+    vc: str = "default",
+    command: tuple[str, ...] | None = None,
+    max_retries: int = 0,
 ) -> ev.JobSubmitted:
-    spec = ev.JobSpec(name=job, user="u", gpus=gpus, nodes=nodes, duration_s=duration, vc=vc, intake_id=job)
+    spec = ev.JobSpec(
+        name=job,
+        user="u",
+        gpus=gpus,
+        nodes=nodes,
+        duration_s=None if command else duration,
+        vc=vc,
+        intake_id=job,
+        command=command,
+        max_retries=max_retries,
+    )
     return ev.JobSubmitted(
         id=f"scheduler:intake:test:{job}", at=at, source="scheduler", job=job, spec=spec, intake_source="test"
     )
@@ -36,6 +73,35 @@ def submit(
 
 def finish(job: str, attempt: int = 0, *, at: float = 0.0, outcome: str = "completed") -> ev.JobFinished:
     return ev.JobFinished(id=f"fin-{job}-{attempt}", at=at, source="test", job=job, attempt=attempt, outcome=outcome)  # type: ignore[arg-type]
+
+
+def ended(
+    job: str,
+    node_name: str,
+    attempt: int = 0,
+    *,
+    outcome: str = "completed",
+    exit_code: int | None = 0,
+    at: float = 0.0,
+) -> ev.TaskEnded:
+    return ev.TaskEnded(
+        id=f"ended-{job}-{node_name}-{attempt}",
+        at=at,
+        source=f"agent.{node_name}",
+        job=job,
+        attempt=attempt,
+        node=node_name,
+        outcome=outcome,  # type: ignore[arg-type]
+        exit_code=exit_code,
+        reason="" if outcome == "completed" else f"local rank 0 exited with code {exit_code}",
+        output_tail="Traceback: boom" if outcome == "failed" else "",
+    )
+
+
+def tick(at: float, lost_after: float = 10.0, **last_heard: float) -> ev.ClockTicked:
+    return ev.ClockTicked(
+        id=f"tick-{next(_ids)}", at=at, source="scheduler", last_heard=last_heard, lost_after_s=lost_after
+    )
 
 
 def records(*events: ev.Event, start: int = 1) -> list[Record]:

@@ -82,11 +82,26 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     priority: int = 0
     elastic: Elastic | None = None
     intake_id: str | None = None
+    max_retries: int = 0  # how often a failed attempt is retried before the job fails
+    procs_per_node: int | None = None  # processes per node; default: one per GPU given on that node
+    env: dict[str, str] | None = None  # extra environment of the job's processes
+    workdir: str | None = None  # working directory of the job's processes (default: the agent's)
 
 
 class Allocation(msgspec.Struct, frozen=True):
     node: str
     gpus: tuple[int, ...]
+
+
+class Rendezvous(msgspec.Struct, frozen=True):
+    """Where a job's processes meet (torch.distributed MASTER_ADDR/MASTER_PORT), chosen by the scheduler."""
+
+    addr: str
+    port: int
+
+
+Locality = Literal["island", "node", "rack", "cluster"]
+PartOutcome = Literal["completed", "failed", "stopped", "lost"]
 
 
 Outcome = Literal["completed", "failed", "cancelled"]
@@ -109,6 +124,8 @@ class NodeRegistered(Event, kw_only=True, frozen=True):
     rack: str = ""
     executor: str = "sim"
     boot_id: str = ""
+    address: str = ""  # where peers reach this node (a job's rendezvous, when it leads the gang)
+    port_range: tuple[int, int] | None = None  # [first, last] ports the scheduler may give to rendezvous here
 
     def subject(self) -> str:
         return f"herd.node.{self.node}"
@@ -129,14 +146,30 @@ class NodeUndrained(Event, kw_only=True, frozen=True):
         return f"herd.node.{self.node}"
 
 
-class NodeLost(Event, kw_only=True, frozen=True):
-    """The node stopped sending heartbeats; its jobs are requeued."""
+class NodeLost(Decision, kw_only=True, frozen=True):
+    """The scheduler decided the node is gone (its heartbeats stopped); its jobs are requeued."""
 
     node: str
     reason: str = ""
 
     def subject(self) -> str:
         return f"herd.node.{self.node}"
+
+
+class ClockTicked(Event, kw_only=True, frozen=True):
+    """A service's timer, recorded so that time-driven decisions replay exactly.
+
+    ``last_heard`` is when the ticking service last heard from each node (a
+    heartbeat, or its own reconnect: an outage of the observer is no evidence
+    against a node). The scheduler declares a node lost when a tick shows it
+    silent for longer than ``lost_after_s``.
+    """
+
+    last_heard: dict[str, float]
+    lost_after_s: float
+
+    def subject(self) -> str:
+        return f"herd.clock.{self.source or 'anon'}"
 
 
 # ---------------------------------------------------------------------------
@@ -187,8 +220,10 @@ class JobPlaced(Decision, kw_only=True, frozen=True):
 
     job: str
     attempt: int
-    allocations: tuple[Allocation, ...]
+    allocations: tuple[Allocation, ...]  # the first allocation's node leads the gang (rank 0)
     reason: str = ""
+    locality: Locality | None = None  # the tightest level the whole gang fits in
+    rendezvous: Rendezvous | None = None
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
@@ -214,6 +249,28 @@ class JobFinished(Decision, kw_only=True, frozen=True):
     node: str = ""
     exit_code: int | None = None
     reason: str = ""
+    output_tail: str = ""  # the last lines of the deciding process's output
+    metrics: dict[str, float] | None = None  # the last metrics rank 0 reported (loss, steps, ...)
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+MAX_OUTPUT_TAIL = 2048  # bytes of output kept in an event; the rest is in the agent's log files
+
+
+class TaskEnded(Event, kw_only=True, frozen=True):
+    """One node's part (task) of a job attempt ended. The scheduler settles the attempt once
+    every part has ended: completed, failed (retry or not), or requeued."""
+
+    job: str
+    attempt: int
+    node: str
+    outcome: PartOutcome
+    exit_code: int | None = None
+    reason: str = ""
+    output_tail: str = ""
+    metrics: dict[str, float] | None = None
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
@@ -243,12 +300,14 @@ AnyEvent = (
     | NodeDrained
     | NodeUndrained
     | NodeLost
+    | ClockTicked
     | VcConfigured
     | JobSubmitted
     | JobRejected
     | JobPlaced
     | JobStarted
     | JobFinished
+    | TaskEnded
     | JobCancelRequested
     | JobRequeued
 )

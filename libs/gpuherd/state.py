@@ -40,9 +40,25 @@ class NodeState(msgspec.Struct, kw_only=True):
     boot_id: str = ""
     registered_at: float = 0.0
     registered_seq: int = 0
+    address: str = ""
+    port_range: tuple[int, int] | None = None
 
     def free_gpus(self) -> list[int]:
         return [g.info.index for g in self.gpus if g.job is None and g.healthy]
+
+    def runs_processes(self) -> bool:
+        """Whether this node's executor runs real processes (a job with a ``command`` needs one)."""
+        return self.executor != "sim"
+
+
+class PartEnd(msgspec.Struct, kw_only=True, frozen=True):
+    """How one node's part of the current attempt ended."""
+
+    outcome: ev.PartOutcome
+    exit_code: int | None = None
+    reason: str = ""
+    output_tail: str = ""
+    metrics: dict[str, float] | None = None
 
 
 class JobState(msgspec.Struct, kw_only=True):
@@ -61,10 +77,28 @@ class JobState(msgspec.Struct, kw_only=True):
     reason: str = ""  # why it is where it is: last requeue / finish reason
     cancel_requested: bool = False
     placement_reason: str = ""
+    locality: str | None = None
+    rendezvous: ev.Rendezvous | None = None
+    parts_ended: dict[str, PartEnd] = msgspec.field(default_factory=dict)  # node -> end, current attempt
+    failures: int = 0  # attempts that failed (each one retried while failures <= spec.max_retries)
 
     @property
     def gpus(self) -> int:
         return self.spec.gpus
+
+    @property
+    def nodes(self) -> list[str]:
+        return [a.node for a in self.allocations]
+
+    def stopping(self) -> bool:
+        """The current attempt must end on every node: a part failed, stopped or was lost, or a
+        cancel was asked for. Agents stop their parts; the scheduler settles once all ended."""
+        if self.status not in ACTIVE:
+            return False
+        return self.cancel_requested or any(p.outcome != "completed" for p in self.parts_ended.values())
+
+    def all_parts_ended(self) -> bool:
+        return bool(self.allocations) and all(a.node in self.parts_ended for a in self.allocations)
 
 
 class VcState(msgspec.Struct, kw_only=True):
@@ -167,6 +201,8 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         boot_id=e.boot_id,
         registered_at=e.at,
         registered_seq=seq,
+        address=e.address,
+        port_range=e.port_range,
     )
 
 
@@ -186,9 +222,15 @@ def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
 
 def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:
     node = state.nodes.get(e.node)
-    if node is not None:
-        node.status = "lost"
-        node.reason = e.reason
+    if node is None:
+        return
+    node.status = "lost"
+    node.reason = e.reason
+    # Whatever ran there is gone (the agent fences its processes before the loss is declared).
+    for job_id in {slot.job for slot in node.gpus if slot.job is not None}:
+        job = state.jobs.get(job_id)
+        if job is not None and job.status in ACTIVE and e.node not in job.parts_ended:
+            job.parts_ended[e.node] = PartEnd(outcome="lost", reason=f"node {e.node} lost: {e.reason}")
 
 
 def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
@@ -226,6 +268,9 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.status = "placed"
     job.placed_at = e.at
     job.placement_reason = e.reason
+    job.locality = e.locality
+    job.rendezvous = e.rendezvous
+    job.parts_ended = {}
     if job.first_placed_at is None:
         job.first_placed_at = e.at
     _dequeue(state, e.job)
@@ -253,6 +298,17 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job.reason = e.reason
 
 
+def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or e.node not in job.nodes:
+        return
+    if e.node in job.parts_ended:
+        return  # the first word on a part stands (a lost node's late report changes nothing)
+    job.parts_ended[e.node] = PartEnd(
+        outcome=e.outcome, exit_code=e.exit_code, reason=e.reason, output_tail=e.output_tail, metrics=e.metrics
+    )
+
+
 def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
     job = state.jobs.get(e.job)
     if job is not None and job.status not in TERMINAL:
@@ -264,11 +320,15 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
         return
     _release(state, job)
+    if any(p.outcome == "failed" for p in job.parts_ended.values()):
+        job.failures += 1
     job.status = "pending"
     job.attempt += 1
     job.placed_at = None
     job.started_at = None
     job.started_nodes = []
+    job.parts_ended = {}
+    job.rendezvous = None
     job.reason = e.reason
     _enqueue(state, job)
 
@@ -284,6 +344,7 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.JobPlaced: _job_placed,
     ev.JobStarted: _job_started,
     ev.JobFinished: _job_finished,
+    ev.TaskEnded: _task_ended,
     ev.JobCancelRequested: _job_cancel_requested,
     ev.JobRequeued: _job_requeued,
 }  # type: ignore[dict-item]

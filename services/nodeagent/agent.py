@@ -1,12 +1,16 @@
-"""The node agent: register, heartbeat, and reconcile this node's tasks with the log.
+"""The node agent: register, heartbeat, sample, and reconcile this node's tasks with the log.
 
 The agent folds the same ClusterState as every service and *reconciles*:
-what the log says should run on this node (jobs placed here, at their current
-attempt, not cancelled) against what its executor runs. Reconciling rather
-than reacting to single events makes a restart safe: after folding the log
-again, the agent adopts tasks that were running (a sim task resumes with the
-time already elapsed) and stops tasks whose attempt ended meanwhile. Every
-event it appends has an id derived from (node, job, attempt), so a repeat
+what the log says should run on this node (its part of each job attempt
+placed here) against what its executor runs. Reconciling rather than
+reacting to single events makes a restart safe: after folding the log again,
+the agent adopts the tasks that still run (their shims outlived it) and stops
+those whose attempt ended meanwhile.
+
+What it writes: ``JobStarted`` when it starts its part, ``TaskEnded`` when
+its part ends (completed, failed with the output's tail, or stopped because
+the attempt is ending elsewhere). The scheduler turns the parts' ends into
+the job's outcome. Every id is derived from (node, job, attempt), so a repeat
 after a crash is a no-op.
 """
 
@@ -16,8 +20,11 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
+import socket
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 
@@ -26,10 +33,13 @@ from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
 from gpuherd.decider import append_reliably
 from gpuherd.log import EventLog, open_log
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
-from gpuherd.state import ACTIVE, ClusterState, apply
-from services.nodeagent.executors import Executor, SimExecutor, TaskExit, TaskKey
+from gpuherd.state import ACTIVE, TERMINAL, ClusterState, JobState, apply
+from services.nodeagent.control import ControlSocket, control_address
+from services.nodeagent.executors import Executor, TaskExit, TaskKey, TaskLaunch, make_executor
 
 log = get_logger("gpuherd.nodeagent")
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -39,6 +49,30 @@ class Heartbeat(msgspec.Struct, frozen=True):
     running: int
 
 
+class LogsRequest(msgspec.Struct, frozen=True):
+    job: str
+    attempt: int | None = None  # None: every attempt that ran here
+    max_bytes: int = 65536
+
+
+def launch_for(job: JobState, node: str, *, resume: bool, elapsed_s: float) -> TaskLaunch:
+    """This node's part of the job's current attempt: its GPUs, ranks and rendezvous."""
+    procs = [job.spec.procs_per_node or len(a.gpus) for a in job.allocations]
+    index = job.nodes.index(node)
+    return TaskLaunch(
+        key=TaskKey(job.job, job.attempt),
+        spec=job.spec,
+        gpus=job.allocations[index].gpus,
+        group_rank=index,
+        rank_offset=sum(procs[:index]),
+        world_size=sum(procs),
+        procs=procs[index],
+        rendezvous=job.rendezvous,
+        resume=resume,
+        elapsed_s=elapsed_s,
+    )
+
+
 class Agent:
     def __init__(
         self,
@@ -46,15 +80,23 @@ class Agent:
         node: str,
         executor: Executor,
         *,
+        data_dir: Path | None = None,
         rack: str = "",
-        heartbeat_s: float = 2.0,
+        address: str = "",
+        port_range: tuple[int, int] | None = None,
+        heartbeat_s: float = 1.0,
+        telemetry_s: float = 5.0,
         clock=time.time,
     ) -> None:
         self.log = log_
         self.node = node
         self.executor = executor
+        self.data_dir = data_dir
         self.rack = rack
+        self.address = address
+        self.port_range = port_range
         self.heartbeat_s = heartbeat_s
+        self.telemetry_s = telemetry_s
         self.clock = clock
         self.source = f"agent.{node}"
         self.boot_id = uuid.uuid4().hex[:12]
@@ -62,6 +104,14 @@ class Agent:
         self.caught_up = asyncio.Event()
         self._exited: set[TaskKey] = set()
         self._traces: dict[str, str] = {}  # job -> traceparent of its placement
+        self._metrics: dict[TaskKey, dict[str, float]] = {}  # the latest report of each task's first rank
+        self._reconciling: dict[str, asyncio.Task[None]] = {}
+        self._dirty: set[str] = set()
+        setattr(executor, "node", node)  # noqa: B010 - process executors put it in the job env
+
+    @property
+    def alive_file(self) -> Path | None:
+        return None if self.data_dir is None else self.data_dir / "alive"
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -70,12 +120,27 @@ class Agent:
         lease = self.log.lease(f"agent.{self.node}", self.boot_id)  # one agent per node
         if not await acquire_lease(lease, stop, f"node {self.node}"):
             return
-        await self.register()
+        self._touch_alive()
+        control = None
+        agent_addr = getattr(self.executor, "agent_addr", "")
+        if agent_addr:
+            control = ControlSocket(agent_addr, self._on_report)
+            await control.start()
+        stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
-            await run_until_stopped({"heartbeat": self._heartbeat(lease), "follow": self._follow()}, stop)
+            await self.executor.recover(self._on_exit)
+            await self.register()
+            await run_until_stopped(
+                {"heartbeat": self._heartbeat(lease), "telemetry": self._telemetry(), "follow": self._follow()}, stop
+            )
         finally:
-            # Timers of sim tasks die with us; the next agent adopts them from the log.
+            for task in list(self._reconciling.values()):
+                task.cancel()
             await self.executor.shutdown()
+            with contextlib.suppress(Exception):
+                await stop_serving()
+            if control is not None:
+                control.close()
             with contextlib.suppress(Exception):
                 await lease.release()
 
@@ -91,89 +156,141 @@ class Agent:
             rack=self.rack,
             executor=self.executor.kind,
             boot_id=self.boot_id,
+            address=self.address,
+            port_range=self.port_range,
         )
         await append_reliably(self.log, [event])
         log.info("registered", node=self.node, gpus=len(event.gpus), executor=self.executor.kind)
+
+    def _touch_alive(self) -> None:
+        """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
+        if self.alive_file is not None:
+            self.alive_file.parent.mkdir(parents=True, exist_ok=True)
+            self.alive_file.touch()
 
     async def _heartbeat(self, lease) -> None:
         while True:
             beat = Heartbeat(
                 node=self.node, boot_id=self.boot_id, at=self.clock(), running=len(self.executor.running())
             )
-            with contextlib.suppress(Exception):
+            try:
                 await self.log.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
                 await lease.renew()
+                self._touch_alive()
+            except Exception as exc:  # the shims fence themselves if this goes on for long
+                log.warning("heartbeat failed", error=repr(exc))
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _telemetry(self) -> None:
+        while True:
+            await asyncio.sleep(self.telemetry_s)
+            samples = await asyncio.to_thread(self.executor.sample)
+            if not samples:
+                continue
+            me = self.state.nodes.get(self.node)
+            holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
+            payload = {
+                "node": self.node,
+                "at": self.clock(),
+                "gpus": [dict(msgspec.structs.asdict(s), job=holders.get(s.index)) for s in samples],
+            }
+            with contextlib.suppress(Exception):
+                await self.log.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
 
     async def _follow(self) -> None:
         head = await self.log.last_seq()
         if head == 0:
             self.caught_up.set()
         async for record in self.log.read(1, follow=True):
-            apply(self.state, record.seq, record.event)
-            job_id = getattr(record.event, "job", None)
-            if isinstance(record.event, ev.JobPlaced) and record.trace:
-                self._traces[record.event.job] = record.trace
-            elif isinstance(record.event, ev.JobFinished):
-                self._traces.pop(record.event.job, None)
+            event = record.event
+            apply(self.state, record.seq, event)
+            job_id = getattr(event, "job", None)
+            if isinstance(event, ev.JobPlaced) and record.trace:
+                self._traces[event.job] = record.trace
+            elif isinstance(event, ev.JobFinished | ev.JobRequeued):
+                self._forget(event.job)
             if not self.caught_up.is_set():
                 if record.seq >= head:
                     self.caught_up.set()
-                    await self.reconcile_all()
+                    self.reconcile_all()
                     me = self.state.nodes.get(self.node)
                     if me is not None and me.status == "lost":
                         await self.register(after_seq=record.seq)
                 continue
             if job_id is not None:
-                await self.reconcile(job_id)
-            elif isinstance(record.event, ev.NodeLost) and record.event.node == self.node:
+                self.kick(job_id)
+            elif isinstance(event, ev.NodeLost) and event.node == self.node:
                 # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
                 # requeues stand, and the node comes back for new work.
-                log.warning("this node was declared lost; registering again", reason=record.event.reason)
-                await self.reconcile_all()
+                log.warning("this node was declared lost; registering again", reason=event.reason)
+                self.reconcile_all()
                 await self.register(after_seq=record.seq)
+
+    def _forget(self, job_id: str) -> None:
+        """Drop what the agent kept about the attempts of a job that ended or was requeued."""
+        job = self.state.jobs.get(job_id)
+        current = job.attempt if job is not None and job.status not in TERMINAL else None
+        if current is None:
+            self._traces.pop(job_id, None)
+        self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
+        self._metrics = {k: v for k, v in self._metrics.items() if k.job != job_id or k.attempt == current}
 
     # -- reconciliation --------------------------------------------------------------------
 
-    async def reconcile_all(self) -> None:
+    def reconcile_all(self) -> None:
         jobs = {k.job for k in self.executor.running()}
-        jobs |= {
-            j.job
-            for j in self.state.jobs.values()
-            if j.status in ACTIVE and any(a.node == self.node for a in j.allocations)
-        }
+        jobs |= {j.job for j in self.state.jobs.values() if j.status in ACTIVE and self.node in j.nodes}
         for job_id in sorted(jobs):
-            await self.reconcile(job_id)
+            self.kick(job_id)
 
-    def _my_gpus(self, allocations: tuple[ev.Allocation, ...]) -> tuple[int, ...] | None:
-        for alloc in allocations:
-            if alloc.node == self.node:
-                return alloc.gpus
-        return None
+    def kick(self, job_id: str) -> None:
+        """Reconcile one job soon; one job's slow stop never holds up another's start."""
+        if job_id in self._reconciling:
+            self._dirty.add(job_id)
+            return
+        self._reconciling[job_id] = asyncio.create_task(self._reconcile_loop(job_id), name=f"reconcile-{job_id}")
+
+    async def _reconcile_loop(self, job_id: str) -> None:
+        try:
+            while True:
+                self._dirty.discard(job_id)
+                await self.reconcile(job_id)
+                if job_id not in self._dirty:
+                    return
+        except Exception:
+            log.exception("reconcile failed", job=job_id)
+        finally:
+            self._reconciling.pop(job_id, None)
+
+    async def settled(self) -> None:
+        """Wait until no reconciliation is in flight (tests and benchmarks)."""
+        while self._reconciling:
+            await asyncio.gather(*self._reconciling.values(), return_exceptions=True)
 
     async def reconcile(self, job_id: str) -> None:
         job = self.state.jobs.get(job_id)
         if job is None:
             return
-        gpus = self._my_gpus(job.allocations) if job.status in ACTIVE else None
+        mine = job.status in ACTIVE and self.node in job.nodes
         key = TaskKey(job_id, job.attempt)
         for running in [k for k in self.executor.running() if k.job == job_id]:
-            if gpus is None or running != key or job.cancel_requested:
-                await self.executor.stop(running, "attempt ended" if not job.cancel_requested else "cancelled")
+            if not mine or running != key:
+                await self.executor.stop(running, "its attempt ended")
                 log.info("task stopped", job=job_id, attempt=running.attempt, status=job.status)
-        if gpus is None:
+        if not mine or self.node in job.parts_ended:
             return
-        leader = job.allocations[0].node == self.node
-        if job.cancel_requested:
-            if leader:
-                await self._finish(TaskExit(key=key, outcome="cancelled", reason="cancelled on request"))
+        if job.stopping():
+            reason = "cancelled on request" if job.cancel_requested else _stop_reason(job)
+            exit_ = await self.executor.stop(key, reason)
+            await self._report(
+                TaskExit(key=key, outcome="stopped", reason=reason, output_tail=exit_.output_tail if exit_ else "")
+            )
             return
         if key in self._exited or key in self.executor.running():
             return
-        elapsed = 0.0
-        if self.node in job.started_nodes and job.started_at is not None:
-            elapsed = max(0.0, self.clock() - job.started_at)  # adopt what ran before an agent restart
-        else:
+        resume = self.node in job.started_nodes
+        elapsed = max(0.0, self.clock() - job.started_at) if resume and job.started_at is not None else 0.0
+        if not resume:
             with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
                 started = ev.JobStarted(
                     id=f"{self.source}:start:{job_id}:{job.attempt}",
@@ -184,42 +301,112 @@ class Agent:
                     node=self.node,
                 )
                 await append_reliably(self.log, [started], trace=current_traceparent())
-        await self.executor.start(key, job.spec, gpus, elapsed_s=elapsed, on_exit=self._on_exit)
-        log.info("task started", job=job_id, attempt=job.attempt, gpus=list(gpus), adopted=elapsed > 0)
+        try:
+            await self.executor.start(launch_for(job, self.node, resume=resume, elapsed_s=elapsed), self._on_exit)
+        except Exception as exc:  # cannot even launch: the gang must not wait for this part
+            log.exception("task could not start", job=job_id, attempt=job.attempt)
+            await self._report(
+                TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
+            )
+            return
+        log.info("task started", job=job_id, attempt=job.attempt, resumed=resume)
 
     async def _on_exit(self, exit_: TaskExit) -> None:
+        await self.caught_up.wait()
         self._exited.add(exit_.key)
-        job = self.state.jobs.get(exit_.key.job)
-        if job is None or not job.allocations or job.allocations[0].node != self.node:
-            return  # the gang's first node reports for the whole job
-        await self._finish(exit_)
+        await self._report(exit_)
 
-    async def _finish(self, exit_: TaskExit) -> None:
-        finished = ev.JobFinished(
-            id=f"{self.source}:finish:{exit_.key.job}:{exit_.key.attempt}",
+    async def _report(self, exit_: TaskExit) -> None:
+        key = exit_.key
+        ended = ev.TaskEnded(
+            id=f"{self.source}:ended:{key.job}:{key.attempt}",
             at=self.clock(),
             source=self.source,
-            job=exit_.key.job,
-            attempt=exit_.key.attempt,
-            outcome=exit_.outcome,  # type: ignore[arg-type]
+            job=key.job,
+            attempt=key.attempt,
             node=self.node,
+            outcome=exit_.outcome,
             exit_code=exit_.exit_code,
             reason=exit_.reason,
+            output_tail=exit_.output_tail,
+            metrics=self._metrics.get(key),
         )
-        await append_reliably(self.log, [finished])
-        log.info("job finished", job=exit_.key.job, outcome=exit_.outcome)
+        await append_reliably(self.log, [ended])
+        log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)
+
+    # -- what jobs tell the agent, and what people ask it ----------------------------------------
+
+    def _on_report(self, report: dict) -> None:
+        try:
+            key = TaskKey(str(report["job"]), int(report["attempt"]))
+            rank, step = int(report["rank"]), int(report["step"])
+            values = {k: float(v) for k, v in dict(report.get("values") or {}).items()}
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignored a malformed progress report")
+            return
+        job = self.state.jobs.get(key.job)
+        if job is None or key not in self.executor.running() or self.node not in job.nodes:
+            return
+        if rank == launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset:
+            self._metrics[key] = {"step": float(step), **values}
+        payload = msgspec.json.encode(dict(report, node=self.node))
+        task = asyncio.get_running_loop().create_task(self.log.publish_telemetry(f"{self.node}.job.{key.job}", payload))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _serve_logs(self, data: bytes) -> bytes:
+        try:
+            req = msgspec.json.decode(data, type=LogsRequest)
+        except msgspec.DecodeError as exc:
+            return msgspec.json.encode({"ok": False, "error": f"bad logs request: {exc}"})
+        if not _JOB_ID.match(req.job):
+            return msgspec.json.encode({"ok": False, "error": f"not a job id: {req.job!r}"})
+        attempts = [req.attempt] if req.attempt is not None else self.executor.attempts(req.job)
+        out = {str(a): self.executor.output(TaskKey(req.job, a), req.max_bytes) for a in attempts}
+        return msgspec.json.encode({"ok": True, "node": self.node, "attempts": out})
 
 
-def make_executor(kind: str, gpus: int, island: int) -> Executor:
-    if kind == "sim":
-        return SimExecutor(gpus, island=island)
-    raise SystemExit(f"executor {kind!r} is not available yet; use --executor sim")
+def _stop_reason(job: JobState) -> str:
+    for node, part in job.parts_ended.items():
+        if part.outcome != "completed":
+            return f"the gang is stopping: its part on {node} {part.outcome} ({part.reason or part.exit_code})"
+    return "the gang is stopping"
 
 
-async def serve(url: str, node: str, executor: Executor, rack: str) -> None:
-    log_ = await open_log(url, name=f"agent-{node}")
+def _port_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    lo, hi = int(first), int(last or first)
+    if not 1024 <= lo <= hi <= 65535:
+        raise argparse.ArgumentTypeError(f"want FIRST-LAST within 1024-65535, got {text!r}")
+    return lo, hi
+
+
+async def serve(args: argparse.Namespace) -> None:
+    data_dir = Path(args.data_dir or Path(os.environ.get("GPUHERD_DATA_DIR", ".gpuherd")) / "agents" / args.node)
+    data_dir = data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    executor = make_executor(
+        args.executor,
+        data_dir=data_dir,
+        gpus=args.gpus,
+        island=args.island,
+        agent_addr=control_address(str(data_dir), args.node),
+        fence_after_s=args.fence_after,
+        kill_grace_s=args.kill_grace,
+    )
+    log_ = await open_log(args.nats_url, name=f"agent-{args.node}")
+    agent = Agent(
+        log_,
+        args.node,
+        executor,
+        data_dir=data_dir,
+        rack=args.rack,
+        address=args.address or socket.gethostname(),
+        port_range=None if executor.kind == "sim" else args.rendezvous_ports,
+        heartbeat_s=args.heartbeat,
+        telemetry_s=args.telemetry,
+    )
     try:
-        await serve_until_signal(Agent(log_, node, executor, rack=rack).run)
+        await serve_until_signal(agent.run)
     finally:
         await log_.close()
 
@@ -228,10 +415,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gpuherd-nodeagent", description="gpuherd node agent")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--node", required=True, help="node name (a NATS subject token)")
-    parser.add_argument("--executor", default="sim", choices=["sim"])
-    parser.add_argument("--gpus", type=int, default=8, help="declared GPUs (sim executor)")
-    parser.add_argument("--island", type=int, default=0, help="GPUs per NVLink island (0: one island)")
+    parser.add_argument("--executor", default="sim", choices=["sim", "cpu", "nvml"])
+    parser.add_argument("--gpus", type=int, default=8, help="declared GPUs (sim and cpu executors)")
+    parser.add_argument("--island", type=int, default=0, help="GPUs per NVLink island, declared (0: one island)")
     parser.add_argument("--rack", default="")
+    parser.add_argument("--address", default="", help="how peers reach this node (default: its hostname)")
+    parser.add_argument("--rendezvous-ports", type=_port_range, default=(29500, 29999), metavar="FIRST-LAST")
+    parser.add_argument("--data-dir", default=None, help="task folders and job logs (default .gpuherd/agents/NODE)")
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    parser.add_argument("--telemetry", type=float, default=5.0, help="seconds between GPU samples")
+    parser.add_argument(
+        "--fence-after",
+        type=float,
+        default=4.0,
+        help="a job stops itself when the agent is out of contact this long; keep it well under the "
+        "scheduler's --lost-after",
+    )
+    parser.add_argument("--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
     args = parser.parse_args(argv)
     configure(f"agent.{args.node}")
-    asyncio.run(serve(args.nats_url, args.node, make_executor(args.executor, args.gpus, args.island), args.rack))
+    asyncio.run(serve(args))

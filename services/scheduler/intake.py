@@ -10,12 +10,14 @@ import re
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd import jobenv
 from gpuherd.state import ClusterState, intake_key
 
 MAX_SUBMISSION_BYTES = 64 * 1024
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,128}$")
 _SOURCE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _spec_decoder = msgspec.json.Decoder(ev.JobSpec)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -60,6 +62,19 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
             return f"`elastic` needs 1 <= min <= max, got min={lo} max={hi}"
         if not lo <= spec.gpus <= hi:
             return f"`gpus` ({spec.gpus}) must lie within elastic min..max ({lo}..{hi})"
+    if not 0 <= spec.max_retries <= 100:
+        return f"`max_retries` must be between 0 and 100, got {spec.max_retries}"
+    if spec.procs_per_node is not None:
+        if spec.command is None:
+            return "`procs_per_node` needs a `command` to run"
+        if not 1 <= spec.procs_per_node <= 256:
+            return f"`procs_per_node` must be between 1 and 256, got {spec.procs_per_node}"
+    if spec.env is not None:
+        bad = [k for k in spec.env if not _ENV_NAME.match(k) or k in jobenv.RESERVED]
+        if bad:
+            return f"`env` names must be identifiers and not set by gpuherd itself ({', '.join(sorted(bad))})"
+    if spec.workdir is not None and not spec.workdir.strip():
+        return "`workdir` must not be empty when given"
     if spec.vc not in state.vcs:
         known = ", ".join(sorted(state.vcs))
         return f"unknown virtual cluster {spec.vc!r}; known: {known}"

@@ -1,61 +1,221 @@
-"""Where a job's gang fits: all of its GPUs at once, or nowhere.
+"""Where a job's gang fits: all of its GPUs at once, or nowhere; and how close together.
 
-Consolidating placement: a job goes on as few nodes as possible, and among
-nodes that fit, on the one with the fewest free GPUs (best fit), so large
-holes stay open for large jobs. Ties break by node name: placement is a
-deterministic function of the state.
+DL jobs are bound by GPU-to-GPU bandwidth, so placement is topology-aware.
+Every candidate placement gets a :class:`Score`, compared lexicographically
+(lower is better):
+
+1. fewest nodes (a gang inside one node talks over NVLink/PCIe, not the network),
+2. fewest racks (the rack's switch is faster than the spine),
+3. fewest NVLink islands touched (GPUs of one island are all NVLink peers),
+4. least free space left in the islands it touches, then on its nodes (best
+   fit: large holes stay open for large jobs),
+5. node names (a deterministic tie-break: placement is a pure function of state).
+
+The placement's *locality* is the tightest level the whole gang fits in:
+``island`` (one NVLink island), ``node``, ``rack`` or ``cluster``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import msgspec
 
-from gpuherd.events import Allocation, JobSpec
-from gpuherd.state import ClusterState
+from gpuherd.events import Allocation, GpuInfo, JobSpec, Locality
+from gpuherd.state import ClusterState, NodeState
 
-FreeMap = Mapping[str, list[int]]
+
+class NodeView(msgspec.Struct, frozen=True):
+    """What placement needs to know of one node that accepts work."""
+
+    name: str
+    rack: str
+    islands: tuple[tuple[int, ...], ...]  # free GPU indices, grouped by NVLink island
+    runs_processes: bool = False
+
+    @property
+    def free(self) -> int:
+        return sum(len(i) for i in self.islands)
+
+
+class Score(NamedTuple):
+    nodes: int
+    racks: int
+    islands: int
+    island_leftover: int
+    node_leftover: int
+    names: tuple[str, ...]
+
+    @property
+    def locality(self) -> Locality:
+        if self.nodes == 1:
+            return "island" if self.islands == 1 else "node"
+        return "rack" if self.racks == 1 else "cluster"
 
 
 class Placement(msgspec.Struct, frozen=True):
     allocations: tuple[Allocation, ...]
+    locality: Locality
     reason: str
 
 
-def free_by_node(state: ClusterState) -> dict[str, list[int]]:
-    """Free, healthy GPU indices of every node that accepts new work."""
-    return {name: node.free_gpus() for name, node in sorted(state.nodes.items()) if node.status == "up"}
+def islands_of(gpus: Sequence[GpuInfo]) -> list[list[int]]:
+    """Group a node's GPU indices into NVLink islands: connected components of the peer graph.
+
+    A GPU without NVLink peers is an island of its own (PCIe only)."""
+    parent = {g.index: g.index for g in gpus}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for g in gpus:
+        for peer in g.nvlink_peers:
+            if peer in parent:
+                parent[root(peer)] = root(g.index)
+    groups: dict[int, list[int]] = {}
+    for index in sorted(parent):
+        groups.setdefault(root(index), []).append(index)
+    return sorted(groups.values())
 
 
-def place(spec: JobSpec, free: FreeMap) -> Placement | None:
+def view_of(node: NodeState) -> NodeView:
+    free = set(node.free_gpus())
+    islands = tuple(tuple(i for i in island if i in free) for island in islands_of([s.info for s in node.gpus]))
+    return NodeView(
+        name=node.node,
+        rack=node.rack,
+        islands=tuple(i for i in islands if i),
+        runs_processes=node.runs_processes(),
+    )
+
+
+def views(state: ClusterState) -> dict[str, NodeView]:
+    """Every node that accepts new work, with its free, healthy GPUs."""
+    return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.status == "up"}
+
+
+def can_run(spec: JobSpec, node: NodeView) -> bool:
+    """A job with a command needs an executor that runs processes; the sim executor runs jobs
+    that say how long they take."""
+    if node.runs_processes:
+        return spec.command is not None
+    return spec.duration_s is not None
+
+
+def take(view: NodeView, count: int) -> tuple[int, ...]:
+    """``count`` free GPUs of one node, from as few NVLink islands as possible: the best-fitting
+    island that holds them all, else the largest islands first."""
+    fitting = [island for island in view.islands if len(island) >= count]
+    if fitting:
+        best = min(fitting, key=lambda island: (len(island), island))
+        return best[:count]
+    chosen: list[int] = []
+    for island in sorted(view.islands, key=lambda island: (-len(island), island)):
+        chosen += island[: count - len(chosen)]
+        if len(chosen) == count:
+            break
+    return tuple(sorted(chosen))
+
+
+def score(allocations: Iterable[Allocation], nodes: dict[str, NodeView]) -> Score:
+    allocs = list(allocations)
+    islands = island_leftover = node_leftover = 0
+    for alloc in allocs:
+        view = nodes[alloc.node]
+        used = set(alloc.gpus)
+        for island in view.islands:
+            taken = used.intersection(island)
+            if taken:
+                islands += 1
+                island_leftover += len(island) - len(taken)
+        node_leftover += view.free - len(used)
+    return Score(
+        nodes=len(allocs),
+        racks=len({nodes[a.node].rack for a in allocs}),
+        islands=islands,
+        island_leftover=island_leftover,
+        node_leftover=node_leftover,
+        names=tuple(sorted(a.node for a in allocs)),
+    )
+
+
+def place(spec: JobSpec, nodes: dict[str, NodeView]) -> Placement | None:
+    """The best-scoring placement of the whole gang, or None if it does not fit now."""
+    eligible = [v for v in nodes.values() if v.free and can_run(spec, v)]
     if spec.nodes is not None:
-        return _place_even(spec.gpus, spec.nodes, free)
-    return _place_fewest_nodes(spec.gpus, free)
-
-
-def _place_even(gpus: int, nodes: int, free: FreeMap) -> Placement | None:
-    per_node = gpus // nodes
-    fitting = sorted((len(idx), name) for name, idx in free.items() if len(idx) >= per_node)
-    if len(fitting) < nodes:
+        candidates = _even_split(spec.gpus, spec.nodes, eligible)
+    else:
+        candidates = _fewest_nodes(spec.gpus, eligible)
+    best: tuple[Score, tuple[Allocation, ...]] | None = None
+    for allocs in candidates:
+        s = score(allocs, nodes)
+        if best is None or s < best[0]:
+            best = (s, allocs)
+    if best is None:
         return None
-    chosen = sorted(name for _, name in fitting[:nodes])
-    allocs = tuple(Allocation(name, tuple(free[name][:per_node])) for name in chosen)
-    return Placement(allocs, f"{nodes} node(s) x {per_node} GPU(s), best fit")
+    s, allocs = best
+    return Placement(allocs, s.locality, _describe(s, spec))
 
 
-def _place_fewest_nodes(gpus: int, free: FreeMap) -> Placement | None:
-    best_single = min(((len(idx), name) for name, idx in free.items() if len(idx) >= gpus), default=None)
-    if best_single is not None:
-        name = best_single[1]
-        return Placement((Allocation(name, tuple(free[name][:gpus])),), "one node, best fit")
-    # Span nodes: take the emptiest nodes first, so the gang touches as few as possible.
-    allocs = []
-    remaining = gpus
-    for count, name in sorted(((len(idx), name) for name, idx in free.items() if idx), key=lambda t: (-t[0], t[1])):
-        take = min(count, remaining)
-        allocs.append(Allocation(name, tuple(free[name][:take])))
-        remaining -= take
-        if remaining == 0:
-            return Placement(tuple(sorted(allocs, key=lambda a: a.node)), f"{len(allocs)} nodes, fewest possible")
-    return None
+def _describe(s: Score, spec: JobSpec) -> str:
+    where = {
+        "island": "one NVLink island",
+        "node": f"one node, {s.islands} NVLink islands",
+        "rack": f"{s.nodes} nodes in one rack",
+        "cluster": f"{s.nodes} nodes across {s.racks} racks",
+    }[s.locality]
+    return f"{spec.gpus} GPU(s) on {where}"
+
+
+def _gang(parts: Iterable[tuple[NodeView, int]]) -> tuple[Allocation, ...]:
+    return tuple(sorted((Allocation(v.name, take(v, n)) for v, n in parts), key=lambda a: a.node))
+
+
+def _fewest_nodes(gpus: int, eligible: list[NodeView]) -> list[tuple[Allocation, ...]]:
+    single = [_gang([(v, gpus)]) for v in eligible if v.free >= gpus]
+    if single:
+        return single
+    # The fewest nodes that can hold the gang at all; then try to find that many within one rack.
+    by_free = sorted(eligible, key=lambda v: (-v.free, v.name))
+    total, needed = 0, 0
+    for v in by_free:
+        total += v.free
+        needed += 1
+        if total >= gpus:
+            break
+    else:
+        return []
+    groups: dict[str, list[NodeView]] = {}
+    for v in by_free:
+        groups.setdefault(v.rack, []).append(v)
+    candidates = [c for group in [*groups.values(), by_free] if (c := _fill(gpus, needed, group)) is not None]
+    return candidates
+
+
+def _fill(gpus: int, count: int, group: list[NodeView]) -> tuple[Allocation, ...] | None:
+    """``count`` nodes of ``group`` (sorted by free GPUs, largest first) holding ``gpus``: the
+    largest ``count - 1`` whole, and the best-fitting node for the rest."""
+    if len(group) < count:
+        return None
+    whole = group[: count - 1]
+    rest = gpus - sum(v.free for v in whole)
+    if rest <= 0:
+        return None  # fewer nodes would do; not a candidate at this count
+    last = [v for v in group[count - 1 :] if v.free >= rest]
+    if not last:
+        return None
+    fit = min(last, key=lambda v: (v.free, v.name))
+    return _gang([*((v, v.free) for v in whole), (fit, rest)])
+
+
+def _even_split(gpus: int, count: int, eligible: list[NodeView]) -> list[tuple[Allocation, ...]]:
+    per_node = gpus // count
+    fitting = sorted((v for v in eligible if v.free >= per_node), key=lambda v: (v.free, v.name))
+    groups: dict[str, list[NodeView]] = {}
+    for v in fitting:
+        groups.setdefault(v.rack, []).append(v)
+    return [_gang((v, per_node) for v in group[:count]) for group in [*groups.values(), fitting] if len(group) >= count]

@@ -15,6 +15,7 @@ import contextlib
 import os
 import socket
 import time
+import uuid
 
 from gpuherd import events as ev
 from gpuherd.aio import serve_until_signal
@@ -84,10 +85,15 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
 
 
 def liveness_loop(lost_after_s: float) -> ExtraTask:
+    """The scheduler's timer. It listens to heartbeats, and when a node looks silent for longer
+    than ``lost_after_s`` it records a ``ClockTicked`` with what it heard; the decider then
+    declares the node lost. The timer writes nothing while all nodes are heard from."""
+
     async def liveness(runner: DeciderRunner[ClusterState]) -> None:
         await runner.caught_up.wait()
         started = time.time()
         last_seen: dict[str, float] = {}
+        ticked: dict[str, int] = {}  # node -> registration seq a tick was written for
 
         async def watch() -> None:
             async for beat in runner.log.telemetry("*.heartbeat"):
@@ -98,25 +104,36 @@ def liveness_loop(lost_after_s: float) -> ExtraTask:
             while True:
                 await asyncio.sleep(min(1.0, lost_after_s / 4))
                 now = time.time()
-                for name, node in list(runner.state.nodes.items()):
-                    if node.status == "lost":
-                        continue
-                    # Our own outage is no evidence against a node: count silence from our reconnect.
-                    seen = max(last_seen.get(name, started), node.registered_at, runner.log.connected_since())
-                    if now - seen > lost_after_s:
-                        lost = ev.NodeLost(
-                            id=f"scheduler:lost:{name}:{node.registered_seq}",
-                            at=now,
-                            source="scheduler",
-                            node=name,
-                            reason=f"no heartbeat for {now - seen:.0f}s",
-                        )
-                        log.warning("node lost", node=name, silent_s=round(now - seen, 1))
-                        await append_reliably(runner.log, [lost])
+                # Our own outage is no evidence against a node: count silence from our reconnect.
+                floor = max(started, runner.log.connected_since())
+                heard = {
+                    name: max(last_seen.get(name, floor), floor, node.registered_at)
+                    for name, node in runner.state.nodes.items()
+                    if node.status != "lost"
+                }
+                overdue = [n for n, t in heard.items() if now - t > lost_after_s and ticked.get(n) != _reg(runner, n)]
+                if not overdue:
+                    continue
+                tick = ev.ClockTicked(
+                    id=f"scheduler:tick:{uuid.uuid4().hex}",
+                    at=now,
+                    source="scheduler",
+                    last_heard=heard,
+                    lost_after_s=lost_after_s,
+                )
+                log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
+                await append_reliably(runner.log, [tick])
+                for name in overdue:
+                    ticked[name] = _reg(runner, name)
         finally:
             watcher.cancel()
 
     return liveness
+
+
+def _reg(runner: DeciderRunner[ClusterState], node: str) -> int:
+    state = runner.state.nodes.get(node)
+    return state.registered_seq if state is not None else 0
 
 
 async def serve(url: str, *, policy: str = "fifo", lost_after_s: float = 10.0, instance: str | None = None) -> None:

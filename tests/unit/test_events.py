@@ -15,11 +15,22 @@ SAMPLES: list[ev.Event] = [
     ev.VcConfigured(id="e", vc="vision", gpu_quota=16),
     ev.JobSubmitted(id="f", job="j1", spec=SPEC, intake_source="cli", intake_seq=3, based_on=2, cause="x"),
     ev.JobRejected(id="g", intake_source="cli", intake_seq=4, reason="bad"),
-    ev.JobPlaced(id="h", job="j1", attempt=0, allocations=(ev.Allocation("n1", (0, 1)),), based_on=9, cause="f"),
+    ev.JobPlaced(
+        id="h",
+        job="j1",
+        attempt=0,
+        allocations=(ev.Allocation("n1", (0, 1)),),
+        based_on=9,
+        cause="f",
+        locality="island",
+        rendezvous=ev.Rendezvous("10.0.0.1", 29500),
+    ),
     ev.JobStarted(id="i", job="j1", attempt=0, node="n1"),
     ev.JobFinished(id="j", job="j1", attempt=0, outcome="completed", exit_code=0),
     ev.JobCancelRequested(id="k", job="j1"),
     ev.JobRequeued(id="l", job="j1", attempt=0, reason="node lost"),
+    ev.ClockTicked(id="m", source="scheduler", last_heard={"n1": 1.0}, lost_after_s=10.0),
+    ev.TaskEnded(id="n", job="j1", attempt=0, node="n1", outcome="failed", exit_code=1, output_tail="boom"),
 ]
 
 

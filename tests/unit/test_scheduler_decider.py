@@ -10,7 +10,7 @@ from gpuherd.invariants import violations
 from gpuherd.log.base import Record
 from gpuherd.state import ClusterState, apply, encode_state
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import finish, node, submit
+from tests.helpers import ended, finish, node, submit, tick
 
 decider = SchedulerDecider()
 
@@ -146,3 +146,106 @@ def test_random_histories_never_double_book(jobs, finish_order, lose) -> None:
         log = drive(extra, log)
     assert violations(log) == []
     assert all(msgspec.json.encode(r.event) for r in log)
+
+
+# -- gangs: an attempt ends when every part has ended -------------------------------------------
+
+CMD = ("python", "train.py")
+
+
+def two_node_gang(max_retries: int = 0) -> list[Record]:
+    return drive(
+        [
+            node("a", 4, executor="cpu", ports=(29500, 29599)),
+            node("b", 4, executor="cpu", ports=(29500, 29599)),
+            submit("g", 8, nodes=2, command=CMD, max_retries=max_retries),
+        ]
+    )
+
+
+def test_gang_gets_a_rendezvous_on_its_leader_node() -> None:
+    log = two_node_gang()
+    (placed,) = decisions(log, ev.JobPlaced)
+    assert [a.node for a in placed.allocations] == ["a", "b"]
+    assert placed.rendezvous is not None and placed.rendezvous.addr == "a.local"
+    assert 29500 <= placed.rendezvous.port <= 29599
+    assert placed.locality == "rack"
+
+
+def test_rendezvous_ports_differ_between_jobs_on_one_leader() -> None:
+    log = drive(
+        [node("a", 4, executor="cpu", ports=(29500, 29501))] + [submit(f"j{i}", 1, command=CMD) for i in range(3)]
+    )
+    placed = decisions(log, ev.JobPlaced)
+    assert len(placed) == 3
+    ports = [p.rendezvous.port if p.rendezvous else None for p in placed]
+    assert sorted(p for p in ports if p is not None) == [29500, 29501]
+    assert ports.count(None) == 1  # the range is used up: no port rather than a shared one
+
+
+def test_job_completes_only_when_every_part_completed() -> None:
+    log = two_node_gang()
+    log = drive([ended("g", "a")], log)
+    assert not decisions(log, ev.JobFinished)
+    log = drive([ended("g", "b")], log)
+    (done,) = decisions(log, ev.JobFinished)
+    assert done.outcome == "completed" and done.node == "a"
+
+
+def test_failed_part_stops_the_gang_and_fails_the_job_with_its_output() -> None:
+    log = drive([ended("g", "b", outcome="failed", exit_code=3)], two_node_gang())
+    assert not decisions(log, ev.JobFinished), "part a still runs: nothing is settled yet"
+    state = fold_log(log)
+    assert state.jobs["g"].stopping()
+    assert state.free_gpus() == 0, "GPUs stay held until every part has ended"
+    log = drive([ended("g", "a", outcome="stopped", exit_code=None)], log)
+    (done,) = decisions(log, ev.JobFinished)
+    assert done.outcome == "failed" and done.exit_code == 3 and done.node == "b"
+    assert "Traceback: boom" in done.output_tail and "exited with code 3" in done.reason
+
+
+def test_failed_job_is_retried_up_to_max_retries() -> None:
+    log = two_node_gang(max_retries=1)
+    log = drive([ended("g", "a", outcome="failed", exit_code=1), ended("g", "b", outcome="stopped")], log)
+    (requeued,) = decisions(log, ev.JobRequeued)
+    assert "retry 1 of 1" in requeued.reason
+    placed = decisions(log, ev.JobPlaced)
+    assert [p.attempt for p in placed] == [0, 1]
+    assert placed[0].rendezvous != placed[1].rendezvous, "a retry does not reuse its predecessor's port"
+    log = drive([ended("g", "a", 1, outcome="failed", exit_code=1), ended("g", "b", 1, outcome="stopped")], log)
+    (done,) = decisions(log, ev.JobFinished)
+    assert done.outcome == "failed" and "after 1 retries" in done.reason
+
+
+def test_silent_node_is_lost_by_a_clock_tick_and_its_gang_requeued() -> None:
+    log = two_node_gang(max_retries=0)
+    log = drive([tick(5.0, a=4.0, b=4.0)], log)
+    assert not decisions(log, ev.NodeLost), "within the timeout"
+    log = drive([tick(20.0, a=19.0, b=4.0)], log)
+    (lost,) = decisions(log, ev.NodeLost)
+    assert lost.node == "b" and lost.cause.startswith("tick-") and lost.based_on > 0
+    assert not decisions(log, ev.JobRequeued), "a's part still runs; it must stop first"
+    log = drive([ended("g", "a", outcome="stopped")], log)
+    (requeued,) = decisions(log, ev.JobRequeued)
+    assert "node b lost" in requeued.reason, "a lost node is not the job's failure: retries are not used"
+
+
+def test_a_node_that_registered_after_the_last_heartbeat_is_not_lost() -> None:
+    log = drive([node("a", 4, at=30.0), tick(35.0, lost_after=10.0, a=1.0)])
+    assert not decisions(log, ev.NodeLost)
+
+
+def test_cancel_of_a_running_gang_waits_for_its_parts() -> None:
+    log = two_node_gang()
+    log = drive([ev.JobCancelRequested(id="c1", job="g")], log)
+    assert not decisions(log, ev.JobFinished)
+    log = drive([ended("g", "a", outcome="stopped"), ended("g", "b", outcome="stopped")], log)
+    (done,) = decisions(log, ev.JobFinished)
+    assert done.outcome == "cancelled"
+
+
+def fold_log(log: list[Record]) -> ClusterState:
+    state = ClusterState()
+    for r in log:
+        apply(state, r.seq, r.event)
+    return state

@@ -8,13 +8,15 @@ Three streams (names as in JetStream):
 - ``HERD_INTAKE`` (``herd.intake.<source>``): raw submissions from other systems.
 - ``HERD_TELEMETRY`` (``herd.telemetry.>``): heartbeats and samples, limited retention.
 
-Plus two small key-value uses: decider snapshots, and leader leases.
+Plus two small key-value uses: decider snapshots, and leader leases; and
+core request-reply on ``herd.ctl.>`` for questions to a live service (an
+agent's job logs), which are answers, not history.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -27,15 +29,19 @@ HERD_TELEMETRY = "HERD_TELEMETRY"
 
 # Subjects of the HERD stream: one prefix per aggregate kind. The intake and
 # telemetry prefixes are separate streams, so HERD cannot simply take herd.>.
-HERD_SUBJECTS = ("herd.job.>", "herd.node.>", "herd.vc.>", "herd.rejected.>", "herd.cluster.>")
+HERD_SUBJECTS = ("herd.job.>", "herd.node.>", "herd.vc.>", "herd.rejected.>", "herd.cluster.>", "herd.clock.>")
 INTAKE_PREFIX = "herd.intake"
 TELEMETRY_PREFIX = "herd.telemetry"
+CONTROL_PREFIX = "herd.ctl"
 
 SNAPSHOT_BUCKET = "herd_snapshots"
 LEASE_BUCKET = "herd_leases"
 
 TRACEPARENT = "traceparent"
 REPLY_HEADER = "Gpuherd-Reply-To"
+
+
+RequestHandler = Callable[[bytes], Awaitable[bytes]]
 
 
 class Record(NamedTuple):
@@ -152,6 +158,16 @@ class EventLog(abc.ABC):
 
     @abc.abstractmethod
     async def reply(self, inbox: str, data: bytes) -> None: ...
+
+    # -- requests to a service (core request-reply on herd.ctl.>, not stored) ----------
+
+    @abc.abstractmethod
+    async def request(self, subject: str, data: bytes, *, timeout: float = 5.0) -> bytes:
+        """Ask whoever serves ``herd.ctl.<subject>``; raises LogUnavailable when no one answers."""
+
+    @abc.abstractmethod
+    async def serve_requests(self, subject: str, handler: RequestHandler) -> Callable[[], Awaitable[None]]:
+        """Answer requests on ``herd.ctl.<subject>`` with ``handler`` until the returned function is awaited."""
 
     # -- key-value: snapshots and leases -----------------------------------------------
 

@@ -20,7 +20,7 @@ import contextlib
 import hashlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -28,6 +28,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -43,6 +44,7 @@ from nats.js.client import JetStreamContext
 from gpuherd import events as ev
 from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
 from gpuherd.log.base import (
+    CONTROL_PREFIX,
     HERD,
     HERD_INTAKE,
     HERD_SUBJECTS,
@@ -59,6 +61,7 @@ from gpuherd.log.base import (
     EventLog,
     Lease,
     Record,
+    RequestHandler,
 )
 from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.obs import get_logger
@@ -390,6 +393,27 @@ class JetStreamLog(EventLog):
 
     async def reply(self, inbox: str, data: bytes) -> None:
         await self.nc.publish(inbox, data)
+
+    async def request(self, subject: str, data: bytes, *, timeout: float = 5.0) -> bytes:
+        try:
+            msg = await self.nc.request(f"{CONTROL_PREFIX}.{subject}", data, timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise LogUnavailable(f"nobody serves {CONTROL_PREFIX}.{subject} (is its service running?)") from exc
+        except TimeoutError as exc:
+            raise LogUnavailable(f"no answer on {CONTROL_PREFIX}.{subject} within {timeout}s") from exc
+        return msg.data
+
+    async def serve_requests(self, subject: str, handler: RequestHandler) -> Callable[[], Awaitable[None]]:
+        async def on_request(msg: Msg) -> None:
+            try:
+                answer = await handler(msg.data)
+            except Exception as exc:  # the asker gets the error instead of a timeout
+                log.exception("request handler failed", subject=msg.subject)
+                answer = msgspec.json.encode({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            await msg.respond(answer)
+
+        sub = await self.nc.subscribe(f"{CONTROL_PREFIX}.{subject}", cb=on_request)
+        return sub.unsubscribe
 
     # -- key-value -------------------------------------------------------------------------
 

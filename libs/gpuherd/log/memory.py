@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from gpuherd.errors import ConcurrencyError, LeaseLost
+from gpuherd.errors import ConcurrencyError, LeaseLost, LogUnavailable
 from gpuherd.events import Event
 from gpuherd.log.base import (
     AppendResult,
@@ -23,6 +23,7 @@ from gpuherd.log.base import (
     EventLog,
     Lease,
     Record,
+    RequestHandler,
 )
 
 Clock = Callable[[], float]
@@ -38,6 +39,7 @@ class MemoryLog(EventLog):
         self._ids: dict[str, tuple[int, float]] = {}  # event id -> (seq, stored at)
         self._changed = asyncio.Condition()
         self._intake: list[Delivery] = []
+        self._handlers: dict[str, RequestHandler] = {}
         self._intake_changed = asyncio.Condition()
         self._consumers: dict[str, _ConsumerState] = {}
         self._telemetry: deque[Delivery] = deque(maxlen=100_000)
@@ -164,6 +166,24 @@ class MemoryLog(EventLog):
 
     async def reply(self, inbox: str, data: bytes) -> None:
         self.replies.append((inbox, data))
+
+    async def request(self, subject: str, data: bytes, *, timeout: float = 5.0) -> bytes:
+        handler = self._handlers.get(subject)
+        if handler is None:
+            raise LogUnavailable(f"nobody serves herd.ctl.{subject} (is its service running?)")
+        try:
+            return await asyncio.wait_for(handler(data), timeout)
+        except TimeoutError as exc:
+            raise LogUnavailable(f"no answer on herd.ctl.{subject} within {timeout}s") from exc
+
+    async def serve_requests(self, subject: str, handler: RequestHandler) -> Callable[[], Awaitable[None]]:
+        self._handlers[subject] = handler
+
+        async def stop() -> None:
+            if self._handlers.get(subject) is handler:
+                del self._handlers[subject]
+
+        return stop
 
     # -- key-value -------------------------------------------------------------------
 

@@ -1,7 +1,40 @@
-"""Executors run a job's part on this node. ``sim`` runs no process (a job
-ends after its duration); ``cpu`` and ``nvml`` come with real processes."""
+"""Executors run this node's part of a job: ``sim`` (a timer, no process), ``cpu``
+(declared virtual GPUs, real processes on CPU) and ``nvml`` (real GPUs)."""
 
-from services.nodeagent.executors.base import Executor, TaskExit, TaskKey
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.nodeagent.executors.base import Executor, GpuSample, TaskExit, TaskKey, TaskLaunch
 from services.nodeagent.executors.sim import SimExecutor
 
-__all__ = ["Executor", "SimExecutor", "TaskExit", "TaskKey"]
+__all__ = ["Executor", "GpuSample", "SimExecutor", "TaskExit", "TaskKey", "TaskLaunch", "make_executor"]
+
+
+def make_executor(
+    kind: str,
+    *,
+    data_dir: Path,
+    gpus: int = 8,
+    island: int = 0,
+    agent_addr: str = "",
+    fence_after_s: float = 4.0,
+    kill_grace_s: float = 10.0,
+) -> Executor:
+    if kind == "sim":
+        return SimExecutor(gpus, island=island)
+    process_settings = {
+        "alive_file": data_dir / "alive",
+        "agent_addr": agent_addr,
+        "fence_after_s": fence_after_s,
+        "kill_grace_s": kill_grace_s,
+    }
+    if kind == "cpu":
+        from services.nodeagent.executors.cpu import CpuExecutor
+
+        return CpuExecutor(data_dir, gpus=gpus, island=island, **process_settings)  # type: ignore[arg-type]
+    if kind == "nvml":
+        from services.nodeagent.executors.nvml import NvmlExecutor
+
+        return NvmlExecutor(data_dir, **process_settings)
+    raise ValueError(f"unknown executor {kind!r}; choose sim, cpu or nvml")

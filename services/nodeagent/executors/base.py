@@ -1,14 +1,19 @@
-"""The executor interface: inventory, start, stop."""
+"""The executor interface: what a node has (inventory, samples) and how a task runs on it.
+
+A *task* is one node's part of a job attempt: the processes of that node's
+ranks (or, for ``sim``, a timer). The agent decides what should run from the
+log; an executor only carries it out and says how it ended.
+"""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import msgspec
 
-from gpuherd.events import GpuInfo, JobSpec
+from gpuherd.events import GpuInfo, JobSpec, Rendezvous
 
 
 class TaskKey(NamedTuple):
@@ -16,14 +21,55 @@ class TaskKey(NamedTuple):
     attempt: int
 
 
-class TaskExit(msgspec.Struct, frozen=True):
+class TaskLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to start this node's part of a job attempt."""
+
     key: TaskKey
-    outcome: str  # completed | failed | cancelled
+    spec: JobSpec
+    gpus: tuple[int, ...]  # this node's GPUs for the job
+    group_rank: int = 0  # this node's index in the gang (0 leads)
+    rank_offset: int = 0  # the global rank of this node's first process
+    world_size: int = 1
+    procs: int = 1  # processes on this node
+    rendezvous: Rendezvous | None = None
+    resume: bool = False  # the log says it started here before an agent restart: adopt, never start twice
+    elapsed_s: float = 0.0  # how long it has been running, when resumed
+
+
+class TaskExit(msgspec.Struct, frozen=True, kw_only=True):
+    key: TaskKey
+    outcome: Literal["completed", "failed", "stopped"]
     exit_code: int | None = None
     reason: str = ""
+    output_tail: str = ""
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One telemetry reading of one GPU; None where the hardware does not say."""
+
+    index: int
+    utilization_pct: float | None = None
+    memory_used_mb: float | None = None
+    power_w: float | None = None
+    temperature_c: float | None = None
+    ecc_uncorrected: int | None = None
+    xid: int | None = None  # the last critical XID error seen since the previous sample
+    healthy: bool = True
 
 
 OnExit = Callable[[TaskExit], Awaitable[None]]
+
+
+def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: int) -> list[GpuInfo]:
+    """GPUs an operator declares (``sim`` and ``cpu``): ``count`` of them in NVLink islands of
+    ``island`` GPUs each (0: the whole node is one island)."""
+    size = island or count
+    out = []
+    for i in range(count):
+        first = (i // size) * size
+        peers = tuple(j for j in range(first, min(first + size, count)) if j != i)
+        out.append(GpuInfo(index=i, uuid=f"{model}-{node}-{i}", model=model, memory_mb=memory_mb, nvlink_peers=peers))
+    return out
 
 
 class Executor(abc.ABC):
@@ -33,19 +79,33 @@ class Executor(abc.ABC):
     def inventory(self, node: str) -> list[GpuInfo]: ...
 
     @abc.abstractmethod
-    async def start(
-        self, key: TaskKey, spec: JobSpec, gpus: tuple[int, ...], *, elapsed_s: float, on_exit: OnExit
-    ) -> None:
-        """Run this node's part of a job attempt. ``elapsed_s`` > 0 means it already ran
-        that long before an agent restart (the executor adopts it)."""
+    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
+        """Run the task (or adopt it, when ``launch.resume``); ``on_exit`` hears how it ended,
+        unless the agent stopped it."""
 
     @abc.abstractmethod
-    async def stop(self, key: TaskKey, reason: str) -> None:
-        """Stop the task if it runs; no exit is reported for a stopped task."""
+    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
+        """Stop the task if it runs and wait until nothing of it is left; None if it did not run."""
 
     @abc.abstractmethod
     def running(self) -> set[TaskKey]: ...
 
+    async def recover(self, on_exit: OnExit) -> set[TaskKey]:
+        """After an agent restart: take back the tasks still running from before."""
+        return set()
+
+    def sample(self) -> list[GpuSample]:
+        return []
+
+    def attempts(self, job: str) -> list[int]:
+        """The attempts of ``job`` this node has output of."""
+        return []
+
+    def output(self, key: TaskKey, max_bytes: int = 65536) -> dict[str, str]:
+        """The task's captured output, per log file (the last ``max_bytes`` of each)."""
+        return {}
+
     async def shutdown(self) -> None:
+        """The agent is stopping. By default its tasks stop too."""
         for key in list(self.running()):
             await self.stop(key, "agent shutting down")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gpuherd.events import GpuInfo, JobSpec
-from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey
+from gpuherd.events import GpuInfo
+from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch, declared_gpus
 
 
 class SimExecutor(Executor):
@@ -20,25 +20,14 @@ class SimExecutor(Executor):
         self._tasks: dict[TaskKey, asyncio.Task[None]] = {}
 
     def inventory(self, node: str) -> list[GpuInfo]:
-        size = self.island or self.gpu_count
-        out = []
-        for i in range(self.gpu_count):
-            first = (i // size) * size
-            peers = tuple(j for j in range(first, min(first + size, self.gpu_count)) if j != i)
-            out.append(
-                GpuInfo(
-                    index=i, uuid=f"SIM-{node}-{i}", model=self.gpu_model, memory_mb=self.memory_mb, nvlink_peers=peers
-                )
-            )
-        return out
+        return declared_gpus(node, self.gpu_count, island=self.island, model=self.gpu_model, memory_mb=self.memory_mb)
 
-    async def start(
-        self, key: TaskKey, spec: JobSpec, gpus: tuple[int, ...], *, elapsed_s: float, on_exit: OnExit
-    ) -> None:
+    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
+        key = launch.key
         if key in self._tasks:
             return
-        duration = spec.duration_s if spec.duration_s is not None else 0.0
-        remaining = max(0.0, duration - elapsed_s)
+        duration = launch.spec.duration_s if launch.spec.duration_s is not None else 0.0
+        remaining = max(0.0, duration - launch.elapsed_s)  # a resumed task goes on where it was
 
         async def run() -> None:
             await asyncio.sleep(remaining)
@@ -47,12 +36,14 @@ class SimExecutor(Executor):
 
         self._tasks[key] = asyncio.create_task(run(), name=f"sim-{key.job}-{key.attempt}")
 
-    async def stop(self, key: TaskKey, reason: str) -> None:
+    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
         task = self._tasks.pop(key, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is None:
+            return None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return TaskExit(key=key, outcome="stopped", reason=reason)
 
     def running(self) -> set[TaskKey]:
         return set(self._tasks)

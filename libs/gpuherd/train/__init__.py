@@ -1,0 +1,107 @@
+"""What a training script imports: the job's place in the gang, and progress reports.
+
+    from gpuherd import train
+
+    ctx = train.init()              # reads the agent's env; joins the process group if WORLD_SIZE > 1
+    model = ctx.wrap(model)         # DistributedDataParallel when there is more than one rank
+    ...
+    train.report(step, loss=loss)   # to the node agent (telemetry; the last one lands in JobFinished)
+    ctx.close()
+
+A script started by hand (no agent, no env) runs as a single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpuherd import jobenv
+from gpuherd.train.report import report
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["JobContext", "init", "report"]
+
+
+@dataclass
+class JobContext:
+    job_id: str
+    attempt: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: str
+    device: torch.device
+    backend: str | None  # None when single-process
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to this process's device; DistributedDataParallel when distributed."""
+        model = model.to(self.device)
+        if not self.distributed:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def init(*, timeout_s: float = 120.0) -> JobContext:
+    """Read the environment the agent set; join the process group when there are several ranks.
+
+    The device is ``cuda:LOCAL_RANK`` when CUDA devices are visible (the agent made exactly the
+    job's GPUs visible), else the CPU; the backend is NCCL on GPUs, gloo on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    world_size = _int(jobenv.WORLD_SIZE, 1)
+    local_rank = _int(jobenv.LOCAL_RANK, 0)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=_int(jobenv.RANK, 0),
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return JobContext(
+        job_id=os.environ.get(jobenv.JOB_ID, "local"),
+        attempt=_int(jobenv.ATTEMPT, 0),
+        rank=_int(jobenv.RANK, 0),
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=_int(jobenv.LOCAL_WORLD_SIZE, 1),
+        node=os.environ.get(jobenv.NODE, ""),
+        device=device,
+        backend=backend,
+    )

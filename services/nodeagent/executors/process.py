@@ -1,0 +1,315 @@
+"""Executors that run a job's real processes (``cpu`` and ``nvml`` build on this).
+
+Each task gets a folder ``<data>/jobs/<job>/attempt-<n>/`` holding its launch
+description (``task.json``), its shim's pid and process group (``shim.json``),
+one log file per rank and, once it ended, ``exit.json``. The folder is the
+executor's whole memory: after an agent restart, :meth:`recover` adopts every
+live shim and reports tasks that ended while no agent was there.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuherd import jobenv
+from gpuherd.events import MAX_OUTPUT_TAIL
+from gpuherd.obs import get_logger
+from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
+from services.nodeagent.shim import write_json
+
+log = get_logger("gpuherd.nodeagent.executor")
+
+TAIL_LINES = 30
+
+
+@dataclass
+class _Task:
+    key: TaskKey
+    dir: Path
+    on_exit: OnExit
+    pid: int | None = None
+    stopping: str | None = None
+    watcher: asyncio.Task[None] | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    exit: TaskExit | None = None
+
+
+class ProcessExecutor(Executor):
+    """Runs each task under a shim (see ``services/nodeagent/shim.py``)."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        alive_file: Path,
+        agent_addr: str = "",
+        fence_after_s: float = 4.0,
+        kill_grace_s: float = 10.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.alive_file = alive_file
+        self.agent_addr = agent_addr
+        self.fence_after_s = fence_after_s
+        self.kill_grace_s = kill_grace_s
+        self.node = ""
+        self._tasks: dict[TaskKey, _Task] = {}
+
+    # -- what differs between cpu and nvml ---------------------------------------------------
+
+    @abc.abstractmethod
+    def device_env(self, gpus: tuple[int, ...], local_rank: int) -> dict[str, str]:
+        """Environment that binds one process to the task's GPUs."""
+
+    # -- paths -----------------------------------------------------------------------------
+
+    def task_dir(self, key: TaskKey) -> Path:
+        return self.data_dir / "jobs" / key.job / f"attempt-{key.attempt}"
+
+    # -- Executor -------------------------------------------------------------------------------
+
+    def running(self) -> set[TaskKey]:
+        return set(self._tasks)
+
+    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
+        key = launch.key
+        if key in self._tasks:
+            return
+        task_dir = self.task_dir(key)
+        if launch.resume and (task_dir / "task.json").exists():
+            self._adopt(key, task_dir, on_exit)  # never start twice what ran before a restart
+            return
+        task_dir.mkdir(parents=True, exist_ok=True)
+        write_json(task_dir / "task.json", self._describe(launch, task_dir))
+        shim_log = open(task_dir / "shim.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "services.nodeagent.shim",
+                str(task_dir),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=shim_log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                env=_shim_env(),
+            )
+        finally:
+            shim_log.close()
+        task = _Task(key=key, dir=task_dir, on_exit=on_exit, pid=proc.pid)
+        task.watcher = asyncio.create_task(self._watch_child(task, proc), name=f"task-{key.job}-{key.attempt}")
+        self._tasks[key] = task
+        log.info("task launched", job=key.job, attempt=key.attempt, procs=launch.procs, dir=str(task_dir))
+
+    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
+        task = self._tasks.get(key)
+        if task is None:
+            return None
+        task.stopping = reason
+        if task.pid is not None and not task.ended.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: SIGTERM, grace, SIGKILL
+            try:
+                await asyncio.wait_for(task.ended.wait(), self.kill_grace_s + 5.0)
+            except TimeoutError:
+                log.warning("shim did not stop; killing it", job=key.job, attempt=key.attempt)
+                self._kill_everything(task)
+                await task.ended.wait()
+        self._tasks.pop(key, None)
+        return task.exit or TaskExit(key=key, outcome="stopped", reason=reason)
+
+    async def recover(self, on_exit: OnExit) -> set[TaskKey]:
+        """Adopt the live shims a previous agent left; a shim whose task folder is unreadable is
+        killed (nothing may run that the agent cannot account for)."""
+        adopted: set[TaskKey] = set()
+        for shim_file in sorted(self.data_dir.glob("jobs/*/attempt-*/shim.json")):
+            task_dir = shim_file.parent
+            if (task_dir / "exit.json").exists():
+                continue
+            key = TaskKey(task_dir.parent.name, int(task_dir.name.removeprefix("attempt-")))
+            info = _read_json(shim_file)
+            if info is None or not _is_shim(info.get("pid"), task_dir):
+                continue
+            self._adopt(key, task_dir, on_exit)
+            adopted.add(key)
+        if adopted:
+            log.info("adopted tasks from before the restart", tasks=sorted(f"{k.job}/{k.attempt}" for k in adopted))
+        return adopted
+
+    async def shutdown(self) -> None:
+        """Leave the shims running: the next agent adopts them, or they fence themselves."""
+        for task in self._tasks.values():
+            if task.watcher is not None:
+                task.watcher.cancel()
+        self._tasks.clear()
+
+    def attempts(self, job: str) -> list[int]:
+        return sorted(int(p.name.removeprefix("attempt-")) for p in (self.data_dir / "jobs" / job).glob("attempt-*"))
+
+    def output(self, key: TaskKey, max_bytes: int = 65536) -> dict[str, str]:
+        task_dir = self.task_dir(key)
+        return {p.name: _tail_bytes(p, max_bytes) for p in sorted(task_dir.glob("rank-*.log"))}
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _describe(self, launch: TaskLaunch, task_dir: Path) -> dict:
+        spec = launch.spec
+        assert spec.command is not None
+        argv = list(spec.command)
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable  # the agent's interpreter: the one gpuherd (and torch) live in
+        threads = max(1, (os.cpu_count() or 1) // max(1, launch.procs))
+        procs = []
+        for local_rank in range(launch.procs):
+            rank = launch.rank_offset + local_rank
+            env = dict(os.environ)
+            env.setdefault("OMP_NUM_THREADS", str(threads))  # ranks sharing a node must not oversubscribe it
+            env.update(spec.env or {})
+            env.update(
+                {
+                    jobenv.RANK: str(rank),
+                    jobenv.WORLD_SIZE: str(launch.world_size),
+                    jobenv.LOCAL_RANK: str(local_rank),
+                    jobenv.LOCAL_WORLD_SIZE: str(launch.procs),
+                    jobenv.GROUP_RANK: str(launch.group_rank),
+                    jobenv.JOB_ID: launch.key.job,
+                    jobenv.ATTEMPT: str(launch.key.attempt),
+                    jobenv.NODE: self.node,
+                    jobenv.AGENT_ADDR: self.agent_addr,
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            if launch.rendezvous is not None:
+                env[jobenv.MASTER_ADDR] = launch.rendezvous.addr
+                env[jobenv.MASTER_PORT] = str(launch.rendezvous.port)
+            env.update(self.device_env(launch.gpus, local_rank))
+            procs.append({"argv": argv, "env": env, "log": str(task_dir / f"rank-{rank}.log")})
+        return {
+            "job": launch.key.job,
+            "attempt": launch.key.attempt,
+            "procs": procs,
+            "cwd": spec.workdir,
+            "alive_file": str(self.alive_file),
+            "fence_after_s": self.fence_after_s,
+            "kill_grace_s": self.kill_grace_s,
+        }
+
+    def _adopt(self, key: TaskKey, task_dir: Path, on_exit: OnExit) -> None:
+        info = _read_json(task_dir / "shim.json") or {}
+        pid = info.get("pid")
+        task = _Task(key=key, dir=task_dir, on_exit=on_exit, pid=pid if _is_shim(pid, task_dir) else None)
+        task.watcher = asyncio.create_task(self._watch_adopted(task), name=f"task-{key.job}-{key.attempt}")
+        self._tasks[key] = task
+
+    async def _watch_child(self, task: _Task, proc: asyncio.subprocess.Process) -> None:
+        await proc.wait()
+        await self._ended(task)
+
+    async def _watch_adopted(self, task: _Task) -> None:
+        while task.pid is not None and _is_shim(task.pid, task.dir) and not (task.dir / "exit.json").exists():
+            await asyncio.sleep(0.25)
+        # The shim exits right after writing exit.json; give it that moment before judging it.
+        for _ in range(20):
+            if task.pid is None or not _is_shim(task.pid, task.dir):
+                break
+            await asyncio.sleep(0.05)
+        await self._ended(task)
+
+    async def _ended(self, task: _Task) -> None:
+        record = _read_json(task.dir / "exit.json")
+        if record is None:
+            # The shim died without a word (SIGKILL, OOM killer): make sure its ranks are gone too.
+            self._kill_everything(task)
+        task.exit = exit_from_record(task.key, record, task.dir, stopping=task.stopping)
+        task.ended.set()
+        if task.stopping is None:
+            self._tasks.pop(task.key, None)
+            await task.on_exit(task.exit)
+
+    def _kill_everything(self, task: _Task) -> None:
+        info = _read_json(task.dir / "shim.json") or {}
+        for pgid in {info.get("pgid"), task.pid if _is_shim(task.pid, task.dir) else None}:
+            if isinstance(pgid, int) and pgid > 1:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
+
+
+def exit_from_record(key: TaskKey, record: dict | None, task_dir: Path, *, stopping: str | None) -> TaskExit:
+    """How a task ended, from its shim's exit record (None: the shim died without one)."""
+    if record is None:
+        reason = stopping or "the task's shim died without an exit record"
+        return TaskExit(key=key, outcome="stopped", reason=reason, output_tail=_task_tail(task_dir, None))
+    codes: list[int | None] = record.get("codes") or []
+    failed_rank = record.get("failed_rank")
+    tail = _task_tail(task_dir, failed_rank)
+    if record.get("failure"):
+        code = codes[failed_rank] if failed_rank is not None and failed_rank < len(codes) else 127
+        return TaskExit(
+            key=key, outcome="failed", exit_code=shell_code(code), reason=record["failure"], output_tail=tail
+        )
+    if record.get("stopped") or stopping:
+        return TaskExit(key=key, outcome="stopped", reason=stopping or record["stopped"], output_tail=tail)
+    return TaskExit(key=key, outcome="completed", exit_code=0, output_tail=tail)
+
+
+def shell_code(code: int | None) -> int | None:
+    """A process killed by signal N reads as 128+N, the way shells report it."""
+    return 128 - code if code is not None and code < 0 else code
+
+
+def _task_tail(task_dir: Path, local_rank: int | None) -> str:
+    logs = sorted(task_dir.glob("rank-*.log"), key=lambda p: int(p.stem.removeprefix("rank-")))
+    if not logs:
+        return ""
+    path = logs[local_rank] if local_rank is not None and local_rank < len(logs) else logs[0]
+    text = _tail_bytes(path, 64 * 1024)
+    lines = "\n".join(text.splitlines()[-TAIL_LINES:])
+    return lines.encode()[-MAX_OUTPUT_TAIL:].decode("utf-8", errors="replace")
+
+
+def _tail_bytes(path: Path, max_bytes: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_shim(pid: object, task_dir: Path) -> bool:
+    """Whether ``pid`` is still the shim of ``task_dir`` (not a recycled pid, not a zombie)."""
+    if not isinstance(pid, int) or pid <= 1:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return str(task_dir).encode() in cmdline and b"services.nodeagent.shim" in cmdline
+
+
+def _shim_env() -> dict[str, str]:
+    """The shim must import ``services`` however the agent was started."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
