@@ -226,6 +226,52 @@ def cmd_events(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_logs(args: argparse.Namespace) -> int:
+    """A job's output, fetched from the agents of the nodes its attempts ran on."""
+    from gpuherd.errors import LogUnavailable
+
+    async def run() -> int:
+        log_ = await _open(args)
+        try:
+            placed = [
+                r.event for r in await log_.read_all() if isinstance(r.event, ev.JobPlaced) and r.event.job == args.job
+            ]
+            if not placed:
+                raise GpuherdError(f"job {args.job} has never been placed, so it has no output yet")
+            if args.attempt is not None:
+                placed = [p for p in placed if p.attempt == args.attempt]
+            answers = []
+            for event in placed:
+                for alloc in event.allocations:
+                    request = {"job": args.job, "attempt": event.attempt, "max_bytes": args.bytes}
+                    try:
+                        raw = await log_.request(f"{alloc.node}.logs", msgspec.json.encode(request), timeout=5)
+                        answer = msgspec.json.decode(raw)
+                    except LogUnavailable as exc:
+                        answer = {"ok": False, "error": f"{exc}; its files are under the agent's data folder"}
+                    answers.append({"node": alloc.node, "attempt": event.attempt, **answer})
+        finally:
+            await log_.close()
+        if args.json:
+            _print_json(answers)
+            return 0
+        for answer in answers:
+            header = f"attempt {answer['attempt']} on {answer['node']}"
+            if not answer.get("ok"):
+                console.print(f"[yellow]== {header}: {answer.get('error')}[/yellow]")
+                continue
+            files = answer["attempts"].get(str(answer["attempt"]), {})
+            if not files:
+                console.print(f"[dim]== {header}: no output[/dim]")
+            for name, text in files.items():
+                console.print(f"[bold]== {header}: {name}[/bold]")
+                sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+                sys.stdout.flush()
+        return 0
+
+    return asyncio.run(run())
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -279,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start NATS (unless NATS_URL), the services and node agents")
     up.add_argument("--agents", type=int, default=2)
-    up.add_argument("--executor", default="sim", choices=["sim"])
-    up.add_argument("--gpus-per-node", type=int, default=8)
+    up.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each sim agent")
+    up.add_argument("--cpu-agents", type=int, default=2, help="agents that run real processes on CPU")
+    up.add_argument("--cpu-gpus", type=int, default=4, help="virtual GPUs of each cpu agent (2 NVLink islands)")
     up.add_argument("--policy", default="fifo")
     up.add_argument("--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
     up.add_argument("--demo", choices=["philly"], default=None, help="submit a demo workload, report, and stop")
@@ -311,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job")
     c.add_argument("--reason", default="cancelled by user")
     c.set_defaults(func=cmd_cancel)
+
+    lg = sub.add_parser("logs", help="a job's output, from the agents it ran on")
+    lg.add_argument("job")
+    lg.add_argument("--attempt", type=int, default=None, help="only this attempt (default: all)")
+    lg.add_argument("--bytes", type=int, default=65536, help="the last N bytes of each rank's log")
+    lg.add_argument("--json", action="store_true")
+    lg.set_defaults(func=cmd_logs)
 
     e = sub.add_parser("events", help="print the event log (filter by job, node, type)")
     e.add_argument("--job", default=None)

@@ -72,6 +72,34 @@ def service_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def agent_process(
+    node: str,
+    executor: str,
+    gpus: int,
+    rack: str,
+    url: str,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    *,
+    port_block: int = 0,
+) -> Supervised:
+    """A node agent on this machine. Local agents share one host, so each leads rendezvous on
+    ports of its own block, and their peers reach them on the loopback address."""
+    data_dir = Path(args.data_dir).resolve()
+    argv = service_argv(
+        "services.nodeagent",
+        *("--nats-url", url, "--node", node, "--executor", executor, "--gpus", str(gpus), "--rack", rack),
+        *("--data-dir", str(data_dir / "agents" / node), "--address", "127.0.0.1"),
+    )
+    if executor != "sim":
+        first = RENDEZVOUS_BASE + 100 * port_block
+        argv += ["--island", str(max(1, gpus // 2)), "--rendezvous-ports", f"{first}-{first + 99}"]
+    return Supervised(f"agent-{node}", argv, data_dir / "logs", env)
+
+
+RENDEZVOUS_BASE = 29400
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and data_dir.exists():
@@ -100,30 +128,15 @@ def run_cluster(args: argparse.Namespace) -> int:
         )
     ]
     for i in range(1, args.agents + 1):
-        procs.append(
-            Supervised(
-                f"agent-node-{i}",
-                service_argv(
-                    "services.nodeagent",
-                    "--nats-url",
-                    url,
-                    "--node",
-                    f"node-{i}",
-                    "--executor",
-                    args.executor,
-                    "--gpus",
-                    str(args.gpus_per_node),
-                    "--rack",
-                    f"rack-{(i - 1) // 4 + 1}",
-                ),
-                log_dir,
-                env,
-            )
-        )
+        procs.append(agent_process(f"node-{i}", "sim", args.gpus_per_node, f"rack-{(i - 1) // 4 + 1}", url, args, env))
+    for i in range(1, args.cpu_agents + 1):
+        name = f"cpu-{i}"
+        procs.append(agent_process(name, "cpu", args.cpu_gpus, "rack-cpu", url, args, env, port_block=i))
     for p in procs:
         p.start()
     console.print(
-        f"started scheduler and {args.agents} {args.executor} agents x {args.gpus_per_node} GPUs (logs in {log_dir})"
+        f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
+        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs (logs in {log_dir})"
     )
 
     stopping = False

@@ -47,7 +47,7 @@ def wait_for(fn, timeout: float = 30.0):
 def running_cluster(tmp_path):
     data = tmp_path / "data"
     up = subprocess.Popen(
-        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "2", "--gpus-per-node", "4"],
+        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "2", "--gpus-per-node", "4", "--cpu-agents", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -56,7 +56,7 @@ def running_cluster(tmp_path):
     )
     try:
         wait_for(lambda: (data / "cluster.json").exists(), 30)
-        wait_for(lambda: len(json.loads(cli(data, "nodes", "--json").stdout)) == 2, 60)
+        wait_for(lambda: len(json.loads(cli(data, "nodes", "--json").stdout)) == 3, 60)
         yield data, up
     finally:
         if up.poll() is None:
@@ -70,7 +70,13 @@ def running_cluster(tmp_path):
 def test_cli_round_trip(running_cluster, tmp_path) -> None:
     data, up = running_cluster
     nodes = json.loads(cli(data, "nodes", "--json").stdout)
-    assert {n["node"] for n in nodes} == {"node-1", "node-2"} and all(len(n["gpus"]) == 4 for n in nodes)
+    assert {n["node"] for n in nodes} == {"node-1", "node-2", "cpu-1"} and all(len(n["gpus"]) == 4 for n in nodes)
+
+    hello = tmp_path / "hello.json"
+    hello.write_text(
+        json.dumps({"name": "hello", "user": "ana", "gpus": 1, "command": ["python", "-c", "print('hi')"]})
+    )
+    hello_id = json.loads(cli(data, "submit", str(hello), "--json").stdout)["job_id"]
 
     short = tmp_path / "short.yaml"
     short.write_text("name: short\nuser: ana\ngpus: 2\nduration_s: 0.5\n")
@@ -86,6 +92,9 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
         return next(j["status"] for j in json.loads(cli(data, "jobs", "--json").stdout) if j["job"] == job_id)
 
     wait_for(lambda: status(job) == "completed")
+    wait_for(lambda: status(hello_id) == "completed")
+    logs = cli(data, "logs", hello_id).stdout
+    assert "attempt 0 on cpu-1: rank-0.log" in logs and "hi" in logs.splitlines()
     wait_for(lambda: status(long_id) == "running")
     table = cli(data, "jobs").stdout
     assert "long" in table and "running" in table

@@ -1,0 +1,169 @@
+"""The cpu executor with real processes (no NATS): life cycle, failure, stop, adoption, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuherd import events as ev
+from services.nodeagent.executors import TaskExit, TaskKey, TaskLaunch
+from services.nodeagent.executors.cpu import CpuExecutor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def executor(tmp_path: Path, *, fence_after_s: float = 30.0, kill_grace_s: float = 2.0) -> CpuExecutor:
+    alive = tmp_path / "alive"
+    alive.touch()
+    ex = CpuExecutor(
+        tmp_path, gpus=4, island=2, alive_file=alive, fence_after_s=fence_after_s, kill_grace_s=kill_grace_s
+    )
+    ex.node = "n1"
+    return ex
+
+
+def launch(job: str, code: str, *, procs: int = 1, attempt: int = 0, resume: bool = False) -> TaskLaunch:
+    spec = ev.JobSpec(name=job, user="u", gpus=procs, command=(sys.executable, "-c", code), env={"GREETING": "hi"})
+    return TaskLaunch(
+        key=TaskKey(job, attempt),
+        spec=spec,
+        gpus=tuple(range(procs)),
+        procs=procs,
+        world_size=procs,
+        rendezvous=ev.Rendezvous("127.0.0.1", 29999),
+        resume=resume,
+    )
+
+
+class Exits:
+    def __init__(self) -> None:
+        self.got: list[TaskExit] = []
+        self.event = asyncio.Event()
+
+    async def __call__(self, exit_: TaskExit) -> None:
+        self.got.append(exit_)
+        self.event.set()
+
+    async def wait(self, timeout: float = 30.0) -> TaskExit:
+        await asyncio.wait_for(self.event.wait(), timeout)
+        return self.got[-1]
+
+
+def pids_of_job(job: str) -> list[int]:
+    """Processes (anywhere on this machine) whose environment names the job: our orphan detector."""
+    needle = f"GPUHERD_JOB_ID={job}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                    if state != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+async def wait_until(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_each_rank_gets_its_env_and_output_is_kept(tmp_path: Path) -> None:
+    ex, exits = executor(tmp_path), Exits()
+    code = (
+        "import os; print(' '.join(os.environ[k] for k in ('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE',"
+        "'MASTER_ADDR','MASTER_PORT','GPUHERD_JOB_ID','GPUHERD_VIRTUAL_GPUS','GREETING')),"
+        " repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+    )
+    await ex.start(launch("env1", code, procs=2), exits)
+    done = await exits.wait()
+    assert done.outcome == "completed" and done.exit_code == 0
+    out = ex.output(TaskKey("env1", 0))
+    assert out["rank-0.log"].strip() == "0 2 0 2 127.0.0.1 29999 env1 0,1 hi ''"
+    assert out["rank-1.log"].strip() == "1 2 1 2 127.0.0.1 29999 env1 0,1 hi ''"
+    assert ex.running() == set()
+
+
+async def test_one_failing_rank_stops_the_others_and_reports_its_output(tmp_path: Path) -> None:
+    ex, exits = executor(tmp_path), Exits()
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '1':\n"
+        "    print('rank one gives up', file=sys.stderr); sys.exit(5)\n"
+        "time.sleep(60)"
+    )
+    await ex.start(launch("fail1", code, procs=2), exits)
+    done = await exits.wait()
+    assert done.outcome == "failed" and done.exit_code == 5
+    assert "local rank 1 exited with code 5" in done.reason
+    assert "rank one gives up" in done.output_tail
+    await wait_until(lambda: not pids_of_job("fail1"))
+
+
+async def test_a_command_that_does_not_exist_fails_with_a_reason(tmp_path: Path) -> None:
+    ex, exits = executor(tmp_path), Exits()
+    bad = launch("nocmd", "")
+    bad = TaskLaunch(key=bad.key, spec=ev.JobSpec(name="x", user="u", gpus=1, command=("/no/such/binary",)), gpus=(0,))
+    await ex.start(bad, exits)
+    done = await exits.wait()
+    assert done.outcome == "failed" and "cannot start '/no/such/binary'" in done.reason
+
+
+async def test_stop_terminates_the_whole_process_group_including_grandchildren(tmp_path: Path) -> None:
+    ex, exits = executor(tmp_path, kill_grace_s=1.0), Exits()
+    # The rank ignores SIGTERM and leaves a grandchild behind: only SIGKILL of the group ends both.
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    await ex.start(launch("stop1", code), exits)
+    await wait_until(lambda: "ready" in ex.output(TaskKey("stop1", 0)).get("rank-0.log", ""))
+    assert len(pids_of_job("stop1")) == 2
+    stopped = await ex.stop(TaskKey("stop1", 0), "cancelled on request")
+    assert stopped is not None and stopped.outcome == "stopped" and stopped.reason == "cancelled on request"
+    assert pids_of_job("stop1") == []
+    assert not exits.got, "a stopped task is not reported as exited"
+
+
+async def test_a_new_executor_adopts_a_running_task_and_sees_it_end(tmp_path: Path) -> None:
+    first = executor(tmp_path)
+    await first.start(launch("adopt1", "import time; time.sleep(1.5); print('done')"), Exits())
+    await wait_until(lambda: bool(pids_of_job("adopt1")))
+    await first.shutdown()  # an agent restart: the shim keeps running
+    second, exits = executor(tmp_path), Exits()
+    assert await second.recover(exits) == {TaskKey("adopt1", 0)}
+    await second.start(launch("adopt1", "raise SystemExit(9)", resume=True), exits)  # must not start twice
+    done = await exits.wait()
+    assert done.outcome == "completed" and "done" in done.output_tail
+
+
+async def test_a_task_that_ended_while_no_agent_ran_is_reported_from_its_exit_record(tmp_path: Path) -> None:
+    first = executor(tmp_path)
+    await first.start(launch("gone1", "import sys; sys.exit(4)"), Exits())
+    await first.shutdown()
+    await wait_until(lambda: (tmp_path / "jobs" / "gone1" / "attempt-0" / "exit.json").exists())
+    second, exits = executor(tmp_path), Exits()
+    await second.recover(exits)
+    await second.start(launch("gone1", "", resume=True), exits)
+    done = await exits.wait()
+    assert done.outcome == "failed" and done.exit_code == 4
+
+
+async def test_the_shim_fences_the_task_when_the_agent_goes_silent(tmp_path: Path) -> None:
+    ex, exits = executor(tmp_path, fence_after_s=1.0, kill_grace_s=0.5), Exits()
+    await ex.start(launch("fence1", "import time; time.sleep(60)"), exits)
+    os.utime(tmp_path / "alive", (time.time() - 100, time.time() - 100))  # the agent stopped touching it
+    done = await exits.wait(timeout=20)
+    assert done.outcome == "stopped" and done.reason.startswith("fenced")
+    assert pids_of_job("fence1") == []
