@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,22 +18,37 @@ FAST_ENV = {"GPUHERD_LEASE_TTL": "2", "PYTHONUNBUFFERED": "1", "GPUHERD_LOG_LEVE
 
 
 class Services:
-    def __init__(self, nats_url: str, log_dir: Path, *, agents: int = 2, gpus: int = 4, lost_after: float = 6.0):
+    def __init__(
+        self,
+        nats_url: str,
+        log_dir: Path,
+        *,
+        agents: int = 2,
+        gpus: int = 4,
+        lost_after: float = 6.0,
+        executor: str = "sim",
+        fence_after: float = 1.5,
+        kill_grace: float = 2.0,
+    ):
         self.url = nats_url
         self.log_dir = log_dir
         self.specs: dict[str, list[str]] = {
             "scheduler": ["-m", "services.scheduler", "--nats-url", nats_url, "--lost-after", str(lost_after)],
         }
+        ports = random.randrange(20000, 60000, 100)  # tests may share a machine: no fixed rendezvous ports
         for i in range(1, agents + 1):
             self.specs[f"agent-{i}"] = [
-                "-m",
-                "services.nodeagent",
-                "--nats-url",
-                nats_url,
-                "--node",
-                f"n{i}",
-                "--gpus",
-                str(gpus),
+                *("-m", "services.nodeagent", "--nats-url", nats_url, "--node", f"n{i}", "--gpus", str(gpus)),
+                *("--executor", executor, "--data-dir", str(log_dir / "agents" / f"n{i}"), "--address", "127.0.0.1"),
+                *("--rendezvous-ports", f"{ports + 10 * i}-{ports + 10 * i + 9}", "--heartbeat", "0.5"),
+                *(
+                    "--fence-after",
+                    str(fence_after),
+                    "--kill-grace",
+                    str(kill_grace),
+                    "--island",
+                    str(max(1, gpus // 2)),
+                ),
             ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = dict(os.environ, **FAST_ENV)
