@@ -22,7 +22,7 @@ install: $(STAMP)
 
 ## run: embedded NATS + scheduler + 4 sim agents, a 300-job slice of the Philly trace, summary and audit
 run: install
-	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --demo philly
+	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --cpu-agents 2 --cpu-gpus 4 --demo philly
 
 ## up: a cluster that stays up (Ctrl-C stops it); NATS_URL selects an existing NATS
 up: install

@@ -5,6 +5,10 @@ arrivals span ``--demo-seconds``; each duration is compressed by the same
 factor and capped (a two-week job would otherwise keep the demo running), and
 the cap is printed. Jobs asking for more GPUs than the demo cluster has are
 submitted anyway: intake rejects them with a reason, which the summary shows.
+
+With cpu agents up, two real training jobs go first: a 2-node DDP run of
+``examples/train_cnn.py`` and a single-process ``examples/train_mlp.py``. They
+really train, on CPU, and the summary shows their final loss.
 """
 
 from __future__ import annotations
@@ -66,6 +70,44 @@ def demo_workload(path: Path, jobs: int, span_s: float) -> tuple[list[tuple[floa
     return out, factor, cap
 
 
+REAL_JOBS = ("examples/train_cnn_ddp.json", "examples/train_mlp.json")
+
+
+def real_jobs() -> list[dict[str, Any]]:
+    """The example training jobs, run from the current folder (where their scripts are)."""
+    from gpuherd.client import load_spec_file
+
+    specs = []
+    for path in REAL_JOBS:
+        spec = dict(load_spec_file(path))
+        spec.update(workdir=str(Path.cwd()), intake_id=f"demo-{Path(path).stem}")
+        specs.append(spec)
+    return specs
+
+
+def real_jobs_table(state: ClusterState, job_ids: list[str]) -> Table:
+    table = Table(title="real training jobs (cpu agents)")
+    for col in ("job", "name", "ranks on", "locality", "status", "steps", "final loss", "run s"):
+        table.add_column(col)
+    for job_id in job_ids:
+        job = state.jobs.get(job_id)
+        if job is None:
+            continue
+        metrics = job.final_metrics or {}
+        ran = (job.finished_at or state.now) - (job.started_at or job.finished_at or state.now)
+        table.add_row(
+            job_id,
+            job.spec.name,
+            ",".join(job.last_nodes),
+            job.locality or "",
+            job.status,
+            f"{metrics['step']:.0f}" if "step" in metrics else "",
+            f"{metrics['loss']:.4f}" if "loss" in metrics else "",
+            f"{ran:.1f}",
+        )
+    return table
+
+
 def summarize(state: ClusterState) -> dict[str, Any]:
     jobs = list(state.jobs.values())
     placed = [j for j in jobs if j.first_placed_at is not None]
@@ -110,19 +152,25 @@ async def run_demo(
     follower = asyncio.create_task(follow())
     try:
         deadline = time.monotonic() + 60
-        while len([n for n in state.nodes.values() if n.status == "up"]) < args.agents:
+        agents = args.agents + args.cpu_agents
+        while len([n for n in state.nodes.values() if n.status == "up"]) < agents:
             supervise()
             if time.monotonic() > deadline or stopping():
-                raise GpuherdError(f"only {len(state.nodes)} of {args.agents} agents registered within 60s")
+                raise GpuherdError(f"only {len(state.nodes)} of {agents} agents registered within 60s")
             await asyncio.sleep(0.2)
         console.print(f"{len(state.nodes)} nodes registered, {state.capacity_gpus()} GPUs")
+        real: list[str] = []
+        if args.cpu_agents:
+            for spec in real_jobs():
+                real.append(await client.submit(spec, timeout=30))
+            console.print(f"submitted {len(real)} real training jobs to the cpu agents: {', '.join(real)}")
 
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             submitted_bar = progress.add_task("submitted", total=len(workload))
-            finished_bar = progress.add_task("finished ", total=len(workload))
+            finished_bar = progress.add_task("finished ", total=len(workload) + len(real))
             started = time.monotonic()
-            accepted: set[str] = set()
+            accepted: set[str] = set(real)
             for offset, spec in workload:
                 while time.monotonic() - started < offset:
                     supervise()
@@ -155,6 +203,8 @@ async def run_demo(
     for key, value in summary.items():
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
+    if real:
+        console.print(real_jobs_table(state, real))
     for reason, count in rejections.most_common():
         console.print(f"rejected x{count}: {reason}")
 

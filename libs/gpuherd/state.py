@@ -81,6 +81,9 @@ class JobState(msgspec.Struct, kw_only=True):
     rendezvous: ev.Rendezvous | None = None
     parts_ended: dict[str, PartEnd] = msgspec.field(default_factory=dict)  # node -> end, current attempt
     failures: int = 0  # attempts that failed (each one retried while failures <= spec.max_retries)
+    last_nodes: list[str] = msgspec.field(default_factory=list)  # where the latest attempt was placed
+    final_metrics: dict[str, float] | None = None  # what rank 0 last reported, once finished
+    exit_code: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -270,6 +273,7 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.placement_reason = e.reason
     job.locality = e.locality
     job.rendezvous = e.rendezvous
+    job.last_nodes = [a.node for a in e.allocations]
     job.parts_ended = {}
     if job.first_placed_at is None:
         job.first_placed_at = e.at
@@ -296,6 +300,8 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job.status = e.outcome
     job.finished_at = e.at
     job.reason = e.reason
+    job.final_metrics = e.metrics
+    job.exit_code = e.exit_code
 
 
 def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:
