@@ -72,71 +72,109 @@ def service_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def agent_process(
-    node: str,
-    executor: str,
-    gpus: int,
-    rack: str,
-    url: str,
-    args: argparse.Namespace,
-    env: dict[str, str],
-    *,
-    port_block: int = 0,
-) -> Supervised:
-    """A node agent on this machine. Local agents share one host, so each leads rendezvous on
-    ports of its own block, and their peers reach them on the loopback address."""
-    data_dir = Path(args.data_dir).resolve()
-    argv = service_argv(
-        "services.nodeagent",
-        *("--nats-url", url, "--node", node, "--executor", executor, "--gpus", str(gpus), "--rack", rack),
-        *("--data-dir", str(data_dir / "agents" / node), "--address", "127.0.0.1"),
-    )
-    if executor != "sim":
-        first = RENDEZVOUS_BASE + 100 * port_block
-        argv += ["--island", str(max(1, gpus // 2)), "--rendezvous-ports", f"{first}-{first + 99}"]
-    return Supervised(f"agent-{node}", argv, data_dir / "logs", env)
-
-
 RENDEZVOUS_BASE = 29400
+
+
+class ClusterLayout(msgspec.Struct, kw_only=True):
+    """Which agents a local cluster runs."""
+
+    sim_agents: int = 0
+    sim_gpus: int = 8
+    cpu_agents: int = 0
+    cpu_gpus: int = 4
+    nvml_agents: int = 0  # at most 1 per machine: the agent owns the machine's GPUs
+    policy: str = "fifo"
+    lost_after_s: float = 10.0
+    agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
+
+
+class LocalCluster:
+    """An embedded nats-server (unless ``nats_url``), the scheduler and node agents on this machine,
+    each a supervised process. Used by ``gpuherd up`` and by the benchmarks."""
+
+    def __init__(self, data_dir: Path, layout: ClusterLayout, *, nats_url: str | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.layout = layout
+        self.url = nats_url or ""
+        self.server: NatsServer | None = None
+        self.procs: list[Supervised] = []
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    def start(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.url:
+            self.server = NatsServer(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log").start()
+            self.url = self.server.url
+        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
+        env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1")
+        lay = self.layout
+        scheduler = ("--nats-url", self.url, "--policy", lay.policy, "--lost-after", str(lay.lost_after_s))
+        self.procs = [Supervised("scheduler", service_argv("services.scheduler", *scheduler), self.log_dir, env)]
+        for i in range(1, lay.sim_agents + 1):
+            self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
+        for i in range(1, lay.cpu_agents + 1):
+            self.procs.append(self._agent(f"cpu-{i}", "cpu", lay.cpu_gpus, "rack-cpu", env, port_block=i))
+        for i in range(1, lay.nvml_agents + 1):
+            self.procs.append(self._agent(f"gpu-{i}", "nvml", 0, "rack-gpu", env, port_block=50 + i))
+        for p in self.procs:
+            p.start()
+        return self.url
+
+    def _agent(self, node: str, executor: str, gpus: int, rack: str, env: dict[str, str], *, port_block: int = 0):
+        """Local agents share one host, so each leads rendezvous on ports of its own block, and
+        their peers reach them on the loopback address."""
+        argv = service_argv(
+            "services.nodeagent",
+            *("--nats-url", self.url, "--node", node, "--executor", executor, "--gpus", str(gpus), "--rack", rack),
+            *("--data-dir", str(self.data_dir / "agents" / node), "--address", "127.0.0.1", *self.layout.agent_args),
+        )
+        if executor != "sim":
+            first = RENDEZVOUS_BASE + 100 * port_block
+            argv += ["--island", str(max(1, gpus // 2)), "--rendezvous-ports", f"{first}-{first + 99}"]
+        return Supervised(f"agent-{node}", argv, self.log_dir, env)
+
+    def supervise_once(self) -> None:
+        for p in self.procs:
+            p.check()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and data_dir.exists():
         shutil.rmtree(data_dir)
-    log_dir = data_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server: NatsServer | None = None
-    url = args.nats_url or os.environ.get("NATS_URL")
-    if not url:
-        server = NatsServer(data_dir / "nats", log_file=log_dir / "nats-server.log").start()
-        url = server.url
-        console.print(f"embedded nats-server with JetStream at {url} (data in {data_dir / 'nats'})")
+    layout = ClusterLayout(
+        sim_agents=args.agents,
+        sim_gpus=args.gpus_per_node,
+        cpu_agents=args.cpu_agents,
+        cpu_gpus=args.cpu_gpus,
+        policy=args.policy,
+        lost_after_s=args.lost_after,
+    )
+    cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
+    url = cluster.start()
+    if cluster.server is not None:
+        console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
     else:
         console.print(f"using NATS at {url}")
-    (data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": url, "pid": os.getpid()}))
-
-    env = dict(os.environ, NATS_URL=url, PYTHONUNBUFFERED="1")
-    procs = [
-        Supervised(
-            "scheduler",
-            service_argv(
-                "services.scheduler", "--nats-url", url, "--policy", args.policy, "--lost-after", str(args.lost_after)
-            ),
-            log_dir,
-            env,
-        )
-    ]
-    for i in range(1, args.agents + 1):
-        procs.append(agent_process(f"node-{i}", "sim", args.gpus_per_node, f"rack-{(i - 1) // 4 + 1}", url, args, env))
-    for i in range(1, args.cpu_agents + 1):
-        name = f"cpu-{i}"
-        procs.append(agent_process(name, "cpu", args.cpu_gpus, "rack-cpu", url, args, env, port_block=i))
-    for p in procs:
-        p.start()
     console.print(
         f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
-        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs (logs in {log_dir})"
+        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs (logs in {cluster.log_dir})"
     )
 
     stopping = False
@@ -148,26 +186,19 @@ def run_cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    def supervise_once() -> None:
-        for p in procs:
-            p.check()
-
     code = 0
     try:
         if args.demo:
             from gpuherd.demo import run_demo
 
-            code = asyncio.run(run_demo(url, args, supervise_once, lambda: stopping))
+            code = asyncio.run(run_demo(url, args, cluster.supervise_once, lambda: stopping))
         else:
             console.print("cluster is up; Ctrl-C stops it. Try: gpuherd nodes, gpuherd submit job.yaml, gpuherd jobs")
             while not stopping:
-                supervise_once()
+                cluster.supervise_once()
                 time.sleep(0.5)
     finally:
         console.print("stopping services ...")
-        for p in reversed(procs):
-            p.stop()
-        if server is not None:
-            server.stop()
+        cluster.stop()
         console.print("stopped")
     return code

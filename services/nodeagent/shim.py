@@ -109,7 +109,10 @@ class Shim:
         signal.signal(signal.SIGINT, self.on_signal)
         write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": time.time()})
         failure = self.launch() if self.stop_reason is None else None
-        write_json(self.dir / "shim.json", {"pid": os.getpid(), "pgid": self.pgid, "started_at": time.time()})
+        pids = [p.pid for p in self.procs]
+        write_json(
+            self.dir / "shim.json", {"pid": os.getpid(), "pgid": self.pgid, "pids": pids, "started_at": time.time()}
+        )
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
         if failure is not None:
             self.stop_all(self.kill_grace_s)

@@ -35,6 +35,7 @@ class _Task:
     key: TaskKey
     dir: Path
     on_exit: OnExit
+    gpus: tuple[int, ...] = ()
     pid: int | None = None
     stopping: str | None = None
     watcher: asyncio.Task[None] | None = None
@@ -84,7 +85,7 @@ class ProcessExecutor(Executor):
             return
         task_dir = self.task_dir(key)
         if launch.resume and (task_dir / "task.json").exists():
-            self._adopt(key, task_dir, on_exit)  # never start twice what ran before a restart
+            self._adopt(key, task_dir, on_exit, launch.gpus)  # never start twice what ran before a restart
             return
         task_dir.mkdir(parents=True, exist_ok=True)
         write_json(task_dir / "task.json", self._describe(launch, task_dir))
@@ -103,7 +104,7 @@ class ProcessExecutor(Executor):
             )
         finally:
             shim_log.close()
-        task = _Task(key=key, dir=task_dir, on_exit=on_exit, pid=proc.pid)
+        task = _Task(key=key, dir=task_dir, on_exit=on_exit, gpus=launch.gpus, pid=proc.pid)
         task.watcher = asyncio.create_task(self._watch_child(task, proc), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
         log.info("task launched", job=key.job, attempt=key.attempt, procs=launch.procs, dir=str(task_dir))
@@ -153,6 +154,16 @@ class ProcessExecutor(Executor):
     def attempts(self, job: str) -> list[int]:
         return sorted(int(p.name.removeprefix("attempt-")) for p in (self.data_dir / "jobs" / job).glob("attempt-*"))
 
+    def rank_pids(self) -> dict[int, list[int]]:
+        """GPU index -> the pids of the ranks running on it (from the shims' records)."""
+        out: dict[int, list[int]] = {}
+        for task in self._tasks.values():
+            pids = (_read_json(task.dir / "shim.json") or {}).get("pids") or []
+            for local_rank, pid in enumerate(pids):
+                if task.gpus:
+                    out.setdefault(task.gpus[local_rank % len(task.gpus)], []).append(pid)
+        return out
+
     def output(self, key: TaskKey, max_bytes: int = 65536) -> dict[str, str]:
         task_dir = self.task_dir(key)
         return {p.name: _tail_bytes(p, max_bytes) for p in sorted(task_dir.glob("rank-*.log"))}
@@ -201,10 +212,13 @@ class ProcessExecutor(Executor):
             "kill_grace_s": self.kill_grace_s,
         }
 
-    def _adopt(self, key: TaskKey, task_dir: Path, on_exit: OnExit) -> None:
+    def _adopt(self, key: TaskKey, task_dir: Path, on_exit: OnExit, gpus: tuple[int, ...] = ()) -> None:
+        if key in self._tasks:
+            self._tasks[key].gpus = gpus or self._tasks[key].gpus
+            return
         info = _read_json(task_dir / "shim.json") or {}
         pid = info.get("pid")
-        task = _Task(key=key, dir=task_dir, on_exit=on_exit, pid=pid if _is_shim(pid, task_dir) else None)
+        task = _Task(key=key, dir=task_dir, on_exit=on_exit, gpus=gpus, pid=pid if _is_shim(pid, task_dir) else None)
         task.watcher = asyncio.create_task(self._watch_adopted(task), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
 

@@ -1,0 +1,151 @@
+"""GPU smoke check: NVML inventory and telemetry, then a 1-GPU train_cnn job through a real agent.
+
+1. inventory of this machine's GPUs as the nvml executor registers them (UUID,
+   model, memory, NVLink peers and the islands placement derives from them);
+2. three telemetry samples (utilization, memory, power, temperature, ECC, XID);
+3. a local cluster (embedded nats-server, scheduler, one nvml agent) runs
+   ``examples/train_cnn.py`` on one GPU; prints the job's events, its final
+   metrics, its log tail and the GPU telemetry the agent published meanwhile.
+
+Exits 0 when every step worked, 1 otherwise; 2 when there is no CUDA GPU.
+``--executor cpu`` runs step 3 on a cpu agent instead (to check the flow on a
+machine without a GPU).
+
+Usage: python bench/gpu_smoke.py [--steps 200] [--executor nvml|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from gpuherd import events as ev
+from gpuherd.client import Client
+from gpuherd.cluster import ClusterLayout, LocalCluster
+from gpuherd.log import open_log
+
+console = Console()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def inventory_and_telemetry() -> None:
+    from services.nodeagent.executors.nvml import NvmlExecutor
+    from services.scheduler.placement import islands_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        executor = NvmlExecutor(Path(tmp), alive_file=Path(tmp) / "alive")
+        gpus = executor.inventory("smoke")
+        table = Table(title=f"inventory ({len(gpus)} GPUs)")
+        for col in ("index", "uuid", "model", "memory MiB", "NVLink peers"):
+            table.add_column(col)
+        for g in gpus:
+            table.add_row(str(g.index), g.uuid, g.model, str(g.memory_mb), ",".join(map(str, g.nvlink_peers)) or "-")
+        console.print(table)
+        console.print(f"NVLink islands: {islands_of(gpus)}")
+        samples = Table(title="telemetry samples")
+        for col in ("t", "index", "util %", "mem used MiB", "power W", "temp C", "ECC uncorr.", "XID", "healthy"):
+            samples.add_column(col)
+        for t in range(3):
+            for s in executor.sample():
+                samples.add_row(
+                    str(t),
+                    str(s.index),
+                    _fmt(s.utilization_pct),
+                    _fmt(s.memory_used_mb),
+                    _fmt(s.power_w),
+                    _fmt(s.temperature_c),
+                    _fmt(s.ecc_uncorrected),
+                    _fmt(s.xid),
+                    str(s.healthy),
+                )
+            time.sleep(1.0)
+        console.print(samples)
+
+
+def _fmt(value: float | int | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+async def train_through_agent(executor: str, steps: int) -> bool:
+    layout = ClusterLayout(
+        cpu_agents=1 if executor == "cpu" else 0,
+        nvml_agents=1 if executor == "nvml" else 0,
+        agent_args=("--telemetry", "1"),
+    )
+    with tempfile.TemporaryDirectory(prefix="gpuherd-smoke-") as tmp, LocalCluster(Path(tmp), layout) as cluster:
+        log = await open_log(cluster.url, name="smoke", persistent=False)
+        client = await Client.connect(cluster.url, source="smoke", persistent=False)
+        gpu_samples: list[dict] = []
+
+        async def watch() -> None:
+            async for sample in log.telemetry("*.gpus", since_s=30):
+                gpu_samples.append(msgspec.json.decode(sample.data))
+
+        watcher = asyncio.create_task(watch())
+        try:
+            for _ in range(300):
+                if any(isinstance(r.event, ev.NodeRegistered) for r in await log.read_all()):
+                    break
+                await asyncio.sleep(0.2)
+            spec = {
+                "name": "smoke-cnn",
+                "user": "smoke",
+                "gpus": 1,
+                "command": ["python", "examples/train_cnn.py", "--steps", str(steps), "--batch-size", "128"],
+                "workdir": str(ROOT),
+            }
+            started = time.monotonic()
+            job_id = await client.submit(spec, timeout=30)
+            finished = None
+            while finished is None and time.monotonic() - started < 300:
+                records = [r for r in await log.read_all() if getattr(r.event, "job", None) == job_id]
+                finished = next((r.event for r in records if isinstance(r.event, ev.JobFinished)), None)
+                await asyncio.sleep(0.5)
+            for r in records:
+                brief = {k: v for k, v in msgspec.to_builtins(r.event).items() if k not in ("output_tail", "spec")}
+                console.print(f"{r.seq:>4} {type(r.event).__name__} {brief}", highlight=False, soft_wrap=True)
+            if finished is None:
+                console.print("[red]the job did not finish within 300 s[/red]")
+                return False
+            console.print(f"outcome: {finished.outcome}; metrics: {finished.metrics}")
+            console.print("output tail:\n" + finished.output_tail)
+            busy = [g for s in gpu_samples for g in s["gpus"] if g.get("job") == job_id and g.get("utilization_pct")]
+            if busy:
+                peak = max(busy, key=lambda g: g["utilization_pct"])
+                console.print(f"telemetry: {len(busy)} samples of the job's GPU; peak {peak}")
+            else:
+                console.print(f"telemetry: {len(gpu_samples)} samples; none showed the job's GPU busy")
+            return finished.outcome == "completed"
+        finally:
+            watcher.cancel()
+            await client.close()
+            await log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--executor", choices=["nvml", "cpu"], default="nvml")
+    args = parser.parse_args()
+    if args.executor == "nvml":
+        import torch
+
+        if not torch.cuda.is_available():
+            console.print("no CUDA GPU on this machine: nothing to smoke-test (try --executor cpu for the flow)")
+            return 2
+        console.print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)")
+        inventory_and_telemetry()
+    ok = asyncio.run(train_through_agent(args.executor, args.steps))
+    console.print("[green]smoke test passed[/green]" if ok else "[red]smoke test FAILED[/red]")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
