@@ -1,0 +1,87 @@
+"""An agent restart with real processes (in-memory log, cpu executor): it adopts what still
+belongs to it and kills what no longer does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.log import MemoryLog
+from services.nodeagent.agent import Agent
+from services.nodeagent.executors.cpu import CpuExecutor
+from tests.integration.test_process_executor import pids_of_job, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_agent(log: MemoryLog, data_dir: Path) -> Agent:
+    executor = CpuExecutor(data_dir, gpus=2, alive_file=data_dir / "alive", fence_after_s=60.0, kill_grace_s=1.0)
+    return Agent(log, "n1", executor, data_dir=data_dir, address="127.0.0.1", port_range=(29000, 29009))
+
+
+@contextlib.asynccontextmanager
+async def running(agent: Agent):
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        await asyncio.wait_for(agent.caught_up.wait(), 10)
+        yield agent
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def place(log: MemoryLog, job: str, code: str) -> None:
+    spec = ev.JobSpec(name=job, user="u", gpus=1, command=(sys.executable, "-c", code))
+    await log.append([ev.JobSubmitted(id=f"sub-{job}", job=job, spec=spec, intake_source="t")])
+    await log.append(
+        [
+            ev.JobPlaced(
+                id=f"place-{job}",
+                job=job,
+                attempt=0,
+                allocations=(ev.Allocation("n1", (0,)),),
+                rendezvous=ev.Rendezvous("127.0.0.1", 29000),
+            )
+        ]
+    )
+
+
+def events_of(log: MemoryLog, kind: type) -> list:
+    return [r.event for r in log._records if isinstance(r.event, kind)]
+
+
+async def test_restarted_agent_adopts_its_running_task_without_starting_it_again(tmp_path: Path) -> None:
+    log = MemoryLog(lease_ttl=0.5)
+    async with running(make_agent(log, tmp_path)):
+        await place(log, "keep", "import time; time.sleep(2); print('finished')")
+        await wait_until(lambda: bool(pids_of_job("keep")))
+    # The agent is gone; its task runs on under its shim.
+    assert pids_of_job("keep")
+    await asyncio.sleep(0.6)  # the old agent's lease expires
+    async with running(make_agent(log, tmp_path)):
+        await wait_until(lambda: bool(events_of(log, ev.TaskEnded)), timeout=20)
+    (ended,) = events_of(log, ev.TaskEnded)
+    assert ended.outcome == "completed" and "finished" in ended.output_tail
+    assert len(events_of(log, ev.JobStarted)) == 1, "adopted, not started twice"
+
+
+async def test_restarted_agent_kills_a_task_whose_job_moved_on_and_registers_again(tmp_path: Path) -> None:
+    log = MemoryLog(lease_ttl=0.5)
+    async with running(make_agent(log, tmp_path)):
+        await place(log, "moved", "import time; time.sleep(60)")
+        await wait_until(lambda: bool(pids_of_job("moved")))
+    # While the agent was away the scheduler declared the node lost and requeued the job.
+    await log.append([ev.NodeLost(id="lost-n1", node="n1", reason="no heartbeat")])
+    await log.append([ev.JobRequeued(id="rq-moved", job="moved", attempt=0, reason="node n1 lost")])
+    assert pids_of_job("moved"), "the shim outlived the agent (its fence is long in this test)"
+    await asyncio.sleep(0.6)
+    async with running(make_agent(log, tmp_path)):
+        await wait_until(lambda: not pids_of_job("moved"), timeout=20)
+        await wait_until(lambda: len(events_of(log, ev.NodeRegistered)) == 2)
+    assert events_of(log, ev.TaskEnded) == [], "the attempt was settled without this part's word"
