@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-## run: embedded NATS + scheduler + 4 sim agents, a 300-job slice of the Philly trace, summary and audit
+## run: embedded NATS + scheduler + 4 sim and 2 cpu agents; real DDP training next to a 300-job Philly slice; summary, audit
 run: install
 	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --cpu-agents 2 --cpu-gpus 4 --demo philly
 
@@ -35,8 +35,8 @@ test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
 
 lint: install
-	$(VENV)/bin/ruff check libs services tests bench
-	$(VENV)/bin/ruff format --check libs services tests bench
+	$(VENV)/bin/ruff check libs services tests bench examples
+	$(VENV)/bin/ruff format --check libs services tests bench examples
 
 bench: install
 	$(PY) bench/bench_log.py

@@ -302,6 +302,7 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job.reason = e.reason
     job.final_metrics = e.metrics
     job.exit_code = e.exit_code
+    job.parts_ended = {}  # the outcome above sums them up; finished jobs stay small in snapshots
 
 
 def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:

@@ -12,6 +12,7 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd import jobenv
 from gpuherd.state import ClusterState, intake_key
+from services.scheduler.placement import can_run
 
 MAX_SUBMISSION_BYTES = 64 * 1024
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,128}$")
@@ -78,21 +79,31 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
     if spec.vc not in state.vcs:
         known = ", ".join(sorted(state.vcs))
         return f"unknown virtual cluster {spec.vc!r}; known: {known}"
-    capacity = state.capacity_gpus()
-    if capacity == 0:
+    if not state.nodes:
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
+    # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
+    sizes = [len(n.gpus) for n in state.nodes.values() if can_run(spec, n.runs_processes())]
+    if not sizes:
+        need = "a `command` needs a cpu or nvml agent" if spec.command else "a sim job needs a sim agent"
+        return f"no registered node can run this job ({need}); none has registered yet"
+    every = len(sizes) == len(state.nodes)
+    capacity = sum(sizes)
     if spec.gpus > capacity:
-        return f"asks for {spec.gpus} GPUs but the whole cluster has {capacity} ({len(state.nodes)} nodes)"
+        where = "the whole cluster has" if every else "the nodes that can run it have"
+        return f"asks for {spec.gpus} GPUs but {where} {capacity} ({len(sizes)} nodes)"
     if spec.nodes is not None:
         if spec.nodes <= 0:
             return f"`nodes` must be at least 1, got {spec.nodes}"
         if spec.gpus % spec.nodes:
             return f"`gpus` ({spec.gpus}) must divide evenly over `nodes` ({spec.nodes})"
-        if spec.nodes > len(state.nodes):
-            return f"asks for {spec.nodes} nodes but the cluster has {len(state.nodes)}"
+        if spec.nodes > len(sizes):
+            return f"asks for {spec.nodes} nodes but the cluster has {len(sizes)}" + (
+                "" if every else " that can run it"
+            )
         per_node = spec.gpus // spec.nodes
-        if per_node > state.max_gpus_per_node():
-            return f"asks for {per_node} GPUs per node but the largest node has {state.max_gpus_per_node()}"
+        if per_node > max(sizes):
+            largest = "the largest node" if every else "the largest node that can run it"
+            return f"asks for {per_node} GPUs per node but {largest} has {max(sizes)}"
     return None
 
 

@@ -98,10 +98,10 @@ def views(state: ClusterState) -> dict[str, NodeView]:
     return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.status == "up"}
 
 
-def can_run(spec: JobSpec, node: NodeView) -> bool:
+def can_run(spec: JobSpec, runs_processes: bool) -> bool:
     """A job with a command needs an executor that runs processes; the sim executor runs jobs
     that say how long they take."""
-    if node.runs_processes:
+    if runs_processes:
         return spec.command is not None
     return spec.duration_s is not None
 
@@ -145,7 +145,7 @@ def score(allocations: Iterable[Allocation], nodes: dict[str, NodeView]) -> Scor
 
 def place(spec: JobSpec, nodes: dict[str, NodeView]) -> Placement | None:
     """The best-scoring placement of the whole gang, or None if it does not fit now."""
-    eligible = [v for v in nodes.values() if v.free and can_run(spec, v)]
+    eligible = [v for v in nodes.values() if v.free and can_run(spec, v.runs_processes)]
     if spec.nodes is not None:
         candidates = _even_split(spec.gpus, spec.nodes, eligible)
     else:

@@ -20,6 +20,7 @@ def verdict(data: bytes | dict, state: ClusterState | None = None, *, source: st
 
 
 GOOD = {"name": "resnet", "user": "ana", "gpus": 4, "duration_s": 60}
+CMD = {"name": "train", "user": "ana", "gpus": 1, "command": ["python", "train.py"]}
 
 
 def test_valid_spec_becomes_job_submitted() -> None:
@@ -69,6 +70,12 @@ BAD = [
     (GOOD | {"elastic": {"min": 1, "max": 2}}, "must lie within elastic min..max"),
     (GOOD | {"intake_id": "has space"}, "`intake_id` must be 1-128 characters"),
     (GOOD | {"priority": True}, "Expected `int`, got `bool`"),
+    (CMD, "no registered node can run this job (a `command` needs a cpu or nvml agent)"),
+    (GOOD | {"max_retries": -1}, "`max_retries` must be between 0 and 100"),
+    (GOOD | {"procs_per_node": 2}, "`procs_per_node` needs a `command`"),
+    (CMD | {"env": {"RANK": "3"}}, "not set by gpuherd itself (RANK)"),
+    (CMD | {"env": {"1BAD": "x"}}, "`env` names must be identifiers"),
+    (GOOD | {"workdir": " "}, "`workdir` must not be empty"),
 ]
 
 
@@ -99,3 +106,12 @@ def test_bad_source_token() -> None:
     v = verdict(GOOD, source="a.b")
     assert isinstance(v.event, ev.JobRejected) and "herd.intake.<source>" in v.event.reason
     assert v.event.subject() == "herd.rejected._invalid"
+
+
+def test_a_command_job_is_judged_against_the_nodes_that_run_processes() -> None:
+    state = cluster()
+    apply(state, 4, node("cpu1", 4, executor="cpu", ports=(29500, 29599)))
+    assert isinstance(verdict(CMD | {"gpus": 4}, state).event, ev.JobSubmitted)
+    too_big = verdict(CMD | {"gpus": 5}, state).event
+    assert isinstance(too_big, ev.JobRejected)
+    assert too_big.reason == "asks for 5 GPUs but the nodes that can run it have 4 (1 nodes)"
