@@ -36,6 +36,10 @@ async def logs_of(log, node: str, job_id: str, attempt: int = 0) -> dict[str, st
     return answer["attempts"][str(attempt)]
 
 
+def records_of(records, kind: type) -> list:
+    return [r.event for r in records if isinstance(r.event, kind)]
+
+
 async def test_real_jobs_on_cpu_agents(local_nats, tmp_path) -> None:
     services = Services(local_nats.url, tmp_path, agents=2, gpus=4, executor="cpu", lost_after=10.0)
     services.start_all()
@@ -52,6 +56,16 @@ async def test_real_jobs_on_cpu_agents(local_nats, tmp_path) -> None:
                 2,
                 ["python", "examples/train_cnn.py", "--steps", "6", "--batch-size", "8", "--log-every", "3"],
                 nodes=2,
+                workdir=str(ROOT),
+            )
+        )
+        gang_fails = await client.submit(
+            job(
+                "gang-fails",
+                2,
+                ["python", "examples/train_cnn.py", "--steps", "50", "--batch-size", "8", "--fail-at-step", "2"],
+                nodes=2,
+                max_retries=1,
                 workdir=str(ROOT),
             )
         )
@@ -74,7 +88,8 @@ async def test_real_jobs_on_cpu_agents(local_nats, tmp_path) -> None:
         state = await wait_state(
             log,
             lambda s: all(
-                s.jobs[j].status in ("completed", "failed", "cancelled") for j in (mlp, ddp, failing, sleeper)
+                s.jobs[j].status in ("completed", "failed", "cancelled")
+                for j in (mlp, ddp, failing, sleeper, gang_fails)
             ),
             180,
         )
@@ -96,6 +111,17 @@ async def test_real_jobs_on_cpu_agents(local_nats, tmp_path) -> None:
 
         assert finished[failing].outcome == "failed" and finished[failing].exit_code == 3
         assert "bad things happened" in finished[failing].output_tail
+
+        # Rank 0 fails at step 2; rank 1 (on the other node) is stopped with it; one retry, then failed.
+        assert finished[gang_fails].outcome == "failed" and "after 1 retries" in finished[gang_fails].reason
+        assert "failing on purpose at step 2" in finished[gang_fails].output_tail
+        gang_ends = [r.event for r in records if isinstance(r.event, ev.TaskEnded) and r.event.job == gang_fails]
+        # The other rank is stopped by its agent, or dies first of the broken collective: either way it ends.
+        assert sorted(e.attempt for e in gang_ends) == [0, 0, 1, 1]
+        assert {e.outcome for e in gang_ends} <= {"failed", "stopped"}
+        assert all(any(e.outcome == "failed" and e.attempt == a for e in gang_ends) for a in (0, 1))
+        assert [e.attempt for e in records_of(records, ev.JobRequeued) if e.job == gang_fails] == [0]
+        assert pids_of_job(gang_fails) == []
 
         assert finished[sleeper].outcome == "cancelled"
         assert pids_of_job(sleeper) == [], "cancel leaves no process behind"
