@@ -77,13 +77,12 @@ class JobState(msgspec.Struct, kw_only=True):
     reason: str = ""  # why it is where it is: last requeue / finish reason
     cancel_requested: bool = False
     placement_reason: str = ""
-    locality: str | None = None
+    locality: ev.Locality | None = None
     rendezvous: ev.Rendezvous | None = None
     parts_ended: dict[str, PartEnd] = msgspec.field(default_factory=dict)  # node -> end, current attempt
-    failures: int = 0  # attempts that failed (each one retried while failures <= spec.max_retries)
+    failures: int = 0  # failed attempts so far; a failure is retried while fewer than spec.max_retries were
     last_nodes: list[str] = msgspec.field(default_factory=list)  # where the latest attempt was placed
     final_metrics: dict[str, float] | None = None  # what rank 0 last reported, once finished
-    exit_code: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -301,7 +300,6 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job.finished_at = e.at
     job.reason = e.reason
     job.final_metrics = e.metrics
-    job.exit_code = e.exit_code
     job.parts_ended = {}  # the outcome above sums them up; finished jobs stay small in snapshots
 
 

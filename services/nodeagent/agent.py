@@ -80,7 +80,6 @@ class Agent:
         node: str,
         executor: Executor,
         *,
-        data_dir: Path | None = None,
         rack: str = "",
         address: str = "",
         port_range: tuple[int, int] | None = None,
@@ -91,7 +90,6 @@ class Agent:
         self.log = log_
         self.node = node
         self.executor = executor
-        self.data_dir = data_dir
         self.rack = rack
         self.address = address
         self.port_range = port_range
@@ -107,11 +105,7 @@ class Agent:
         self._metrics: dict[TaskKey, dict[str, float]] = {}  # the latest report of each task's first rank
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
-        setattr(executor, "node", node)  # noqa: B010 - process executors put it in the job env
-
-    @property
-    def alive_file(self) -> Path | None:
-        return None if self.data_dir is None else self.data_dir / "alive"
+        executor.node = node
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -122,9 +116,8 @@ class Agent:
             return
         self._touch_alive()
         control = None
-        agent_addr = getattr(self.executor, "agent_addr", "")
-        if agent_addr:
-            control = ControlSocket(agent_addr, self._on_report)
+        if self.executor.agent_addr:
+            control = ControlSocket(self.executor.agent_addr, self._on_report)
             await control.start()
         stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
@@ -164,9 +157,10 @@ class Agent:
 
     def _touch_alive(self) -> None:
         """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
-        if self.alive_file is not None:
-            self.alive_file.parent.mkdir(parents=True, exist_ok=True)
-            self.alive_file.touch()
+        alive = self.executor.alive_file
+        if alive is not None:
+            alive.parent.mkdir(parents=True, exist_ok=True)
+            alive.touch()
 
     async def _heartbeat(self, lease) -> None:
         while True:
@@ -398,7 +392,6 @@ async def serve(args: argparse.Namespace) -> None:
         log_,
         args.node,
         executor,
-        data_dir=data_dir,
         rack=args.rack,
         address=args.address or socket.gethostname(),
         port_range=None if executor.kind == "sim" else args.rendezvous_ports,

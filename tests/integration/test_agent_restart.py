@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def make_agent(log: MemoryLog, data_dir: Path) -> Agent:
     executor = CpuExecutor(data_dir, gpus=2, alive_file=data_dir / "alive", fence_after_s=60.0, kill_grace_s=1.0)
-    return Agent(log, "n1", executor, data_dir=data_dir, address="127.0.0.1", port_range=(29000, 29009))
+    return Agent(log, "n1", executor, address="127.0.0.1", port_range=(29000, 29009))
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
@@ -74,6 +75,9 @@ def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: 
 
 class Executor(abc.ABC):
     kind: str
+    node: str = ""  # set by the agent; process executors pass it to the job (GPUHERD_NODE)
+    agent_addr: str = ""  # the agent's control socket, for executors whose jobs can talk to it
+    alive_file: Path | None = None  # touched by the agent while it is in contact with the log
 
     @abc.abstractmethod
     def inventory(self, node: str) -> list[GpuInfo]: ...

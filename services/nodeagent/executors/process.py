@@ -60,7 +60,6 @@ class ProcessExecutor(Executor):
         self.agent_addr = agent_addr
         self.fence_after_s = fence_after_s
         self.kill_grace_s = kill_grace_s
-        self.node = ""
         self._tasks: dict[TaskKey, _Task] = {}
 
     # -- what differs between cpu and nvml ---------------------------------------------------
