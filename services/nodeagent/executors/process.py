@@ -126,8 +126,8 @@ class ProcessExecutor(Executor):
         return task.exit or TaskExit(key=key, outcome="stopped", reason=reason)
 
     async def recover(self, on_exit: OnExit) -> set[TaskKey]:
-        """Adopt the live shims a previous agent left; a shim whose task folder is unreadable is
-        killed (nothing may run that the agent cannot account for)."""
+        """Adopt the live shims a previous agent left. Reconciliation then stops those the log no
+        longer places here; a shim no agent adopts fences itself."""
         adopted: set[TaskKey] = set()
         for shim_file in sorted(self.data_dir.glob("jobs/*/attempt-*/shim.json")):
             task_dir = shim_file.parent
