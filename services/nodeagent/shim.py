@@ -107,12 +107,11 @@ class Shim:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
-        write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": time.time()})
+        started_at = time.time()
+        write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": started_at})
         failure = self.launch() if self.stop_reason is None else None
-        pids = [p.pid for p in self.procs]
-        write_json(
-            self.dir / "shim.json", {"pid": os.getpid(), "pgid": self.pgid, "pids": pids, "started_at": time.time()}
-        )
+        info = {"pid": os.getpid(), "pgid": self.pgid, "pids": [p.pid for p in self.procs], "started_at": started_at}
+        write_json(self.dir / "shim.json", info | {"launched_at": time.time()})
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
         if failure is not None:
             self.stop_all(self.kill_grace_s)
