@@ -17,6 +17,8 @@ import socket
 import time
 import uuid
 
+import msgspec
+
 from gpuherd import events as ev
 from gpuherd.aio import serve_until_signal
 from gpuherd.decider import DeciderRunner, ExtraTask, append_reliably
@@ -77,11 +79,36 @@ async def handle_submission(
 async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     await runner.caught_up.wait()
     consumer = runner.log.intake_consumer(INTAKE_CONSUMER)
-    while True:
-        deliveries = await consumer.fetch(64, timeout=1.0)
-        for delivery in deliveries:
-            await handle_submission(runner.log, runner.state, delivery)
-            await consumer.ack(delivery)
+    await consumer.open()
+    # Intake listens from here on: a plain NATS request sent from now gets its reply.
+    stop_ready = await runner.log.serve_requests("scheduler.ready", _ready(runner))
+    try:
+        while True:
+            deliveries = await consumer.fetch(64, timeout=1.0)
+            for delivery in deliveries:
+                await handle_submission(runner.log, runner.state, delivery)
+                await consumer.ack(delivery)
+    finally:
+        with contextlib.suppress(Exception):
+            await stop_ready()
+
+
+def _ready(runner: DeciderRunner[ClusterState]):
+    """``herd.ctl.scheduler.ready``: answered by the leading scheduler once intake is live."""
+
+    async def answer(data: bytes) -> bytes:
+        state = runner.state
+        return msgspec.json.encode(
+            {
+                "ok": True,
+                "instance": runner.instance,
+                "seq": state.seq,
+                "nodes": len(state.nodes),
+                "queue": len(state.queue),
+            }
+        )
+
+    return answer
 
 
 def liveness_loop(lost_after_s: float) -> ExtraTask:

@@ -106,3 +106,16 @@ async def wait_state(log: EventLog, predicate: Callable[[ClusterState], bool], t
                 f"{None if state is None else {j.job: j.status for j in state.jobs.values()}}"
             )
         await asyncio.sleep(0.3)
+
+
+async def wait_scheduler_ready(log: EventLog, timeout: float = 30.0) -> None:
+    """Until the leading scheduler's intake listens (plain NATS requests sent earlier get no reply)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await log.request("scheduler.ready", b"", timeout=1.0)
+            return
+        except Exception:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)

@@ -13,7 +13,7 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.errors import SubmissionError
 from gpuherd.log import open_log
-from tests.integration.procs import Services, wait_state
+from tests.integration.procs import Services, wait_scheduler_ready, wait_state
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ async def cluster(local_nats, tmp_path):
     services.start_all()
     log = await open_log(local_nats.url, name="test")
     await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+    await wait_scheduler_ready(log)
     yield services, log
     services.stop_all()
     await log.close()

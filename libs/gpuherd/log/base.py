@@ -78,6 +78,9 @@ class DurableConsumer(abc.ABC):
     @abc.abstractmethod
     async def ack(self, delivery: Delivery) -> None: ...
 
+    async def open(self) -> None:  # noqa: B027 - optional: implementations that subscribe lazily override it
+        """Subscribe now rather than on the first fetch."""
+
 
 class Lease(abc.ABC):
     """A leader lease: at most one holder at a time; it expires unless renewed within ``ttl``."""

@@ -492,6 +492,10 @@ class _JetStreamConsumer(DurableConsumer):
             self._sub = await self._log.js.pull_subscribe("", durable=self._name, stream=self._stream, config=config)
         return self._sub
 
+    async def open(self) -> None:
+        await self._watch_requests()
+        await self._subscription()
+
     async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
         try:
             await self._watch_requests()
