@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each sim agent")
     up.add_argument("--cpu-agents", type=int, default=2, help="agents that run real processes on CPU")
     up.add_argument("--cpu-gpus", type=int, default=4, help="virtual GPUs of each cpu agent (2 NVLink islands)")
+    up.add_argument("--nvml", action="store_true", help="also run an nvml agent for this machine's GPUs")
     up.add_argument("--policy", default="fifo")
     up.add_argument("--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
     up.add_argument("--demo", choices=["philly"], default=None, help="submit a demo workload, report, and stop")

@@ -163,6 +163,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         sim_gpus=args.gpus_per_node,
         cpu_agents=args.cpu_agents,
         cpu_gpus=args.cpu_gpus,
+        nvml_agents=1 if args.nvml else 0,
         policy=args.policy,
         lost_after_s=args.lost_after,
     )
@@ -174,7 +175,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         console.print(f"using NATS at {url}")
     console.print(
         f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
-        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs (logs in {cluster.log_dir})"
+        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs"
+        + (" and an nvml agent" if args.nvml else "")
+        + f" (logs in {cluster.log_dir})"
     )
 
     stopping = False

@@ -153,7 +153,7 @@ async def run_demo(
     follower = asyncio.create_task(follow())
     try:
         deadline = time.monotonic() + 60
-        agents = args.agents + args.cpu_agents
+        agents = args.agents + args.cpu_agents + (1 if getattr(args, "nvml", False) else 0)
         while len([n for n in state.nodes.values() if n.status == "up"]) < agents:
             supervise()
             if time.monotonic() > deadline or stopping():
