@@ -177,13 +177,47 @@ class ClockTicked(Event, kw_only=True, frozen=True):
 
 
 class VcConfigured(Event, kw_only=True, frozen=True):
+    """A virtual cluster: a team's share of the cluster.
+
+    ``gpu_quota`` GPUs are its own (None: no quota, it may use any free GPU).
+    With ``can_borrow`` its jobs may also run on idle GPUs beyond its quota;
+    those borrowed GPUs are given back (by preemption) when a VC whose quota
+    they fall under has jobs waiting. ``weight`` is its share under fair share.
+    """
+
     vc: str
-    gpu_quota: int | None = None  # None: no quota of its own beyond the cluster
+    gpu_quota: int | None = None
     can_borrow: bool = True
     weight: float = 1.0
 
     def subject(self) -> str:
         return f"herd.vc.{self.vc}"
+
+
+class PolicyConfigured(Event, kw_only=True, frozen=True):
+    """The cluster's scheduling policy from now on (see ``services/scheduler/policy.py``).
+
+    ``params`` tune it (e.g. ``half_life_s`` for fair share, ``thresholds_gpu_s`` for LAS);
+    unknown names are rejected by the CLI before they get here."""
+
+    policy: str
+    backfill: bool = True
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return "herd.cluster.policy"
+
+
+class GpuHealthChanged(Event, kw_only=True, frozen=True):
+    """An agent saw a GPU turn unhealthy (XID error, uncorrected ECC, fell off the bus) or recover."""
+
+    node: str
+    index: int
+    healthy: bool
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
 
 
 # ---------------------------------------------------------------------------
@@ -224,6 +258,7 @@ class JobPlaced(Decision, kw_only=True, frozen=True):
     reason: str = ""
     locality: Locality | None = None  # the tightest level the whole gang fits in
     rendezvous: Rendezvous | None = None
+    borrowed: int = 0  # GPUs beyond its VC's quota, taken from idle capacity (reclaimable)
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
@@ -284,6 +319,31 @@ class JobCancelRequested(Event, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+class JobDurationPredicted(Event, kw_only=True, frozen=True):
+    """A duration model's estimate of how long a job runs (QSSF, SJF and backfill use it)."""
+
+    job: str
+    seconds: float
+    model: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobPreempted(Decision, kw_only=True, frozen=True):
+    """The scheduler takes a running attempt's GPUs back. Agents send the checkpoint signal
+    (SIGUSR1), wait ``grace_s``, then stop the task; the attempt is then requeued."""
+
+    job: str
+    attempt: int
+    reason: str
+    by: str = ""  # the job the GPUs go to, if one
+    grace_s: float = 30.0
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
 class JobRequeued(Decision, kw_only=True, frozen=True):
     """A placed or running attempt ended without finishing the job; it waits again."""
 
@@ -302,6 +362,8 @@ AnyEvent = (
     | NodeLost
     | ClockTicked
     | VcConfigured
+    | PolicyConfigured
+    | GpuHealthChanged
     | JobSubmitted
     | JobRejected
     | JobPlaced
@@ -309,6 +371,8 @@ AnyEvent = (
     | JobFinished
     | TaskEnded
     | JobCancelRequested
+    | JobDurationPredicted
+    | JobPreempted
     | JobRequeued
 )
 

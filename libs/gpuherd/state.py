@@ -28,6 +28,7 @@ class GpuSlot(msgspec.Struct, kw_only=True):
     info: ev.GpuInfo
     job: str | None = None  # the job holding this GPU, if any
     healthy: bool = True
+    health_reason: str = ""  # why it is unhealthy (the agent's words)
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -81,6 +82,14 @@ class JobState(msgspec.Struct, kw_only=True):
     rendezvous: ev.Rendezvous | None = None
     parts_ended: dict[str, PartEnd] = msgspec.field(default_factory=dict)  # node -> end, current attempt
     failures: int = 0  # failed attempts so far; a failure is retried while fewer than spec.max_retries were
+    predicted_s: float | None = None  # the latest JobDurationPredicted
+    service_gpu_s: float = 0.0  # attained service of ended attempts: GPUs x seconds run
+    waiting_since: float = 0.0  # when it last became pending (submitted or requeued)
+    preempt_reason: str | None = None  # set while the current attempt is being preempted
+    preempted_for: str = ""  # the job its GPUs go to
+    preempt_grace_s: float = 0.0  # how long its processes have to checkpoint after SIGUSR1
+    preempted_at: list[float] = msgspec.field(default_factory=list)  # when its attempts were preempted
+    borrowed: int = 0  # GPUs of the current attempt beyond its VC's quota
     last_nodes: list[str] = msgspec.field(default_factory=list)  # where the latest attempt was placed
     final_metrics: dict[str, float] | None = None  # what rank 0 last reported, once finished
 
@@ -93,11 +102,22 @@ class JobState(msgspec.Struct, kw_only=True):
         return [a.node for a in self.allocations]
 
     def stopping(self) -> bool:
-        """The current attempt must end on every node: a part failed, stopped or was lost, or a
-        cancel was asked for. Agents stop their parts; the scheduler settles once all ended."""
+        """The current attempt must end on every node: a part failed, stopped or was lost, a
+        cancel was asked for, or it is preempted. Agents stop their parts; the scheduler settles
+        once all ended."""
         if self.status not in ACTIVE:
             return False
-        return self.cancel_requested or any(p.outcome != "completed" for p in self.parts_ended.values())
+        return (
+            self.cancel_requested
+            or self.preempt_reason is not None
+            or any(p.outcome != "completed" for p in self.parts_ended.values())
+        )
+
+    def running_gpu_s(self, now: float) -> float:
+        """GPU-seconds of the current attempt so far."""
+        if self.status != "running" or self.started_at is None:
+            return 0.0
+        return self.spec.gpus * max(0.0, now - self.started_at)
 
     def all_parts_ended(self) -> bool:
         return bool(self.allocations) and all(a.node in self.parts_ended for a in self.allocations)
@@ -114,6 +134,31 @@ def _default_vcs() -> dict[str, VcState]:
     return {"default": VcState(vc="default")}
 
 
+DEFAULT_HALF_LIFE_S = 12 * 3600.0  # how fast past GPU use stops counting under fair share
+
+
+class SchedulingConfig(msgspec.Struct, kw_only=True):
+    """The policy in force, from the latest PolicyConfigured (None: the scheduler's default)."""
+
+    policy: str | None = None
+    backfill: bool = True
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    @property
+    def half_life_s(self) -> float:
+        return self.params.get("half_life_s", DEFAULT_HALF_LIFE_S)
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Decayed GPU-seconds of a user or VC, as of ``at`` (halves every ``half_life_s``)."""
+
+    gpu_s: float = 0.0
+    at: float = 0.0
+
+    def value(self, now: float, half_life_s: float) -> float:
+        return self.gpu_s * 0.5 ** (max(0.0, now - self.at) / half_life_s)
+
+
 class ClusterState(msgspec.Struct, kw_only=True):
     seq: int = 0  # last stream sequence folded
     now: float = 0.0  # event time of the newest event folded
@@ -123,6 +168,8 @@ class ClusterState(msgspec.Struct, kw_only=True):
     vcs: dict[str, VcState] = msgspec.field(default_factory=_default_vcs)
     intake_index: dict[str, str] = msgspec.field(default_factory=dict)  # "source/intake_id" -> job id
     rejected: int = 0
+    scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
+    usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
 
     # -- derived views (never stored separately, so they cannot drift) --------------
 
@@ -135,6 +182,19 @@ class ClusterState(msgspec.Struct, kw_only=True):
 
     def free_gpus(self) -> int:
         return sum(len(n.free_gpus()) for n in self.nodes.values() if n.status == "up")
+
+    def vc_usage(self) -> dict[str, int]:
+        """GPUs held per VC by placed and running jobs."""
+        used: dict[str, int] = {}
+        for job in self.jobs.values():
+            if job.status in ACTIVE:
+                used[job.spec.vc] = used.get(job.spec.vc, 0) + job.spec.gpus
+        return used
+
+    def past_usage(self, key: str) -> float:
+        """Decayed GPU-seconds of ``user:<name>`` or ``vc:<name>`` as of the newest event."""
+        usage = self.usage.get(key)
+        return 0.0 if usage is None else usage.value(self.now, self.scheduling.half_life_s)
 
 
 def intake_key(source: str, intake_id: str) -> str:
@@ -161,6 +221,19 @@ def fold(records: Iterable[tuple[int, ev.Event]], state: ClusterState | None = N
     for seq, event in records:
         apply(state, seq, event)
     return state
+
+
+def _account(state: ClusterState, job: JobState, at: float) -> None:
+    """Add the ending attempt's GPU time to the job's attained service and its user's and VC's usage."""
+    if job.status != "running" or job.started_at is None:
+        return
+    used = job.spec.gpus * max(0.0, at - job.started_at)
+    job.service_gpu_s += used
+    half_life = state.scheduling.half_life_s
+    for key in (f"user:{job.spec.user}", f"vc:{job.spec.vc}"):
+        usage = state.usage.setdefault(key, Usage(at=at))
+        usage.gpu_s = usage.value(at, half_life) + used
+        usage.at = max(usage.at, at)
 
 
 def _release(state: ClusterState, job: JobState) -> None:
@@ -242,7 +315,7 @@ def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
 def _job_submitted(state: ClusterState, seq: int, e: ev.JobSubmitted) -> None:
     if e.job in state.jobs:
         return
-    job = JobState(job=e.job, spec=e.spec, order=seq, submitted_at=e.at)
+    job = JobState(job=e.job, spec=e.spec, order=seq, submitted_at=e.at, waiting_since=e.at)
     state.jobs[e.job] = job
     if e.spec.intake_id is not None:
         state.intake_index[intake_key(e.intake_source, e.spec.intake_id)] = e.job
@@ -274,6 +347,7 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.rendezvous = e.rendezvous
     job.last_nodes = [a.node for a in e.allocations]
     job.parts_ended = {}
+    job.borrowed = e.borrowed
     if job.first_placed_at is None:
         job.first_placed_at = e.at
     _dequeue(state, e.job)
@@ -294,6 +368,7 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job = state.jobs.get(e.job)
     if job is None or job.status in TERMINAL or e.attempt != job.attempt:
         return  # a stale attempt's report: that attempt was already requeued
+    _account(state, job, e.at)
     _release(state, job)
     _dequeue(state, e.job)
     job.status = e.outcome
@@ -314,6 +389,33 @@ def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:
     )
 
 
+def _job_preempted(state: ClusterState, seq: int, e: ev.JobPreempted) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or job.preempt_reason is not None:
+        return
+    job.preempt_reason = e.reason
+    job.preempted_for = e.by
+    job.preempt_grace_s = e.grace_s
+    job.preempted_at.append(e.at)
+
+
+def _job_duration_predicted(state: ClusterState, seq: int, e: ev.JobDurationPredicted) -> None:
+    job = state.jobs.get(e.job)
+    if job is not None:
+        job.predicted_s = e.seconds
+
+
+def _policy_configured(state: ClusterState, seq: int, e: ev.PolicyConfigured) -> None:
+    state.scheduling = SchedulingConfig(policy=e.policy, backfill=e.backfill, params=dict(e.params))
+
+
+def _gpu_health_changed(state: ClusterState, seq: int, e: ev.GpuHealthChanged) -> None:
+    node = state.nodes.get(e.node)
+    if node is not None and 0 <= e.index < len(node.gpus):
+        node.gpus[e.index].healthy = e.healthy
+        node.gpus[e.index].health_reason = "" if e.healthy else e.reason
+
+
 def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
     job = state.jobs.get(e.job)
     if job is not None and job.status not in TERMINAL:
@@ -324,6 +426,7 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     job = state.jobs.get(e.job)
     if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
         return
+    _account(state, job, e.at)
     _release(state, job)
     if any(p.outcome == "failed" for p in job.parts_ended.values()):
         job.failures += 1
@@ -335,6 +438,10 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     job.parts_ended = {}
     job.rendezvous = None
     job.reason = e.reason
+    job.preempt_reason = None
+    job.preempted_for = ""
+    job.borrowed = 0
+    job.waiting_since = e.at
     _enqueue(state, job)
 
 
@@ -352,6 +459,10 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.TaskEnded: _task_ended,
     ev.JobCancelRequested: _job_cancel_requested,
     ev.JobRequeued: _job_requeued,
+    ev.JobPreempted: _job_preempted,
+    ev.JobDurationPredicted: _job_duration_predicted,
+    ev.PolicyConfigured: _policy_configured,
+    ev.GpuHealthChanged: _gpu_health_changed,
 }  # type: ignore[dict-item]
 
 _snapshot_encoder = msgspec.msgpack.Encoder()

@@ -275,7 +275,8 @@ class Agent:
             return
         if job.stopping():
             reason = "cancelled on request" if job.cancel_requested else _stop_reason(job)
-            exit_ = await self.executor.stop(key, reason)
+            grace = job.preempt_grace_s if job.preempt_reason is not None and not job.cancel_requested else 0.0
+            exit_ = await self.executor.stop(key, reason, checkpoint_grace_s=grace)
             await self._report(
                 TaskExit(key=key, outcome="stopped", reason=reason, output_tail=exit_.output_tail if exit_ else "")
             )
@@ -360,6 +361,8 @@ class Agent:
 
 
 def _stop_reason(job: JobState) -> str:
+    if job.preempt_reason is not None:
+        return job.preempt_reason
     for node, part in job.parts_ended.items():
         if part.outcome != "completed":
             return f"the gang is stopping: its part on {node} {part.outcome} ({part.reason or part.exit_code})"

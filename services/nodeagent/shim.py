@@ -51,11 +51,18 @@ class Shim:
         self.fence_after_s = float(spec["fence_after_s"])
         self.kill_grace_s = float(spec["kill_grace_s"])
         self.stop_reason: str | None = None
+        self.checkpoint_grace_s = 0.0
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
 
     def on_signal(self, signum: int, frame: object) -> None:
-        self.stop_reason = self.stop_reason or f"stopped by the agent ({signal.Signals(signum).name})"
+        if self.stop_reason is not None:
+            return
+        request = {}  # stays empty when stopped by hand rather than by the agent
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            request = json.loads((self.dir / "stop.json").read_text())
+        self.checkpoint_grace_s = float(request.get("checkpoint_grace_s", 0.0))
+        self.stop_reason = request.get("reason") or f"stopped by the agent ({signal.Signals(signum).name})"
 
     def launch(self) -> str | None:
         """Start every rank in one new process group; the reason if one could not start."""
@@ -95,6 +102,13 @@ class Shim:
             return True
         return False
 
+    def checkpoint(self, grace_s: float) -> None:
+        """Preemption: SIGUSR1 asks the ranks to save a checkpoint and exit; wait up to ``grace_s``."""
+        self.signal_group(signal.SIGUSR1)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(POLL_S)
+
     def stop_all(self, grace_s: float) -> None:
         self.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -126,6 +140,8 @@ class Shim:
                     self.stop_all(self.kill_grace_s)
                     break
                 if self.stop_reason is not None:
+                    if self.checkpoint_grace_s > 0:
+                        self.checkpoint(self.checkpoint_grace_s)
                     self.stop_all(self.kill_grace_s)
                     break
                 if self.fenced():

@@ -21,8 +21,8 @@ from __future__ import annotations
 from gpuherd import events as ev
 from gpuherd.decider import Decider
 from gpuherd.state import ACTIVE, ClusterState, JobState, apply, decode_state, encode_state
-from services.scheduler.placement import place, views
-from services.scheduler.policy import Fifo, Policy
+from services.scheduler.policy import POLICIES, Fifo, Policy, make_policy
+from services.scheduler.schedule import Plan, plan
 
 
 class SchedulerDecider(Decider[ClusterState]):
@@ -30,6 +30,7 @@ class SchedulerDecider(Decider[ClusterState]):
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Fifo()
+        self._policy_cache: tuple[tuple, Policy] | None = None
 
     def initial_state(self) -> ClusterState:
         return ClusterState()
@@ -49,6 +50,8 @@ class SchedulerDecider(Decider[ClusterState]):
             decisions += lost_nodes(state, event)
         elif isinstance(event, ev.NodeLost):
             decisions += self._settle_all(state, _jobs_on(state, event.node))
+        elif isinstance(event, ev.GpuHealthChanged) and not event.healthy:
+            decisions += _off_unhealthy_gpu(state, event)
         elif isinstance(event, ev.TaskEnded):
             decisions += self._settle_all(state, [event.job])
         elif isinstance(event, ev.JobCancelRequested):
@@ -77,37 +80,30 @@ class SchedulerDecider(Decider[ClusterState]):
 
     # -- placing waiting jobs ------------------------------------------------------------------
 
+    def policy_for(self, state: ClusterState) -> Policy:
+        """The policy in force: the log's latest PolicyConfigured, else this decider's default."""
+        config = state.scheduling
+        if config.policy is None:
+            return self.policy
+        key = (config.policy, tuple(sorted(config.params.items())))
+        if self._policy_cache is None or self._policy_cache[0] != key:
+            self._policy_cache = (key, make_policy(config.policy, _policy_params(config.policy, config.params)))
+        return self._policy_cache[1]
+
+    def plan(self, state: ClusterState, skip: frozenset[str] | set[str] = frozenset()) -> Plan:
+        """This state's scheduling pass: placements, preemptions, and why the rest wait."""
+        return plan(state, self.policy_for(state), backfill=state.scheduling.backfill, skip=skip)
+
     def _schedule(self, state: ClusterState, skip: set[str]) -> list[ev.Event]:
         if not state.queue:
             return []
-        free = views(state)
-        ports = _ports_in_use(state)
-        placed: list[ev.Event] = []
-        for job in self.policy.order(state):
-            if job.job in skip or job.cancel_requested:
-                continue
-            placement = place(job.spec, free)
-            if placement is None:
-                if self.policy.blocking:
-                    break
-                continue
-            for alloc in placement.allocations:
-                used = set(alloc.gpus)
-                view = free[alloc.node]
-                islands = tuple(tuple(i for i in island if i not in used) for island in view.islands)
-                free[alloc.node] = type(view)(view.name, view.rack, tuple(i for i in islands if i), view.runs_processes)
-            rendezvous = choose_rendezvous(state, job, placement.allocations[0].node, ports)
-            placed.append(
-                ev.JobPlaced(
-                    job=job.job,
-                    attempt=job.attempt,
-                    allocations=placement.allocations,
-                    reason=placement.reason,
-                    locality=placement.locality,
-                    rendezvous=rendezvous,
-                )
-            )
-        return placed
+        result = self.plan(state, skip)
+        return [*result.preempted, *result.placed]
+
+
+def _policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
+    """The params the policy takes (PolicyConfigured may carry cluster-wide ones, like half_life_s)."""
+    return {k: v for k, v in params.items() if k in POLICIES[name].PARAMS}
 
 
 def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:
@@ -122,6 +118,19 @@ def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:
         if silent > tick.lost_after_s:
             out.append(ev.NodeLost(node=name, reason=f"no heartbeat for {silent:.0f}s"))
     return out
+
+
+def _off_unhealthy_gpu(state: ClusterState, event: ev.GpuHealthChanged) -> list[ev.Event]:
+    """A job on a GPU that turned unhealthy must move: it is preempted at once (no grace) and
+    requeued when its parts have stopped; the GPU gets no new work until it is healthy again."""
+    node = state.nodes.get(event.node)
+    if node is None or not 0 <= event.index < len(node.gpus):
+        return []
+    holder = state.jobs.get(node.gpus[event.index].job or "")
+    if holder is None or holder.status not in ACTIVE or holder.preempt_reason is not None:
+        return []
+    reason = f"GPU {event.node}/{event.index} unhealthy: {event.reason}"
+    return [ev.JobPreempted(job=holder.job, attempt=holder.attempt, reason=reason, grace_s=0.0)]
 
 
 def _jobs_on(state: ClusterState, node_name: str) -> list[str]:
@@ -173,38 +182,8 @@ def settle(job: JobState) -> ev.JobFinished | ev.JobRequeued:
             output_tail=part.output_tail,
             metrics=leader.metrics,
         )
+    if job.preempt_reason is not None:
+        return ev.JobRequeued(job=job.job, attempt=job.attempt, reason=job.preempt_reason)
     # Nothing failed on its own: a node was lost (or a part was stopped for one). Not the job's fault.
     ended = sorted((p for _, p in parts if p.outcome != "completed"), key=lambda p: p.outcome != "lost")
     return ev.JobRequeued(job=job.job, attempt=job.attempt, reason=ended[0].reason or ended[0].outcome)
-
-
-# -- rendezvous ------------------------------------------------------------------------------------
-
-
-def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
-    used: dict[str, set[int]] = {}
-    for job in state.jobs.values():
-        if job.status in ACTIVE and job.rendezvous is not None and job.allocations:
-            used.setdefault(job.allocations[0].node, set()).add(job.rendezvous.port)
-    return used
-
-
-def choose_rendezvous(
-    state: ClusterState, job: JobState, leader: str, in_use: dict[str, set[int]]
-) -> ev.Rendezvous | None:
-    """MASTER_ADDR/PORT of an attempt: the leader node's address and a port of its declared range
-    that no running job there holds. The first port tried depends on (job, attempt), so a retry does
-    not reuse the port of the attempt before it (it may linger in TIME_WAIT)."""
-    node = state.nodes[leader]
-    if node.port_range is None or not node.address:
-        return None  # a node without processes (sim) needs no rendezvous
-    first, last = node.port_range
-    size = last - first + 1
-    taken = in_use.setdefault(leader, set())
-    start = int(ev.stable_id(job.job, str(job.attempt), length=8), 16) % size
-    for offset in range(size):
-        port = first + (start + offset) % size
-        if port not in taken:
-            taken.add(port)
-            return ev.Rendezvous(addr=node.address, port=port)
-    return None

@@ -1,42 +1,188 @@
-"""Queue policies: which waiting job the scheduler tries next.
+"""Queue policies: in which order waiting jobs are tried, and which running jobs they outrank.
 
-A policy orders the queue and says whether a job that does not fit blocks
-the ones behind it. Later policies (SJF, SRTF, Tiresias, QSSF, fair share)
-plug in here; placement and state stay the same.
+A policy is one small class: a sort key for waiting jobs (lower goes first)
+and, for preemptive policies, when a waiting job outranks a running one.
+Every policy sorts by priority first (higher first), then by its own key,
+then by arrival. Placement, quotas, backfill and preemption are the
+scheduling pass's (``schedule.py``), the same for every policy.
+
+| policy     | key                                                        | preempts                 |
+|------------|------------------------------------------------------------|--------------------------|
+| fifo       | arrival                                                    | no                       |
+| sjf        | expected duration (declared, else predicted; unknown last) | no                       |
+| srtf       | expected remaining time                                    | a job with more left     |
+| las        | Tiresias 2D-LAS queue of attained GPU-time                 | a job in a lower queue   |
+| qssf       | expected duration x GPUs (default duration when unknown)   | no                       |
+| fairshare  | decayed GPU use of the job's VC (per weight), then user    | no                       |
+
+Expected duration: the spec's ``duration_s`` if given, else the latest
+``JobDurationPredicted``; QSSF falls back to ``DEFAULT_DURATION_S`` (one hour).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import math
+from typing import ClassVar
 
 from gpuherd.state import ClusterState, JobState
 
+DEFAULT_DURATION_S = 3600.0
+
+
+def expected_duration(job: JobState) -> float | None:
+    if job.spec.duration_s is not None:
+        return job.spec.duration_s
+    return job.predicted_s
+
 
 class Policy(abc.ABC):
-    name: str
-    blocking: bool = True  # a head job that does not fit holds back the jobs behind it
+    name: ClassVar[str]
+    preemptive: ClassVar[bool] = False
+    PARAMS: ClassVar[dict[str, float]] = {}  # tunable -> default
+
+    def __init__(self, **params: float) -> None:
+        unknown = set(params) - set(self.PARAMS)
+        if unknown:
+            known = ", ".join(sorted(self.PARAMS)) or "none"
+            raise ValueError(f"policy {self.name} has no parameter {', '.join(sorted(unknown))}; it has: {known}")
+        self.params = {**self.PARAMS, **params}
 
     @abc.abstractmethod
-    def order(self, state: ClusterState) -> Iterator[JobState]: ...
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        """The job's rank within its priority: lower goes first."""
+
+    def prepare(self, state: ClusterState) -> None:  # noqa: B027 - optional hook
+        """Compute what ``key`` needs once per pass (fair share's usage table)."""
+
+    def order(self, state: ClusterState) -> list[JobState]:
+        """Waiting jobs, first to try first."""
+        self.prepare(state)
+        jobs = [state.jobs[j] for j in state.queue]
+        return sorted(jobs, key=lambda j: (-j.spec.priority, self.key(j, state), j.order))
+
+    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+        """Whether ``waiting`` may take ``running``'s GPUs (preemptive policies only)."""
+        return False
 
 
 class Fifo(Policy):
-    """First come, first served, strictly: no job overtakes the head of the queue."""
+    """First come, first served."""
 
     name = "fifo"
-    blocking = True
 
-    def order(self, state: ClusterState) -> Iterator[JobState]:
-        for job_id in state.queue:
-            yield state.jobs[job_id]
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        return ()
 
 
-POLICIES: dict[str, type[Policy]] = {"fifo": Fifo}
+class Sjf(Policy):
+    """Shortest job first, by expected duration; jobs of unknown duration go last."""
+
+    name = "sjf"
+
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        duration = expected_duration(job)
+        return (math.inf if duration is None else duration,)
 
 
-def make_policy(name: str) -> Policy:
+def remaining_s(job: JobState, state: ClusterState) -> float:
+    duration = expected_duration(job)
+    if duration is None:
+        return math.inf
+    ran = job.service_gpu_s / job.spec.gpus
+    if job.status == "running" and job.started_at is not None:
+        ran += state.now - job.started_at
+    return max(0.0, duration - ran)
+
+
+class Srtf(Policy):
+    """Shortest remaining time first, preemptive: a waiting job takes the GPUs of a running job
+    that has more time left than it needs."""
+
+    name = "srtf"
+    preemptive = True
+
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        return (remaining_s(job, state),)
+
+    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+        return remaining_s(waiting, state) < remaining_s(running, state)
+
+
+class Las(Policy):
+    """Tiresias' discretized two-dimensional least-attained-service.
+
+    A job's attained service is GPUs x seconds it has run (all attempts). Jobs
+    sit in queues by service: below ``first_queue_gpu_s``, below that times
+    ``queue_ratio``, and above; lower queues go first, FIFO within a queue,
+    and a job in a lower queue preempts one in a higher queue. Starvation
+    guard: a job that has waited more than ``starvation_factor`` times its
+    run time so far (and at least ``min_starvation_s``) moves to the first queue.
+    """
+
+    name = "las"
+    preemptive = True
+    PARAMS = {"first_queue_gpu_s": 3600.0, "queue_ratio": 10.0, "starvation_factor": 4.0, "min_starvation_s": 600.0}
+
+    def queue(self, job: JobState, state: ClusterState) -> int:
+        service = job.service_gpu_s + job.running_gpu_s(state.now)
+        if job.status == "pending":
+            waited = state.now - job.waiting_since
+            ran = job.service_gpu_s / job.spec.gpus
+            if waited > max(self.params["min_starvation_s"], self.params["starvation_factor"] * ran):
+                return 0
+        first = self.params["first_queue_gpu_s"]
+        if service < first:
+            return 0
+        return 1 if service < first * self.params["queue_ratio"] else 2
+
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        return (self.queue(job, state),)
+
+    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+        return self.queue(waiting, state) < self.queue(running, state)
+
+
+class Qssf(Policy):
+    """Helios' quasi-shortest-service-first: expected duration x GPUs, smallest first."""
+
+    name = "qssf"
+    PARAMS = {"default_duration_s": DEFAULT_DURATION_S}
+
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        duration = expected_duration(job)
+        return ((duration if duration is not None else self.params["default_duration_s"]) * job.spec.gpus,)
+
+
+class FairShare(Policy):
+    """Least past use first: the job's VC's decayed GPU-seconds divided by the VC's weight,
+    then its user's. Past use halves every ``half_life_s`` (set with the policy:
+    ``PolicyConfigured.params``); running jobs count with their time so far."""
+
+    name = "fairshare"
+    PARAMS = {"half_life_s": 12 * 3600.0}
+
+    def prepare(self, state: ClusterState) -> None:
+        running: dict[str, float] = {}
+        for job in state.jobs.values():
+            if job.status == "running":
+                used = job.running_gpu_s(state.now)
+                for k in (f"vc:{job.spec.vc}", f"user:{job.spec.user}"):
+                    running[k] = running.get(k, 0.0) + used
+        self._use = {k: state.past_usage(k) + running.get(k, 0.0) for k in {*state.usage, *running}}
+
+    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+        vc = state.vcs.get(job.spec.vc)
+        weight = vc.weight if vc is not None and vc.weight > 0 else 1.0
+        return (self._use.get(f"vc:{job.spec.vc}", 0.0) / weight, self._use.get(f"user:{job.spec.user}", 0.0))
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fifo, Sjf, Srtf, Las, Qssf, FairShare)}
+
+
+def make_policy(name: str, params: dict[str, float] | None = None) -> Policy:
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}") from None
+    return cls(**(params or {}))

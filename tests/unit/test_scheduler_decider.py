@@ -47,8 +47,21 @@ def decisions(log: list[Record], kind: type) -> list:
 def test_fifo_head_blocks_smaller_jobs_behind_it() -> None:
     log = drive([node("n1", 4), submit("big", 4), submit("small", 1), submit("big2", 4), submit("tiny", 1)])
     assert [p.job for p in decisions(log, ev.JobPlaced)] == ["big"]
-    log = drive([node("n1", 4), submit("a", 2), submit("b", 4), submit("c", 1)])
+    strict = ev.PolicyConfigured(id="strict", policy="fifo", backfill=False)
+    log = drive([strict, node("n1", 4), submit("a", 2), submit("b", 4), submit("c", 1)])
     assert [p.job for p in decisions(log, ev.JobPlaced)] == ["a"], "c must not overtake the waiting head b"
+
+
+def test_backfill_lets_a_short_job_overtake_only_if_it_ends_before_the_heads_reserved_start() -> None:
+    # a (2 GPUs, 10 s) runs; b needs all 4 GPUs, so its start is reserved at a's end (t=10).
+    log = drive(
+        [node("n1", 4), submit("a", 2), submit("b", 4), submit("c", 1, duration=10), submit("d", 1, duration=50)]
+    )
+    assert [p.job for p in decisions(log, ev.JobPlaced)] == ["a", "c"], "d would still run at t=10: it must wait"
+    cpu = node("n1", 4, executor="cpu", ports=(29500, 29599))
+    unknown = submit("a", 2, duration=None, command=CMD)
+    log = drive([cpu, unknown, submit("b", 4, command=CMD), submit("c", 1, duration=1, command=CMD)])
+    assert [p.job for p in decisions(log, ev.JobPlaced)] == ["a"], "a's end is unknown: no reservation, no backfill"
 
 
 def test_finish_lets_the_queue_move() -> None:

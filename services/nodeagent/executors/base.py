@@ -88,8 +88,11 @@ class Executor(abc.ABC):
         unless the agent stopped it."""
 
     @abc.abstractmethod
-    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
-        """Stop the task if it runs and wait until nothing of it is left; None if it did not run."""
+    async def stop(self, key: TaskKey, reason: str, *, checkpoint_grace_s: float = 0.0) -> TaskExit | None:
+        """Stop the task if it runs and wait until nothing of it is left; None if it did not run.
+
+        With ``checkpoint_grace_s`` > 0 its processes first get SIGUSR1 (save a checkpoint and exit)
+        and that long to do it, before SIGTERM and SIGKILL."""
 
     @abc.abstractmethod
     def running(self) -> set[TaskKey]: ...

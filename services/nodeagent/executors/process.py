@@ -108,16 +108,17 @@ class ProcessExecutor(Executor):
         self._tasks[key] = task
         log.info("task launched", job=key.job, attempt=key.attempt, procs=launch.procs, dir=str(task_dir))
 
-    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
+    async def stop(self, key: TaskKey, reason: str, *, checkpoint_grace_s: float = 0.0) -> TaskExit | None:
         task = self._tasks.get(key)
         if task is None:
             return None
         task.stopping = reason
         if task.pid is not None and not task.ended.is_set():
+            write_json(task.dir / "stop.json", {"reason": reason, "checkpoint_grace_s": checkpoint_grace_s})
             with contextlib.suppress(ProcessLookupError):
-                os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: SIGTERM, grace, SIGKILL
+                os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: [SIGUSR1,] SIGTERM, grace, SIGKILL
             try:
-                await asyncio.wait_for(task.ended.wait(), self.kill_grace_s + 5.0)
+                await asyncio.wait_for(task.ended.wait(), checkpoint_grace_s + self.kill_grace_s + 5.0)
             except TimeoutError:
                 log.warning("shim did not stop; killing it", job=key.job, attempt=key.attempt)
                 self._kill_everything(task)

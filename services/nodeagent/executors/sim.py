@@ -36,7 +36,7 @@ class SimExecutor(Executor):
 
         self._tasks[key] = asyncio.create_task(run(), name=f"sim-{key.job}-{key.attempt}")
 
-    async def stop(self, key: TaskKey, reason: str) -> TaskExit | None:
+    async def stop(self, key: TaskKey, reason: str, *, checkpoint_grace_s: float = 0.0) -> TaskExit | None:
         task = self._tasks.pop(key, None)
         if task is None:
             return None

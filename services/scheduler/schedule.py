@@ -1,0 +1,352 @@
+"""One scheduling pass: which waiting jobs start now, which running jobs are preempted for
+them, and why every other waiting job waits.
+
+The pass is a pure function of the state and the policy. The decider turns
+its placements and preemptions into events, and ``gpuherd why`` prints its
+pending reasons: both come from this one computation, so the reason shown
+is the reason the scheduler acted on.
+
+In policy order, each waiting job is checked against, in turn:
+
+1. **quota**: its VC's GPUs in use plus its own must stay within the VC's
+   quota, unless the VC may borrow idle GPUs (the borrowed count is recorded
+   in ``JobPlaced.borrowed``, and is reclaimable);
+2. **placement**: its whole gang must fit (``placement.py``);
+3. **reservation** (EASY backfill): the first job that does not fit becomes
+   the *head*; its start is reserved at the earliest time enough GPUs free up
+   by the expected ends of running jobs. A job behind it may start now only
+   if it ends before that time, or uses GPUs the head will not need then.
+   When any duration involved is unknown there is no reservation time, and
+   nothing overtakes the head (conservative). With backfill off, nothing
+   overtakes the head either.
+
+Then **preemption**: the first waiting job that does not fit may take GPUs of
+running jobs it outranks: a lower priority, a job the policy says it
+outranks (SRTF, LAS), or a job running on GPUs borrowed from the waiting job's
+VC quota. Victims: lowest priority first, then least work lost (shortest
+time since start), then the youngest; only as many as the gang needs; a job
+is preempted at most ``max_preemptions_per_hour`` times in an hour.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.state import ACTIVE, ClusterState, JobState, NodeState
+from services.scheduler.placement import NodeView, can_run, islands_of, place, views
+from services.scheduler.policy import Policy, expected_duration
+
+PendingKind = Literal["quota", "gang", "drained", "no-node", "order", "reserved", "preempting", "cancelling"]
+
+PREEMPTION_GRACE_S = 30.0
+MAX_PREEMPTIONS_PER_HOUR = 2
+
+
+class Pending(msgspec.Struct, frozen=True):
+    """Why a job waits, and where it stands in the policy's order (1 = next)."""
+
+    kind: PendingKind
+    detail: str
+    position: int
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    placed: list[ev.JobPlaced] = msgspec.field(default_factory=list)
+    preempted: list[ev.JobPreempted] = msgspec.field(default_factory=list)
+    pending: dict[str, Pending] = msgspec.field(default_factory=dict)
+    head: str | None = None  # the job whose start is reserved
+    reserved_at: float | None = None
+
+
+def plan(
+    state: ClusterState,
+    policy: Policy,
+    *,
+    backfill: bool = True,
+    skip: frozenset[str] | set[str] = frozenset(),
+    preemption_grace_s: float = PREEMPTION_GRACE_S,
+) -> Plan:
+    out = Plan()
+    if not state.queue:
+        return out
+    free = views(state)
+    vc_used = state.vc_usage()
+    ports = _ports_in_use(state)
+    extra = 0  # GPUs the head will not need at its reserved start
+    order = policy.order(state)
+    for position, job in enumerate(order, 1):
+        if job.job in skip:
+            continue
+        if job.cancel_requested:
+            out.pending[job.job] = Pending("cancelling", "cancel requested", position)
+            continue
+        borrowed, quota_problem = _quota(state, job, vc_used)
+        if quota_problem is not None:
+            out.pending[job.job] = Pending("quota", quota_problem, position)
+            continue
+        placement = place(job.spec, free)
+        if placement is None:
+            kind, detail = _no_fit(state, job)
+            out.pending[job.job] = Pending(kind, detail, position)
+            if kind == "gang" and out.head is None:
+                out.head = job.job
+                out.reserved_at, extra = _reservation(state, job, free)
+            continue
+        if out.head is not None:
+            duration = expected_duration(job)
+            ends_in_time = (
+                backfill
+                and out.reserved_at is not None
+                and duration is not None
+                and state.now + duration <= out.reserved_at
+            )
+            spare = backfill and out.reserved_at is not None and job.spec.gpus <= extra
+            if not (ends_in_time or spare):
+                head = state.jobs[out.head]
+                when = "" if out.reserved_at is None else f" (reserved from t={out.reserved_at:.0f})"
+                kind_ = "reserved" if backfill else "order"
+                out.pending[job.job] = Pending(
+                    kind_, f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}", position
+                )
+                continue
+            if not ends_in_time:
+                extra -= job.spec.gpus
+        for alloc in placement.allocations:
+            used = set(alloc.gpus)
+            view = free[alloc.node]
+            islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
+            free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
+        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
+        out.placed.append(
+            ev.JobPlaced(
+                job=job.job,
+                attempt=job.attempt,
+                allocations=placement.allocations,
+                reason=placement.reason,
+                locality=placement.locality,
+                rendezvous=choose_rendezvous(state, job, placement.allocations[0].node, ports),
+                borrowed=borrowed,
+            )
+        )
+    _preempt(state, policy, order, out, free, vc_used, preemption_grace_s)
+    return out
+
+
+# -- quotas -----------------------------------------------------------------------------------------
+
+
+def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> tuple[int, str | None]:
+    """(GPUs it would borrow, None) or (0, why its VC's quota stops it)."""
+    vc = state.vcs.get(job.spec.vc)
+    if vc is None or vc.gpu_quota is None:
+        return 0, None
+    used = vc_used.get(vc.vc, 0)
+    over = used + job.spec.gpus - vc.gpu_quota
+    if over <= 0:
+        return 0, None
+    if vc.can_borrow:
+        return min(over, job.spec.gpus), None
+    return 0, (
+        f"VC {vc.vc} uses {used} of its {vc.gpu_quota} GPUs; this job needs {job.spec.gpus} more "
+        "and the VC may not borrow"
+    )
+
+
+# -- why a gang does not fit ------------------------------------------------------------------------
+
+
+def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
+    runnable = [n for n in state.nodes.values() if can_run(job.spec, n.runs_processes())]
+    if not runnable:
+        return "no-node", "no registered node's executor can run it"
+    up = [n for n in runnable if n.status == "up"]
+    if place(job.spec, _empty(up, healthy_only=True)) is None:
+        if place(job.spec, _empty(runnable, healthy_only=False)) is not None:
+            down = sorted({n.node for n in runnable if n.status != "up" or any(not g.healthy for g in n.gpus)})
+            return "drained", f"fits only with drained, lost or unhealthy GPUs ({', '.join(down)})"
+        return "no-node", "larger than the nodes that can run it, even when empty"
+    free = sum(len(n.free_gpus()) for n in up)
+    return "gang", f"needs {job.spec.gpus} GPUs together; {free} free, not in a shape that fits"
+
+
+def _empty(nodes: list[NodeState], *, healthy_only: bool) -> dict[str, NodeView]:
+    """The nodes as if nothing ran on them (with or without their unhealthy GPUs)."""
+    out = {}
+    for node in nodes:
+        usable = {s.info.index for s in node.gpus if s.healthy or not healthy_only}
+        out[node.node] = _view(node, usable)
+    return out
+
+
+def _view(node: NodeState, usable: set[int]) -> NodeView:
+    islands = (tuple(i for i in island if i in usable) for island in islands_of([s.info for s in node.gpus]))
+    return NodeView(node.node, node.rack, tuple(t for t in islands if t), node.runs_processes())
+
+
+# -- backfill reservation ----------------------------------------------------------------------------
+
+
+def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView]) -> tuple[float | None, int]:
+    """When enough GPUs free up for the head (by GPU count, from running jobs' expected ends), and
+    how many GPUs are spare then. None when an end it depends on is unknown."""
+    available = sum(v.free for v in free.values())
+    ends: list[tuple[float, int]] = []
+    for job in state.jobs.values():
+        if job.status not in ACTIVE:
+            continue
+        duration = expected_duration(job)
+        start = job.started_at if job.started_at is not None else state.now
+        end = math.inf if duration is None else start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
+        healthy = sum(
+            1 for a in job.allocations for i in a.gpus if a.node in free and state.nodes[a.node].gpus[i].healthy
+        )
+        ends.append((end, healthy))
+    for end, gpus in sorted(ends):
+        if available >= head.spec.gpus:
+            break
+        if math.isinf(end):
+            return None, 0
+        available += gpus
+        reserved_at = max(end, state.now)
+        if available >= head.spec.gpus:
+            return reserved_at, available - head.spec.gpus
+    if available >= head.spec.gpus:
+        return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
+    return None, 0
+
+
+# -- preemption ----------------------------------------------------------------------------------------
+
+
+def _preempt(
+    state: ClusterState,
+    policy: Policy,
+    order: list[JobState],
+    out: Plan,
+    free: dict[str, NodeView],
+    vc_used: dict[str, int],
+    grace_s: float,
+) -> None:
+    stopping_for = {j.preempted_for for j in state.jobs.values() if j.preempt_reason is not None}
+    for job in order:
+        pending = out.pending.get(job.job)
+        if pending is None or pending.kind != "gang":
+            continue
+        if job.job in stopping_for:
+            out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", pending.position)
+            return  # one preemptor at a time: its victims' GPUs are its reservation
+        victims = _victims(state, policy, job, vc_used)
+        chosen = _fewest_victims(job, victims, free, state)
+        if not chosen:
+            continue
+        for victim in chosen:
+            out.preempted.append(
+                ev.JobPreempted(
+                    job=victim.job,
+                    attempt=victim.attempt,
+                    reason=f"preempted for {job.job} ({_why_outranked(state, policy, job, victim)})",
+                    by=job.job,
+                    grace_s=grace_s,
+                )
+            )
+        out.pending[job.job] = Pending(
+            "preempting", f"preempting {', '.join(v.job for v in chosen)} to fit its gang", pending.position
+        )
+        return
+
+
+def _why_outranked(state: ClusterState, policy: Policy, job: JobState, victim: JobState) -> str:
+    if job.spec.priority > victim.spec.priority:
+        return f"priority {job.spec.priority} > {victim.spec.priority}"
+    if victim.borrowed and victim.spec.vc != job.spec.vc:
+        return f"reclaiming GPUs {victim.spec.vc} borrowed from {job.spec.vc}'s quota"
+    return f"{policy.name} ranks it higher"
+
+
+def _victims(state: ClusterState, policy: Policy, job: JobState, vc_used: dict[str, int]) -> list[JobState]:
+    vc = state.vcs.get(job.spec.vc)
+    within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
+    out = []
+    for running in state.jobs.values():
+        if running.status not in ACTIVE or running.preempt_reason is not None or running.stopping():
+            continue
+        recent = [t for t in running.preempted_at if state.now - t < 3600.0]
+        if len(recent) >= MAX_PREEMPTIONS_PER_HOUR:
+            continue
+        outranked = (
+            job.spec.priority > running.spec.priority
+            or (
+                policy.preemptive
+                and job.spec.priority == running.spec.priority
+                and policy.outranks(job, running, state)
+            )
+            or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
+        )
+        if outranked:
+            out.append(running)
+    # Lowest priority first, then the least work lost, then the youngest.
+    return sorted(
+        out,
+        key=lambda j: (
+            j.spec.priority,
+            state.now - (j.started_at if j.started_at is not None else state.now),
+            -j.order,
+        ),
+    )
+
+
+def _fewest_victims(
+    job: JobState, victims: list[JobState], free: dict[str, NodeView], state: ClusterState
+) -> list[JobState]:
+    """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang."""
+    freed: dict[str, set[int]] = {}
+    for count, victim in enumerate(victims, 1):
+        for alloc in victim.allocations:
+            freed.setdefault(alloc.node, set()).update(alloc.gpus)
+        trial = dict(free)
+        for name, gpus in freed.items():
+            if name in free:
+                node = state.nodes[name]
+                usable = {i for island in free[name].islands for i in island} | {
+                    i for i in gpus if node.gpus[i].healthy
+                }
+                trial[name] = _view(node, usable)
+        if place(job.spec, trial) is not None:
+            return victims[:count]
+    return []
+
+
+# -- rendezvous ------------------------------------------------------------------------------------
+
+
+def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
+    used: dict[str, set[int]] = {}
+    for job in state.jobs.values():
+        if job.status in ACTIVE and job.rendezvous is not None and job.allocations:
+            used.setdefault(job.allocations[0].node, set()).add(job.rendezvous.port)
+    return used
+
+
+def choose_rendezvous(
+    state: ClusterState, job: JobState, leader: str, in_use: dict[str, set[int]]
+) -> ev.Rendezvous | None:
+    """MASTER_ADDR/PORT of an attempt: the leader node's address and a port of its declared range
+    that no running job there holds. The first port tried depends on (job, attempt), so a retry does
+    not reuse the port of the attempt before it (it may linger in TIME_WAIT)."""
+    node = state.nodes[leader]
+    if node.port_range is None or not node.address:
+        return None  # a node without processes (sim) needs no rendezvous
+    first, last = node.port_range
+    size = last - first + 1
+    taken = in_use.setdefault(leader, set())
+    start = int(ev.stable_id(job.job, str(job.attempt), length=8), 16) % size
+    for offset in range(size):
+        port = first + (start + offset) % size
+        if port not in taken:
+            taken.add(port)
+            return ev.Rendezvous(addr=node.address, port=port)
+    return None
