@@ -90,7 +90,7 @@ def plan(
             continue
         placement = place(job.spec, free)
         if placement is None:
-            kind, detail = _no_fit(state, job)
+            kind, detail = _no_fit(state, job, free)
             out.pending[job.job] = Pending(kind, detail, position)
             if kind == "gang" and out.head is None:
                 out.head = job.job
@@ -159,7 +159,7 @@ def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> tuple
 # -- why a gang does not fit ------------------------------------------------------------------------
 
 
-def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
+def _no_fit(state: ClusterState, job: JobState, free: dict[str, NodeView]) -> tuple[PendingKind, str]:
     runnable = [n for n in state.nodes.values() if can_run(job.spec, n.runs_processes())]
     if not runnable:
         return "no-node", "no registered node's executor can run it"
@@ -169,8 +169,10 @@ def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
             down = sorted({n.node for n in runnable if n.status != "up" or any(not g.healthy for g in n.gpus)})
             return "drained", f"fits only with drained, lost or unhealthy GPUs ({', '.join(down)})"
         return "no-node", "larger than the nodes that can run it, even when empty"
-    free = sum(len(n.free_gpus()) for n in up)
-    return "gang", f"needs {job.spec.gpus} GPUs together; {free} free, not in a shape that fits"
+    available = sum(v.free for name, v in free.items() if can_run(job.spec, v.runs_processes))
+    if available < job.spec.gpus:
+        return "gang", f"needs {job.spec.gpus} GPUs at once; {available} are free for it"
+    return "gang", f"needs {job.spec.gpus} GPUs at once; {available} are free, but not in a shape its gang fits"
 
 
 def _empty(nodes: list[NodeState], *, healthy_only: bool) -> dict[str, NodeView]:

@@ -1,0 +1,210 @@
+"""Policies, quotas, preemption and pending reasons: one scheduling pass at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.state import ClusterState, apply
+from services.scheduler.policy import POLICIES, Las, make_policy
+from services.scheduler.schedule import plan
+from tests.helpers import node, submit
+
+
+def state_of(*events: ev.Event) -> ClusterState:
+    state = ClusterState()
+    for seq, e in enumerate(events, 1):
+        apply(state, seq, e)
+    return state
+
+
+def placed(state: ClusterState, policy: str = "fifo", **params: float) -> list[str]:
+    return [p.job for p in plan(state, make_policy(policy, params)).placed]
+
+
+def run(job: str, node_name: str, gpus: tuple[int, ...], at: float = 0.0, attempt: int = 0) -> list[ev.Event]:
+    return [
+        ev.JobPlaced(
+            id=f"p-{job}-{attempt}", at=at, job=job, attempt=attempt, allocations=(ev.Allocation(node_name, gpus),)
+        ),
+        ev.JobStarted(id=f"s-{job}-{attempt}", at=at, job=job, attempt=attempt, node=node_name),
+    ]
+
+
+def test_every_policy_is_registered_with_its_name() -> None:
+    assert set(POLICIES) == {"fifo", "sjf", "srtf", "las", "qssf", "fairshare"}
+    with pytest.raises(ValueError, match="unknown policy 'lottery'"):
+        make_policy("lottery")
+    with pytest.raises(ValueError, match="policy las has no parameter bogus"):
+        make_policy("las", {"bogus": 1.0})
+
+
+def test_sjf_and_qssf_order_by_expected_duration_and_service() -> None:
+    state = state_of(
+        node("n1", 4),
+        submit("long", 1, duration=500),
+        submit("short", 1, duration=10),
+        submit("wide", 4, duration=20),
+    )
+    assert [j.job for j in make_policy("sjf").order(state)] == ["short", "wide", "long"]
+    assert [j.job for j in make_policy("qssf").order(state)] == ["short", "wide", "long"]  # 10, 80, 500 GPU-s
+    assert [j.job for j in make_policy("fifo").order(state)] == ["long", "short", "wide"]
+
+
+def test_qssf_uses_predictions_and_a_default_when_there_is_none() -> None:
+    cpu = node("n1", 4, executor="cpu", ports=(29500, 29599))
+    a = submit("a", 2, duration=None, command=("x",))
+    b = submit("b", 1, duration=None, command=("x",))
+    prediction = ev.JobDurationPredicted(id="pred", job="a", seconds=60.0, model="test")
+    state = state_of(cpu, a, b, prediction)
+    # a: 60 s x 2 = 120; b: no prediction -> 3600 s x 1.
+    assert [j.job for j in make_policy("qssf").order(state)] == ["a", "b"]
+    assert [j.job for j in make_policy("qssf", {"default_duration_s": 10.0}).order(state)] == ["b", "a"]
+
+
+def test_priority_goes_first_under_every_policy() -> None:
+    urgent = submit("urgent", 1, duration=1000)
+    urgent = ev.JobSubmitted(
+        id=urgent.id, job="urgent", spec=ev.JobSpec(**{**_spec(urgent), "priority": 5}), intake_source="test"
+    )
+    state = state_of(node("n1", 1), submit("early", 1, duration=1), urgent)
+    for name in POLICIES:
+        assert make_policy(name).order(state)[0].job == "urgent", name
+
+
+def _spec(e: ev.JobSubmitted) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(e.spec)
+
+
+def test_las_queues_by_attained_service_and_guards_against_starvation() -> None:
+    policy = Las(first_queue_gpu_s=100.0, queue_ratio=10.0, starvation_factor=2.0, min_starvation_s=50.0)
+    events = [node("n1", 4), submit("old", 1, duration=None), submit("new", 1, duration=None)]
+    state = state_of(*events, *run("old", "n1", (0,), at=0.0))
+    requeue = ev.JobRequeued(id="rq", at=150.0, job="old", attempt=0, reason="preempted")
+    apply(state, 99, requeue)  # old ran 150 GPU-s: second queue
+    assert state.jobs["old"].service_gpu_s == 150.0
+    assert policy.queue(state.jobs["old"], state) == 1 and policy.queue(state.jobs["new"], state) == 0
+    assert [j.job for j in policy.order(state)] == ["new", "old"]
+    # Waiting longer than max(50, 2 x 150 s run) promotes it back to the first queue.
+    state.now = 150.0 + 301.0
+    assert policy.queue(state.jobs["old"], state) == 0
+    assert [j.job for j in policy.order(state)] == ["old", "new"]
+
+
+def test_fair_share_prefers_the_vc_that_used_less_per_weight() -> None:
+    events = [
+        ev.VcConfigured(id="v1", vc="vision", weight=1.0),
+        ev.VcConfigured(id="v2", vc="nlp", weight=1.0),
+        node("n1", 2),
+        submit("v-old", 2, vc="vision", duration=None),
+        *run("v-old", "n1", (0, 1), at=0.0),
+        ev.JobFinished(id="f", at=1000.0, job="v-old", attempt=0, outcome="completed"),
+        submit("v-next", 1, vc="vision", at=1000.0),
+        submit("n-next", 1, vc="nlp", at=1000.0),
+    ]
+    state = state_of(*events)
+    assert [j.job for j in make_policy("fairshare").order(state)] == ["n-next", "v-next"]
+    # Past use decays: a day later with a 1 h half-life, vision's 2000 GPU-s count for almost nothing.
+    apply(state, 100, ev.PolicyConfigured(id="pc", at=1000.0, policy="fairshare", params={"half_life_s": 3600.0}))
+    assert state.past_usage("vc:vision") == pytest.approx(2000.0)
+    state.now = 1000.0 + 24 * 3600
+    assert state.past_usage("vc:vision") < 1e-3
+
+
+def test_quota_without_borrowing_holds_a_job_and_says_why() -> None:
+    state = state_of(
+        ev.VcConfigured(id="v", vc="vision", gpu_quota=2, can_borrow=False),
+        node("n1", 8),
+        submit("a", 2, vc="vision"),
+        submit("b", 1, vc="vision"),
+        submit("c", 1),
+    )
+    result = plan(state, make_policy("fifo"))
+    assert [p.job for p in result.placed] == ["a", "c"]
+    assert result.pending["b"].kind == "quota"
+    assert "VC vision uses 2 of its 2 GPUs" in result.pending["b"].detail
+
+
+def test_borrowing_is_recorded_and_reclaimed_by_preemption_when_the_owner_waits() -> None:
+    events = [
+        ev.VcConfigured(id="v1", vc="vision", gpu_quota=2, can_borrow=True),
+        ev.VcConfigured(id="v2", vc="nlp", gpu_quota=2, can_borrow=True),
+        node("n1", 4),
+        submit("vision-big", 4, vc="vision"),
+    ]
+    state = state_of(*events)
+    (p,) = plan(state, make_policy("fifo")).placed
+    assert p.borrowed == 2, "2 of its 4 GPUs are beyond vision's quota"
+    state = state_of(*events, p, ev.JobStarted(id="s", job="vision-big", attempt=0, node="n1"))
+    apply(state, 50, submit("nlp-job", 2, vc="nlp"))
+    result = plan(state, make_policy("fifo"))
+    (pre,) = result.preempted
+    assert pre.job == "vision-big" and pre.by == "nlp-job" and "reclaiming" in pre.reason
+    assert result.pending["nlp-job"].kind == "preempting"
+
+
+def test_priority_preempts_the_least_lost_work_and_only_what_the_gang_needs() -> None:
+    events = [
+        node("n1", 4),
+        submit("old", 2, duration=None, at=0.0),
+        submit("young", 2, duration=None, at=0.0),
+        *run("old", "n1", (0, 1), at=0.0),
+        *run("young", "n1", (2, 3), at=90.0),
+    ]
+    state = state_of(*events)
+    state.now = 100.0
+    vip = ev.JobSubmitted(
+        id="vip",
+        at=100.0,
+        job="vip",
+        spec=ev.JobSpec(name="vip", user="u", gpus=2, duration_s=5.0, priority=3),
+        intake_source="t",
+    )
+    apply(state, 20, vip)
+    result = plan(state, make_policy("fifo"))
+    assert [(p.job, p.by) for p in result.preempted] == [("young", "vip")], "young lost 10 s of work, old 100 s"
+    # While young stops, vip waits for it and nothing else is preempted.
+    apply(state, 21, result.preempted[0])
+    again = plan(state, make_policy("fifo"))
+    assert again.preempted == [] and again.pending["vip"].kind == "preempting"
+
+
+def test_preemption_is_bounded_per_hour() -> None:
+    state = state_of(node("n1", 2), submit("low", 2, duration=None), *run("low", "n1", (0, 1), at=0.0))
+    state.jobs["low"].preempted_at = [10.0, 20.0]
+    state.now = 100.0
+    apply(
+        state,
+        30,
+        ev.JobSubmitted(
+            id="hi",
+            at=100.0,
+            job="hi",
+            spec=ev.JobSpec(name="hi", user="u", gpus=2, duration_s=1.0, priority=9),
+            intake_source="t",
+        ),
+    )
+    result = plan(state, make_policy("fifo"))
+    assert result.preempted == [] and result.pending["hi"].kind == "gang"
+
+
+def test_pending_reasons_name_the_cause_and_position() -> None:
+    state = state_of(
+        node("n1", 6),
+        node("n2", 4),
+        ev.NodeDrained(id="d", node="n2", reason="maintenance"),
+        submit("running", 4, duration=1000),
+        submit("huge", 10),
+        submit("head", 5),  # reserved from t=1000, when 6 GPUs are free: 1 to spare
+        submit("behind", 2, duration=5000),  # fits the 2 free GPUs now, but would hold 2 at t=1000
+        submit("spare", 1, duration=5000),  # holds only the one GPU head will not need
+    )
+    apply(state, 20, plan(state, make_policy("fifo")).placed[0])
+    result = plan(state, make_policy("fifo"))
+    assert result.pending["huge"].kind == "drained" and "n2" in result.pending["huge"].detail
+    assert result.pending["head"].kind == "gang" and result.pending["head"].position == 2
+    assert result.pending["behind"].kind == "reserved" and "would delay head" in result.pending["behind"].detail
+    assert result.head == "head" and result.reserved_at == 1000.0
+    assert [p.job for p in result.placed] == ["spare"]
