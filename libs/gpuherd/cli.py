@@ -45,7 +45,8 @@ def _nats_url(args: argparse.Namespace) -> str:
     return "nats://127.0.0.1:4222"
 
 
-def load_decider(name: str, policy: str = "fifo") -> Any:
+def load_decider(name: str, policy: str | None = None) -> Any:
+    """The decider ``name``; ``policy`` is its default until the log records one (fifo if None)."""
     try:
         target = AUDITABLE[name]
     except KeyError:
@@ -53,7 +54,7 @@ def load_decider(name: str, policy: str = "fifo") -> Any:
     module, cls = target.split(":")
     decider_cls = getattr(importlib.import_module(module), cls)
     policy_mod = importlib.import_module("services.scheduler.policy")
-    return decider_cls(policy_mod.make_policy(policy))
+    return decider_cls(policy_mod.make_policy(policy or "fifo"))
 
 
 async def _open(args: argparse.Namespace):
@@ -121,8 +122,135 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _pending_reasons(state: ClusterState, policy: str = "fifo") -> dict[str, Any]:
+    """Why each waiting job waits: the scheduler's own scheduling pass on this state."""
+    if not state.queue:
+        return {}
+    return load_decider("scheduler", policy).plan(state).pending
+
+
+def _client_call(args: argparse.Namespace, call) -> None:
+    from gpuherd.client import Client
+
+    async def run() -> None:
+        client = await Client.connect(_nats_url(args), source="cli")
+        try:
+            await call(client)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def cmd_vc(args: argparse.Namespace) -> int:
+    if args.vc_command == "set":
+        quota = None if args.quota in (None, "none") else int(args.quota)
+        _client_call(
+            args,
+            lambda c: c.configure_vc(args.name, gpu_quota=quota, can_borrow=not args.no_borrow, weight=args.weight),
+        )
+        console.print(
+            f"VC {args.name}: quota {quota if quota is not None else 'none'}, "
+            f"{'may not' if args.no_borrow else 'may'} borrow, weight {args.weight}"
+        )
+        return 0
+    state, _ = asyncio.run(_state(args))
+    used = state.vc_usage()
+    if args.json:
+        _print_json([msgspec.to_builtins(v) | {"used": used.get(v.vc, 0)} for v in state.vcs.values()])
+        return 0
+    table = Table(title=f"virtual clusters ({len(state.vcs)})")
+    for col in ("vc", "quota", "in use", "borrowing", "may borrow", "weight", "waiting", "past use (GPU-h)"):
+        table.add_column(col)
+    for vc in sorted(state.vcs.values(), key=lambda v: v.vc):
+        in_use = used.get(vc.vc, 0)
+        borrowing = sum(
+            j.borrowed for j in state.jobs.values() if j.spec.vc == vc.vc and j.status in ("placed", "running")
+        )
+        waiting = sum(1 for j in state.queue if state.jobs[j].spec.vc == vc.vc)
+        table.add_row(
+            vc.vc,
+            "-" if vc.gpu_quota is None else str(vc.gpu_quota),
+            str(in_use),
+            str(borrowing),
+            "yes" if vc.can_borrow else "no",
+            f"{vc.weight:g}",
+            str(waiting),
+            f"{state.past_usage(f'vc:{vc.vc}') / 3600:.1f}",
+        )
+    console.print(table)
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    policy_mod = importlib.import_module("services.scheduler.policy")
+    if args.policy_command == "set":
+        params = {}
+        for item in args.param or []:
+            key, _, value = item.partition("=")
+            try:
+                params[key] = float(value)
+            except ValueError:
+                raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+        try:
+            policy_mod.make_policy(args.name, {k: v for k, v in params.items() if k != "half_life_s"})
+        except ValueError as exc:
+            raise GpuherdError(str(exc)) from None
+        _client_call(args, lambda c: c.configure_policy(args.name, backfill=not args.no_backfill, params=params))
+        console.print(f"policy {args.name}{' without' if args.no_backfill else ' with'} backfill {params or ''}")
+        return 0
+    state, _ = asyncio.run(_state(args))
+    config = state.scheduling
+    _print_json(msgspec.to_builtins(config)) if args.json else console.print(
+        f"policy {config.policy or 'fifo (default)'}, backfill {'on' if config.backfill else 'off'}, "
+        f"params {config.params or '{}'}; available: {', '.join(sorted(policy_mod.POLICIES))}"
+    )
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    undrain = args.command == "undrain"
+    _client_call(args, lambda c: c.drain(args.node, getattr(args, "reason", ""), undrain=undrain))
+    console.print(f"{'undrained' if undrain else 'drained'} {args.node}")
+    return 0
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    state, _ = asyncio.run(_state(args))
+    job = state.jobs.get(args.job)
+    if job is None:
+        raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
+    pending = _pending_reasons(state).get(job.job) if job.status == "pending" else None
+    answer: dict[str, Any] = {"job": job.job, "status": job.status, "attempt": job.attempt}
+    if pending is not None:
+        answer |= {
+            "kind": pending.kind,
+            "why": pending.detail,
+            "position": pending.position,
+            "waiting": len(state.queue),
+        }
+        answer["policy"] = state.scheduling.policy or "fifo"
+    elif job.status == "pending":
+        answer["why"] = "nothing holds it back: it is placed on the scheduler's next pass"
+    else:
+        answer["why"] = job.reason or job.placement_reason or job.status
+    if args.json:
+        _print_json(answer)
+        return 0
+    if pending is not None:
+        console.print(
+            f"{job.job} ({job.spec.name}) waits: [bold]{pending.kind}[/bold] - {pending.detail}\n"
+            f"position {pending.position} of {len(state.queue)} waiting jobs in {answer['policy']} order; "
+            f"waiting {state.now - job.waiting_since:.0f}s"
+        )
+    else:
+        console.print(f"{job.job} ({job.spec.name}) is {job.status}: {answer['why']}")
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     state, _ = asyncio.run(_state(args))
+    pending = _pending_reasons(state)
     jobs = sorted(state.jobs.values(), key=lambda j: j.order)
     if args.status:
         jobs = [j for j in jobs if j.status == args.status]
@@ -136,11 +264,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         waited = (j.first_placed_at or state.now) - j.submitted_at
         nodes = ",".join(a.node for a in j.allocations)
         why = j.reason or j.placement_reason
-        if j.status == "pending":
-            position = state.queue.index(j.job) if j.job in state.queue else -1
-            why = f"queue position {position + 1}; {state.free_gpus()} GPUs free" + (
-                f"; {j.reason}" if j.reason else ""
-            )
+        if j.job in pending:
+            p = pending[j.job]
+            why = f"#{p.position} {p.kind}: {p.detail}"
         table.add_row(
             j.job,
             j.spec.name,
@@ -329,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cpu-agents", type=int, default=2, help="agents that run real processes on CPU")
     up.add_argument("--cpu-gpus", type=int, default=4, help="virtual GPUs of each cpu agent (2 NVLink islands)")
     up.add_argument("--nvml", action="store_true", help="also run an nvml agent for this machine's GPUs")
-    up.add_argument("--policy", default="fifo")
+    up.add_argument("--policy", default=None, help="record this policy at start (default: keep the log's; fifo)")
+    up.add_argument("--vcs", default=None, help="a YAML/JSON file of virtual clusters to configure at start")
     up.add_argument("--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
     up.add_argument("--demo", choices=["philly"], default=None, help="submit a demo workload, report, and stop")
     up.add_argument("--demo-jobs", type=int, default=300)
@@ -359,6 +486,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("job")
     c.add_argument("--reason", default="cancelled by user")
     c.set_defaults(func=cmd_cancel)
+
+    w = sub.add_parser("why", help="why a job waits (or where it is), from the scheduler's own pass")
+    w.add_argument("job")
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=cmd_why)
+
+    vc = sub.add_parser("vc", help="virtual clusters: quotas, borrowing, weights")
+    vc_sub = vc.add_subparsers(dest="vc_command", required=True)
+    vc_set = vc_sub.add_parser("set", help="create or change a VC")
+    vc_set.add_argument("name")
+    vc_set.add_argument("--quota", default=None, help="GPUs of its own (a number, or 'none')")
+    vc_set.add_argument("--no-borrow", action="store_true", help="never run beyond the quota")
+    vc_set.add_argument("--weight", type=float, default=1.0, help="its share under fair share")
+    vc_list = vc_sub.add_parser("list", help="VCs, their quota and use")
+    vc_list.add_argument("--json", action="store_true")
+    vc.set_defaults(func=cmd_vc)
+
+    pol = sub.add_parser("policy", help="the scheduling policy: show, or set it live")
+    pol_sub = pol.add_subparsers(dest="policy_command", required=True)
+    pol_set = pol_sub.add_parser("set", help="switch the policy (recorded as PolicyConfigured)")
+    pol_set.add_argument("name")
+    pol_set.add_argument("--param", action="append", help="NAME=NUMBER, e.g. half_life_s=3600 (repeatable)")
+    pol_set.add_argument("--no-backfill", action="store_true")
+    pol_show = pol_sub.add_parser("show")
+    pol_show.add_argument("--json", action="store_true")
+    pol.set_defaults(func=cmd_policy)
+
+    for name, helptext in (("drain", "place no new work on a node"), ("undrain", "let a drained node take work")):
+        d = sub.add_parser(name, help=helptext)
+        d.add_argument("node")
+        if name == "drain":
+            d.add_argument("--reason", default="drained by an operator")
+        d.set_defaults(func=cmd_drain)
 
     lg = sub.add_parser("logs", help="a job's output, from the agents it ran on")
     lg.add_argument("job")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from gpuherd.errors import SubmissionError
 from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import current_traceparent, tracer
 
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
 
 class Verdict(msgspec.Struct, frozen=True):
     ok: bool
@@ -34,14 +37,19 @@ class Verdict(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
-def load_spec_file(path: str | Path) -> dict[str, Any]:
-    """Read a job spec from JSON or YAML."""
+def load_data_file(path: str | Path) -> Any:
+    """Read JSON, or YAML when the name ends in .yaml/.yml."""
     text = Path(path).read_text()
     try:
-        data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else msgspec.json.decode(text)
+        return yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else msgspec.json.decode(text)
     except (yaml.YAMLError, msgspec.DecodeError) as exc:
         kind = "YAML" if str(path).endswith((".yaml", ".yml")) else "JSON"
         raise SubmissionError(f"{path}: not valid {kind}: {exc}") from None
+
+
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    """Read a job spec from JSON or YAML."""
+    data = load_data_file(path)
     if not isinstance(data, dict):
         raise SubmissionError(f"{path}: a job spec is a mapping of fields, got {type(data).__name__}")
     return data
@@ -107,15 +115,52 @@ class Client:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def cancel(self, job_id: str, reason: str = "") -> None:
-        """Ask for a job to be cancelled (recorded as JobCancelRequested)."""
+    async def _log(self) -> Any:
         from gpuherd.log.jetstream import JetStreamLog
 
         log_ = JetStreamLog(self.nc)
         await log_.ensure_streams()
+        return log_
+
+    async def cancel(self, job_id: str, reason: str = "") -> None:
+        """Ask for a job to be cancelled (recorded as JobCancelRequested)."""
+        log_ = await self._log()
         if await log_.subject_last_seq(f"herd.job.{job_id}") == 0:
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
-        event = ev.JobCancelRequested(
-            id=f"cancel:{job_id}:{uuid.uuid4().hex[:8]}", at=time.time(), source=self.source, job=job_id, reason=reason
+        await log_.append([ev.JobCancelRequested(**self._stamp("cancel"), job=job_id, reason=reason)])
+
+    async def configure_vc(
+        self, vc: str, *, gpu_quota: int | None, can_borrow: bool = True, weight: float = 1.0
+    ) -> None:
+        """Create or change a virtual cluster (recorded as VcConfigured)."""
+        if not _TOKEN.match(vc):
+            raise SubmissionError(f"VC names are 1-64 letters, digits, '_' or '-'; got {vc!r}")
+        if gpu_quota is not None and gpu_quota < 0:
+            raise SubmissionError(f"a GPU quota cannot be negative, got {gpu_quota}")
+        if weight <= 0:
+            raise SubmissionError(f"a fair-share weight must be positive, got {weight}")
+        event = ev.VcConfigured(**self._stamp("vc"), vc=vc, gpu_quota=gpu_quota, can_borrow=can_borrow, weight=weight)
+        await (await self._log()).append([event])
+
+    async def configure_policy(
+        self, policy: str, *, backfill: bool = True, params: Mapping[str, float] | None = None
+    ) -> None:
+        """Switch the cluster's scheduling policy (recorded as PolicyConfigured); the scheduler checks
+        names and parameters when it applies it, so validate with ``services.scheduler.policy`` first."""
+        event = ev.PolicyConfigured(
+            **self._stamp("policy"), policy=policy, backfill=backfill, params=dict(params or {})
         )
-        await log_.append([event])
+        await (await self._log()).append([event])
+
+    async def drain(self, node: str, reason: str = "", *, undrain: bool = False) -> None:
+        """Stop (or resume) placing new work on a node; running jobs stay."""
+        log_ = await self._log()
+        if await log_.subject_last_seq(f"herd.node.{node}") == 0:
+            raise SubmissionError(f"no node {node!r}: see `gpuherd nodes` for the names")
+        if undrain:
+            await log_.append([ev.NodeUndrained(**self._stamp("undrain"), node=node)])
+        else:
+            await log_.append([ev.NodeDrained(**self._stamp("drain"), node=node, reason=reason)])
+
+    def _stamp(self, kind: str) -> dict[str, Any]:
+        return {"id": f"{kind}:{self.source}:{uuid.uuid4().hex}", "at": time.time(), "source": self.source}

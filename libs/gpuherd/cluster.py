@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
+from gpuherd.errors import GpuherdError
 from gpuherd.natsd import NatsServer
 
 console = Console(stderr=True)
@@ -83,7 +84,7 @@ class ClusterLayout(msgspec.Struct, kw_only=True):
     cpu_agents: int = 0
     cpu_gpus: int = 4
     nvml_agents: int = 0  # at most 1 per machine: the agent owns the machine's GPUs
-    policy: str = "fifo"
+    policy: str | None = None  # recorded at start when given; else the log's policy stays
     lost_after_s: float = 10.0
     agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
 
@@ -111,7 +112,8 @@ class LocalCluster:
         (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
         env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1")
         lay = self.layout
-        scheduler = ("--nats-url", self.url, "--policy", lay.policy, "--lost-after", str(lay.lost_after_s))
+        scheduler = ("--nats-url", self.url, "--lost-after", str(lay.lost_after_s))
+        scheduler += ("--policy", lay.policy) if lay.policy else ()
         self.procs = [Supervised("scheduler", service_argv("services.scheduler", *scheduler), self.log_dir, env)]
         for i in range(1, lay.sim_agents + 1):
             self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
@@ -154,6 +156,36 @@ class LocalCluster:
         self.stop()
 
 
+class VcFileEntry(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    quota: int | None = None
+    can_borrow: bool = True
+    weight: float = 1.0
+
+
+def load_vc_file(path: str) -> list[VcFileEntry]:
+    """VCs for ``gpuherd up --vcs FILE``: a JSON/YAML list (or ``{vcs: [...]}``) of
+    ``{name, quota, can_borrow, weight}``."""
+    from gpuherd.client import load_data_file
+
+    data = load_data_file(path)
+    try:
+        return msgspec.convert(data.get("vcs") if isinstance(data, dict) else data, list[VcFileEntry])
+    except msgspec.ValidationError as exc:
+        raise GpuherdError(f"{path}: {exc}; expected a list like [{{name: vision, quota: 16}}]") from None
+
+
+async def configure_vcs(url: str, vcs: list[VcFileEntry]) -> None:
+    from gpuherd.client import Client
+
+    client = await Client.connect(url, source="up")
+    try:
+        for vc in vcs:
+            await client.configure_vc(vc.name, gpu_quota=vc.quota, can_borrow=vc.can_borrow, weight=vc.weight)
+    finally:
+        await client.close()
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and data_dir.exists():
@@ -167,8 +199,12 @@ def run_cluster(args: argparse.Namespace) -> int:
         policy=args.policy,
         lost_after_s=args.lost_after,
     )
+    vcs = load_vc_file(args.vcs) if args.vcs else []
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
     url = cluster.start()
+    if vcs:
+        asyncio.run(configure_vcs(url, vcs))
+        console.print(f"configured {len(vcs)} virtual clusters from {args.vcs}")
     if cluster.server is not None:
         console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
     else:

@@ -163,15 +163,32 @@ def _reg(runner: DeciderRunner[ClusterState], node: str) -> int:
     return state.registered_seq if state is not None else 0
 
 
-async def serve(url: str, *, policy: str = "fifo", lost_after_s: float = 10.0, instance: str | None = None) -> None:
+def policy_recorder(policy: str) -> ExtraTask:
+    """Record ``--policy`` in the log once caught up, unless the log already has it: the log, not
+    a flag, is what every decision (and every replay) reads."""
+
+    async def record(runner: DeciderRunner[ClusterState]) -> None:
+        await runner.caught_up.wait()
+        if runner.state.scheduling.policy == policy:
+            return
+        config = ev.PolicyConfigured(
+            id=f"scheduler:policy:{uuid.uuid4().hex}", at=time.time(), source="scheduler", policy=policy
+        )
+        await append_reliably(runner.log, [config])
+        log.info("policy recorded", policy=policy)
+
+    return record
+
+
+async def serve(
+    url: str, *, policy: str | None = None, lost_after_s: float = 10.0, instance: str | None = None
+) -> None:
+    if policy is not None:
+        make_policy(policy)  # fail at start on a name that does not exist
     instance = instance or f"{socket.gethostname()}-{os.getpid()}"
     log_ = await open_log(url, name=f"scheduler-{instance}")
-    runner = DeciderRunner(
-        log_,
-        SchedulerDecider(make_policy(policy)),
-        instance=instance,
-        extra_tasks=[intake_loop, liveness_loop(lost_after_s)],
-    )
+    extra = [intake_loop, liveness_loop(lost_after_s)] + ([policy_recorder(policy)] if policy else [])
+    runner = DeciderRunner(log_, SchedulerDecider(), instance=instance, extra_tasks=extra)
     try:
         await serve_until_signal(runner.run)
     finally:
@@ -181,7 +198,11 @@ async def serve(url: str, *, policy: str = "fifo", lost_after_s: float = 10.0, i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gpuherd-scheduler", description="gpuherd scheduler service")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--policy", default=os.environ.get("GPUHERD_POLICY", "fifo"))
+    parser.add_argument(
+        "--policy",
+        default=os.environ.get("GPUHERD_POLICY"),
+        help="record this policy in the log at start (default: keep the log's, else fifo)",
+    )
     parser.add_argument(
         "--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost"
     )
