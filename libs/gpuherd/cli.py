@@ -303,7 +303,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             str(len(n.gpus)),
             str(len(n.free_gpus())),
             ",".join(jobs)[:60],
-            n.reason,
+            "; ".join(
+                [n.reason] * bool(n.reason)
+                + [f"GPU {g.info.index}: {g.health_reason}" for g in n.gpus if not g.healthy]
+            ),
         )
     console.print(table)
     return 0

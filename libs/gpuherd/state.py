@@ -293,6 +293,10 @@ def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
     if node is not None and node.status == "drained":
         node.status = "up"
         node.reason = ""
+    if node is not None:
+        for slot in node.gpus:  # an operator vouches for the node: its GPUs are back in service
+            slot.healthy = True
+            slot.health_reason = ""
 
 
 def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:

@@ -105,6 +105,7 @@ class Agent:
         self._metrics: dict[TaskKey, dict[str, float]] = {}  # the latest report of each task's first rank
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
+        self._reported_unhealthy: set[int] = set()
         executor.node = node
 
     # -- life cycle ----------------------------------------------------------------------
@@ -183,6 +184,7 @@ class Agent:
                 continue
             me = self.state.nodes.get(self.node)
             holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
+            await self._report_health(samples)
             payload = {
                 "node": self.node,
                 "at": self.clock(),
@@ -190,6 +192,28 @@ class Agent:
             }
             with contextlib.suppress(Exception):
                 await self.log.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
+
+    async def _report_health(self, samples: list) -> None:
+        """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
+        operator undrains its node (XID errors and ECC counts do not heal by themselves)."""
+        me = self.state.nodes.get(self.node)
+        for sample in samples:
+            if sample.healthy or me is None or sample.index >= len(me.gpus):
+                continue
+            if not me.gpus[sample.index].healthy or sample.index in self._reported_unhealthy:
+                continue
+            self._reported_unhealthy.add(sample.index)
+            event = ev.GpuHealthChanged(
+                id=f"{self.source}:health:{self.boot_id}:{sample.index}",
+                at=self.clock(),
+                source=self.source,
+                node=self.node,
+                index=sample.index,
+                healthy=False,
+                reason=sample.problem or "unhealthy",
+            )
+            await append_reliably(self.log, [event])
+            log.warning("GPU unhealthy", index=sample.index, reason=event.reason)
 
     async def _follow(self) -> None:
         head = await self.log.last_seq()

@@ -150,3 +150,39 @@ def test_demo_runs_and_audits_clean(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no mismatches" in result.stdout and "mean_queue_s" in result.stdout
+
+
+def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
+    data, _ = running_cluster
+
+    def submit(spec: dict) -> str:
+        path = tmp_path / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        return json.loads(cli(data, "submit", str(path), "--json").stdout)["job_id"]
+
+    def why(job_id: str) -> dict:
+        return json.loads(cli(data, "why", job_id, "--json").stdout)
+
+    cli(data, "vc", "set", "vision", "--quota", "2", "--no-borrow")
+    vision = next(v for v in json.loads(cli(data, "vc", "list", "--json").stdout) if v["vc"] == "vision")
+    assert vision["gpu_quota"] == 2 and vision["can_borrow"] is False
+
+    bad = cli(data, "policy", "set", "sjf", "--param", "bogus=1", check=False)
+    assert bad.returncode == 2 and "has no parameter bogus" in bad.stdout
+    cli(data, "policy", "set", "sjf")
+    assert json.loads(cli(data, "policy", "show", "--json").stdout)["policy"] == "sjf"
+
+    cli(data, "drain", "node-1", "--reason", "maintenance")
+    cli(data, "drain", "node-2")
+    waiting = submit({"name": "waits", "user": "ana", "gpus": 1, "duration_s": 0.5})
+    wait_for(lambda: why(waiting).get("kind") == "drained")
+    assert "node-1" in why(waiting)["why"]
+    over = submit({"name": "over", "user": "ana", "gpus": 3, "duration_s": 0.5, "vc": "vision"})
+    wait_for(lambda: why(over).get("kind") == "quota")
+    assert "VC vision uses 0 of its 2 GPUs" in why(over)["why"]
+    assert "quota" in cli(data, "jobs").stdout
+
+    cli(data, "undrain", "node-1")
+    wait_for(lambda: why(waiting)["status"] == "completed")
+    nodes = {n["node"]: n for n in json.loads(cli(data, "nodes", "--json").stdout)}
+    assert nodes["node-1"]["status"] == "up" and nodes["node-2"]["status"] == "drained"

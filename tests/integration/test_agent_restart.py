@@ -85,3 +85,43 @@ async def test_restarted_agent_kills_a_task_whose_job_moved_on_and_registers_aga
         await wait_until(lambda: not pids_of_job("moved"), timeout=20)
         await wait_until(lambda: len(events_of(log, ev.NodeRegistered)) == 2)
     assert events_of(log, ev.TaskEnded) == [], "the attempt was settled without this part's word"
+
+
+async def test_agent_reports_an_unhealthy_gpu_once(tmp_path: Path) -> None:
+    from services.nodeagent.executors import GpuSample
+
+    log = MemoryLog(lease_ttl=0.5)
+    agent = make_agent(log, tmp_path)
+    agent.telemetry_s = 0.1
+    agent.executor.sample = lambda: [GpuSample(index=0), GpuSample(index=1, healthy=False, problem="XID 79")]
+    async with running(agent):
+        await wait_until(lambda: bool(events_of(log, ev.GpuHealthChanged)))
+        await asyncio.sleep(0.5)  # more samples: still one report
+    (report,) = events_of(log, ev.GpuHealthChanged)
+    assert (report.node, report.index, report.healthy, report.reason) == ("n1", 1, False, "XID 79")
+
+
+async def test_preemption_gives_the_job_its_checkpoint_signal_and_grace(tmp_path: Path) -> None:
+    log = MemoryLog(lease_ttl=0.5)
+    code = (
+        "import signal, sys, time\n"
+        "def checkpoint(*_):\n"
+        "    print('checkpoint saved', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGUSR1, checkpoint)\n"
+        "print('training', flush=True); time.sleep(60)\n"
+    )
+    async with running(make_agent(log, tmp_path)):
+        await place(log, "victim", code)
+        await wait_until(
+            lambda: (
+                "training" in (tmp_path / "jobs/victim/attempt-0/rank-0.log").read_text()
+                if (tmp_path / "jobs/victim/attempt-0/rank-0.log").exists()
+                else False
+            )
+        )
+        await log.append([ev.JobPreempted(id="pre", job="victim", attempt=0, reason="priority", by="vip", grace_s=10)])
+        await wait_until(lambda: bool(events_of(log, ev.TaskEnded)), timeout=20)
+    (ended,) = events_of(log, ev.TaskEnded)
+    assert ended.outcome == "stopped" and ended.reason == "priority"
+    assert "checkpoint saved" in ended.output_tail
+    assert pids_of_job("victim") == []

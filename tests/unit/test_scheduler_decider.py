@@ -276,3 +276,27 @@ def fold_log(log: list[Record]) -> ClusterState:
     for r in log:
         apply(state, r.seq, r.event)
     return state
+
+
+def test_an_unhealthy_gpu_moves_its_job_and_takes_no_new_work() -> None:
+    log = drive(
+        [node("n1", 2, executor="cpu", ports=(29500, 29599)), node("n2", 2, executor="cpu", ports=(29500, 29599))]
+    )
+    log = drive([submit("a", 2, command=CMD)], log)
+    (first,) = decisions(log, ev.JobPlaced)
+    bad = ev.GpuHealthChanged(id="xid", node=first.allocations[0].node, index=1, healthy=False, reason="XID 79")
+    log = drive([bad], log)
+    (pre,) = decisions(log, ev.JobPreempted)
+    assert pre.job == "a" and pre.grace_s == 0.0 and "XID 79" in pre.reason
+    log = drive([ended("a", first.allocations[0].node, outcome="stopped")], log)
+    (requeued,) = decisions(log, ev.JobRequeued)
+    assert "unhealthy" in requeued.reason
+    second = decisions(log, ev.JobPlaced)[1]
+    assert second.attempt == 1 and second.allocations[0].node != first.allocations[0].node
+    state = fold_log(log)
+    assert state.jobs["a"].failures == 0, "a bad GPU is not the job's failure"
+    log = drive([submit("b", 1, command=CMD)], log)
+    third = decisions(log, ev.JobPlaced)[2]
+    assert (third.allocations[0].node, third.allocations[0].gpus) == (first.allocations[0].node, (0,))
+    log = drive([ev.NodeUndrained(id="ok", node=first.allocations[0].node)], log)
+    assert all(g.healthy for g in fold_log(log).nodes[first.allocations[0].node].gpus)

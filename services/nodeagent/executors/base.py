@@ -56,6 +56,7 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     ecc_uncorrected: int | None = None
     xid: int | None = None  # the last critical XID error seen since the previous sample
     healthy: bool = True
+    problem: str = ""  # why it is unhealthy
 
 
 OnExit = Callable[[TaskExit], Awaitable[None]]

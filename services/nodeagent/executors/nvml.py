@@ -147,6 +147,13 @@ class NvmlExecutor(ProcessExecutor):
             memory = read(nv.nvmlDeviceGetMemoryInfo)
             power = read(nv.nvmlDeviceGetPowerUsage)
             ecc = read(nv.nvmlDeviceGetTotalEccErrors, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+            problem = ""
+            if util is None and memory is None:
+                problem = "fell off the bus: NVML cannot read it"
+            elif index in xids:
+                problem = f"XID {xids[index]}"
+            elif ecc:
+                problem = f"{ecc} uncorrected ECC errors"
             out.append(
                 GpuSample(
                     index=index,
@@ -156,7 +163,8 @@ class NvmlExecutor(ProcessExecutor):
                     temperature_c=_float(read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU)),
                     ecc_uncorrected=ecc,
                     xid=xids.get(index),
-                    healthy=not ecc and index not in xids,
+                    healthy=not problem,
+                    problem=problem,
                 )
             )
         return out
