@@ -192,10 +192,12 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 params[key] = float(value)
             except ValueError:
                 raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+        from gpuherd.state import CLUSTER_PARAMS
+
         try:
-            policy_mod.make_policy(args.name, {k: v for k, v in params.items() if k != "half_life_s"})
+            policy_mod.make_policy(args.name, {k: v for k, v in params.items() if k not in CLUSTER_PARAMS})
         except ValueError as exc:
-            raise GpuherdError(str(exc)) from None
+            raise GpuherdError(f"{exc}; every policy also takes {', '.join(sorted(CLUSTER_PARAMS))}") from None
         _client_call(args, lambda c: c.configure_policy(args.name, backfill=not args.no_backfill, params=params))
         console.print(f"policy {args.name}{' without' if args.no_backfill else ' with'} backfill {params or ''}")
         return 0

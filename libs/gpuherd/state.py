@@ -135,6 +135,12 @@ def _default_vcs() -> dict[str, VcState]:
 
 
 DEFAULT_HALF_LIFE_S = 12 * 3600.0  # how fast past GPU use stops counting under fair share
+# Cluster-wide scheduling parameters (PolicyConfigured.params), whatever the policy, and their defaults.
+CLUSTER_PARAMS: dict[str, float] = {
+    "half_life_s": DEFAULT_HALF_LIFE_S,
+    "preemption_grace_s": 30.0,  # SIGUSR1 to SIGTERM: time for a preempted job to checkpoint
+    "max_preemptions_per_hour": 2.0,  # per job
+}
 
 
 class SchedulingConfig(msgspec.Struct, kw_only=True):
@@ -144,9 +150,12 @@ class SchedulingConfig(msgspec.Struct, kw_only=True):
     backfill: bool = True
     params: dict[str, float] = msgspec.field(default_factory=dict)
 
+    def param(self, name: str) -> float:
+        return self.params.get(name, CLUSTER_PARAMS[name])
+
     @property
     def half_life_s(self) -> float:
-        return self.params.get("half_life_s", DEFAULT_HALF_LIFE_S)
+        return self.param("half_life_s")
 
 
 class Usage(msgspec.Struct, kw_only=True):

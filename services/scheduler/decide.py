@@ -102,7 +102,7 @@ class SchedulerDecider(Decider[ClusterState]):
 
 
 def _policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
-    """The params the policy takes (PolicyConfigured may carry cluster-wide ones, like half_life_s)."""
+    """The params the policy takes (PolicyConfigured also carries cluster-wide ones: CLUSTER_PARAMS)."""
     return {k: v for k, v in params.items() if k in POLICIES[name].PARAMS}
 
 

@@ -156,11 +156,11 @@ class Qssf(Policy):
 
 class FairShare(Policy):
     """Least past use first: the job's VC's decayed GPU-seconds divided by the VC's weight,
-    then its user's. Past use halves every ``half_life_s`` (set with the policy:
-    ``PolicyConfigured.params``); running jobs count with their time so far."""
+    then its user's. Past use halves every ``half_life_s`` (a cluster parameter of
+    ``PolicyConfigured``, since the fold keeps the decayed usage); running jobs count with their
+    time so far."""
 
     name = "fairshare"
-    PARAMS = {"half_life_s": 12 * 3600.0}
 
     def prepare(self, state: ClusterState) -> None:
         running: dict[str, float] = {}

@@ -25,7 +25,9 @@ running jobs it outranks: a lower priority, a job the policy says it
 outranks (SRTF, LAS), or a job running on GPUs borrowed from the waiting job's
 VC quota. Victims: lowest priority first, then least work lost (shortest
 time since start), then the youngest; only as many as the gang needs; a job
-is preempted at most ``max_preemptions_per_hour`` times in an hour.
+is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
+``preemption_grace_s`` to checkpoint (both cluster parameters of
+``PolicyConfigured``; see ``gpuherd.state.CLUSTER_PARAMS``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,6 @@ from services.scheduler.placement import NodeView, can_run, islands_of, place, v
 from services.scheduler.policy import Policy, expected_duration
 
 PendingKind = Literal["quota", "gang", "drained", "no-node", "order", "reserved", "preempting", "cancelling"]
-
-PREEMPTION_GRACE_S = 30.0
-MAX_PREEMPTIONS_PER_HOUR = 2
 
 
 class Pending(msgspec.Struct, frozen=True):
@@ -68,7 +67,6 @@ def plan(
     *,
     backfill: bool = True,
     skip: frozenset[str] | set[str] = frozenset(),
-    preemption_grace_s: float = PREEMPTION_GRACE_S,
 ) -> Plan:
     out = Plan()
     if not state.queue:
@@ -132,7 +130,7 @@ def plan(
                 borrowed=borrowed,
             )
         )
-    _preempt(state, policy, order, out, free, vc_used, preemption_grace_s)
+    _preempt(state, policy, order, out, free, vc_used)
     return out
 
 
@@ -231,8 +229,8 @@ def _preempt(
     out: Plan,
     free: dict[str, NodeView],
     vc_used: dict[str, int],
-    grace_s: float,
 ) -> None:
+    grace_s = state.scheduling.param("preemption_grace_s")
     stopping_for = {j.preempted_for for j in state.jobs.values() if j.preempt_reason is not None}
     for job in order:
         pending = out.pending.get(job.job)
@@ -277,7 +275,7 @@ def _victims(state: ClusterState, policy: Policy, job: JobState, vc_used: dict[s
         if running.status not in ACTIVE or running.preempt_reason is not None or running.stopping():
             continue
         recent = [t for t in running.preempted_at if state.now - t < 3600.0]
-        if len(recent) >= MAX_PREEMPTIONS_PER_HOUR:
+        if len(recent) >= state.scheduling.param("max_preemptions_per_hour"):
             continue
         outranked = (
             job.spec.priority > running.spec.priority
