@@ -100,7 +100,7 @@ def ended(
 
 def tick(at: float, lost_after: float = 10.0, **last_heard: float) -> ev.ClockTicked:
     return ev.ClockTicked(
-        id=f"tick-{next(_ids)}", at=at, source="scheduler", last_heard=last_heard, lost_after_s=lost_after
+        id=f"scheduler:tick:{next(_ids)}", at=at, source="scheduler", last_heard=last_heard, lost_after_s=lost_after
     )
 
 

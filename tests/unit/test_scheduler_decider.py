@@ -250,7 +250,7 @@ def test_silent_node_is_lost_by_a_clock_tick_and_its_gang_requeued() -> None:
     assert not decisions(log, ev.NodeLost), "within the timeout"
     log = drive([tick(20.0, a=19.0, b=4.0)], log)
     (lost,) = decisions(log, ev.NodeLost)
-    assert lost.node == "b" and lost.cause.startswith("tick-") and lost.based_on > 0
+    assert lost.node == "b" and lost.cause.startswith("scheduler:tick:") and lost.based_on > 0
     assert not decisions(log, ev.JobRequeued), "a's part still runs; it must stop first"
     log = drive([ended("g", "a", outcome="stopped")], log)
     (requeued,) = decisions(log, ev.JobRequeued)
