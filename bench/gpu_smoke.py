@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def inventory_and_telemetry() -> None:
+    from gpuherd.state import islands_of
     from services.nodeagent.executors.nvml import NvmlExecutor
-    from services.scheduler.placement import islands_of
 
     with tempfile.TemporaryDirectory() as tmp:
         executor = NvmlExecutor(Path(tmp), alive_file=Path(tmp) / "alive")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import msgspec
@@ -43,6 +43,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     registered_seq: int = 0
     address: str = ""
     port_range: tuple[int, int] | None = None
+    islands: list[list[int]] = msgspec.field(default_factory=list)  # NVLink islands, from the inventory
 
     def free_gpus(self) -> list[int]:
         return [g.info.index for g in self.gpus if g.job is None and g.healthy]
@@ -50,6 +51,28 @@ class NodeState(msgspec.Struct, kw_only=True):
     def runs_processes(self) -> bool:
         """Whether this node's executor runs real processes (a job with a ``command`` needs one)."""
         return self.executor != "sim"
+
+
+def islands_of(gpus: Sequence[ev.GpuInfo]) -> list[list[int]]:
+    """Group a node's GPU indices into NVLink islands: connected components of the peer graph.
+
+    A GPU without NVLink peers is an island of its own (PCIe only)."""
+    parent = {g.index: g.index for g in gpus}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for g in gpus:
+        for peer in g.nvlink_peers:
+            if peer in parent:
+                parent[root(peer)] = root(g.index)
+    groups: dict[int, list[int]] = {}
+    for index in sorted(parent):
+        groups.setdefault(root(index), []).append(index)
+    return sorted(groups.values())
 
 
 class PartEnd(msgspec.Struct, kw_only=True, frozen=True):
@@ -287,6 +310,7 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         registered_seq=seq,
         address=e.address,
         port_range=e.port_range,
+        islands=islands_of(e.gpus),
     )
 
 

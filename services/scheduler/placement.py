@@ -17,26 +17,28 @@ The placement's *locality* is the tightest level the whole gang fits in:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
 
-from gpuherd.events import Allocation, GpuInfo, JobSpec, Locality
+from gpuherd.events import Allocation, JobSpec, Locality
 from gpuherd.state import ClusterState, NodeState
 
 
-class NodeView(msgspec.Struct, frozen=True):
+@dataclass(frozen=True, slots=True)
+class NodeView:
     """What placement needs to know of one node that accepts work."""
 
     name: str
     rack: str
     islands: tuple[tuple[int, ...], ...]  # free GPU indices, grouped by NVLink island
     runs_processes: bool = False
+    free: int = field(init=False, compare=False)  # how many: read in every pass, so kept
 
-    @property
-    def free(self) -> int:
-        return sum(len(i) for i in self.islands)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "free", sum(len(i) for i in self.islands))
 
 
 class Score(NamedTuple):
@@ -60,31 +62,9 @@ class Placement(msgspec.Struct, frozen=True):
     reason: str
 
 
-def islands_of(gpus: Sequence[GpuInfo]) -> list[list[int]]:
-    """Group a node's GPU indices into NVLink islands: connected components of the peer graph.
-
-    A GPU without NVLink peers is an island of its own (PCIe only)."""
-    parent = {g.index: g.index for g in gpus}
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for g in gpus:
-        for peer in g.nvlink_peers:
-            if peer in parent:
-                parent[root(peer)] = root(g.index)
-    groups: dict[int, list[int]] = {}
-    for index in sorted(parent):
-        groups.setdefault(root(index), []).append(index)
-    return sorted(groups.values())
-
-
 def view_of(node: NodeState) -> NodeView:
     free = set(node.free_gpus())
-    islands = tuple(tuple(i for i in island if i in free) for island in islands_of([s.info for s in node.gpus]))
+    islands = tuple(tuple(i for i in island if i in free) for island in node.islands)
     return NodeView(
         name=node.node,
         rack=node.rack,
@@ -143,9 +123,23 @@ def score(allocations: Iterable[Allocation], nodes: dict[str, NodeView]) -> Scor
     )
 
 
+def fits_by_count(spec: JobSpec, sizes: Iterable[int]) -> bool:
+    """Whether the gang fits nodes with these numbers of usable GPUs. Placement never fails for
+    topology (islands only rank candidates), so this is exactly when ``place`` finds one."""
+    if spec.nodes is not None:
+        per_node = spec.gpus // spec.nodes
+        return sum(1 for n in sizes if n >= per_node) >= spec.nodes
+    return sum(sizes) >= spec.gpus
+
+
 def place(spec: JobSpec, nodes: dict[str, NodeView]) -> Placement | None:
     """The best-scoring placement of the whole gang, or None if it does not fit now."""
     eligible = [v for v in nodes.values() if v.free and can_run(spec, v.runs_processes)]
+    if spec.nodes in (None, 1):
+        single = _best_single(spec.gpus, eligible)
+        if single is not None:
+            s = score(single, nodes)
+            return Placement(single, s.locality, _describe(s, spec))
     if spec.nodes is not None:
         candidates = _even_split(spec.gpus, spec.nodes, eligible)
     else:
@@ -173,6 +167,31 @@ def _describe(s: Score, spec: JobSpec) -> str:
 
 def _gang(parts: Iterable[tuple[NodeView, int]]) -> tuple[Allocation, ...]:
     return tuple(sorted((Allocation(v.name, take(v, n)) for v, n in parts), key=lambda a: a.node))
+
+
+def _best_single(gpus: int, eligible: list[NodeView]) -> tuple[Allocation, ...] | None:
+    """The best one-node placement, by the score's order, without building every candidate:
+    fewest islands touched, least island leftover, least node leftover, then the name."""
+    best: tuple[int, int, int, str] | None = None
+    winner = None
+    for v in eligible:
+        free = v.free
+        if free < gpus:
+            continue
+        fitting = [len(i) for i in v.islands if len(i) >= gpus]
+        if fitting:
+            key = (1, min(fitting) - gpus, free - gpus, v.name)
+        else:
+            touched, total = 0, 0
+            for size in sorted((len(i) for i in v.islands), reverse=True):
+                touched += 1
+                total += size
+                if total >= gpus:
+                    break
+            key = (touched, total - gpus, free - gpus, v.name)
+        if best is None or key < best:
+            best, winner = key, v
+    return None if winner is None else _gang([(winner, gpus)])
 
 
 def _fewest_nodes(gpus: int, eligible: list[NodeView]) -> list[tuple[Allocation, ...]]:

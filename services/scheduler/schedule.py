@@ -39,8 +39,10 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.state import ACTIVE, ClusterState, JobState, NodeState
-from services.scheduler.placement import NodeView, can_run, islands_of, place, views
+from services.scheduler.placement import NodeView, can_run, fits_by_count, place, views
 from services.scheduler.policy import Policy, expected_duration
+
+MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
 
 PendingKind = Literal["quota", "gang", "drained", "no-node", "order", "reserved", "preempting", "cancelling"]
 
@@ -76,6 +78,11 @@ def plan(
     ports = _ports_in_use(state)
     extra = 0  # GPUs the head will not need at its reserved start
     order = policy.order(state)
+    # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
+    # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
+    failed: set[tuple] = set()
+    why_not: dict[tuple, tuple[PendingKind, str]] = {}
+    free_total = {flag: sum(v.free for v in free.values() if v.runs_processes == flag) for flag in (False, True)}
     for position, job in enumerate(order, 1):
         if job.job in skip:
             continue
@@ -86,9 +93,18 @@ def plan(
         if quota_problem is not None:
             out.pending[job.job] = Pending("quota", quota_problem, position)
             continue
-        placement = place(job.spec, free)
+        shape = _shape(job)
+        available = sum(n for flag, n in free_total.items() if can_run(job.spec, flag))
+        placement = None
+        if shape not in failed and _could_fit(job, free, available):
+            placement = place(job.spec, free)
         if placement is None:
-            kind, detail = _no_fit(state, job, free)
+            failed.add(shape)
+            if shape not in why_not:
+                why_not[shape] = _no_fit(state, job)
+            kind, detail = why_not[shape]
+            if kind == "gang":
+                detail = _gang_detail(job, available)
             out.pending[job.job] = Pending(kind, detail, position)
             if kind == "gang" and out.head is None:
                 out.head = job.job
@@ -118,6 +134,7 @@ def plan(
             view = free[alloc.node]
             islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
             free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
+            free_total[view.runs_processes] -= len(alloc.gpus)
         vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
         out.placed.append(
             ev.JobPlaced(
@@ -157,20 +174,36 @@ def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> tuple
 # -- why a gang does not fit ------------------------------------------------------------------------
 
 
-def _no_fit(state: ClusterState, job: JobState, free: dict[str, NodeView]) -> tuple[PendingKind, str]:
+def _could_fit(job: JobState, free: dict[str, NodeView], available: int) -> bool:
+    """The cheap test before ``place``: enough free GPUs (and, for an even split, enough nodes)."""
+    if available < job.spec.gpus:
+        return False
+    sizes = (v.free for v in free.values() if can_run(job.spec, v.runs_processes))
+    return job.spec.nodes is None or fits_by_count(job.spec, sizes)
+
+
+def _shape(job: JobState) -> tuple:
+    spec = job.spec
+    return (spec.gpus, spec.nodes, spec.command is not None, spec.duration_s is not None)
+
+
+def _gang_detail(job: JobState, available: int) -> str:
+    if available < job.spec.gpus:
+        return f"needs {job.spec.gpus} GPUs at once; {available} are free for it"
+    return f"needs {job.spec.gpus} GPUs at once; {available} are free, but not in a shape its gang fits"
+
+
+def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
     runnable = [n for n in state.nodes.values() if can_run(job.spec, n.runs_processes())]
     if not runnable:
         return "no-node", "no registered node's executor can run it"
-    up = [n for n in runnable if n.status == "up"]
-    if place(job.spec, _empty(up, healthy_only=True)) is None:
-        if place(job.spec, _empty(runnable, healthy_only=False)) is not None:
+    healthy_up = [sum(1 for g in n.gpus if g.healthy) for n in runnable if n.status == "up"]
+    if not fits_by_count(job.spec, healthy_up):
+        if fits_by_count(job.spec, (len(n.gpus) for n in runnable)):
             down = sorted({n.node for n in runnable if n.status != "up" or any(not g.healthy for g in n.gpus)})
             return "drained", f"fits only with drained, lost or unhealthy GPUs ({', '.join(down)})"
         return "no-node", "larger than the nodes that can run it, even when empty"
-    available = sum(v.free for name, v in free.items() if can_run(job.spec, v.runs_processes))
-    if available < job.spec.gpus:
-        return "gang", f"needs {job.spec.gpus} GPUs at once; {available} are free for it"
-    return "gang", f"needs {job.spec.gpus} GPUs at once; {available} are free, but not in a shape its gang fits"
+    return "gang", ""
 
 
 def _empty(nodes: list[NodeState], *, healthy_only: bool) -> dict[str, NodeView]:
@@ -183,7 +216,7 @@ def _empty(nodes: list[NodeState], *, healthy_only: bool) -> dict[str, NodeView]
 
 
 def _view(node: NodeState, usable: set[int]) -> NodeView:
-    islands = (tuple(i for i in island if i in usable) for island in islands_of([s.info for s in node.gpus]))
+    islands = (tuple(i for i in island if i in usable) for island in node.islands)
     return NodeView(node.node, node.rack, tuple(t for t in islands if t), node.runs_processes())
 
 
@@ -242,7 +275,7 @@ def _preempt(
         victims = _victims(state, policy, job, vc_used)
         chosen = _fewest_victims(job, victims, free, state)
         if not chosen:
-            continue
+            return  # only the first job that does not fit may preempt: it is the one reserved
         for victim in chosen:
             out.preempted.append(
                 ev.JobPreempted(
@@ -304,9 +337,13 @@ def _fewest_victims(
 ) -> list[JobState]:
     """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang."""
     freed: dict[str, set[int]] = {}
-    for count, victim in enumerate(victims, 1):
+    available = sum(v.free for v in free.values())
+    for count, victim in enumerate(victims[:MAX_VICTIMS], 1):
         for alloc in victim.allocations:
             freed.setdefault(alloc.node, set()).update(alloc.gpus)
+        available += victim.spec.gpus
+        if available < job.spec.gpus:
+            continue  # not enough GPUs yet, whatever their shape
         trial = dict(free)
         for name, gpus in freed.items():
             if name in free:

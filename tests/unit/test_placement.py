@@ -1,8 +1,8 @@
 """Topology-aware placement on hand-built topologies."""
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, apply
-from services.scheduler.placement import NodeView, Score, islands_of, place, score, take, views
+from gpuherd.state import ClusterState, apply, islands_of
+from services.scheduler.placement import NodeView, Score, place, score, take, views
 from tests.helpers import node
 
 
