@@ -41,6 +41,7 @@ lint: install
 bench: install
 	$(PY) bench/bench_log.py
 	$(PY) bench/bench_agent.py
+	$(PY) bench/bench_scheduler.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache
