@@ -64,6 +64,8 @@ class SchedulerDecider(Decider[ClusterState]):
                 )
             else:
                 decisions += self._settle_all(state, [event.job])
+        if isinstance(event, ev.JobPlaced | ev.JobRejected):
+            return decisions  # the pass that placed it placed all it could; a rejection frees nothing
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         decisions += self._schedule(state, decided)
         return decisions
