@@ -84,10 +84,15 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     stop_ready = await runner.log.serve_requests("scheduler.ready", _ready(runner))
     try:
         while True:
-            deliveries = await consumer.fetch(64, timeout=1.0)
-            for delivery in deliveries:
+            deliveries = await consumer.fetch(256, timeout=1.0)
+
+            async def handle(delivery: Delivery) -> None:
                 await handle_submission(runner.log, runner.state, delivery)
                 await consumer.ack(delivery)
+
+            # A fetched batch is judged and recorded concurrently: the appends are pipelined on one
+            # connection, so they reach the log in fetch order, and each job has a subject of its own.
+            await asyncio.gather(*(handle(d) for d in deliveries))
     finally:
         with contextlib.suppress(Exception):
             await stop_ready()
