@@ -90,8 +90,9 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
                 await handle_submission(runner.log, runner.state, delivery)
                 await consumer.ack(delivery)
 
-            # A fetched batch is judged and recorded concurrently: the appends are pipelined on one
-            # connection, so they reach the log in fetch order, and each job has a subject of its own.
+            # A fetched batch is judged and recorded concurrently (each job has a subject of its own).
+            # The appends are pipelined on one connection, so they reach the log in about fetch order;
+            # submissions that arrived within one fetch carry no order a user could rely on anyway.
             await asyncio.gather(*(handle(d) for d in deliveries))
     finally:
         with contextlib.suppress(Exception):
