@@ -16,15 +16,24 @@ log = get_logger("gpuherd.aio")
 
 async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
     """Run named coroutines together until ``stop`` is set or one of them fails (its error is raised).
+    One that simply returns (a one-off job, like recording a setting at start) ends alone; one
+    cancelled from inside ends them all.
 
     All of them are cancelled and awaited before this returns."""
     tasks = [asyncio.create_task(coro, name=name) for name, coro in coroutines.items()]
-    tasks.append(asyncio.create_task(stop.wait(), name="stop"))
+    stopper = asyncio.create_task(stop.wait(), name="stop")
+    tasks.append(stopper)
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task.get_name() != "stop" and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        pending = set(tasks)
+        while stopper in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is stopper:
+                    continue
+                if task.cancelled():
+                    return  # cancelled from inside: it died, and the others stop with it
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
     finally:
         for task in tasks:
             task.cancel()

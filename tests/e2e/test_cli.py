@@ -47,7 +47,20 @@ def wait_for(fn, timeout: float = 30.0):
 def running_cluster(tmp_path):
     data = tmp_path / "data"
     up = subprocess.Popen(
-        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "2", "--gpus-per-node", "4", "--cpu-agents", "1"],
+        [
+            *GPUHERD,
+            "--data-dir",
+            str(data),
+            "up",
+            "--agents",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--cpu-agents",
+            "1",
+            "--policy",
+            "fifo",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
