@@ -1,16 +1,21 @@
 """The scheduler decider: a pure function of (cluster state, event).
 
-On every event it (1) reacts to what the event changes, then (2) tries to
-start waiting jobs in the policy's order, each on a whole gang of GPUs.
+On every event it (1) reacts to what the event changes, then (2) runs a
+scheduling pass (``schedule.py``): waiting jobs in the policy's order, each
+on a whole gang of GPUs, within VC quotas, with backfill and preemption.
+The policy is the log's latest ``PolicyConfigured`` (this decider's default
+before there is one), so a replay uses the policy each decision was made with.
 
 - A clock tick that shows a node silent for too long -> ``NodeLost``.
+- A GPU turning unhealthy -> its job is preempted (no grace) and requeued.
 - A lost node's jobs, a failed part, a cancel: the attempt must end on every
   node. Agents stop their parts and report ``TaskEnded``; once every part of
   the attempt has ended (a lost node's part counts as ended: its agent fences
   its processes before the loss can be declared) the attempt is *settled*:
   ``JobFinished`` (completed, cancelled, or failed once retries are used up)
-  or ``JobRequeued``. GPUs are given back only then, so a new attempt never
-  runs next to the remains of the old one.
+  or ``JobRequeued`` (also after a preemption, which is not a failure).
+  GPUs are given back only then, so a new attempt never runs next to the
+  remains of the old one.
 
 Decisions within one call are made against a scratch copy of the free GPUs,
 so one call never gives a GPU twice; the next call sees them in the state.

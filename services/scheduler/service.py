@@ -4,7 +4,9 @@ Three loops share one folded state, and run only while this instance holds
 the scheduler's lease:
 - the decider runner (placement decisions),
 - intake: raw submissions -> JobSubmitted/JobRejected, then the reply,
-- liveness: nodes whose heartbeats stop are declared lost.
+- liveness: the timer that records ``ClockTicked`` when a node's heartbeats stop;
+- at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs).
+It also answers ``herd.ctl.scheduler.ready`` once intake listens.
 """
 
 from __future__ import annotations
