@@ -17,6 +17,7 @@ The placement's *locality* is the tightest level the whole gang fits in:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -132,8 +133,51 @@ def fits_by_count(spec: JobSpec, sizes: Iterable[int]) -> bool:
     return sum(sizes) >= spec.gpus
 
 
-def place(spec: JobSpec, nodes: dict[str, NodeView]) -> Placement | None:
-    """The best-scoring placement of the whole gang, or None if it does not fit now."""
+class IslandIndex:
+    """The nodes of one pass by the sizes of their free NVLink islands: the best one-node home for a
+    job in O(log n) rather than a scan of every node. Entries go stale as placements shrink a
+    node's free GPUs; they are checked against the current view when they surface."""
+
+    def __init__(self, nodes: dict[str, NodeView]) -> None:
+        self.nodes = nodes
+        self._heaps: dict[tuple[bool, int], list[tuple[int, str]]] = {}
+        for view in nodes.values():
+            self.add(view)
+
+    def add(self, view: NodeView) -> None:
+        for size in {len(i) for i in view.islands}:
+            heapq.heappush(self._heaps.setdefault((view.runs_processes, size), []), (view.free, view.name))
+
+    def best_island(self, spec: JobSpec) -> NodeView | None:
+        """The node with the best-fitting free island for the whole job: the smallest island that
+        holds it, then the fewest free GPUs on the node, then the name (the score's order)."""
+        flags = [flag for flag in (False, True) if can_run(spec, flag)]
+        for size in sorted({size for flag, size in self._heaps if flag in flags and size >= spec.gpus}):
+            best: tuple[int, str] | None = None
+            for flag in flags:
+                heap = self._heaps.get((flag, size))
+                while heap:
+                    free, name = heap[0]
+                    view = self.nodes.get(name)
+                    if view is not None and view.free == free and any(len(i) == size for i in view.islands):
+                        break
+                    heapq.heappop(heap)
+                if heap and (best is None or heap[0] < best):
+                    best = heap[0]
+            if best is not None:
+                return self.nodes[best[1]]
+        return None
+
+
+def place(spec: JobSpec, nodes: dict[str, NodeView], index: IslandIndex | None = None) -> Placement | None:
+    """The best-scoring placement of the whole gang, or None if it does not fit now. ``index``
+    (over ``nodes``) finds a one-node placement without scanning every node."""
+    if index is not None and spec.nodes in (None, 1):
+        home = index.best_island(spec)
+        if home is not None:
+            allocs = _gang([(home, spec.gpus)])
+            s = score(allocs, nodes)
+            return Placement(allocs, s.locality, _describe(s, spec))
     eligible = [v for v in nodes.values() if v.free and can_run(spec, v.runs_processes)]
     if spec.nodes in (None, 1):
         single = _best_single(spec.gpus, eligible)

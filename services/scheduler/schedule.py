@@ -39,7 +39,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.state import ACTIVE, ClusterState, JobState, NodeState
-from services.scheduler.placement import NodeView, can_run, fits_by_count, place, views
+from services.scheduler.placement import IslandIndex, NodeView, can_run, fits_by_count, place, views
 from services.scheduler.policy import Policy, expected_duration
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
@@ -83,6 +83,7 @@ def plan(
     failed: set[tuple] = set()
     why_not: dict[tuple, tuple[PendingKind, str]] = {}
     free_total = {flag: sum(v.free for v in free.values() if v.runs_processes == flag) for flag in (False, True)}
+    index = IslandIndex(free)
     for position, job in enumerate(order, 1):
         if job.job in skip:
             continue
@@ -97,7 +98,7 @@ def plan(
         available = sum(n for flag, n in free_total.items() if can_run(job.spec, flag))
         placement = None
         if shape not in failed and _could_fit(job, free, available):
-            placement = place(job.spec, free)
+            placement = place(job.spec, free, index)
         if placement is None:
             failed.add(shape)
             if shape not in why_not:
@@ -134,6 +135,7 @@ def plan(
             view = free[alloc.node]
             islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
             free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
+            index.add(free[alloc.node])
             free_total[view.runs_processes] -= len(alloc.gpus)
         vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
         out.placed.append(

@@ -144,3 +144,29 @@ def test_views_come_from_state_with_busy_and_unhealthy_gpus_left_out() -> None:
     state.nodes["n1"].gpus[0].job = "x"
     state.nodes["n1"].gpus[5].healthy = False
     assert views(state)["n1"].islands == ((1, 2, 3), (4, 6, 7))
+
+
+def test_the_island_index_finds_what_a_full_scan_finds() -> None:
+    import random
+
+    from services.scheduler.placement import IslandIndex
+
+    rng = random.Random(5)
+    for _ in range(30):
+        free = {}
+        for n in range(40):
+            islands = tuple(t for t in (tuple(i for i in range(b, b + 4) if rng.random() < 0.6) for b in (0, 4)) if t)
+            if islands:
+                free[f"n{n:02d}"] = view(f"n{n:02d}", *islands, rack=f"r{n % 3}")
+        index = IslandIndex(free)
+        for _ in range(25):  # place one-node jobs one after another, as a pass does
+            job = spec(rng.choice([1, 1, 2, 3, 4]))
+            fast, slow = place(job, free, index), place(job, free)
+            assert fast == slow
+            if fast is None:
+                continue
+            alloc = fast.allocations[0]
+            old = free[alloc.node]
+            left = tuple(t for t in (tuple(i for i in isl if i not in alloc.gpus) for isl in old.islands) if t)
+            free[alloc.node] = NodeView(old.name, old.rack, left, old.runs_processes)
+            index.add(free[alloc.node])
