@@ -40,7 +40,18 @@ def _excerpt(data: bytes) -> str:
     return data[:256].decode("utf-8", errors="replace")
 
 
-def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
+NodeSizes = dict[bool, list[int]]  # runs processes? -> GPUs of each registered node of that kind
+
+
+def node_sizes(state: ClusterState) -> NodeSizes:
+    """What intake checks a spec against; compute it once for a batch of submissions."""
+    sizes: NodeSizes = {False: [], True: []}
+    for node in state.nodes.values():
+        sizes[node.runs_processes()].append(len(node.gpus))
+    return sizes
+
+
+def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | None = None) -> str | None:
     if not spec.name.strip():
         return "`name` must not be empty"
     if len(spec.name) > 256 or len(spec.user) > 256:
@@ -82,7 +93,8 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState) -> str | None:
     if not state.nodes:
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
     # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
-    sizes = [len(n.gpus) for n in state.nodes.values() if can_run(spec, n.runs_processes())]
+    by_kind = by_kind if by_kind is not None else node_sizes(state)
+    sizes = [size for flag, group in by_kind.items() if can_run(spec, flag) for size in group]
     if not sizes:
         need = "a `command` needs a cpu or nvml agent" if spec.command else "a sim job needs a sim agent"
         return f"no registered node can run this job ({need}); none has registered yet"
@@ -141,7 +153,9 @@ def rejection(
     )
 
 
-def judge(state: ClusterState, sub: Submission, *, service: str = "scheduler") -> Verdict:
+def judge(
+    state: ClusterState, sub: Submission, *, service: str = "scheduler", sizes: NodeSizes | None = None
+) -> Verdict:
     """Decide on one submission: JobSubmitted, or JobRejected with a reason a person can act on."""
     source, data = sub.source, sub.data
 
@@ -158,7 +172,7 @@ def judge(state: ClusterState, sub: Submission, *, service: str = "scheduler") -
         return reject(f"invalid job spec: {exc}")
     except msgspec.DecodeError as exc:
         return reject(f"submission is not valid JSON: {exc}")
-    problem = _spec_problem(spec, state)
+    problem = _spec_problem(spec, state, sizes)
     if problem is not None:
         return reject(problem, spec.intake_id)
     intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"

@@ -30,7 +30,7 @@ from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.intake import Submission, Verdict, judge, rejection
+from services.scheduler.intake import NodeSizes, Submission, Verdict, judge, node_sizes, rejection
 from services.scheduler.policy import make_policy
 
 log = get_logger("gpuherd.scheduler")
@@ -39,7 +39,12 @@ INTAKE_CONSUMER = "scheduler-intake"
 
 
 async def handle_submission(
-    log_: EventLog, state: ClusterState, delivery: Delivery, *, service: str = "scheduler"
+    log_: EventLog,
+    state: ClusterState,
+    delivery: Delivery,
+    *,
+    service: str = "scheduler",
+    sizes: NodeSizes | None = None,
 ) -> Verdict:
     """Judge one intake message, record the verdict in HERD, reply, and only then acknowledge."""
     source = delivery.subject[len(INTAKE_PREFIX) + 1 :]
@@ -52,7 +57,7 @@ async def handle_submission(
             msg_id=delivery.headers.get("Nats-Msg-Id"),
         )
         try:
-            verdict = judge(state, submission, service=service)
+            verdict = judge(state, submission, service=service, sizes=sizes)
         except Exception as exc:  # a bug must not turn one submission into a crash loop
             log.exception("could not judge a submission; recording it as rejected", intake_seq=delivery.seq)
             reason = f"the scheduler failed to judge this submission ({type(exc).__name__}: {exc}); please report it"
@@ -87,9 +92,10 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     try:
         while True:
             deliveries = await consumer.fetch(256, timeout=1.0)
+            sizes = node_sizes(runner.state)  # once per batch, not per submission
 
-            async def handle(delivery: Delivery) -> None:
-                await handle_submission(runner.log, runner.state, delivery)
+            async def handle(delivery: Delivery, sizes: NodeSizes = sizes) -> None:
+                await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
                 await consumer.ack(delivery)
 
             # A fetched batch is judged and recorded concurrently (each job has a subject of its own).
