@@ -61,6 +61,24 @@ class Client:
     def __init__(self, nc: Any, source: str = "cli") -> None:
         self.nc = nc
         self.source = source
+        # One subscription answers every submission (a wildcard inbox, futures by subject),
+        # rather than a subscribe/unsubscribe pair per submission.
+        self._reply_prefix = nc.new_inbox()
+        self._replies: dict[str, asyncio.Future[bytes]] = {}
+        self._reply_sub: Any = None
+
+    async def _reply_inbox(self) -> tuple[str, asyncio.Future[bytes]]:
+        if self._reply_sub is None:
+
+            async def on_reply(msg: Any) -> None:
+                waiting = self._replies.get(msg.subject)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(msg.data)
+
+            self._reply_sub = await self.nc.subscribe(f"{self._reply_prefix}.*", cb=on_reply)
+        inbox = f"{self._reply_prefix}.{uuid.uuid4().hex}"
+        self._replies[inbox] = asyncio.get_running_loop().create_future()
+        return inbox, self._replies[inbox]
 
     @classmethod
     async def connect(cls, url: str, *, source: str = "cli", persistent: bool = False) -> Client:
@@ -90,8 +108,7 @@ class Client:
 
     async def submit_raw(self, data: bytes, *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> Verdict:
         """Publish raw bytes as a submission and wait for the verdict (retrying the same bytes)."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        inbox, reply = await self._reply_inbox()
         deadline = time.monotonic() + timeout
         try:
             with tracer().start_as_current_span("client.submit", attributes={"source": self.source}):
@@ -101,19 +118,18 @@ class Client:
                     headers["traceparent"] = trace
                 while True:
                     await self.nc.publish(f"{INTAKE_PREFIX}.{self.source}", data, headers=headers)
-                    await self.nc.flush()
                     try:
-                        msg = await sub.next_msg(timeout=min(attempt_timeout, max(0.1, deadline - time.monotonic())))
-                        return msgspec.json.decode(msg.data, type=Verdict)
-                    except asyncio.TimeoutError:  # noqa: UP041 - nats-py raises its own subclass
+                        wait = min(attempt_timeout, max(0.1, deadline - time.monotonic()))
+                        answer = await asyncio.wait_for(asyncio.shield(reply), wait)
+                        return msgspec.json.decode(answer, type=Verdict)
+                    except TimeoutError:
                         if time.monotonic() >= deadline:
                             raise SubmissionError(
                                 f"no verdict within {timeout:.0f}s: is the scheduler running? The submission is "
                                 "stored and will be judged when it runs; resubmitting the same intake_id is safe"
                             ) from None
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            self._replies.pop(inbox, None)
 
     async def _log(self) -> Any:
         from gpuherd.log.jetstream import JetStreamLog
