@@ -7,7 +7,7 @@ end to end through NATS.
    is timed ``--repeats`` times for each policy; FIFO is the baseline of the ratio column.
 2. **End to end**: a real scheduler process on an embedded nats-server, 1,000 sim nodes x 8 GPUs
    registered through the log; ``--jobs`` submissions go through the intake path (pipelined,
-   500 in flight) and the clock stops when the last JobPlaced is in the log.
+   1,000 in flight) and the clock stops when the last JobPlaced is in the log.
 
 Targets (issue 4): a pass <= 20 ms p99 at that size; >= 2,000 placed jobs/s end to end.
 
@@ -160,7 +160,7 @@ async def end_to_end(jobs: int) -> tuple[float, int]:
                 except Exception:
                     await asyncio.sleep(0.2)
             client = await Client.connect(server.url, source="bench")
-            window = asyncio.Semaphore(500)
+            window = asyncio.Semaphore(1000)
 
             async def submit(i: int) -> None:
                 async with window:

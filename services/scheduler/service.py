@@ -91,7 +91,7 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     stop_ready = await runner.log.serve_requests("scheduler.ready", _ready(runner))
     try:
         while True:
-            deliveries = await consumer.fetch(256, timeout=1.0)
+            deliveries = await consumer.fetch(512, timeout=1.0)
             sizes = node_sizes(runner.state)  # once per batch, not per submission
 
             async def handle(delivery: Delivery, sizes: NodeSizes = sizes) -> None:
