@@ -163,18 +163,25 @@ class FairShare(Policy):
     name = "fairshare"
 
     def prepare(self, state: ClusterState) -> None:
-        running: dict[str, float] = {}
+        vc_use: dict[str, float] = {}
+        user_use: dict[str, float] = {}
         for job in state.jobs.values():
             if job.status == "running":
                 used = job.running_gpu_s(state.now)
-                for k in (f"vc:{job.spec.vc}", f"user:{job.spec.user}"):
-                    running[k] = running.get(k, 0.0) + used
-        self._use = {k: state.past_usage(k) + running.get(k, 0.0) for k in {*state.usage, *running}}
+                vc_use[job.spec.vc] = vc_use.get(job.spec.vc, 0.0) + used
+                user_use[job.spec.user] = user_use.get(job.spec.user, 0.0) + used
+        for key in state.usage:  # "vc:<name>" / "user:<name>"
+            kind, _, name = key.partition(":")
+            table = vc_use if kind == "vc" else user_use
+            table[name] = table.get(name, 0.0) + state.past_usage(key)
+        self._vc_share = {
+            name: use / (state.vcs[name].weight if name in state.vcs and state.vcs[name].weight > 0 else 1.0)
+            for name, use in vc_use.items()
+        }
+        self._user_use = user_use
 
     def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
-        vc = state.vcs.get(job.spec.vc)
-        weight = vc.weight if vc is not None and vc.weight > 0 else 1.0
-        return (self._use.get(f"vc:{job.spec.vc}", 0.0) / weight, self._use.get(f"user:{job.spec.user}", 0.0))
+        return (self._vc_share.get(job.spec.vc, 0.0), self._user_use.get(job.spec.user, 0.0))
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Fifo, Sjf, Srtf, Las, Qssf, FairShare)}
