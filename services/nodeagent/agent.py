@@ -142,9 +142,7 @@ class Agent:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
         suffix = f":{after_seq}" if after_seq else ""
         event = ev.NodeRegistered(
-            id=f"{self.source}:register:{self.boot_id}{suffix}",
-            at=self.clock(),
-            source=self.source,
+            **self._stamp("register", f"{self.boot_id}{suffix}"),
             node=self.node,
             gpus=tuple(self.executor.inventory(self.node)),
             rack=self.rack,
@@ -155,6 +153,11 @@ class Agent:
         )
         await append_reliably(self.log, [event])
         log.info("registered", node=self.node, gpus=len(event.gpus), executor=self.executor.kind)
+
+    def _stamp(self, kind: str, *parts: str) -> dict[str, object]:
+        """id, at and source of an event this agent writes. The id is derived from what the event
+        is about (never random), so writing it again after a crash is a no-op."""
+        return {"id": ":".join((self.source, kind, *parts)), "at": self.clock(), "source": self.source}
 
     def _touch_alive(self) -> None:
         """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
@@ -204,9 +207,7 @@ class Agent:
                 continue
             self._reported_unhealthy.add(sample.index)
             event = ev.GpuHealthChanged(
-                id=f"{self.source}:health:{self.boot_id}:{sample.index}",
-                at=self.clock(),
-                source=self.source,
+                **self._stamp("health", self.boot_id, str(sample.index)),
                 node=self.node,
                 index=sample.index,
                 healthy=False,
@@ -312,9 +313,7 @@ class Agent:
         if not resume:
             with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
                 started = ev.JobStarted(
-                    id=f"{self.source}:start:{job_id}:{job.attempt}",
-                    at=self.clock(),
-                    source=self.source,
+                    **self._stamp("start", job_id, str(job.attempt)),
                     job=job_id,
                     attempt=job.attempt,
                     node=self.node,
@@ -338,9 +337,7 @@ class Agent:
     async def _report(self, exit_: TaskExit) -> None:
         key = exit_.key
         ended = ev.TaskEnded(
-            id=f"{self.source}:ended:{key.job}:{key.attempt}",
-            at=self.clock(),
-            source=self.source,
+            **self._stamp("ended", key.job, str(key.attempt)),
             job=key.job,
             attempt=key.attempt,
             node=self.node,
