@@ -176,6 +176,48 @@ class ClockTicked(Event, kw_only=True, frozen=True):
 # virtual clusters
 
 
+class NodePowerDownRequested(Decision, kw_only=True, frozen=True):
+    """Cluster energy saving: forecast demand does not need this node for a while. Its agent
+    drains it (no new work; running parts end on their own), then powers it down."""
+
+    node: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodePowerUpRequested(Decision, kw_only=True, frozen=True):
+    """Demand is back (forecast, or jobs wait for GPUs only powered-down nodes have): the agent
+    stops draining the node, or powers it on."""
+
+    node: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodePoweredDown(Event, kw_only=True, frozen=True):
+    """The agent drained its node and ran its power-down hook: the node is off."""
+
+    node: str
+    cause: str = ""  # the request it carried out
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class NodePoweredUp(Event, kw_only=True, frozen=True):
+    """The node is on and serving again (its power-up hook succeeded)."""
+
+    node: str
+    cause: str = ""
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
 class VcConfigured(Event, kw_only=True, frozen=True):
     """A virtual cluster: a team's share of the cluster.
 
@@ -319,12 +361,14 @@ class JobCancelRequested(Event, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
-class JobDurationPredicted(Event, kw_only=True, frozen=True):
-    """A duration model's estimate of how long a job runs (QSSF, SJF and backfill use it)."""
+class JobDurationPredicted(Decision, kw_only=True, frozen=True):
+    """A duration model's estimate of how long a job runs (QSSF, SJF and backfill use it).
+    ``basis`` says what history it came from (e.g. ``vc+gpus: 40 jobs``)."""
 
     job: str
     seconds: float
     model: str = ""
+    basis: str = ""
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
@@ -360,6 +404,10 @@ AnyEvent = (
     | NodeDrained
     | NodeUndrained
     | NodeLost
+    | NodePowerDownRequested
+    | NodePowerUpRequested
+    | NodePoweredDown
+    | NodePoweredUp
     | ClockTicked
     | VcConfigured
     | PolicyConfigured

@@ -19,6 +19,7 @@ import msgspec
 from gpuherd import events as ev
 
 NodeStatus = Literal["up", "drained", "lost"]
+PowerState = Literal["on", "draining", "off", "booting"]  # cluster energy saving (CES)
 JobStatus = Literal["pending", "placed", "running", "completed", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 ACTIVE: frozenset[str] = frozenset({"placed", "running"})
@@ -44,6 +45,15 @@ class NodeState(msgspec.Struct, kw_only=True):
     address: str = ""
     port_range: tuple[int, int] | None = None
     islands: list[list[int]] = msgspec.field(default_factory=list)  # NVLink islands, from the inventory
+    power: PowerState = "on"
+    power_changed_at: float = 0.0
+
+    def accepts_work(self) -> bool:
+        """Up, and neither powering down nor off."""
+        return self.status == "up" and self.power == "on"
+
+    def busy(self) -> bool:
+        return any(g.job is not None for g in self.gpus)
 
     def free_gpus(self) -> list[int]:
         return [g.info.index for g in self.gpus if g.job is None and g.healthy]
@@ -311,6 +321,8 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         address=e.address,
         port_range=e.port_range,
         islands=islands_of(e.gpus),
+        power=old.power if old is not None else "on",
+        power_changed_at=old.power_changed_at if old is not None else e.at,
     )
 
 
@@ -343,6 +355,29 @@ def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:
         job = state.jobs.get(job_id)
         if job is not None and job.status in ACTIVE and e.node not in job.parts_ended:
             job.parts_ended[e.node] = PartEnd(outcome="lost", reason=f"node {e.node} lost: {e.reason}")
+
+
+def _set_power(state: ClusterState, node_name: str, at: float, moves: dict[str, PowerState]) -> None:
+    node = state.nodes.get(node_name)
+    if node is not None and node.power in moves:
+        node.power = moves[node.power]
+        node.power_changed_at = at
+
+
+def _node_power_down_requested(state: ClusterState, seq: int, e: ev.NodePowerDownRequested) -> None:
+    _set_power(state, e.node, e.at, {"on": "draining"})
+
+
+def _node_power_up_requested(state: ClusterState, seq: int, e: ev.NodePowerUpRequested) -> None:
+    _set_power(state, e.node, e.at, {"draining": "on", "off": "booting"})
+
+
+def _node_powered_down(state: ClusterState, seq: int, e: ev.NodePoweredDown) -> None:
+    _set_power(state, e.node, e.at, {"draining": "off", "on": "off"})
+
+
+def _node_powered_up(state: ClusterState, seq: int, e: ev.NodePoweredUp) -> None:
+    _set_power(state, e.node, e.at, {"booting": "on", "off": "on", "draining": "on"})
 
 
 def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
@@ -487,6 +522,10 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.NodeDrained: _node_drained,
     ev.NodeUndrained: _node_undrained,
     ev.NodeLost: _node_lost,
+    ev.NodePowerDownRequested: _node_power_down_requested,
+    ev.NodePowerUpRequested: _node_power_up_requested,
+    ev.NodePoweredDown: _node_powered_down,
+    ev.NodePoweredUp: _node_powered_up,
     ev.VcConfigured: _vc_configured,
     ev.JobSubmitted: _job_submitted,
     ev.JobRejected: _job_rejected,

@@ -105,7 +105,30 @@ class SchedulerDecider(Decider[ClusterState]):
         if not state.queue:
             return []
         result = self.plan(state, skip)
-        return [*result.preempted, *result.placed]
+        return [*result.preempted, *result.placed, *power_up(state, result)]
+
+
+def power_up(state: ClusterState, result: Plan) -> list[ev.Event]:
+    """Demand is back: jobs wait for GPUs (not for quota) while nodes are powered down to save
+    energy. Wake as many as the waiting jobs need beyond the free and already-booting GPUs;
+    nodes still draining first (they serve again at once), then powered-off ones."""
+    waiting = [state.jobs[j] for j, p in result.pending.items() if p.kind in ("gang", "powered-down")]
+    if not waiting:
+        return []
+    asleep = [n for n in state.nodes.values() if n.status == "up" and n.power in ("draining", "off")]
+    if not asleep:
+        return []
+    wanted = sum(j.spec.gpus for j in waiting)
+    coming = sum(len(n.free_gpus()) for n in state.nodes.values() if n.status == "up" and n.power == "booting")
+    need = wanted - coming - sum(len(n.free_gpus()) for n in state.nodes.values() if n.accepts_work())
+    out: list[ev.Event] = []
+    reason = f"{len(waiting)} jobs wait for {wanted} GPUs"
+    for node in sorted(asleep, key=lambda n: (n.power != "draining", n.node)):
+        if need <= 0:
+            break
+        out.append(ev.NodePowerUpRequested(node=node.node, reason=reason))
+        need -= len(node.gpus)
+    return out
 
 
 def _policy_params(name: str, params: dict[str, float]) -> dict[str, float]:

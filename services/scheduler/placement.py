@@ -76,7 +76,7 @@ def view_of(node: NodeState) -> NodeView:
 
 def views(state: ClusterState) -> dict[str, NodeView]:
     """Every node that accepts new work, with its free, healthy GPUs."""
-    return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.status == "up"}
+    return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.accepts_work()}
 
 
 def can_run(spec: JobSpec, runs_processes: bool) -> bool:

@@ -44,7 +44,9 @@ from services.scheduler.policy import Policy, expected_duration
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
 
-PendingKind = Literal["quota", "gang", "drained", "no-node", "order", "reserved", "preempting", "cancelling"]
+PendingKind = Literal[
+    "quota", "gang", "powered-down", "drained", "no-node", "order", "reserved", "preempting", "cancelling"
+]
 
 
 class Pending(msgspec.Struct, frozen=True):
@@ -199,8 +201,12 @@ def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
     runnable = [n for n in state.nodes.values() if can_run(job.spec, n.runs_processes())]
     if not runnable:
         return "no-node", "no registered node's executor can run it"
-    healthy_up = [sum(1 for g in n.gpus if g.healthy) for n in runnable if n.status == "up"]
+    healthy_up = [sum(1 for g in n.gpus if g.healthy) for n in runnable if n.accepts_work()]
     if not fits_by_count(job.spec, healthy_up):
+        powered_down = [sum(1 for g in n.gpus if g.healthy) for n in runnable if n.status == "up"]
+        if fits_by_count(job.spec, powered_down):
+            off = sorted(n.node for n in runnable if n.status == "up" and not n.accepts_work())
+            return "powered-down", f"fits only with nodes powered down to save energy ({', '.join(off[:8])})"
         if fits_by_count(job.spec, (len(n.gpus) for n in runnable)):
             down = sorted({n.node for n in runnable if n.status != "up" or any(not g.healthy for g in n.gpus)})
             return "drained", f"fits only with drained, lost or unhealthy GPUs ({', '.join(down)})"

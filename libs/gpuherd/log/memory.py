@@ -61,6 +61,21 @@ class MemoryLog(EventLog):
         expect: Mapping[str, int] | None = None,
         trace: str | None = None,
     ) -> AppendResult:
+        result = self.append_now(events, expect=expect, trace=trace)
+        if result.seqs and not result.duplicate:
+            async with self._changed:
+                self._changed.notify_all()
+        return result
+
+    def append_now(
+        self,
+        events: Sequence[Event],
+        *,
+        expect: Mapping[str, int] | None = None,
+        trace: str | None = None,
+    ) -> AppendResult:
+        """``append`` without waking readers: for a single-threaded caller (the simulation) that
+        reads ``records`` itself."""
         if not events:
             return AppendResult(seqs=())
         dup = [e.id for e in events if e.id and self._is_duplicate(e.id)]
@@ -81,9 +96,12 @@ class MemoryLog(EventLog):
             if event.id:
                 self._ids[event.id] = (seq, now)
             seqs.append(seq)
-        async with self._changed:
-            self._changed.notify_all()
         return AppendResult(seqs=tuple(seqs))
+
+    @property
+    def records(self) -> Sequence[Record]:
+        """Every record so far, in sequence order (index = seq - 1)."""
+        return self._records
 
     async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
         seqs = []

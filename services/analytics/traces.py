@@ -1,0 +1,411 @@
+"""Public GPU-cluster traces -> one normalized job table, and back out as events or Helios CSV.
+
+Every loader returns a :class:`Trace`: a pandas DataFrame with the columns of
+``COLUMNS`` (one row per usable job) and a count of the rows it could not use,
+by reason. Nothing is dropped silently: a row with a negative duration, no
+GPUs or a timestamp that does not parse is counted under its reason, and
+``Trace.describe()`` says how many.
+
+Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
+seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
+only give offsets (ITP, Alibaba) start at their own zero, so time-of-day
+patterns are not known for them.
+
+| loader                 | file                                 | what is missing                                    |
+|------------------------|--------------------------------------|----------------------------------------------------|
+| ``load_philly_csv``    | ``philly/philly.csv`` (Sia artifact) | user, job name, start/end (no queueing), status     |
+| ``load_itp``           | ``itp/cluster*.csv``                 | user, VC (the file's cluster is the VC), status     |
+| ``load_alibaba_openb`` | ``alibaba-openb/openb_pod_list_*``   | user; fractional GPU share in ``gpu_request``       |
+| ``load_helios``        | Helios ``cluster_log.csv`` schema    | job name                                            |
+| ``load_philly_json``   | Philly ``cluster_job_log`` JSON      | GPU count is the GPUs of the last attempt           |
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
+
+COLUMNS: dict[str, str] = {
+    "job_id": "string",
+    "submit_time": "float64",  # seconds (epoch UTC when absolute_time, else from the trace's start)
+    "start_time": "float64",  # NaN when the trace does not say
+    "end_time": "float64",
+    "duration": "float64",  # run time in seconds
+    "queue": "float64",  # start - submit, NaN when unknown
+    "gpus": "int64",  # whole GPUs the job holds
+    "gpu_request": "float64",  # GPUs asked for, fractional where the trace shares GPUs (Alibaba)
+    "cpus": "float64",
+    "nodes": "float64",
+    "user": "string",
+    "vc": "string",
+    "name": "string",
+    "state": "string",  # completed | failed | cancelled | timeout | running (at trace end) | <NA>
+}
+
+_STATES = {
+    "completed": "completed",
+    "pass": "completed",
+    "succeeded": "completed",
+    "failed": "failed",
+    "node_fail": "failed",
+    "killed": "cancelled",
+    "cancelled": "cancelled",
+    "timeout": "timeout",
+    "running": "running",
+}
+
+
+class TraceError(GpuherdError):
+    """A trace file that cannot be read at all (missing, unknown format, wrong columns)."""
+
+
+@dataclass
+class Trace:
+    """A normalized job table and what could not be used."""
+
+    name: str
+    jobs: pd.DataFrame
+    rows_read: int
+    rejected: dict[str, int] = field(default_factory=dict)
+    absolute_time: bool = False
+
+    @property
+    def origin(self) -> float:
+        return float(self.jobs["submit_time"].min()) if len(self.jobs) else 0.0
+
+    def describe(self) -> str:
+        kept = len(self.jobs)
+        text = f"{self.name}: {kept:,} of {self.rows_read:,} rows used"
+        if self.rejected:
+            text += "; not used: " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.rejected.items()))
+        return text
+
+
+def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rejected: dict[str, int]) -> Trace:
+    """Check and type the normalized columns; rows that cannot be used are counted by reason."""
+    df = raw.copy()
+    for column in COLUMNS:
+        if column not in df:
+            df[column] = np.nan
+    checks = [
+        ("bad or missing submit time", ~np.isfinite(df["submit_time"].astype("float64"))),
+        ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
+        ("negative duration", df["duration"].astype("float64") < 0),
+        ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),
+        ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),
+    ]
+    keep = pd.Series(True, index=df.index)
+    for why, bad in checks:
+        bad = bad & keep
+        if bad.any():
+            rejected[why] = rejected.get(why, 0) + int(bad.sum())
+        keep &= ~bad
+    df = df[keep]
+    if "queue" not in raw:
+        df["queue"] = df["start_time"] - df["submit_time"]
+    df = df[list(COLUMNS)].astype(COLUMNS)
+    df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
+    return Trace(name=name, jobs=df, rows_read=rows_read, rejected=rejected, absolute_time=absolute)
+
+
+def _epoch(series: pd.Series) -> pd.Series:
+    """Calendar timestamps -> epoch seconds (UTC); unparseable -> NaN."""
+    parsed = pd.to_datetime(series, errors="coerce", utc=True, format="mixed")
+    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    return seconds.astype("float64")
+
+
+def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    df = pd.read_csv(path)
+    missing = required - set(df.columns)
+    if missing:
+        raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
+    return df
+
+
+def load_philly_csv(path: str | Path) -> Trace:
+    """The Sia artifact's ``philly.csv``: timestamp,duration,num_gpus,gpu_time,cluster."""
+    path = Path(path)
+    df = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"})
+    submit = _epoch(df["timestamp"])
+    out = pd.DataFrame(
+        {
+            "job_id": [f"philly-{i}" for i in range(len(df))],
+            "submit_time": submit,
+            "duration": pd.to_numeric(df["duration"], errors="coerce"),
+            "gpus": pd.to_numeric(df["num_gpus"], errors="coerce"),
+            "vc": df["cluster"].astype("string"),
+        }
+    )
+    out["gpu_request"] = out["gpus"].astype("float64")
+    return _finish(path.stem, out, len(df), absolute=True, rejected={})
+
+
+def load_itp(path: str | Path) -> Trace:
+    """An ITP cluster file: job_id,submission_time,duration,num_gpu (seconds from the trace start).
+    The VC is the cluster the file describes."""
+    path = Path(path)
+    df = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"})
+    out = pd.DataFrame(
+        {
+            "job_id": df["job_id"].astype("string"),
+            "submit_time": pd.to_numeric(df["submission_time"], errors="coerce"),
+            "duration": pd.to_numeric(df["duration"], errors="coerce"),
+            "gpus": pd.to_numeric(df["num_gpu"], errors="coerce"),
+        }
+    )
+    out["gpu_request"] = out["gpus"].astype("float64")
+    out["vc"] = path.stem
+    return _finish(f"itp-{path.stem}", out, len(df), absolute=False, rejected={})
+
+
+def load_alibaba_openb(path: str | Path) -> Trace:
+    """Alibaba's 2023 GPU pods. ``num_gpu`` GPUs of which each pod uses ``gpu_milli``/1000 (a
+    pod with gpu_milli < 1000 shares its GPU): the job holds ``gpus`` = num_gpu whole GPUs and asks
+    for ``gpu_request`` = num_gpu x gpu_milli / 1000. Pods never scheduled have no run time; pods
+    still running at the end of the trace keep state ``running`` (their duration is a lower bound)."""
+    path = Path(path)
+    df = _read_csv(path, {"name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time"})
+    rejected: dict[str, int] = {}
+    never = df["scheduled_time"].isna()
+    if never.any():
+        rejected["never scheduled (no run time)"] = int(never.sum())
+    df = df[~never]
+    start = pd.to_numeric(df["scheduled_time"], errors="coerce")
+    end = pd.to_numeric(df["deletion_time"], errors="coerce")
+    gpus = pd.to_numeric(df["num_gpu"], errors="coerce")
+    milli = pd.to_numeric(df["gpu_milli"], errors="coerce").fillna(1000)
+    phase = df["pod_phase"].astype("string").str.lower() if "pod_phase" in df else pd.Series(pd.NA, index=df.index)
+    out = pd.DataFrame(
+        {
+            "job_id": df["name"].astype("string"),
+            "submit_time": pd.to_numeric(df["creation_time"], errors="coerce"),
+            "start_time": start,
+            "end_time": end,
+            "duration": end - start,
+            "gpus": gpus,
+            "gpu_request": gpus * milli.clip(upper=1000) / 1000.0,
+            "cpus": pd.to_numeric(df.get("cpu_milli"), errors="coerce") / 1000.0,
+            "nodes": 1.0,
+            "vc": df["qos"].astype("string") if "qos" in df else "default",
+            "name": df["name"].astype("string"),
+            "state": phase.map(lambda p: _STATES.get(str(p), pd.NA)),
+        }
+    )
+    return _finish("alibaba-openb", out, len(df) + sum(rejected.values()), absolute=False, rejected=rejected)
+
+
+def load_helios(path: str | Path) -> Trace:
+    """The Helios ``cluster_log.csv`` schema:
+    job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue.
+    Times may be calendar strings or epoch seconds."""
+    path = Path(path)
+    df = _read_csv(path, {"job_id", "vc", "gpu_num", "submit_time", "duration"})
+
+    def times(column: str) -> pd.Series:
+        if column not in df:
+            return pd.Series(np.nan, index=df.index)
+        numeric = pd.to_numeric(df[column], errors="coerce")
+        return numeric.where(numeric.notna(), _epoch(df[column]))
+
+    out = pd.DataFrame(
+        {
+            "job_id": df["job_id"].astype("string"),
+            "submit_time": times("submit_time"),
+            "start_time": times("start_time"),
+            "end_time": times("end_time"),
+            "duration": pd.to_numeric(df["duration"], errors="coerce"),
+            "gpus": pd.to_numeric(df["gpu_num"], errors="coerce"),
+            "cpus": pd.to_numeric(df.get("cpu_num"), errors="coerce"),
+            "nodes": pd.to_numeric(df.get("node_num"), errors="coerce"),
+            "user": df["user"].astype("string") if "user" in df else pd.NA,
+            "vc": df["vc"].astype("string"),
+            "name": df["jobname"].astype("string") if "jobname" in df else pd.NA,
+            "state": df["state"].astype("string").str.lower().map(lambda s: _STATES.get(str(s), pd.NA))
+            if "state" in df
+            else pd.NA,
+        }
+    )
+    out["gpu_request"] = out["gpus"].astype("float64")
+    if "queue" in df:
+        out["queue"] = pd.to_numeric(df["queue"], errors="coerce")
+    return _finish(path.stem, out, len(df), absolute=True, rejected={})
+
+
+def load_philly_json(path: str | Path) -> Trace:
+    """Philly's ``cluster_job_log``: a JSON list of jobs with status, vc, jobid, user,
+    submitted_time and attempts (start_time, end_time, detail: [{ip, gpus}]). The run is the
+    first attempt's start to the last attempt's end; GPUs are those of the last attempt."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    try:
+        jobs = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(jobs, list):
+        raise TraceError(f"{path}: expected a JSON list of jobs, got {type(jobs).__name__}")
+    rows = []
+    for job in jobs:
+        attempts = job.get("attempts") or []
+        last = attempts[-1] if attempts else {}
+        detail = last.get("detail") or []
+        rows.append(
+            {
+                "job_id": str(job.get("jobid", "")),
+                "submit_time": job.get("submitted_time"),
+                "start_time": attempts[0].get("start_time") if attempts else None,
+                "end_time": last.get("end_time"),
+                "gpus": sum(len(d.get("gpus") or []) for d in detail),
+                "nodes": len(detail),
+                "user": job.get("user"),
+                "vc": job.get("vc"),
+                "state": _STATES.get(str(job.get("status", "")).lower()),
+            }
+        )
+    columns = ["job_id", "submit_time", "start_time", "end_time", "gpus", "nodes", "user", "vc", "state"]
+    df = pd.DataFrame(rows, columns=columns)
+    for column in ("submit_time", "start_time", "end_time"):
+        df[column] = _epoch(df[column].where(df[column] != "None"))
+    df["duration"] = df["end_time"] - df["start_time"]
+    df["gpu_request"] = df["gpus"].astype("float64")
+    return _finish(path.stem, df, len(jobs), absolute=True, rejected={})
+
+
+def load_trace(path: str | Path, kind: str | None = None) -> Trace:
+    """Load a trace, choosing the loader by ``kind`` or by the file's name and columns."""
+    path = Path(path)
+    loaders = {
+        "philly": load_philly_csv,
+        "philly-json": load_philly_json,
+        "itp": load_itp,
+        "alibaba": load_alibaba_openb,
+        "helios": load_helios,
+    }
+    if kind is not None:
+        if kind not in loaders:
+            raise TraceError(f"unknown trace kind {kind!r}; choose one of: {', '.join(loaders)}")
+        return loaders[kind](path)
+    if path.suffix == ".json":
+        return load_philly_json(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    with path.open() as f:
+        header = set(f.readline().strip().split(","))
+    if {"timestamp", "num_gpus", "cluster"} <= header:
+        return load_philly_csv(path)
+    if {"submission_time", "num_gpu"} <= header:
+        return load_itp(path)
+    if {"gpu_milli", "num_gpu", "creation_time"} <= header:
+        return load_alibaba_openb(path)
+    if {"gpu_num", "submit_time", "vc"} <= header:
+        return load_helios(path)
+    raise TraceError(f"{path}: columns {', '.join(sorted(header))} match no known trace; give --kind")
+
+
+# -- out of the table ---------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def job_id_for(trace_id: str) -> str:
+    """A gpuherd job id for a trace job (a NATS subject token: no dots or spaces)."""
+    return _TOKEN.sub("_", trace_id)
+
+
+def submissions(trace: Trace, *, start: float = 0.0) -> Iterator[ev.JobSubmitted]:
+    """The trace's jobs as the ``JobSubmitted`` events a live cluster writes, in submission order,
+    at ``start`` + (submit time - the trace's first submission). Each job runs its trace duration
+    (a ``sim`` job), asks for its whole GPUs, and keeps the trace's user, name and VC."""
+    origin = trace.origin
+    jobs = trace.jobs
+    for row in jobs.itertuples(index=False):
+        job = job_id_for(str(row.job_id))
+        spec = ev.JobSpec(
+            name=str(row.name) if not pd.isna(row.name) else "",
+            user=str(row.user) if not pd.isna(row.user) else "",
+            gpus=int(row.gpus),
+            vc=str(row.vc) if not pd.isna(row.vc) else "default",
+            duration_s=float(row.duration),
+            intake_id=job,
+        )
+        yield ev.JobSubmitted(
+            id=f"trace:{trace.name}:{job}",
+            at=start + float(row.submit_time) - origin,
+            source=f"trace:{trace.name}",
+            job=job,
+            spec=spec,
+            intake_source=f"trace:{trace.name}",
+        )
+
+
+HELIOS_COLUMNS = [
+    "job_id",
+    "user",
+    "vc",
+    "gpu_num",
+    "cpu_num",
+    "node_num",
+    "state",
+    "submit_time",
+    "start_time",
+    "end_time",
+    "duration",
+    "queue",
+]
+
+
+def to_helios_csv(jobs: pd.DataFrame, path: str | Path, *, absolute_time: bool = True) -> int:
+    """Write a normalized job table in the Helios ``cluster_log.csv`` schema; returns the rows
+    written. Calendar times are written as ``YYYY-MM-DD HH:MM:SS`` (UTC) when ``absolute_time``."""
+
+    def when(series: pd.Series) -> pd.Series:
+        if not absolute_time:
+            return series.round().astype("Int64")
+        return pd.to_datetime(series, unit="s", utc=True).dt.strftime("%Y-%m-%d %H:%M:%S")
+
+    out = pd.DataFrame(
+        {
+            "job_id": jobs["job_id"],
+            "user": jobs["user"],
+            "vc": jobs["vc"],
+            "gpu_num": jobs["gpus"],
+            "cpu_num": jobs["cpus"].round().astype("Int64"),
+            "node_num": jobs["nodes"].round().astype("Int64"),
+            "state": jobs["state"].str.upper(),
+            "submit_time": when(jobs["submit_time"]),
+            "start_time": when(jobs["start_time"]),
+            "end_time": when(jobs["end_time"]),
+            "duration": jobs["duration"].round().astype("Int64"),
+            "queue": jobs["queue"].round().astype("Int64"),
+        }
+    )
+    out.to_csv(path, index=False, columns=HELIOS_COLUMNS)
+    return len(out)
+
+
+def vc_peak_demand(trace: Trace) -> dict[str, int]:
+    """Each VC's peak concurrent GPU demand had every job started on submission (submit to
+    submit + duration): the capacity at which nobody in the VC would ever wait."""
+    peaks: dict[str, int] = {}
+    jobs = trace.jobs
+    for vc, group in jobs.groupby("vc", sort=True):
+        starts = group["submit_time"].to_numpy()
+        ends = starts + group["duration"].to_numpy()
+        gpus = group["gpus"].to_numpy()
+        times = np.concatenate([starts, ends])
+        deltas = np.concatenate([gpus, -gpus])
+        order = np.lexsort((deltas, times))  # at equal times, ends (negative) first
+        peaks[str(vc)] = int(np.cumsum(deltas[order]).max())
+    return peaks
