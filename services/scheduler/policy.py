@@ -12,11 +12,12 @@ scheduling pass's (``schedule.py``), the same for every policy.
 | sjf        | expected duration (declared, else predicted; unknown last) | no                       |
 | srtf       | expected remaining time                                    | a job with more left     |
 | las        | Tiresias 2D-LAS queue of attained GPU-time                 | a job in a lower queue   |
-| qssf       | expected duration x GPUs (default duration when unknown)   | no                       |
+| qssf       | predicted duration x GPUs (default duration when unknown)  | no                       |
 | fairshare  | decayed GPU use of the job's VC (per weight), then user    | no                       |
 
 Expected duration: the spec's ``duration_s`` if given, else the latest
-``JobDurationPredicted``; QSSF falls back to ``DEFAULT_DURATION_S`` (one hour).
+``JobDurationPredicted``. QSSF uses the prediction only, and ``DEFAULT_DURATION_S`` (one hour)
+before there is one.
 """
 
 from __future__ import annotations
@@ -144,14 +145,19 @@ class Las(Policy):
 
 
 class Qssf(Policy):
-    """Helios' quasi-shortest-service-first: expected duration x GPUs, smallest first."""
+    """Helios' quasi-shortest-service-first: predicted duration x GPUs, smallest first.
+
+    Only the duration model's prediction counts (``JobDurationPredicted``), not what the spec
+    declares: QSSF exists because users' own estimates are unreliable, and in a trace
+    simulation the declared duration is the truth, which QSSF must not see. A job not yet
+    predicted counts ``default_duration_s``."""
 
     name = "qssf"
     PARAMS = {"default_duration_s": DEFAULT_DURATION_S}
 
     def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
-        duration = expected_duration(job)
-        return ((duration if duration is not None else self.params["default_duration_s"]) * job.spec.gpus,)
+        duration = job.predicted_s if job.predicted_s is not None else self.params["default_duration_s"]
+        return (duration * job.spec.gpus,)
 
 
 class FairShare(Policy):

@@ -35,6 +35,10 @@ SAMPLES: list[ev.Event] = [
     ev.GpuHealthChanged(id="p", node="n1", index=3, healthy=False, reason="XID 79"),
     ev.JobDurationPredicted(id="q", job="j1", seconds=3600.0, model="gbdt-v1"),
     ev.JobPreempted(id="r", job="j1", attempt=0, reason="priority", by="j2", grace_s=10.0),
+    ev.NodePowerDownRequested(id="s", node="n1", reason="forecast needs 3 nodes", based_on=5, cause="m"),
+    ev.NodePowerUpRequested(id="t", node="n1", reason="2 jobs wait for 16 GPUs"),
+    ev.NodePoweredDown(id="u", node="n1", cause="s"),
+    ev.NodePoweredUp(id="w", node="n1", cause="t"),
 ]
 
 

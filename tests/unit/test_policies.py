@@ -47,8 +47,22 @@ def test_sjf_and_qssf_order_by_expected_duration_and_service() -> None:
         submit("wide", 4, duration=20),
     )
     assert [j.job for j in make_policy("sjf").order(state)] == ["short", "wide", "long"]
-    assert [j.job for j in make_policy("qssf").order(state)] == ["short", "wide", "long"]  # 10, 80, 500 GPU-s
     assert [j.job for j in make_policy("fifo").order(state)] == ["long", "short", "wide"]
+    predictions = [
+        ev.JobDurationPredicted(id=f"pred-{job}", job=job, seconds=s) for job, s in (("long", 500), ("short", 10))
+    ]
+    predictions.append(ev.JobDurationPredicted(id="pred-wide", job="wide", seconds=20))
+    for seq, prediction in enumerate(predictions, 100):
+        apply(state, seq, prediction)
+    assert [j.job for j in make_policy("qssf").order(state)] == ["short", "wide", "long"]  # 10, 80, 500 GPU-s
+
+
+def test_qssf_ranks_by_prediction_not_by_the_declared_duration() -> None:
+    """In a trace simulation the declared duration is the truth: QSSF must not peek at it."""
+    state = state_of(node("n1", 4), submit("declared-short", 1, duration=10), submit("declared-long", 1, duration=900))
+    apply(state, 10, ev.JobDurationPredicted(id="p1", job="declared-short", seconds=5000))
+    apply(state, 11, ev.JobDurationPredicted(id="p2", job="declared-long", seconds=60))
+    assert [j.job for j in make_policy("qssf").order(state)] == ["declared-long", "declared-short"]
 
 
 def test_qssf_uses_predictions_and_a_default_when_there_is_none() -> None:
