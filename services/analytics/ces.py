@@ -88,7 +88,9 @@ class PowerPlan:
     up: int  # nodes to power up now
 
 
-def plan_power(powered: int, total: int, forecast: int, now: float, last_down_at: float, params: CesParams) -> PowerPlan:
+def plan_power(
+    powered: int, total: int, forecast: int, now: float, last_down_at: float, params: CesParams
+) -> PowerPlan:
     """How many nodes to switch, given the powered ones (on or booting) and the forecast."""
     target = target_powered(forecast, total, params)
     slack = params.buffer_nodes // 2
@@ -146,7 +148,9 @@ def load_node_sequence(path: str) -> pd.DataFrame:
     return df
 
 
-def evaluate_sequence(seq: pd.DataFrame, params: CesParams | None = None, *, decide_every_s: float = 600.0) -> CesReport:
+def evaluate_sequence(
+    seq: pd.DataFrame, params: CesParams | None = None, *, decide_every_s: float = 600.0
+) -> CesReport:
     """Replay a node sequence through the forecaster and controller above.
 
     Every ``decide_every_s`` the controller sees the demand so far and sets the powered count;
