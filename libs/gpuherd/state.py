@@ -47,6 +47,9 @@ class NodeState(msgspec.Struct, kw_only=True):
     islands: list[list[int]] = msgspec.field(default_factory=list)  # NVLink islands, from the inventory
     power: PowerState = "on"
     power_changed_at: float = 0.0
+    # Bumped by every fold that changes this node's GPUs, status or power: lets a decider keep
+    # per-node views between passes and recompute only the nodes that changed.
+    version: int = 0
 
     def accepts_work(self) -> bool:
         """Up, and neither powering down nor off."""
@@ -212,6 +215,9 @@ class ClusterState(msgspec.Struct, kw_only=True):
     rejected: int = 0
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
+    # Placed and running jobs, in placement order: kept by the fold (like ``queue``) so a pass
+    # looks at the jobs holding GPUs, not at every job the cluster ever ran.
+    active: dict[str, None] = msgspec.field(default_factory=dict)
 
     # -- derived views (never stored separately, so they cannot drift) --------------
 
@@ -225,12 +231,15 @@ class ClusterState(msgspec.Struct, kw_only=True):
     def free_gpus(self) -> int:
         return sum(len(n.free_gpus()) for n in self.nodes.values() if n.status == "up")
 
+    def active_jobs(self) -> list[JobState]:
+        """Placed and running jobs."""
+        return [self.jobs[j] for j in self.active]
+
     def vc_usage(self) -> dict[str, int]:
         """GPUs held per VC by placed and running jobs."""
         used: dict[str, int] = {}
-        for job in self.jobs.values():
-            if job.status in ACTIVE:
-                used[job.spec.vc] = used.get(job.spec.vc, 0) + job.spec.gpus
+        for job in self.active_jobs():
+            used[job.spec.vc] = used.get(job.spec.vc, 0) + job.spec.gpus
         return used
 
     def past_usage(self, key: str) -> float:
@@ -286,6 +295,7 @@ def _release(state: ClusterState, job: JobState) -> None:
         for index in alloc.gpus:
             if index < len(node.gpus) and node.gpus[index].job == job.job:
                 node.gpus[index].job = None
+        node.version += 1
     job.allocations = ()
 
 
@@ -331,6 +341,7 @@ def _node_drained(state: ClusterState, seq: int, e: ev.NodeDrained) -> None:
     if node is not None and node.status != "lost":
         node.status = "drained"
         node.reason = e.reason
+        node.version += 1
 
 
 def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
@@ -339,6 +350,7 @@ def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
         node.status = "up"
         node.reason = ""
     if node is not None:
+        node.version += 1
         for slot in node.gpus:  # an operator vouches for the node: its GPUs are back in service
             slot.healthy = True
             slot.health_reason = ""
@@ -350,6 +362,7 @@ def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:
         return
     node.status = "lost"
     node.reason = e.reason
+    node.version += 1
     # Whatever ran there is gone (the agent fences its processes before the loss is declared).
     for job_id in {slot.job for slot in node.gpus if slot.job is not None}:
         job = state.jobs.get(job_id)
@@ -362,6 +375,7 @@ def _set_power(state: ClusterState, node_name: str, at: float, moves: dict[str, 
     if node is not None and node.power in moves:
         node.power = moves[node.power]
         node.power_changed_at = at
+        node.version += 1
 
 
 def _node_power_down_requested(state: ClusterState, seq: int, e: ev.NodePowerDownRequested) -> None:
@@ -409,10 +423,12 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
         return  # names GPUs that do not exist: never applied (invariants.violations reports it)
     for alloc in e.allocations:
         node = state.nodes[alloc.node]
+        node.version += 1
         for index in alloc.gpus:
             node.gpus[index].job = e.job
     job.allocations = e.allocations
     job.status = "placed"
+    state.active[e.job] = None
     job.placed_at = e.at
     job.placement_reason = e.reason
     job.locality = e.locality
@@ -443,6 +459,7 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     _account(state, job, e.at)
     _release(state, job)
     _dequeue(state, e.job)
+    state.active.pop(e.job, None)
     job.status = e.outcome
     job.finished_at = e.at
     job.reason = e.reason
@@ -486,6 +503,7 @@ def _gpu_health_changed(state: ClusterState, seq: int, e: ev.GpuHealthChanged) -
     if node is not None and 0 <= e.index < len(node.gpus):
         node.gpus[e.index].healthy = e.healthy
         node.gpus[e.index].health_reason = "" if e.healthy else e.reason
+        node.version += 1
 
 
 def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
@@ -500,6 +518,7 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
         return
     _account(state, job, e.at)
     _release(state, job)
+    state.active.pop(e.job, None)
     if any(p.outcome == "failed" for p in job.parts_ended.values()):
         job.failures += 1
     job.status = "pending"

@@ -26,8 +26,22 @@ from __future__ import annotations
 from gpuherd import events as ev
 from gpuherd.decider import Decider
 from gpuherd.state import ACTIVE, ClusterState, JobState, apply, decode_state, encode_state
+from services.scheduler.placement import ViewCache
 from services.scheduler.policy import POLICIES, Fifo, Policy, make_policy
 from services.scheduler.schedule import Plan, plan
+
+# Events after which a pass can place nothing the pass before could not: no GPU freed, no job,
+# node, quota, order or time changed. (JobPlaced: the pass that placed it placed all it could.)
+NOTHING_TO_PLACE = (
+    ev.JobPlaced,
+    ev.JobRejected,
+    ev.JobStarted,
+    ev.TaskEnded,
+    ev.JobPreempted,
+    ev.NodeDrained,
+    ev.NodePowerDownRequested,
+    ev.NodePoweredDown,
+)
 
 
 class SchedulerDecider(Decider[ClusterState]):
@@ -36,6 +50,7 @@ class SchedulerDecider(Decider[ClusterState]):
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Fifo()
         self._policy_cache: tuple[tuple, Policy] | None = None
+        self._views = ViewCache()
 
     def initial_state(self) -> ClusterState:
         return ClusterState()
@@ -69,8 +84,8 @@ class SchedulerDecider(Decider[ClusterState]):
                 )
             else:
                 decisions += self._settle_all(state, [event.job])
-        if isinstance(event, ev.JobPlaced | ev.JobRejected):
-            return decisions  # the pass that placed it placed all it could; a rejection frees nothing
+        if isinstance(event, NOTHING_TO_PLACE) and not decisions:
+            return decisions
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         decisions += self._schedule(state, decided)
         return decisions
@@ -104,7 +119,8 @@ class SchedulerDecider(Decider[ClusterState]):
     def _schedule(self, state: ClusterState, skip: set[str]) -> list[ev.Event]:
         if not state.queue:
             return []
-        result = self.plan(state, skip)
+        policy = self.policy_for(state)
+        result = plan(state, policy, backfill=state.scheduling.backfill, skip=skip, cache=self._views, explain=False)
         return [*result.preempted, *result.placed, *power_up(state, result)]
 
 
@@ -140,8 +156,11 @@ def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:
     """Nodes the tick shows silent for longer than its timeout. A node that registered after the
     last word the ticker heard counts from its registration."""
     out: list[ev.Event] = []
+    cutoff = tick.at - tick.lost_after_s  # heard from before this: lost
+    if cutoff <= 0:
+        return out  # no node can have been silent that long (simulations tick this way)
     for name, node in sorted(state.nodes.items()):
-        if node.status == "lost":
+        if node.status == "lost" or node.registered_at >= cutoff:
             continue
         heard = max(tick.last_heard.get(name, node.registered_at), node.registered_at)
         silent = tick.at - heard

@@ -37,9 +37,11 @@ class NodeView:
     islands: tuple[tuple[int, ...], ...]  # free GPU indices, grouped by NVLink island
     runs_processes: bool = False
     free: int = field(init=False, compare=False)  # how many: read in every pass, so kept
+    island_sizes: frozenset[int] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "free", sum(len(i) for i in self.islands))
+        object.__setattr__(self, "island_sizes", frozenset(len(i) for i in self.islands))
 
 
 class Score(NamedTuple):
@@ -77,6 +79,36 @@ def view_of(node: NodeState) -> NodeView:
 def views(state: ClusterState) -> dict[str, NodeView]:
     """Every node that accepts new work, with its free, healthy GPUs."""
     return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.accepts_work()}
+
+
+class ViewCache:
+    """``views(state)`` kept between passes: a node's view is recomputed only when the fold
+    changed the node (its ``version``) or it is another node object (another state, a decoded
+    snapshot). Holding the node object keeps the identity check sound. It saves the decider
+    rebuilding every node's view on every event of a large cluster."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[NodeState, int, NodeView | None]] = {}
+        self._names: list[str] = []
+        self._of: dict[str, NodeState] | None = None  # the nodes dict the names were taken from
+
+    def views(self, state: ClusterState) -> dict[str, NodeView]:
+        nodes = state.nodes
+        if nodes is not self._of or len(self._names) != len(nodes):  # nodes are added, never removed
+            self._of = nodes
+            self._names = sorted(nodes)
+            self._entries = {name: entry for name, entry in self._entries.items() if name in nodes}
+        out: dict[str, NodeView] = {}
+        entries = self._entries
+        for name in self._names:
+            node = nodes[name]
+            entry = entries.get(name)
+            if entry is None or entry[0] is not node or entry[1] != node.version:
+                entry = (node, node.version, view_of(node) if node.accepts_work() else None)
+                entries[name] = entry
+            if entry[2] is not None:
+                out[name] = entry[2]
+        return out
 
 
 def can_run(spec: JobSpec, runs_processes: bool) -> bool:
@@ -140,12 +172,17 @@ class IslandIndex:
 
     def __init__(self, nodes: dict[str, NodeView]) -> None:
         self.nodes = nodes
-        self._heaps: dict[tuple[bool, int], list[tuple[int, str]]] = {}
+        heaps: dict[tuple[bool, int], list[tuple[int, str]]] = {}
         for view in nodes.values():
-            self.add(view)
+            entry = (view.free, view.name)
+            for size in view.island_sizes:
+                heaps.setdefault((view.runs_processes, size), []).append(entry)
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
 
     def add(self, view: NodeView) -> None:
-        for size in {len(i) for i in view.islands}:
+        for size in view.island_sizes:
             heapq.heappush(self._heaps.setdefault((view.runs_processes, size), []), (view.free, view.name))
 
     def best_island(self, spec: JobSpec) -> NodeView | None:

@@ -171,7 +171,7 @@ class FairShare(Policy):
     def prepare(self, state: ClusterState) -> None:
         vc_use: dict[str, float] = {}
         user_use: dict[str, float] = {}
-        for job in state.jobs.values():
+        for job in state.active_jobs():
             if job.status == "running":
                 used = job.running_gpu_s(state.now)
                 vc_use[job.spec.vc] = vc_use.get(job.spec.vc, 0.0) + used

@@ -38,8 +38,8 @@ from typing import Literal
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.state import ACTIVE, ClusterState, JobState, NodeState
-from services.scheduler.placement import IslandIndex, NodeView, can_run, fits_by_count, place, views
+from gpuherd.state import ClusterState, JobState, NodeState
+from services.scheduler.placement import IslandIndex, NodeView, ViewCache, can_run, fits_by_count, place, views
 from services.scheduler.policy import Policy, expected_duration
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
@@ -71,11 +71,16 @@ def plan(
     *,
     backfill: bool = True,
     skip: frozenset[str] | set[str] = frozenset(),
+    cache: ViewCache | None = None,
+    explain: bool = True,
 ) -> Plan:
+    """The pass. ``explain=False`` (the decider's own passes) stops looking at waiting jobs once
+    no GPU is left free and the head is known: what it decides is the same, but jobs further
+    back get no pending reason."""
     out = Plan()
     if not state.queue:
         return out
-    free = views(state)
+    free = cache.views(state) if cache is not None else views(state)
     vc_used = state.vc_usage()
     ports = _ports_in_use(state)
     extra = 0  # GPUs the head will not need at its reserved start
@@ -87,6 +92,8 @@ def plan(
     free_total = {flag: sum(v.free for v in free.values() if v.runs_processes == flag) for flag in (False, True)}
     index = IslandIndex(free)
     for position, job in enumerate(order, 1):
+        if not explain and out.head is not None and not any(free_total.values()):
+            break  # nothing more can start in this pass; the head (the one to preempt for) is known
         if job.job in skip:
             continue
         if job.cancel_requested:
@@ -236,9 +243,7 @@ def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView])
     how many GPUs are spare then. None when an end it depends on is unknown."""
     available = sum(v.free for v in free.values())
     ends: list[tuple[float, int]] = []
-    for job in state.jobs.values():
-        if job.status not in ACTIVE:
-            continue
+    for job in state.active_jobs():
         duration = expected_duration(job)
         start = job.started_at if job.started_at is not None else state.now
         end = math.inf if duration is None else start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
@@ -272,7 +277,7 @@ def _preempt(
     vc_used: dict[str, int],
 ) -> None:
     grace_s = state.scheduling.param("preemption_grace_s")
-    stopping_for = {j.preempted_for for j in state.jobs.values() if j.preempt_reason is not None}
+    stopping_for = {j.preempted_for for j in state.active_jobs() if j.preempt_reason is not None}
     for job in order:
         pending = out.pending.get(job.job)
         if pending is None or pending.kind != "gang":
@@ -312,8 +317,8 @@ def _victims(state: ClusterState, policy: Policy, job: JobState, vc_used: dict[s
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
-    for running in state.jobs.values():
-        if running.status not in ACTIVE or running.preempt_reason is not None or running.stopping():
+    for running in state.active_jobs():
+        if running.preempt_reason is not None or running.stopping():
             continue
         recent = [t for t in running.preempted_at if state.now - t < 3600.0]
         if len(recent) >= state.scheduling.param("max_preemptions_per_hour"):
@@ -370,8 +375,8 @@ def _fewest_victims(
 
 def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
     used: dict[str, set[int]] = {}
-    for job in state.jobs.values():
-        if job.status in ACTIVE and job.rendezvous is not None and job.allocations:
+    for job in state.active_jobs():
+        if job.rendezvous is not None and job.allocations:
             used.setdefault(job.allocations[0].node, set()).add(job.rendezvous.port)
     return used
 
