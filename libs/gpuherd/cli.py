@@ -68,7 +68,17 @@ async def _open(args: argparse.Namespace):
         ) from None
 
 
+def read_records(args: argparse.Namespace) -> list[Any]:
+    """The whole log: from ``--log FILE`` when given (a simulation's), else from NATS."""
+    return asyncio.run(_state(args))[1]
+
+
 async def _state(args: argparse.Namespace) -> tuple[ClusterState, list[Any]]:
+    if getattr(args, "log", None):
+        from gpuherd.log.files import read_log_file
+
+        records = read_log_file(args.log)
+        return fold((r.seq, r.event) for r in records), records
     log_ = await _open(args)
     try:
         records = await log_.read_all()
@@ -546,7 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decider", default="scheduler")
     r.add_argument("--policy", default="fifo")
     r.add_argument("--json", action="store_true")
+    r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     r.set_defaults(func=cmd_replay)
+
+    from gpuherd.cli_analytics import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -1,0 +1,44 @@
+"""An event log as a file: one JSON event per line, line n holding sequence n.
+
+Simulations write their log this way so it can be replayed and audited like a live one
+(``gpuherd replay --log FILE --audit``) without a NATS server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from gpuherd import events as ev
+from gpuherd.errors import EventDecodeError, GpuherdError
+from gpuherd.log.base import Record
+
+
+class LogFileError(GpuherdError):
+    """A log file that cannot be read."""
+
+
+def write_log_file(records: Iterable[Record], path: str | Path) -> int:
+    count = 0
+    with Path(path).open("wb") as f:
+        for expected, record in enumerate(records, 1):
+            if record.seq != expected:
+                raise LogFileError(f"records must be gap-free from 1: got seq {record.seq} at line {expected}")
+            f.write(ev.encode(record.event))
+            f.write(b"\n")
+            count += 1
+    return count
+
+
+def read_log_file(path: str | Path) -> list[Record]:
+    path = Path(path)
+    if not path.is_file():
+        raise LogFileError(f"{path}: no such log file")
+    records = []
+    with path.open("rb") as f:
+        for seq, line in enumerate(f, 1):
+            try:
+                records.append(Record(seq, ev.decode(line)))
+            except EventDecodeError as exc:
+                raise LogFileError(f"{path}:{seq}: {exc}") from None
+    return records

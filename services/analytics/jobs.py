@@ -1,0 +1,209 @@
+"""Any gpuherd event log -> the normalized job table (``traces.COLUMNS``), and the numbers
+people ask of it: JCT and queueing per VC, utilization over time.
+
+Per job: submitted at its ``JobSubmitted``, started at its first ``JobStarted``, ended at its
+``JobFinished``. Run time is the GPU-time it held divided by its GPUs, summed over attempts (an
+attempt runs from its first ``JobStarted`` to the ``JobRequeued``/``JobFinished`` ending it);
+queueing is JCT - run time (all the time it was not running, so a preempted job's second wait
+counts). Jobs still open at the end of the log have no end and count as ``running``/``pending``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from gpuherd import events as ev
+from gpuherd.log.base import Record
+from services.analytics.traces import COLUMNS, Trace
+
+
+@dataclass
+class _Job:
+    job: str
+    spec: ev.JobSpec
+    submit: float
+    start: float | None = None
+    end: float | None = None
+    run_s: float = 0.0
+    attempt_start: float | None = None
+    state: str = "pending"
+    preemptions: int = 0
+    attempts: int = 0
+    predicted_s: float | None = None
+    intervals: list[tuple[float, float]] = field(default_factory=list)
+
+
+def _close_attempt(job: _Job, at: float) -> None:
+    if job.attempt_start is not None:
+        job.run_s += max(0.0, at - job.attempt_start)
+        job.intervals.append((job.attempt_start, at))
+        job.attempt_start = None
+
+
+def job_table(records: Iterable[Record] | Iterable[ev.Event], *, name: str = "log") -> Trace:
+    """Fold a log's job events into the normalized table (plus columns ``jct``, ``run``,
+    ``preemptions``, ``attempts``, ``predicted``). Rejected submissions count as not used."""
+    jobs: dict[str, _Job] = {}
+    rejected = 0
+    rows_read = 0
+    for item in records:
+        event = item.event if isinstance(item, Record) else item
+        if isinstance(event, ev.JobSubmitted):
+            rows_read += 1
+            jobs.setdefault(event.job, _Job(job=event.job, spec=event.spec, submit=event.at))
+            continue
+        if isinstance(event, ev.JobRejected):
+            rows_read += 1
+            rejected += 1
+            continue
+        job = jobs.get(getattr(event, "job", ""))
+        if job is None:
+            continue
+        if isinstance(event, ev.JobStarted):
+            if job.attempt_start is None and job.state != "running":
+                job.attempt_start = event.at
+                job.attempts += 1
+                job.state = "running"
+                if job.start is None:
+                    job.start = event.at
+        elif isinstance(event, ev.JobPreempted):
+            job.preemptions += 1
+        elif isinstance(event, ev.JobRequeued):
+            _close_attempt(job, event.at)
+            job.state = "pending"
+        elif isinstance(event, ev.JobFinished):
+            _close_attempt(job, event.at)
+            job.end = event.at
+            job.state = event.outcome
+        elif isinstance(event, ev.JobDurationPredicted):
+            job.predicted_s = event.seconds
+    rows = []
+    for job in jobs.values():
+        jct = None if job.end is None else job.end - job.submit
+        rows.append(
+            {
+                "job_id": job.job,
+                "submit_time": job.submit,
+                "start_time": job.start,
+                "end_time": job.end,
+                "duration": job.run_s,
+                "queue": None if jct is None else jct - job.run_s,
+                "gpus": job.spec.gpus,
+                "gpu_request": float(job.spec.gpus),
+                "cpus": None,
+                "nodes": job.spec.nodes,
+                "user": job.spec.user or None,
+                "vc": job.spec.vc,
+                "name": job.spec.name or None,
+                "state": job.state,
+                "jct": jct,
+                "preemptions": job.preemptions,
+                "attempts": job.attempts,
+                "predicted": job.predicted_s,
+            }
+        )
+    extra = {"jct": "float64", "preemptions": "int64", "attempts": "int64", "predicted": "float64"}
+    columns = {**COLUMNS, **extra}
+    df = pd.DataFrame(rows, columns=list(columns))
+    df = df.astype(columns).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
+    reasons = {"rejected at intake": rejected} if rejected else {}
+    return Trace(name=name, jobs=df, rows_read=rows_read, rejected=reasons, absolute_time=True)
+
+
+# -- summaries ---------------------------------------------------------------------------------------
+
+
+def _stats(group: pd.DataFrame) -> dict[str, float]:
+    done = group[group["jct"].notna()]
+    jct = done["jct"].to_numpy()
+    queue = done["queue"].to_numpy()
+
+    def pct(values: np.ndarray, q: float) -> float:
+        return float(np.percentile(values, q)) if len(values) else float("nan")
+
+    return {
+        "jobs": len(group),
+        "finished": len(done),
+        "avg_jct_s": float(jct.mean()) if len(jct) else float("nan"),
+        "median_jct_s": pct(jct, 50),
+        "p95_jct_s": pct(jct, 95),
+        "avg_queue_s": float(queue.mean()) if len(queue) else float("nan"),
+        "median_queue_s": pct(queue, 50),
+        "p95_queue_s": pct(queue, 95),
+        "preemptions": int(group["preemptions"].sum()) if "preemptions" in group else 0,
+    }
+
+
+def summarize(jobs: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Overall (key ``all``) and per-VC JCT and queueing: mean, median, p95."""
+    out = {"all": _stats(jobs)}
+    for vc, group in jobs.groupby("vc", sort=True):
+        out[str(vc)] = _stats(group)
+    return out
+
+
+def utilization(jobs: pd.DataFrame, capacity: dict[str, int] | int, *, bucket_s: float = 3600.0) -> pd.DataFrame:
+    """GPUs busy per time bucket, overall and per VC, as a share of capacity (capacity per VC,
+    or one number for the whole cluster). Busy time is start..end of each job (the run; for
+    preempted jobs the table's start..end includes the waits between attempts, so it is an
+    upper bound there). Columns: time, <vc>... and ``all``."""
+    done = jobs[jobs["start_time"].notna()]
+    if done.empty:
+        return pd.DataFrame(columns=["time", "all"])
+    t0 = float(done["start_time"].min())
+    end = done["end_time"].fillna(done["start_time"] + done["duration"])
+    t1 = float(end.max())
+    edges = np.arange(t0, t1 + bucket_s, bucket_s)
+    out = pd.DataFrame({"time": edges[:-1]})
+    total = np.zeros(len(edges) - 1)
+    for vc, group in done.groupby("vc", sort=True):
+        busy = _busy_gpu_seconds(
+            group["start_time"].to_numpy(), end[group.index].to_numpy(), group["gpus"].to_numpy(), edges
+        )
+        total += busy
+        if isinstance(capacity, dict) and capacity.get(str(vc)):
+            out[str(vc)] = busy / (capacity[str(vc)] * bucket_s)
+    cluster = sum(capacity.values()) if isinstance(capacity, dict) else capacity
+    out["all"] = total / (max(cluster, 1) * bucket_s)
+    return out
+
+
+def _busy_gpu_seconds(starts: np.ndarray, ends: np.ndarray, gpus: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """GPU-seconds of [start, end) intervals falling in each bucket between ``edges``."""
+    busy = np.zeros(len(edges) - 1)
+    lo = edges[:-1]
+    hi = edges[1:]
+    first = np.clip(np.searchsorted(edges, starts, side="right") - 1, 0, len(lo) - 1)
+    last = np.clip(np.searchsorted(edges, ends, side="left") - 1, 0, len(lo) - 1)
+    for s, e, g, a, b in zip(starts, ends, gpus, first, last, strict=True):
+        span = slice(a, b + 1)
+        busy[span] += g * np.clip(np.minimum(hi[span], e) - np.maximum(lo[span], s), 0, None)
+    return busy
+
+
+def summary_rows(summary: dict[str, dict[str, float]], keys: Sequence[str] = ("all",)) -> list[list[str]]:
+    rows = []
+    for key in keys:
+        s = summary.get(key)
+        if s is None:
+            continue
+        rows.append(
+            [
+                key,
+                f"{s['jobs']:,}",
+                f"{s['avg_jct_s']:,.0f}",
+                f"{s['median_jct_s']:,.0f}",
+                f"{s['p95_jct_s']:,.0f}",
+                f"{s['avg_queue_s']:,.0f}",
+                f"{s['median_queue_s']:,.0f}",
+                f"{s['p95_queue_s']:,.0f}",
+            ]
+        )
+    return rows
+
+
+SUMMARY_HEADER = ["", "jobs", "avg JCT s", "median JCT s", "p95 JCT s", "avg queue s", "median queue s", "p95 queue s"]
