@@ -114,7 +114,11 @@ class LocalCluster:
         lay = self.layout
         scheduler = ("--nats-url", self.url, "--lost-after", str(lay.lost_after_s))
         scheduler += ("--policy", lay.policy) if lay.policy else ()
-        self.procs = [Supervised("scheduler", service_argv("services.scheduler", *scheduler), self.log_dir, env)]
+        analytics = ("--nats-url", self.url, "--report-dir", str(self.data_dir / "report"))
+        self.procs = [
+            Supervised("scheduler", service_argv("services.scheduler", *scheduler), self.log_dir, env),
+            Supervised("analytics", service_argv("services.analytics", *analytics), self.log_dir, env),
+        ]
         for i in range(1, lay.sim_agents + 1):
             self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
         for i in range(1, lay.cpu_agents + 1):

@@ -331,7 +331,7 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         address=e.address,
         port_range=e.port_range,
         islands=islands_of(e.gpus),
-        power=old.power if old is not None else "on",
+        power="on" if old is None or old.power == "booting" else old.power,  # a booting node is up once it registers
         power_changed_at=old.power_changed_at if old is not None else e.at,
     )
 

@@ -173,7 +173,7 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
     if trace.absolute_time:
         submit = pd.to_datetime(jobs["submit_time"], unit="s", utc=True)
         hourly = submit.dt.hour.value_counts().reindex(range(24), fill_value=0)
-        daily = submit.dt.dayofweek.value_counts().reindex(range(7), fill_value=0)
+        daily = submit.dt.day_of_week.value_counts().reindex(range(7), fill_value=0)
         fig, axes = plt.subplots(1, 2, figsize=(12, 3.4))
         axes[0].bar(hourly.index, hourly.values)
         axes[0].set_xlabel("hour of day (UTC)")

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import socket
 import time
 import uuid
@@ -85,6 +86,7 @@ class Agent:
         port_range: tuple[int, int] | None = None,
         heartbeat_s: float = 1.0,
         telemetry_s: float = 5.0,
+        power_hook: str | None = None,
         clock=time.time,
     ) -> None:
         self.log = log_
@@ -106,6 +108,8 @@ class Agent:
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._reported_unhealthy: set[int] = set()
+        self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
+        self._powering: asyncio.Task[None] | None = None
         executor.node = node
 
     # -- life cycle ----------------------------------------------------------------------
@@ -238,12 +242,57 @@ class Agent:
                 continue
             if job_id is not None:
                 self.kick(job_id)
+                if isinstance(event, ev.JobFinished | ev.JobRequeued):
+                    self.kick_power()  # a draining node may now be empty
+            elif isinstance(event, ev.NodePowerDownRequested | ev.NodePowerUpRequested) and event.node == self.node:
+                self.kick_power()
             elif isinstance(event, ev.NodeLost) and event.node == self.node:
                 # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
                 # requeues stand, and the node comes back for new work.
                 log.warning("this node was declared lost; registering again", reason=event.reason)
                 self.reconcile_all()
                 await self.register(after_seq=record.seq)
+
+    # -- power (cluster energy saving) ---------------------------------------------------------
+
+    def kick_power(self) -> None:
+        if self._powering is None or self._powering.done():
+            self._powering = asyncio.create_task(self._power(), name="power")
+
+    async def _power(self) -> None:
+        """Carry out a power request: a draining node powers down once its last job is gone; a
+        booting one powers up. The hook does the real switching; if it fails the node stays (or
+        comes back) in service, which loses nothing."""
+        me = self.state.nodes.get(self.node)
+        if me is None:
+            return
+        if me.power == "draining" and not me.busy():
+            ok = await self._run_power_hook("down")
+            kind = ev.NodePoweredDown if ok else ev.NodePoweredUp
+        elif me.power == "booting":
+            await self._run_power_hook("up")
+            kind = ev.NodePoweredUp
+        else:
+            return
+        event = kind(**self._stamp(f"power-{kind.__name__}", str(self.state.seq)), node=self.node)
+        await append_reliably(self.log, [event])
+        log.info("power state changed", event=kind.__name__)
+
+    async def _run_power_hook(self, action: str) -> bool:
+        if not self.power_hook:
+            return True  # no hook: the node is only marked (it takes no work while off)
+        proc = await asyncio.create_subprocess_exec(
+            *shlex.split(self.power_hook),
+            action,
+            self.node,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await proc.communicate()
+        if proc.returncode != 0:
+            log.error("power hook failed", action=action, code=proc.returncode, output=output.decode()[-500:])
+            return False
+        return True
 
     def _forget(self, job_id: str) -> None:
         """Drop what the agent kept about the attempts of a job that ended or was requeued."""
@@ -421,6 +470,7 @@ async def serve(args: argparse.Namespace) -> None:
         port_range=None if executor.kind == "sim" else args.rendezvous_ports,
         heartbeat_s=args.heartbeat,
         telemetry_s=args.telemetry,
+        power_hook=args.power_hook,
     )
     try:
         await serve_until_signal(agent.run)
@@ -449,6 +499,11 @@ def main(argv: list[str] | None = None) -> None:
         "scheduler's --lost-after",
     )
     parser.add_argument("--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument(
+        "--power-hook",
+        default=os.environ.get("GPUHERD_POWER_HOOK"),
+        help="command run as `HOOK down|up NODE` when energy saving powers this node down or up",
+    )
     args = parser.parse_args(argv)
     configure(f"agent.{args.node}")
     asyncio.run(serve(args))

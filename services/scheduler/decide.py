@@ -160,8 +160,8 @@ def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:
     if cutoff <= 0:
         return out  # no node can have been silent that long (simulations tick this way)
     for name, node in sorted(state.nodes.items()):
-        if node.status == "lost" or node.registered_at >= cutoff:
-            continue
+        if node.status == "lost" or node.registered_at >= cutoff or node.power in ("off", "booting"):
+            continue  # a powered-down node is silent by design
         heard = max(tick.last_heard.get(name, node.registered_at), node.registered_at)
         silent = tick.at - heard
         if silent > tick.lost_after_s:

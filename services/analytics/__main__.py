@@ -1,0 +1,3 @@
+from services.analytics.service import main
+
+main()

@@ -1,0 +1,139 @@
+"""The live analytics service: the analytics decider on the log, plus two timers.
+
+- ``ClockTicked`` every ``--tick`` seconds while energy saving is on (``--ces``): the decider
+  samples demand and decides power on ticks, so time reaches it as an event and a replay
+  decides the same. (The tick names no node as heard, and a timeout nothing reaches, so the
+  scheduler declares no node lost because of it.)
+- Every ``--report-every`` seconds, when ``--report-dir`` is set, the characterization report
+  of the jobs seen so far is rewritten there (HTML, PNGs, CSVs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from gpuherd import events as ev
+from gpuherd.aio import serve_until_signal
+from gpuherd.decider import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.log import open_log
+from gpuherd.log.base import Record
+from gpuherd.obs import configure, get_logger
+from services.analytics.ces import CesParams
+from services.analytics.decide import AnalyticsDecider, AnalyticsState
+from services.analytics.jobs import job_table, summarize
+from services.analytics.report import write_report
+
+log = get_logger("gpuherd.analytics")
+TICK_NEVER_LOST_S = 1e15  # no node can have been silent that long: this tick declares no loss
+
+JOB_EVENTS = (
+    ev.JobSubmitted,
+    ev.JobRejected,
+    ev.JobStarted,
+    ev.JobPreempted,
+    ev.JobRequeued,
+    ev.JobFinished,
+    ev.JobDurationPredicted,
+)
+
+
+def ticker(every_s: float) -> ExtraTask:
+    async def tick(runner: DeciderRunner[AnalyticsState]) -> None:
+        await runner.caught_up.wait()
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.time()
+            event = ev.ClockTicked(
+                id=f"analytics:tick:{now:.3f}",
+                at=now,
+                source="analytics",
+                last_heard={},
+                lost_after_s=TICK_NEVER_LOST_S,
+            )
+            await append_reliably(runner.log, [event])
+
+    return tick
+
+
+def reporter(out_dir: Path, every_s: float) -> ExtraTask:
+    """Keep the report current: follow the job events of the log and rewrite the report."""
+
+    async def report(runner: DeciderRunner[AnalyticsState]) -> None:
+        seen: list[Record] = []
+        dirty = asyncio.Event()
+
+        async def follow() -> None:
+            async for record in runner.log.read(1, follow=True):
+                if isinstance(record.event, JOB_EVENTS):
+                    seen.append(record)
+                    dirty.set()
+
+        follower = asyncio.create_task(follow(), name="report-follow")
+        try:
+            while True:
+                await dirty.wait()
+                dirty.clear()
+                table = job_table(list(seen), name="gpuherd")
+                if len(table.jobs):
+                    await asyncio.to_thread(write_report, table, out_dir)
+                    (out_dir / "summary.json").write_text(json.dumps(summarize(table.jobs), indent=2))
+                    log.info("report written", jobs=len(table.jobs), dir=str(out_dir))
+                await asyncio.sleep(every_s)
+        finally:
+            follower.cancel()
+
+    return report
+
+
+async def serve(
+    url: str,
+    *,
+    ces: CesParams | None,
+    tick_s: float,
+    report_dir: Path | None,
+    report_every_s: float,
+    instance: str | None = None,
+) -> None:
+    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+    log_ = await open_log(url, name=f"analytics-{instance}")
+    extra: list[ExtraTask] = []
+    if ces is not None:
+        extra.append(ticker(tick_s))
+    if report_dir is not None:
+        report_dir.mkdir(parents=True, exist_ok=True)
+        extra.append(reporter(report_dir, report_every_s))
+    runner = DeciderRunner(log_, AnalyticsDecider(ces=ces), instance=instance, extra_tasks=extra)
+    try:
+        await serve_until_signal(runner.run)
+    finally:
+        await log_.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gpuherd-analytics", description="gpuherd analytics service")
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--ces", help='turn on energy saving with these CesParams (JSON; "{}" for defaults)')
+    parser.add_argument("--tick", type=float, default=60.0, help="seconds between clock ticks (with --ces)")
+    parser.add_argument("--report-dir", help="keep the characterization report current in this folder")
+    parser.add_argument("--report-every", type=float, default=300.0)
+    parser.add_argument("--instance", default=None)
+    args = parser.parse_args(argv)
+    configure("analytics")
+    ces = CesParams(**json.loads(args.ces)) if args.ces is not None else None
+    report_dir = Path(args.report_dir) if args.report_dir else None
+    asyncio.run(
+        serve(
+            args.nats_url,
+            ces=ces,
+            tick_s=args.tick,
+            report_dir=report_dir,
+            report_every_s=args.report_every,
+            instance=args.instance,
+        )
+    )

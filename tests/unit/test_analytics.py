@@ -1,0 +1,347 @@
+"""Analytics: trace loaders, the duration model, CES, and trace simulation with the live deciders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.audit import audit
+from gpuherd.log.files import read_log_file, write_log_file
+from gpuherd.sim.cluster import ClusterSpec, VcSpec
+from gpuherd.sim.run import simulate
+from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
+from services.analytics.jobs import job_table, summarize
+from services.analytics.predict import DurationModel, Features, evaluate
+from services.analytics.report import write_report
+from services.analytics.traces import (
+    TraceError,
+    load_alibaba_openb,
+    load_helios,
+    load_philly_csv,
+    load_philly_json,
+    load_trace,
+    submissions,
+    to_helios_csv,
+    vc_peak_demand,
+)
+from services.scheduler.decide import SchedulerDecider
+from services.scheduler.policy import make_policy
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+HELIOS_CSV = """job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue
+1,u1,vcA,8,48,1,COMPLETED,2020-04-01 00:00:00,2020-04-01 00:00:10,2020-04-01 01:00:10,3600,10
+2,u2,vcA,1,6,1,FAILED,2020-04-01 00:05:00,2020-04-01 00:05:00,2020-04-01 00:06:40,100,0
+3,u1,vcB,0,4,1,COMPLETED,2020-04-01 00:06:00,2020-04-01 00:06:00,2020-04-01 00:07:00,60,0
+4,u3,vcB,2,12,1,CANCELLED,2020-04-01 00:07:00,2020-04-01 00:08:00,2020-04-01 00:07:30,-30,60
+5,u3,vcB,2,12,1,TIMEOUT,not-a-time,2020-04-01 00:08:00,2020-04-01 00:09:00,60,0
+"""
+
+PHILLY_JSON = [
+    {
+        "status": "Pass",
+        "vc": "6214e9",
+        "jobid": "application_1506638472019_10238",
+        "user": "ab12",
+        "submitted_time": "2017-10-03 02:18:55",
+        "attempts": [
+            {
+                "start_time": "2017-10-03 02:19:00",
+                "end_time": "2017-10-03 03:19:00",
+                "detail": [{"ip": "m1", "gpus": ["gpu0", "gpu1"]}, {"ip": "m2", "gpus": ["gpu0", "gpu1"]}],
+            }
+        ],
+    },
+    {
+        "status": "Killed",
+        "vc": "11cb48",
+        "jobid": "application_1506638472019_10239",
+        "user": "cd34",
+        "submitted_time": "2017-10-03 02:20:00",
+        "attempts": [],
+    },
+]
+
+
+# -- loaders ----------------------------------------------------------------------------------------
+
+
+def test_helios_csv_loads_and_counts_unusable_rows(tmp_path: Path) -> None:
+    path = tmp_path / "cluster_log.csv"
+    path.write_text(HELIOS_CSV)
+    trace = load_helios(path)
+    assert list(trace.jobs["job_id"]) == ["1", "2"]
+    assert trace.rejected == {"zero GPUs": 1, "negative duration": 1, "bad or missing submit time": 1}
+    first = trace.jobs.iloc[0]
+    assert (first["gpus"], first["user"], first["vc"], first["state"], first["queue"]) == (
+        8,
+        "u1",
+        "vcA",
+        "completed",
+        10,
+    )
+    assert first["submit_time"] == pd.Timestamp("2020-04-01", tz="UTC").timestamp()
+    assert trace.jobs.iloc[1]["state"] == "failed"
+    assert trace.describe().startswith("cluster_log: 2 of 5 rows used; not used: ")
+    assert load_trace(path).name == trace.name  # recognized by its columns
+
+
+def test_philly_json_takes_runs_from_attempts(tmp_path: Path) -> None:
+    path = tmp_path / "cluster_job_log"
+    path.with_suffix(".json").write_text(json.dumps(PHILLY_JSON))
+    trace = load_philly_json(path.with_suffix(".json"))
+    assert len(trace.jobs) == 1
+    assert trace.rejected == {"bad or missing duration": 1}  # never ran: no attempts
+    job = trace.jobs.iloc[0]
+    assert (job["gpus"], job["nodes"], job["duration"], job["queue"], job["state"]) == (4, 2, 3600, 5, "completed")
+
+
+def test_helios_export_round_trips(tmp_path: Path) -> None:
+    source = tmp_path / "in.csv"
+    source.write_text(HELIOS_CSV)
+    trace = load_helios(source)
+    out = tmp_path / "out.csv"
+    assert to_helios_csv(trace.jobs, out) == 2
+    again = load_helios(out)
+    cols = ["job_id", "user", "vc", "gpus", "duration", "queue", "state", "submit_time", "start_time"]
+    pd.testing.assert_frame_equal(again.jobs[cols], trace.jobs[cols])
+    assert out.read_text().splitlines()[0].split(",") == [
+        "job_id", "user", "vc", "gpu_num", "cpu_num", "node_num", "state",
+        "submit_time", "start_time", "end_time", "duration", "queue",
+    ]  # fmt: skip
+
+
+def test_alibaba_pods_keep_fractional_requests(tmp_path: Path) -> None:
+    path = tmp_path / "pods.csv"
+    path.write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+        "p0,1000,10,1,460,,LS,Running,0,100,10\n"
+        "p1,1000,10,2,1000,,BE,Succeeded,5,50,5\n"
+        "p2,1000,10,0,0,,LS,Running,5,50,5\n"
+        "p3,1000,10,1,1000,,LS,Pending,5,50,\n"
+    )
+    trace = load_alibaba_openb(path)
+    assert list(trace.jobs["gpu_request"]) == [0.46, 2.0]
+    assert list(trace.jobs["gpus"]) == [1, 2]
+    assert list(trace.jobs["state"]) == ["running", "completed"]
+    assert trace.rejected == {"never scheduled (no run time)": 1, "zero GPUs": 1}
+    assert trace.rows_read == 4
+
+
+def test_unknown_files_get_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(TraceError, match="match no known trace"):
+        load_trace(path)
+    with pytest.raises(TraceError, match="no such trace file"):
+        load_trace(tmp_path / "missing.csv")
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
+def test_shared_traces_load() -> None:
+    philly = load_philly_csv(TRACES / "philly" / "philly.csv")
+    assert len(philly.jobs) == 82_247 and not philly.rejected
+    assert (philly.jobs["gpus"] == 1).mean() == pytest.approx(0.93, abs=0.01)  # the README's fact
+    itp = load_trace(TRACES / "itp" / "cluster01.csv")
+    assert itp.rows_read == len(itp.jobs) + sum(itp.rejected.values())
+    pods = load_trace(TRACES / "alibaba-openb" / "openb_pod_list_default.csv")
+    assert pods.rows_read == 8152 and sum(pods.rejected.values()) == 8152 - len(pods.jobs)
+
+
+# -- duration model -------------------------------------------------------------------------------------
+
+
+def test_duration_model_backs_off_to_what_it_has_seen() -> None:
+    model = DurationModel(min_samples=2)
+    assert model.predict(Features(vc="a", gpus=1)).basis.startswith("default")
+    for seconds in (100, 200, 400):
+        model.observe(Features(vc="a", gpus=1, user="u", name="resnet"), seconds)
+    exact = model.predict(Features(vc="a", gpus=1, user="u", name="resnet"))
+    assert exact.seconds == pytest.approx(200, rel=1e-6) and exact.basis.startswith("user+name")
+    assert model.predict(Features(vc="a", gpus=1)).basis.startswith("vc+gpus")
+    assert model.predict(Features(vc="zz", gpus=1)).basis.startswith("gpus")
+    assert model.predict(Features(vc="zz", gpus=64)).basis.startswith("all")
+
+
+def test_evaluation_never_learns_from_the_future() -> None:
+    # Job b is submitted while a still runs: b's prediction must not know a's duration.
+    jobs = pd.DataFrame(
+        {
+            "job_id": ["a", "a2", "a3", "b", "c"],
+            "submit_time": [0.0, 1.0, 2.0, 10.0, 1000.0],
+            "duration": [500.0, 500.0, 500.0, 50.0, 50.0],
+            "gpus": [1, 1, 1, 1, 1],
+            "vc": ["v"] * 5,
+            "end_time": [np.nan] * 5,
+            "queue": [np.nan] * 5,
+            "user": [pd.NA] * 5,
+            "name": [pd.NA] * 5,
+        }
+    )
+    _, predicted = evaluate(jobs, DurationModel(default_s=7.0))
+    assert predicted[3] == 7.0  # nothing had finished at t=10
+    assert predicted[4] == pytest.approx(500.0)  # a, a2, a3 finished by t=1000
+
+
+# -- CES ---------------------------------------------------------------------------------------------------
+
+
+def test_forecast_and_power_plan() -> None:
+    params = CesParams(buffer_nodes=4, min_interval_s=100.0, sample_s=1.0)
+    history = DemandHistory()
+    for t, nodes in enumerate([5, 9, 7, 6]):
+        history.record(float(t), nodes, params)
+    assert forecast_peak(history, 3.0, params) == 9
+    assert plan_power(30, 30, 9, now=1000.0, last_down_at=0.0, params=params).down == 30 - 13
+    assert plan_power(30, 30, 9, now=50.0, last_down_at=0.0, params=params).down == 0  # too soon after the last
+    assert plan_power(10, 30, 9, now=50.0, last_down_at=0.0, params=params).up == 3  # forecast above powered
+    assert plan_power(12, 30, 9, now=50.0, last_down_at=0.0, params=params).up == 0  # within the band
+
+
+def test_ces_evaluation_on_a_synthetic_sequence() -> None:
+    minutes = np.arange(3 * 24 * 60)
+    active = (50 + 30 * (np.sin(minutes / 1440 * 2 * np.pi) > 0)).astype(int)  # a day-night step
+    seq = pd.DataFrame({"t": minutes * 60.0, "active": active, "total": 100})
+    report = evaluate_sequence(seq, CesParams(buffer_nodes=5))
+    assert report.mean_nodes_off > 10
+    assert report.utilization_after > report.utilization_before
+    assert report.waits > 0 and report.mean_wait_s <= CesParams().boot_s + 600  # steps up wait for a boot
+
+
+# -- simulation -----------------------------------------------------------------------------------------------
+
+
+def _toy_trace(tmp_path: Path, rows: list[tuple[int, float, int, str]]) -> object:
+    path = tmp_path / "philly.csv"
+    lines = ["timestamp,duration,num_gpus,gpu_time,cluster"]
+    for t, duration, gpus, vc in rows:
+        stamp = pd.Timestamp("2017-10-01", tz="UTC") + pd.Timedelta(seconds=t)
+        lines.append(f"{stamp:%Y-%m-%d %H:%M:%S},{duration},{gpus},{duration * gpus},{vc}")
+    path.write_text("\n".join(lines) + "\n")
+    return load_philly_csv(path)
+
+
+def _contended(tmp_path: Path) -> object:
+    # One long job arrives first, then many short ones, on one 4-GPU node: order matters.
+    rows = [(0, 5000.0, 4, "a"), *((10 + i, 100.0 * (1 + i % 3), 1 + i % 2, "a") for i in range(12))]
+    return _toy_trace(tmp_path, rows)
+
+
+SMALL = ClusterSpec(vcs={"a": VcSpec(nodes=1)}, gpus_per_node=4)
+
+
+def test_simulation_finishes_every_job_and_is_deterministic(tmp_path: Path) -> None:
+    trace = _contended(tmp_path)
+    first = simulate(submissions(trace), SMALL, "fifo")
+    second = simulate(submissions(trace), SMALL, "fifo")
+    assert [r.event for r in first.records] == [r.event for r in second.records]
+    table = job_table(first.records).jobs
+    assert len(table) == 13 and (table["state"] == "completed").all()
+    np.testing.assert_allclose(table.sort_values("job_id")["duration"], trace.jobs.sort_values("job_id")["duration"])
+
+
+def test_shortest_first_beats_fifo_and_the_log_audits_clean(tmp_path: Path) -> None:
+    trace = _contended(tmp_path)
+    jct = {}
+    for policy in ("fifo", "sjf", "srtf", "qssf"):
+        result = simulate(submissions(trace), SMALL, policy)
+        jct[policy] = summarize(job_table(result.records).jobs)["all"]["avg_jct_s"]
+        report = audit(result.records, SchedulerDecider(make_policy(policy)))
+        assert report.ok, report.mismatches[:3]
+        assert report.decisions_checked > 0
+    assert jct["sjf"] < jct["fifo"]
+    assert jct["srtf"] <= jct["sjf"]
+
+
+def test_qssf_places_by_predictions_it_learned(tmp_path: Path) -> None:
+    # Early jobs teach the model that 1-GPU jobs in VC a are short, 2-GPU ones long.
+    rows = [(i * 10, 50.0 if i % 2 else 2000.0, 1 if i % 2 else 2, "a") for i in range(8)]
+    rows += [(5000, 3000.0, 4, "a"), *((5001 + i, 60.0 if i % 2 else 2500.0, 1 if i % 2 else 2, "a") for i in range(6))]
+    trace = _toy_trace(tmp_path, rows)
+    result = simulate(submissions(trace), SMALL, "qssf")
+    predicted = {e.job: e for e in (r.event for r in result.records) if isinstance(e, ev.JobDurationPredicted)}
+    assert len(predicted) == len(trace.jobs)
+    late_short = [j for j in predicted.values() if j.basis.startswith("vc+gpus") and j.seconds < 100]
+    assert late_short, "the model never predicted a short job"
+    assert summarize(job_table(result.records).jobs)["all"]["finished"] == len(trace.jobs)
+
+
+def test_jobs_larger_than_their_vc_are_rejected_with_a_reason(tmp_path: Path) -> None:
+    trace = _toy_trace(tmp_path, [(0, 10.0, 8, "a"), (1, 10.0, 1, "a"), (2, 10.0, 1, "b")])
+    result = simulate(submissions(trace), SMALL, "fifo")
+    reasons = sorted(r.event.reason for r in result.records if isinstance(r.event, ev.JobRejected))
+    assert reasons == ["VC b is not in the cluster spec", "needs 8 GPUs; VC a has 4"]
+    assert result.rejected == 2
+
+
+def test_energy_saving_powers_idle_nodes_down_and_demand_powers_them_up(tmp_path: Path) -> None:
+    # A burst, a long quiet gap, then another burst that needs every node.
+    rows = [(i, 600.0, 4, "a") for i in range(4)] + [(50_000 + i, 600.0, 4, "a") for i in range(4)]
+    trace = _toy_trace(tmp_path, rows)
+    spec = ClusterSpec(vcs={"a": VcSpec(nodes=4)}, gpus_per_node=4)
+    ces = {"buffer_nodes": 0, "min_interval_s": 600.0, "lookback_s": 1200.0}
+    result = simulate(submissions(trace), spec, "fifo", ces=ces, tick_s=300.0, boot_s=120.0)
+    events = [r.event for r in result.records]
+    downs = [e for e in events if isinstance(e, ev.NodePowerDownRequested)]
+    offs = [e for e in events if isinstance(e, ev.NodePoweredDown)]
+    ups = [e for e in events if isinstance(e, ev.NodePowerUpRequested)]
+    assert downs and offs and ups
+    assert any(e.source == "scheduler" for e in ups)  # the waiting burst asked for power itself
+    table = job_table(result.records).jobs
+    assert (table["state"] == "completed").all()
+    late = table[table["submit_time"] >= table["submit_time"].min() + 50_000]
+    assert late["queue"].max() >= 120.0  # some waited for a node to boot
+    power = {}  # node -> on/draining/off/booting, as the log says at each point
+    moves = {
+        ev.NodePowerDownRequested: {"on": "draining"},
+        ev.NodePowerUpRequested: {"draining": "on", "off": "booting"},
+        ev.NodePoweredDown: {"draining": "off"},
+        ev.NodePoweredUp: {"booting": "on", "draining": "on"},
+    }
+    placed_on = 0
+    for e in events:
+        if type(e) in moves:
+            power[e.node] = moves[type(e)].get(power.get(e.node, "on"), power.get(e.node, "on"))
+        elif isinstance(e, ev.JobPlaced):
+            placed_on += len(e.allocations)
+            assert all(power.get(a.node, "on") == "on" for a in e.allocations), (e, power)
+    assert placed_on == len(trace.jobs)
+    assert audit(result.records, SchedulerDecider(make_policy("fifo"))).ok
+
+
+def test_simulated_logs_replay_from_a_file(tmp_path: Path) -> None:
+    trace = _contended(tmp_path)
+    result = simulate(submissions(trace), SMALL, "sjf")
+    path = tmp_path / "events.jsonl"
+    assert write_log_file(result.records, path) == len(result.records)
+    again = read_log_file(path)
+    assert [r.event for r in again] == [r.event for r in result.records]
+    assert audit(again, SchedulerDecider(make_policy("sjf"))).ok
+
+
+def test_cluster_spec_from_peaks_and_file(tmp_path: Path) -> None:
+    trace = _toy_trace(tmp_path, [(0, 100.0, 4, "a"), (10, 100.0, 4, "a"), (0, 10.0, 1, "b")])
+    assert vc_peak_demand(trace) == {"a": 8, "b": 1}
+    spec = ClusterSpec.from_peaks(vc_peak_demand(trace), scale=0.5, gpus_per_node=4)
+    assert spec.vc_gpus("a") == 4 and spec.vc_gpus("b") == 4
+    path = tmp_path / "cluster.yaml"
+    path.write_text("gpus_per_node: 8\nvcs:\n  a: {nodes: 2}\n  b: {nodes: 1, gpus_per_node: 4}\n")
+    loaded = ClusterSpec.from_file(path)
+    assert (loaded.total_gpus, loaded.total_nodes) == (20, 3)
+
+
+def test_report_for_a_trace_and_a_simulated_log(tmp_path: Path) -> None:
+    path = tmp_path / "cluster_log.csv"
+    path.write_text(HELIOS_CSV)
+    page = write_report(load_helios(path), tmp_path / "trace-report")
+    text = page.read_text()
+    assert "Final status" in text and "Per-user concentration" in text
+    assert (tmp_path / "trace-report" / "cdfs.png").stat().st_size > 1000
+    result = simulate(submissions(_contended(tmp_path)), SMALL, "fifo")
+    page = write_report(job_table(result.records), tmp_path / "log-report")
+    assert "queueing" in page.read_text() and (tmp_path / "log-report" / "vc_usage.png").exists()
