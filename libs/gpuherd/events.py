@@ -218,6 +218,11 @@ class NodePoweredUp(Event, kw_only=True, frozen=True):
         return f"herd.node.{self.node}"
 
 
+# A ClockTicked with this timeout (and no nodes heard) only marks time: no node can have been
+# silent that long, so it declares no loss. Simulations and the analytics timer tick this way.
+TICK_ONLY_TIMEOUT_S = 1e15
+
+
 class VcConfigured(Event, kw_only=True, frozen=True):
     """A virtual cluster: a team's share of the cluster.
 

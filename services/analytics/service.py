@@ -30,7 +30,6 @@ from services.analytics.jobs import job_table, summarize
 from services.analytics.report import write_report
 
 log = get_logger("gpuherd.analytics")
-TICK_NEVER_LOST_S = 1e15  # no node can have been silent that long: this tick declares no loss
 
 JOB_EVENTS = (
     ev.JobSubmitted,
@@ -54,7 +53,7 @@ def ticker(every_s: float) -> ExtraTask:
                 at=now,
                 source="analytics",
                 last_heard={},
-                lost_after_s=TICK_NEVER_LOST_S,
+                lost_after_s=ev.TICK_ONLY_TIMEOUT_S,
             )
             await append_reliably(runner.log, [event])
 

@@ -42,8 +42,6 @@ from gpuherd.errors import GpuherdError
 from gpuherd.log.base import Record
 from gpuherd.log.memory import MemoryLog
 
-NEVER_LOST_S = 1e15  # sim agents never fall silent: a tick's timeout no node can exceed
-
 
 class SimulationError(GpuherdError):
     """The simulation cannot go on (a decider failed, or it cannot finish)."""
@@ -347,7 +345,7 @@ class Simulation:
             at=self.now,
             source="sim",
             last_heard={},
-            lost_after_s=NEVER_LOST_S,
+            lost_after_s=ev.TICK_ONLY_TIMEOUT_S,
         )
 
     # -- results ---------------------------------------------------------------------------------
