@@ -64,6 +64,18 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     nvlink_peers: tuple[int, ...] = ()  # indices of GPUs on the same node linked by NVLink
 
 
+def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: int) -> list[GpuInfo]:
+    """GPUs an operator declares (``sim`` and ``cpu`` agents, simulated clusters): ``count`` of
+    them in NVLink islands of ``island`` GPUs each (0: the whole node is one island)."""
+    size = island or count
+    out = []
+    for i in range(count):
+        first = (i // size) * size
+        peers = tuple(j for j in range(first, min(first + size, count)) if j != i)
+        out.append(GpuInfo(index=i, uuid=f"{model}-{node}-{i}", model=model, memory_mb=memory_mb, nvlink_peers=peers))
+    return out
+
+
 class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min: int
     max: int

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from gpuherd import events as ev
 from gpuherd.log.base import Record
-from gpuherd.state import TERMINAL, ClusterState, apply
+from gpuherd.state import ACTIVE, TERMINAL, ClusterState, apply
 
 
 def violations(records: Iterable[Record]) -> list[str]:
@@ -32,6 +32,11 @@ def violations(records: Iterable[Record]) -> list[str]:
                     if node is None:
                         problems.append(f"seq {record.seq}: {event.job} placed on unknown node {alloc.node}")
                         continue
+                    if not node.accepts_work():
+                        problems.append(
+                            f"seq {record.seq}: {event.job} placed on {alloc.node}, which is "
+                            f"{node.status} and powered {node.power}"
+                        )
                     for index in alloc.gpus:
                         if index >= len(node.gpus):
                             problems.append(f"seq {record.seq}: {event.job} placed on missing GPU {alloc.node}/{index}")
@@ -52,6 +57,12 @@ def violations(records: Iterable[Record]) -> list[str]:
             elif job is not None and event.attempt == job.attempt:
                 terminal[event.job] += 1
         apply(state, record.seq, event)
+    active = {j.job for j in state.jobs.values() if j.status in ACTIVE}
+    if set(state.active) != active:
+        problems.append(
+            f"the fold's active-job index drifted: {sorted(set(state.active) ^ active)[:5]} "
+            "differ from the jobs placed or running"
+        )
     for (job, attempt), count in placed.items():
         if count > 1:
             problems.append(f"{job} attempt {attempt} placed {count} times")

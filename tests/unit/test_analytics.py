@@ -11,6 +11,7 @@ import pytest
 
 from gpuherd import events as ev
 from gpuherd.audit import audit
+from gpuherd.invariants import violations
 from gpuherd.log.files import read_log_file, write_log_file
 from gpuherd.sim.cluster import ClusterSpec, VcSpec
 from gpuherd.sim.run import simulate
@@ -254,6 +255,7 @@ def test_shortest_first_beats_fifo_and_the_log_audits_clean(tmp_path: Path) -> N
         report = audit(result.records, SchedulerDecider(make_policy(policy)))
         assert report.ok, report.mismatches[:3]
         assert report.decisions_checked > 0
+        assert violations(result.records) == []
     assert jct["sjf"] < jct["fifo"]
     assert jct["srtf"] <= jct["sjf"]
 
@@ -312,6 +314,7 @@ def test_energy_saving_powers_idle_nodes_down_and_demand_powers_them_up(tmp_path
             assert all(power.get(a.node, "on") == "on" for a in e.allocations), (e, power)
     assert placed_on == len(trace.jobs)
     assert audit(result.records, SchedulerDecider(make_policy("fifo"))).ok
+    assert violations(result.records) == []  # also: never placed on a node that was not on
 
 
 def test_simulated_logs_replay_from_a_file(tmp_path: Path) -> None:

@@ -80,20 +80,10 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         out: list[ev.Event] = []
         for vc, spec in self.vcs.items():
             per_node = spec.gpus_per_node or self.gpus_per_node
-            island = self.island or per_node
             for i in range(spec.nodes):
                 name = f"{vc}-n{i:03d}"
-                gpus = tuple(
-                    ev.GpuInfo(
-                        index=g,
-                        uuid=f"{name}-gpu{g}",
-                        model="SIM-GPU",
-                        memory_mb=81920,
-                        nvlink_peers=tuple(p for p in range(g - g % island, g - g % island + island) if p != g),
-                    )
-                    for g in range(per_node)
-                )
-                out.append(ev.NodeRegistered(node=name, gpus=gpus, rack=f"rack-{vc}", executor="sim"))
+                gpus = ev.declared_gpus(name, per_node, island=self.island, model="SIM-GPU", memory_mb=81920)
+                out.append(ev.NodeRegistered(node=name, gpus=tuple(gpus), rack=f"rack-{vc}", executor="sim"))
             out.append(ev.VcConfigured(vc=vc, gpu_quota=self.vc_gpus(vc), can_borrow=self.can_borrow))
         return out
 

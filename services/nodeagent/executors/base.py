@@ -62,18 +62,6 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 OnExit = Callable[[TaskExit], Awaitable[None]]
 
 
-def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: int) -> list[GpuInfo]:
-    """GPUs an operator declares (``sim`` and ``cpu``): ``count`` of them in NVLink islands of
-    ``island`` GPUs each (0: the whole node is one island)."""
-    size = island or count
-    out = []
-    for i in range(count):
-        first = (i // size) * size
-        peers = tuple(j for j in range(first, min(first + size, count)) if j != i)
-        out.append(GpuInfo(index=i, uuid=f"{model}-{node}-{i}", model=model, memory_mb=memory_mb, nvlink_peers=peers))
-    return out
-
-
 class Executor(abc.ABC):
     kind: str
     node: str = ""  # set by the agent; process executors pass it to the job (GPUHERD_NODE)

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from gpuherd import jobenv
-from gpuherd.events import GpuInfo
-from services.nodeagent.executors.base import GpuSample, declared_gpus
+from gpuherd.events import GpuInfo, declared_gpus
+from services.nodeagent.executors.base import GpuSample
 from services.nodeagent.executors.process import ProcessExecutor
 
 

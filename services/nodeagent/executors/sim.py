@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gpuherd.events import GpuInfo
-from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch, declared_gpus
+from gpuherd.events import GpuInfo, declared_gpus
+from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
 
 
 class SimExecutor(Executor):
