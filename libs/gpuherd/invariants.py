@@ -63,6 +63,16 @@ def violations(records: Iterable[Record]) -> list[str]:
             f"the fold's active-job index drifted: {sorted(set(state.active) ^ active)[:5]} "
             "differ from the jobs placed or running"
         )
+    vc_used: dict[str, int] = {}
+    for job_id in active:
+        job = state.jobs[job_id]
+        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    if state.vc_used != vc_used:
+        problems.append(f"the fold's per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
+    if set(state.node_changes) != set(state.nodes) or any(
+        state.node_changes[name] != node.version for name, node in state.nodes.items()
+    ):
+        problems.append("the fold's node change list disagrees with the nodes' versions")
     for (job, attempt), count in placed.items():
         if count > 1:
             problems.append(f"{job} attempt {attempt} placed {count} times")

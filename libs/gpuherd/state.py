@@ -47,8 +47,8 @@ class NodeState(msgspec.Struct, kw_only=True):
     islands: list[list[int]] = msgspec.field(default_factory=list)  # NVLink islands, from the inventory
     power: PowerState = "on"
     power_changed_at: float = 0.0
-    # Bumped by every fold that changes this node's GPUs, status or power: lets a decider keep
-    # per-node views between passes and recompute only the nodes that changed.
+    # The cluster's node clock at the fold that last changed this node's GPUs, status or power:
+    # lets a decider keep per-node views between passes and recompute only the nodes that changed.
     version: int = 0
 
     def accepts_work(self) -> bool:
@@ -218,6 +218,11 @@ class ClusterState(msgspec.Struct, kw_only=True):
     # Placed and running jobs, in placement order: kept by the fold (like ``queue``) so a pass
     # looks at the jobs holding GPUs, not at every job the cluster ever ran.
     active: dict[str, None] = msgspec.field(default_factory=dict)
+    vc_used: dict[str, int] = msgspec.field(default_factory=dict)  # GPUs the active jobs hold, per VC
+    # Every change to a node ticks the clock; ``node_changes`` lists nodes by their last change,
+    # oldest first, so a pass finds the nodes changed since the one before without a scan.
+    node_clock: int = 0
+    node_changes: dict[str, int] = msgspec.field(default_factory=dict)
 
     # -- derived views (never stored separately, so they cannot drift) --------------
 
@@ -236,11 +241,17 @@ class ClusterState(msgspec.Struct, kw_only=True):
         return [self.jobs[j] for j in self.active]
 
     def vc_usage(self) -> dict[str, int]:
-        """GPUs held per VC by placed and running jobs."""
-        used: dict[str, int] = {}
-        for job in self.active_jobs():
-            used[job.spec.vc] = used.get(job.spec.vc, 0) + job.spec.gpus
-        return used
+        """GPUs held per VC by placed and running jobs (a copy: a pass adds its own placements)."""
+        return dict(self.vc_used)
+
+    def changed_since(self, clock: int) -> list[str]:
+        """Nodes changed after node clock ``clock``, most recent first."""
+        out = []
+        for name, at in reversed(self.node_changes.items()):
+            if at <= clock:
+                break
+            out.append(name)
+        return out
 
     def past_usage(self, key: str) -> float:
         """Decayed GPU-seconds of ``user:<name>`` or ``vc:<name>`` as of the newest event."""
@@ -287,6 +298,28 @@ def _account(state: ClusterState, job: JobState, at: float) -> None:
         usage.at = max(usage.at, at)
 
 
+def _touch(state: ClusterState, node: NodeState) -> None:
+    """Record that the fold changed ``node``."""
+    state.node_clock += 1
+    node.version = state.node_clock
+    state.node_changes.pop(node.node, None)
+    state.node_changes[node.node] = state.node_clock
+
+
+def _activate(state: ClusterState, job: JobState) -> None:
+    state.active[job.job] = None
+    state.vc_used[job.spec.vc] = state.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+
+
+def _deactivate(state: ClusterState, job: JobState) -> None:
+    if state.active.pop(job.job, False) is None:
+        left = state.vc_used[job.spec.vc] - job.spec.gpus
+        if left:
+            state.vc_used[job.spec.vc] = left
+        else:
+            del state.vc_used[job.spec.vc]
+
+
 def _release(state: ClusterState, job: JobState) -> None:
     for alloc in job.allocations:
         node = state.nodes.get(alloc.node)
@@ -295,7 +328,7 @@ def _release(state: ClusterState, job: JobState) -> None:
         for index in alloc.gpus:
             if index < len(node.gpus) and node.gpus[index].job == job.job:
                 node.gpus[index].job = None
-        node.version += 1
+        _touch(state, node)
     job.allocations = ()
 
 
@@ -334,6 +367,7 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         power="on" if old is None or old.power == "booting" else old.power,  # a booting node is up once it registers
         power_changed_at=old.power_changed_at if old is not None else e.at,
     )
+    _touch(state, state.nodes[e.node])
 
 
 def _node_drained(state: ClusterState, seq: int, e: ev.NodeDrained) -> None:
@@ -341,7 +375,7 @@ def _node_drained(state: ClusterState, seq: int, e: ev.NodeDrained) -> None:
     if node is not None and node.status != "lost":
         node.status = "drained"
         node.reason = e.reason
-        node.version += 1
+        _touch(state, node)
 
 
 def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
@@ -350,7 +384,7 @@ def _node_undrained(state: ClusterState, seq: int, e: ev.NodeUndrained) -> None:
         node.status = "up"
         node.reason = ""
     if node is not None:
-        node.version += 1
+        _touch(state, node)
         for slot in node.gpus:  # an operator vouches for the node: its GPUs are back in service
             slot.healthy = True
             slot.health_reason = ""
@@ -362,7 +396,7 @@ def _node_lost(state: ClusterState, seq: int, e: ev.NodeLost) -> None:
         return
     node.status = "lost"
     node.reason = e.reason
-    node.version += 1
+    _touch(state, node)
     # Whatever ran there is gone (the agent fences its processes before the loss is declared).
     for job_id in {slot.job for slot in node.gpus if slot.job is not None}:
         job = state.jobs.get(job_id)
@@ -375,7 +409,7 @@ def _set_power(state: ClusterState, node_name: str, at: float, moves: dict[str, 
     if node is not None and node.power in moves:
         node.power = moves[node.power]
         node.power_changed_at = at
-        node.version += 1
+        _touch(state, node)
 
 
 def _node_power_down_requested(state: ClusterState, seq: int, e: ev.NodePowerDownRequested) -> None:
@@ -423,12 +457,12 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
         return  # names GPUs that do not exist: never applied (invariants.violations reports it)
     for alloc in e.allocations:
         node = state.nodes[alloc.node]
-        node.version += 1
+        _touch(state, node)
         for index in alloc.gpus:
             node.gpus[index].job = e.job
     job.allocations = e.allocations
     job.status = "placed"
-    state.active[e.job] = None
+    _activate(state, job)
     job.placed_at = e.at
     job.placement_reason = e.reason
     job.locality = e.locality
@@ -459,7 +493,7 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     _account(state, job, e.at)
     _release(state, job)
     _dequeue(state, e.job)
-    state.active.pop(e.job, None)
+    _deactivate(state, job)
     job.status = e.outcome
     job.finished_at = e.at
     job.reason = e.reason
@@ -503,7 +537,7 @@ def _gpu_health_changed(state: ClusterState, seq: int, e: ev.GpuHealthChanged) -
     if node is not None and 0 <= e.index < len(node.gpus):
         node.gpus[e.index].healthy = e.healthy
         node.gpus[e.index].health_reason = "" if e.healthy else e.reason
-        node.version += 1
+        _touch(state, node)
 
 
 def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
@@ -518,7 +552,7 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
         return
     _account(state, job, e.at)
     _release(state, job)
-    state.active.pop(e.job, None)
+    _deactivate(state, job)
     if any(p.outcome == "failed" for p in job.parts_ended.values()):
         job.failures += 1
     job.status = "pending"
@@ -560,13 +594,29 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.GpuHealthChanged: _gpu_health_changed,
 }  # type: ignore[dict-item]
 
+# Bumped whenever the state's layout or an index kept by the fold changes meaning: a snapshot of
+# another format is not read (its indexes could be missing or stale) and the state is rebuilt
+# from the log, which is always possible.
+STATE_FORMAT = 2
+
+
+class _Stored(msgspec.Struct, array_like=True):
+    format: int
+    state: msgspec.Raw
+
+
 _snapshot_encoder = msgspec.msgpack.Encoder()
-_snapshot_decoder = msgspec.msgpack.Decoder(ClusterState)
+_stored_decoder = msgspec.msgpack.Decoder(_Stored)
+_state_decoder = msgspec.msgpack.Decoder(ClusterState)
 
 
 def encode_state(state: ClusterState) -> bytes:
-    return _snapshot_encoder.encode(state)
+    return _snapshot_encoder.encode(_Stored(STATE_FORMAT, msgspec.Raw(_snapshot_encoder.encode(state))))
 
 
 def decode_state(data: bytes) -> ClusterState:
-    return _snapshot_decoder.decode(data)
+    """The state of a snapshot; ``msgspec.DecodeError`` if it is of another format (rebuild it)."""
+    stored = _stored_decoder.decode(data)
+    if stored.format != STATE_FORMAT:
+        raise msgspec.DecodeError(f"state snapshot of format {stored.format}; this build reads {STATE_FORMAT}")
+    return _state_decoder.decode(stored.state)

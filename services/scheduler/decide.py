@@ -23,6 +23,8 @@ so one call never gives a GPU twice; the next call sees them in the state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gpuherd import events as ev
 from gpuherd.decider import Decider
 from gpuherd.state import ACTIVE, ClusterState, JobState, apply, decode_state, encode_state
@@ -121,18 +123,20 @@ class SchedulerDecider(Decider[ClusterState]):
             return []
         policy = self.policy_for(state)
         result = plan(state, policy, backfill=state.scheduling.backfill, skip=skip, cache=self._views, explain=False)
-        return [*result.preempted, *result.placed, *power_up(state, result)]
+        return [*result.preempted, *result.placed, *power_up(state, result, self._views.asleep)]
 
 
-def power_up(state: ClusterState, result: Plan) -> list[ev.Event]:
+def power_up(state: ClusterState, result: Plan, candidates: Iterable[str] | None = None) -> list[ev.Event]:
     """Demand is back: jobs wait for GPUs (not for quota) while nodes are powered down to save
     energy. Wake as many as the waiting jobs need beyond the free and already-booting GPUs;
-    nodes still draining first (they serve again at once), then powered-off ones."""
+    nodes still draining first (they serve again at once), then powered-off ones. ``candidates``:
+    the names of every node that may be asleep (by default all)."""
+    nodes = state.nodes.values() if candidates is None else (state.nodes[name] for name in candidates)
+    asleep = [n for n in nodes if n.status == "up" and n.power in ("draining", "off")]
+    if not asleep:
+        return []
     waiting = [state.jobs[j] for j, p in result.pending.items() if p.kind in ("gang", "powered-down")]
     if not waiting:
-        return []
-    asleep = [n for n in state.nodes.values() if n.status == "up" and n.power in ("draining", "off")]
-    if not asleep:
         return []
     wanted = sum(j.spec.gpus for j in waiting)
     coming = sum(len(n.free_gpus()) for n in state.nodes.values() if n.status == "up" and n.power == "booting")

@@ -81,34 +81,76 @@ def views(state: ClusterState) -> dict[str, NodeView]:
     return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.accepts_work()}
 
 
+class PassViews(NamedTuple):
+    """What a pass starts from: the views (its own copy, to shrink as it places), free GPUs per
+    executor kind (runs processes or not), and the island index over the views."""
+
+    free: dict[str, NodeView]
+    free_total: dict[bool, int]
+    index: IslandIndex
+
+
+def free_totals(nodes: dict[str, NodeView]) -> dict[bool, int]:
+    totals = {False: 0, True: 0}
+    for view in nodes.values():
+        totals[view.runs_processes] += view.free
+    return totals
+
+
+def pass_views(state: ClusterState) -> PassViews:
+    """Everything built afresh from the state (a one-off pass: ``gpuherd why``, tests)."""
+    free = views(state)
+    return PassViews(free, free_totals(free), IslandIndex(free))
+
+
 class ViewCache:
-    """``views(state)`` kept between passes: a node's view is recomputed only when the fold
-    changed the node (its ``version``) or it is another node object (another state, a decoded
-    snapshot). Holding the node object keeps the identity check sound. It saves the decider
-    rebuilding every node's view on every event of a large cluster."""
+    """``pass_views(state)`` kept between a decider's passes. The fold lists nodes by their last
+    change (``ClusterState.changed_since``), so a pass recomputes only the views of nodes changed
+    since the pass before, and keeps the free totals and island index up to date with them,
+    instead of rebuilding all three over every node of a large cluster. Another nodes dict
+    (another state, a decoded snapshot) or a clock that went back rebuilds everything."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[NodeState, int, NodeView | None]] = {}
-        self._names: list[str] = []
-        self._of: dict[str, NodeState] | None = None  # the nodes dict the names were taken from
+        self._of: dict[str, NodeState] | None = None
+        self._clock = 0
+        self._views: dict[str, NodeView] = {}
+        self._totals = {False: 0, True: 0}
+        self._index = IslandIndex({})
+        self.asleep: set[str] = set()  # up, but powered down, powering down or booting
 
-    def views(self, state: ClusterState) -> dict[str, NodeView]:
+    def refresh(self, state: ClusterState) -> PassViews:
+        """The views of ``state``, with the pass's own copy of what a pass changes."""
         nodes = state.nodes
-        if nodes is not self._of or len(self._names) != len(nodes):  # nodes are added, never removed
+        if nodes is not self._of or state.node_clock < self._clock:
             self._of = nodes
-            self._names = sorted(nodes)
-            self._entries = {name: entry for name, entry in self._entries.items() if name in nodes}
-        out: dict[str, NodeView] = {}
-        entries = self._entries
-        for name in self._names:
+            self._views, self._totals, self.asleep = {}, {False: 0, True: 0}, set()
+            changed: Iterable[str] = nodes
+        else:
+            changed = state.changed_since(self._clock)
+        fresh: list[NodeView] = []
+        for name in changed:
             node = nodes[name]
-            entry = entries.get(name)
-            if entry is None or entry[0] is not node or entry[1] != node.version:
-                entry = (node, node.version, view_of(node) if node.accepts_work() else None)
-                entries[name] = entry
-            if entry[2] is not None:
-                out[name] = entry[2]
-        return out
+            old = self._views.pop(name, None)
+            if old is not None:
+                self._totals[old.runs_processes] -= old.free
+            if node.accepts_work():
+                view = self._views[name] = view_of(node)
+                self._totals[view.runs_processes] += view.free
+                fresh.append(view)
+            if node.status == "up" and not node.accepts_work():
+                self.asleep.add(name)
+            else:
+                self.asleep.discard(name)
+        self._clock = state.node_clock
+        if self._index.entries > 4 * len(self._views) + 256:
+            self._index = IslandIndex(self._views)  # drop the stale entries
+        else:
+            self._index.nodes = self._views
+            for view in fresh:
+                self._index.add(view)
+        free = dict(self._views)
+        self._index.begin_pass(free)
+        return PassViews(free, dict(self._totals), self._index)
 
 
 def can_run(spec: JobSpec, runs_processes: bool) -> bool:
@@ -166,9 +208,15 @@ def fits_by_count(spec: JobSpec, sizes: Iterable[int]) -> bool:
 
 
 class IslandIndex:
-    """The nodes of one pass by the sizes of their free NVLink islands: the best one-node home for a
-    job in O(log n) rather than a scan of every node. Entries go stale as placements shrink a
-    node's free GPUs; they are checked against the current view when they surface."""
+    """Nodes by the sizes of their free NVLink islands: the best one-node home for a job in
+    O(log n) rather than a scan of every node.
+
+    Each heap entry claims "node N had F free GPUs and a free island of size S". Claims go stale
+    as GPUs are taken or freed; they are checked against the current views when they surface and
+    dropped if false, so a node only needs a fresh claim pushed when its view changes. During a
+    pass (``begin_pass``) the views are the pass's own copy; a claim false for the pass but true
+    for the views the pass started from is put back at ``end_pass``, so the index stays whole
+    for the next pass whatever this one placed."""
 
     def __init__(self, nodes: dict[str, NodeView]) -> None:
         self.nodes = nodes
@@ -180,10 +228,25 @@ class IslandIndex:
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps
+        self.entries = sum(len(h) for h in heaps.values())
+        self._base: dict[str, NodeView] | None = None
+        self._put_back: list[tuple[tuple[bool, int], tuple[int, str]]] = []
 
     def add(self, view: NodeView) -> None:
         for size in view.island_sizes:
             heapq.heappush(self._heaps.setdefault((view.runs_processes, size), []), (view.free, view.name))
+            self.entries += 1
+
+    def begin_pass(self, pass_nodes: dict[str, NodeView]) -> None:
+        self._base, self.nodes = self.nodes, pass_nodes
+
+    def end_pass(self) -> None:
+        if self._base is None:
+            return
+        for key, entry in self._put_back:
+            heapq.heappush(self._heaps[key], entry)
+        self._put_back.clear()
+        self.nodes, self._base = self._base, None
 
     def best_island(self, spec: JobSpec) -> NodeView | None:
         """The node with the best-fitting free island for the whole job: the smallest island that
@@ -194,16 +257,24 @@ class IslandIndex:
             for flag in flags:
                 heap = self._heaps.get((flag, size))
                 while heap:
-                    free, name = heap[0]
-                    view = self.nodes.get(name)
-                    if view is not None and view.free == free and any(len(i) == size for i in view.islands):
+                    entry = heap[0]
+                    if _claims(self.nodes, entry, size):
                         break
                     heapq.heappop(heap)
+                    if self._base is not None and _claims(self._base, entry, size):
+                        self._put_back.append(((flag, size), entry))
+                    else:
+                        self.entries -= 1
                 if heap and (best is None or heap[0] < best):
                     best = heap[0]
             if best is not None:
                 return self.nodes[best[1]]
         return None
+
+
+def _claims(nodes: dict[str, NodeView], entry: tuple[int, str], size: int) -> bool:
+    view = nodes.get(entry[1])
+    return view is not None and view.free == entry[0] and size in view.island_sizes
 
 
 def place(spec: JobSpec, nodes: dict[str, NodeView], index: IslandIndex | None = None) -> Placement | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterable
 from typing import ClassVar
 
 from gpuherd.state import ClusterState, JobState
@@ -56,10 +57,10 @@ class Policy(abc.ABC):
     def prepare(self, state: ClusterState) -> None:  # noqa: B027 - optional hook
         """Compute what ``key`` needs once per pass (fair share's usage table)."""
 
-    def order(self, state: ClusterState) -> list[JobState]:
-        """Waiting jobs, first to try first."""
+    def order(self, state: ClusterState, queue: Iterable[str] | None = None) -> list[JobState]:
+        """Waiting jobs (``queue``, or all), first to try first."""
         self.prepare(state)
-        jobs = [state.jobs[j] for j in state.queue]
+        jobs = [state.jobs[j] for j in (state.queue if queue is None else queue)]
         return sorted(jobs, key=lambda j: (-j.spec.priority, self.key(j, state), j.order))
 
     def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:

@@ -20,10 +20,12 @@ In policy order, each waiting job is checked against, in turn:
    nothing overtakes the head (conservative). With backfill off, nothing
    overtakes the head either.
 
-Then **preemption**: the first waiting job that does not fit may take GPUs of
-running jobs it outranks: a lower priority, a job the policy says it
-outranks (SRTF, LAS), or a job running on GPUs borrowed from the waiting job's
-VC quota. Victims: lowest priority first, then least work lost (shortest
+Then **preemption**: the first waiting job that does not fit (the head) may
+take GPUs of running jobs it outranks: a lower priority, a job the policy
+says it outranks (SRTF, LAS), or a job running on GPUs borrowed from the
+waiting job's VC quota. Before it, the first job of each VC that its quota
+stops may take GPUs of its own VC's jobs it outranks, which frees the quota
+too (a VC run as a partition still preempts within itself). Victims: lowest priority first, then least work lost (shortest
 time since start), then the youngest; only as many as the gang needs; a job
 is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
 ``preemption_grace_s`` to checkpoint (both cluster parameters of
@@ -39,7 +41,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.state import ClusterState, JobState, NodeState
-from services.scheduler.placement import IslandIndex, NodeView, ViewCache, can_run, fits_by_count, place, views
+from services.scheduler.placement import NodeView, PassViews, ViewCache, can_run, fits_by_count, pass_views, place
 from services.scheduler.policy import Policy, expected_duration
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
@@ -74,34 +76,65 @@ def plan(
     cache: ViewCache | None = None,
     explain: bool = True,
 ) -> Plan:
-    """The pass. ``explain=False`` (the decider's own passes) stops looking at waiting jobs once
-    no GPU is left free and the head is known: what it decides is the same, but jobs further
-    back get no pending reason."""
-    out = Plan()
+    """The pass. ``explain=False`` (the decider's own passes) decides the same, faster: it does
+    not look at jobs of VCs whose quota is used up, and stops looking once no GPU is left free
+    and the head is known; those jobs get no pending reason."""
     if not state.queue:
-        return out
-    free = cache.views(state) if cache is not None else views(state)
+        return Plan()
+    views = cache.refresh(state) if cache is not None else pass_views(state)
+    try:
+        return _plan(state, policy, views, backfill=backfill, skip=skip, explain=explain)
+    finally:
+        views.index.end_pass()
+
+
+def _plan(
+    state: ClusterState,
+    policy: Policy,
+    views: PassViews,
+    *,
+    backfill: bool,
+    skip: frozenset[str] | set[str],
+    explain: bool,
+) -> Plan:
+    out = Plan()
+    free, free_total, index = views
     vc_used = state.vc_usage()
-    ports = _ports_in_use(state)
+    ports: dict[str, set[int]] | None = None  # rendezvous ports in use, when a placement needs one
     extra = 0  # GPUs the head will not need at its reserved start
-    order = policy.order(state)
+    if explain:
+        order = policy.order(state)
+    else:
+        # Jobs of a VC with its quota used up can neither start nor (but by preemption) become
+        # able to: leave them out of the sort unless they may preempt in their VC.
+        full = set() if policy.preemptive else _full_vcs(state, vc_used)
+        if full:
+            jobs = state.jobs
+            lowest = min((j.spec.priority for j in state.active_jobs()), default=0)
+            queue = [j for j in state.queue if jobs[j].spec.vc not in full or jobs[j].spec.priority > lowest]
+            order = policy.order(state, queue)
+        else:
+            order = policy.order(state)
     # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
     # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
     failed: set[tuple] = set()
     why_not: dict[tuple, tuple[PendingKind, str]] = {}
-    free_total = {flag: sum(v.free for v in free.values() if v.runs_processes == flag) for flag in (False, True)}
-    index = IslandIndex(free)
+    any_free = any(free_total.values())
+    quota_heads: dict[str, tuple[int, JobState]] = {}  # VC -> its first job its quota stops, before the head
     for position, job in enumerate(order, 1):
-        if not explain and out.head is not None and not any(free_total.values()):
+        if not (explain or any_free) and out.head is not None:
             break  # nothing more can start in this pass; the head (the one to preempt for) is known
         if job.job in skip:
             continue
         if job.cancel_requested:
             out.pending[job.job] = Pending("cancelling", "cancel requested", position)
             continue
-        borrowed, quota_problem = _quota(state, job, vc_used)
-        if quota_problem is not None:
-            out.pending[job.job] = Pending("quota", quota_problem, position)
+        borrowed = _quota(state, job, vc_used)
+        if borrowed is None:
+            if out.head is None:
+                quota_heads.setdefault(job.spec.vc, (position, job))
+            if explain:
+                out.pending[job.job] = Pending("quota", _quota_detail(state, job, vc_used), position)
             continue
         shape = _shape(job)
         available = sum(n for flag, n in free_total.items() if can_run(job.spec, flag))
@@ -146,6 +179,10 @@ def plan(
             free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
             index.add(free[alloc.node])
             free_total[view.runs_processes] -= len(alloc.gpus)
+        any_free = any(free_total.values())
+        leader = placement.allocations[0].node
+        if ports is None and state.nodes[leader].port_range is not None:
+            ports = _ports_in_use(state)  # only real nodes take a rendezvous port
         vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
         out.placed.append(
             ev.JobPlaced(
@@ -154,31 +191,42 @@ def plan(
                 allocations=placement.allocations,
                 reason=placement.reason,
                 locality=placement.locality,
-                rendezvous=choose_rendezvous(state, job, placement.allocations[0].node, ports),
+                rendezvous=choose_rendezvous(state, job, leader, ports if ports is not None else {}),
                 borrowed=borrowed,
             )
         )
-    _preempt(state, policy, order, out, free, vc_used)
+    _preempt(state, policy, order, out, free, vc_used, quota_heads)
     return out
 
 
 # -- quotas -----------------------------------------------------------------------------------------
 
 
-def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> tuple[int, str | None]:
-    """(GPUs it would borrow, None) or (0, why its VC's quota stops it)."""
+def _full_vcs(state: ClusterState, vc_used: dict[str, int]) -> set[str]:
+    """VCs that may not borrow and have no GPU of their quota left: none of their jobs can start."""
+    return {
+        vc.vc
+        for vc in state.vcs.values()
+        if vc.gpu_quota is not None and not vc.can_borrow and vc_used.get(vc.vc, 0) >= vc.gpu_quota
+    }
+
+
+def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> int | None:
+    """GPUs the job would borrow beyond its VC's quota, or None if the quota stops it."""
     vc = state.vcs.get(job.spec.vc)
     if vc is None or vc.gpu_quota is None:
-        return 0, None
-    used = vc_used.get(vc.vc, 0)
-    over = used + job.spec.gpus - vc.gpu_quota
+        return 0
+    over = vc_used.get(vc.vc, 0) + job.spec.gpus - vc.gpu_quota
     if over <= 0:
-        return 0, None
-    if vc.can_borrow:
-        return min(over, job.spec.gpus), None
-    return 0, (
-        f"VC {vc.vc} uses {used} of its {vc.gpu_quota} GPUs; this job needs {job.spec.gpus} more "
-        "and the VC may not borrow"
+        return 0
+    return min(over, job.spec.gpus) if vc.can_borrow else None
+
+
+def _quota_detail(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> str:
+    vc = state.vcs[job.spec.vc]
+    return (
+        f"VC {vc.vc} uses {vc_used.get(vc.vc, 0)} of its {vc.gpu_quota} GPUs; this job needs {job.spec.gpus} "
+        "more and the VC may not borrow"
     )
 
 
@@ -275,34 +323,51 @@ def _preempt(
     out: Plan,
     free: dict[str, NodeView],
     vc_used: dict[str, int],
+    quota_heads: dict[str, tuple[int, JobState]],
 ) -> None:
-    grace_s = state.scheduling.param("preemption_grace_s")
+    """Candidates, in policy order up to the head: each VC's first job its quota stops (it may
+    take GPUs of its own VC's jobs it outranks, to free quota), then the head (GPUs of any job it
+    outranks). The first candidate that can preempt does; one preemptor at a time."""
+    candidates = {job.job: position for position, job in quota_heads.values()}
+    if out.head is not None:
+        candidates[out.head] = out.pending[out.head].position
+    if not candidates:
+        return
     stopping_for = {j.preempted_for for j in state.active_jobs() if j.preempt_reason is not None}
     for job in order:
-        pending = out.pending.get(job.job)
-        if pending is None or pending.kind != "gang":
+        position = candidates.get(job.job)
+        if position is None:
             continue
         if job.job in stopping_for:
-            out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", pending.position)
-            return  # one preemptor at a time: its victims' GPUs are its reservation
-        victims = _victims(state, policy, job, vc_used)
-        chosen = _fewest_victims(job, victims, free, state)
-        if not chosen:
-            return  # only the first job that does not fit may preempt: it is the one reserved
-        for victim in chosen:
-            out.preempted.append(
-                ev.JobPreempted(
-                    job=victim.job,
-                    attempt=victim.attempt,
-                    reason=f"preempted for {job.job} ({_why_outranked(state, policy, job, victim)})",
-                    by=job.job,
-                    grace_s=grace_s,
-                )
+            out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", position)
+            return  # its victims' GPUs (and quota) are its reservation
+        is_head = job.job == out.head
+        over = 0 if is_head else vc_used.get(job.spec.vc, 0) + job.spec.gpus - state.vcs[job.spec.vc].gpu_quota
+        victims = _victims(state, policy, job, vc_used, same_vc=not is_head)
+        chosen = _fewest_victims(job, victims, free, state, quota_over=over)
+        if chosen:
+            _record_preemption(state, policy, job, chosen, out, position, "its gang" if is_head else "its VC quota")
+            return
+        if is_head:
+            return  # nothing ranked after the head may preempt: its start is the one reserved
+
+
+def _record_preemption(
+    state: ClusterState, policy: Policy, job: JobState, chosen: list[JobState], out: Plan, position: int, what: str
+) -> None:
+    grace_s = state.scheduling.param("preemption_grace_s")
+    for victim in chosen:
+        out.preempted.append(
+            ev.JobPreempted(
+                job=victim.job,
+                attempt=victim.attempt,
+                reason=f"preempted for {job.job} ({_why_outranked(state, policy, job, victim)})",
+                by=job.job,
+                grace_s=grace_s,
             )
-        out.pending[job.job] = Pending(
-            "preempting", f"preempting {', '.join(v.job for v in chosen)} to fit its gang", pending.position
         )
-        return
+    names = ", ".join(v.job for v in chosen)
+    out.pending[job.job] = Pending("preempting", f"preempting {names} to fit {what}", position)
 
 
 def _why_outranked(state: ClusterState, policy: Policy, job: JobState, victim: JobState) -> str:
@@ -313,12 +378,17 @@ def _why_outranked(state: ClusterState, policy: Policy, job: JobState, victim: J
     return f"{policy.name} ranks it higher"
 
 
-def _victims(state: ClusterState, policy: Policy, job: JobState, vc_used: dict[str, int]) -> list[JobState]:
+def _victims(
+    state: ClusterState, policy: Policy, job: JobState, vc_used: dict[str, int], *, same_vc: bool = False
+) -> list[JobState]:
+    """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
     for running in state.active_jobs():
         if running.preempt_reason is not None or running.stopping():
+            continue
+        if same_vc and running.spec.vc != job.spec.vc:
             continue
         recent = [t for t in running.preempted_at if state.now - t < 3600.0]
         if len(recent) >= state.scheduling.param("max_preemptions_per_hour"):
@@ -346,17 +416,20 @@ def _victims(state: ClusterState, policy: Policy, job: JobState, vc_used: dict[s
 
 
 def _fewest_victims(
-    job: JobState, victims: list[JobState], free: dict[str, NodeView], state: ClusterState
+    job: JobState, victims: list[JobState], free: dict[str, NodeView], state: ClusterState, *, quota_over: int = 0
 ) -> list[JobState]:
-    """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang."""
+    """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang, and that
+    gives back at least ``quota_over`` GPUs of quota."""
     freed: dict[str, set[int]] = {}
     available = sum(v.free for v in free.values())
+    released = 0
     for count, victim in enumerate(victims[:MAX_VICTIMS], 1):
         for alloc in victim.allocations:
             freed.setdefault(alloc.node, set()).update(alloc.gpus)
         available += victim.spec.gpus
-        if available < job.spec.gpus:
-            continue  # not enough GPUs yet, whatever their shape
+        released += victim.spec.gpus
+        if available < job.spec.gpus or released < quota_over:
+            continue  # not enough GPUs (or quota) yet, whatever their shape
         trial = dict(free)
         for name, gpus in freed.items():
             if name in free:

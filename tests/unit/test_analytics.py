@@ -14,7 +14,8 @@ from gpuherd.audit import audit
 from gpuherd.invariants import violations
 from gpuherd.log.files import read_log_file, write_log_file
 from gpuherd.sim.cluster import ClusterSpec, VcSpec
-from gpuherd.sim.run import simulate
+from gpuherd.sim.engine import Simulation
+from gpuherd.sim.run import make_deciders, simulate
 from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
 from services.analytics.jobs import job_table, summarize
 from services.analytics.predict import DurationModel, Features, evaluate
@@ -32,6 +33,7 @@ from services.analytics.traces import (
 )
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import make_policy
+from services.scheduler.schedule import plan
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
@@ -315,6 +317,45 @@ def test_energy_saving_powers_idle_nodes_down_and_demand_powers_them_up(tmp_path
     assert placed_on == len(trace.jobs)
     assert audit(result.records, SchedulerDecider(make_policy("fifo"))).ok
     assert violations(result.records) == []  # also: never placed on a node that was not on
+
+
+class _CheckedScheduler(SchedulerDecider):
+    """Every pass the decider makes (views and island index kept between passes, jobs of full
+    VCs skipped, early stop) also made from scratch with every reason: the decisions must match."""
+
+    passes = 0
+
+    def _schedule(self, state, skip):
+        fresh = plan(state, self.policy_for(state), backfill=state.scheduling.backfill, skip=skip)
+        decided = super()._schedule(state, skip)
+        assert [d for d in decided if isinstance(d, ev.JobPlaced | ev.JobPreempted)] == [
+            *fresh.preempted,
+            *fresh.placed,
+        ]
+        self.passes += 1
+        return decided
+
+
+@pytest.mark.parametrize("policy", ["fifo", "srtf", "qssf"])
+def test_the_decider_s_kept_views_decide_what_a_fresh_pass_decides(tmp_path: Path, policy: str) -> None:
+    rng = np.random.default_rng(11)
+    rows = []
+    for i in range(400):
+        vc = str(rng.choice(["a", "b", "c"], p=[0.5, 0.3, 0.2]))
+        gpus = int(rng.choice([1, 1, 2, 4, 8, 16], p=[0.4, 0.1, 0.2, 0.15, 0.1, 0.05]))
+        rows.append((int(i * rng.exponential(40.0)), float(rng.lognormal(6.0, 1.5)), gpus, vc))
+    trace = _toy_trace(tmp_path, rows)
+    spec = ClusterSpec(vcs={"a": VcSpec(nodes=3), "b": VcSpec(nodes=2), "c": VcSpec(nodes=2)}, island=4)
+    scheduler = _CheckedScheduler(make_policy(policy))
+    analytics = make_deciders(policy, ces={"buffer_nodes": 1, "min_interval_s": 900.0, "lookback_s": 1800.0})[1]
+    sim = Simulation([scheduler, analytics], tick_s=300.0, boot_s=120.0, admit=spec.admit)
+    sim.setup([*spec.setup_events(), ev.PolicyConfigured(policy=policy)], at=trace.origin)
+    sim.run(submissions(trace, start=trace.origin))
+    assert scheduler.passes > 300
+    events = [r.event for r in sim.records]
+    assert any(isinstance(e, ev.NodePoweredDown) for e in events)
+    assert any(isinstance(e, ev.JobPreempted) for e in events) or policy != "srtf"
+    assert violations(sim.records) == []
 
 
 def test_simulated_logs_replay_from_a_file(tmp_path: Path) -> None:
