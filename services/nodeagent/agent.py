@@ -310,6 +310,7 @@ class Agent:
         jobs |= {j.job for j in self.state.jobs.values() if j.status in ACTIVE and self.node in j.nodes}
         for job_id in sorted(jobs):
             self.kick(job_id)
+        self.kick_power()  # a power request may have come while this agent was down
 
     def kick(self, job_id: str) -> None:
         """Reconcile one job soon; one job's slow stop never holds up another's start."""

@@ -25,8 +25,9 @@ take GPUs of running jobs it outranks: a lower priority, a job the policy
 says it outranks (SRTF, LAS), or a job running on GPUs borrowed from the
 waiting job's VC quota. Before it, the first job of each VC that its quota
 stops may take GPUs of its own VC's jobs it outranks, which frees the quota
-too (a VC run as a partition still preempts within itself). Victims: lowest priority first, then least work lost (shortest
-time since start), then the youngest; only as many as the gang needs; a job
+too (a VC run as a partition still preempts within itself). Victims: lowest
+priority first, then least work lost (shortest time since start), then the
+youngest; only as many as the gang needs; a job
 is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
 ``preemption_grace_s`` to checkpoint (both cluster parameters of
 ``PolicyConfigured``; see ``gpuherd.state.CLUSTER_PARAMS``).

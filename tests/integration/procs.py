@@ -29,6 +29,7 @@ class Services:
         executor: str = "sim",
         fence_after: float = 1.5,
         kill_grace: float = 2.0,
+        agent_args: tuple[str, ...] = (),
     ):
         self.url = nats_url
         self.log_dir = log_dir
@@ -49,6 +50,7 @@ class Services:
                     "--island",
                     str(max(1, gpus // 2)),
                 ),
+                *agent_args,
             ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = dict(os.environ, **FAST_ENV)
