@@ -28,7 +28,7 @@ from gpuherd.errors import EventDecodeError
 # base classes
 
 
-class Event(msgspec.Struct, kw_only=True, frozen=True, tag_field="type", tag=True):
+class Event(msgspec.Struct, kw_only=True, frozen=True, tag_field="type", tag=True, gc=False):
     """Base of every event. ``VERSION`` is the current schema version of the class."""
 
     VERSION: ClassVar[int] = 1
@@ -54,7 +54,7 @@ class Decision(Event, kw_only=True, frozen=True):
 # value types
 
 
-class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One GPU of a node, as its agent saw it at registration."""
 
     index: int
@@ -81,7 +81,7 @@ class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max: int
 
 
-class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """What a submitter asks for. See ``services/scheduler/intake.py`` for validation rules."""
 
     name: str
@@ -100,12 +100,12 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     workdir: str | None = None  # working directory of the job's processes (default: the agent's)
 
 
-class Allocation(msgspec.Struct, frozen=True):
+class Allocation(msgspec.Struct, frozen=True, gc=False):
     node: str
     gpus: tuple[int, ...]
 
 
-class Rendezvous(msgspec.Struct, frozen=True):
+class Rendezvous(msgspec.Struct, frozen=True, gc=False):
     """Where a job's processes meet (torch.distributed MASTER_ADDR/MASTER_PORT), chosen by the scheduler."""
 
     addr: str

@@ -25,14 +25,14 @@ TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 ACTIVE: frozenset[str] = frozenset({"placed", "running"})
 
 
-class GpuSlot(msgspec.Struct, kw_only=True):
+class GpuSlot(msgspec.Struct, kw_only=True, gc=False):
     info: ev.GpuInfo
     job: str | None = None  # the job holding this GPU, if any
     healthy: bool = True
     health_reason: str = ""  # why it is unhealthy (the agent's words)
 
 
-class NodeState(msgspec.Struct, kw_only=True):
+class NodeState(msgspec.Struct, kw_only=True, gc=False):
     node: str
     rack: str
     executor: str
@@ -88,7 +88,7 @@ def islands_of(gpus: Sequence[ev.GpuInfo]) -> list[list[int]]:
     return sorted(groups.values())
 
 
-class PartEnd(msgspec.Struct, kw_only=True, frozen=True):
+class PartEnd(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """How one node's part of the current attempt ended."""
 
     outcome: ev.PartOutcome
@@ -98,7 +98,7 @@ class PartEnd(msgspec.Struct, kw_only=True, frozen=True):
     metrics: dict[str, float] | None = None
 
 
-class JobState(msgspec.Struct, kw_only=True):
+class JobState(msgspec.Struct, kw_only=True, gc=False):
     job: str
     spec: ev.JobSpec
     status: JobStatus = "pending"
@@ -159,7 +159,7 @@ class JobState(msgspec.Struct, kw_only=True):
         return bool(self.allocations) and all(a.node in self.parts_ended for a in self.allocations)
 
 
-class VcState(msgspec.Struct, kw_only=True):
+class VcState(msgspec.Struct, kw_only=True, gc=False):
     vc: str
     gpu_quota: int | None = None
     can_borrow: bool = True
@@ -179,7 +179,7 @@ CLUSTER_PARAMS: dict[str, float] = {
 }
 
 
-class SchedulingConfig(msgspec.Struct, kw_only=True):
+class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
     """The policy in force, from the latest PolicyConfigured (None: the scheduler's default)."""
 
     policy: str | None = None
@@ -194,7 +194,7 @@ class SchedulingConfig(msgspec.Struct, kw_only=True):
         return self.param("half_life_s")
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class Usage(msgspec.Struct, kw_only=True, gc=False):
     """Decayed GPU-seconds of a user or VC, as of ``at`` (halves every ``half_life_s``)."""
 
     gpu_s: float = 0.0
@@ -204,7 +204,7 @@ class Usage(msgspec.Struct, kw_only=True):
         return self.gpu_s * 0.5 ** (max(0.0, now - self.at) / half_life_s)
 
 
-class ClusterState(msgspec.Struct, kw_only=True):
+class ClusterState(msgspec.Struct, kw_only=True, gc=False):
     seq: int = 0  # last stream sequence folded
     now: float = 0.0  # event time of the newest event folded
     nodes: dict[str, NodeState] = msgspec.field(default_factory=dict)

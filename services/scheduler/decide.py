@@ -88,6 +88,8 @@ class SchedulerDecider(Decider[ClusterState]):
                 decisions += self._settle_all(state, [event.job])
         if isinstance(event, NOTHING_TO_PLACE) and not decisions:
             return decisions
+        if any(isinstance(d, ev.NodeLost) for d in decisions):
+            return decisions  # pass once the loss is folded: this state still shows the node up
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         decisions += self._schedule(state, decided)
         return decisions

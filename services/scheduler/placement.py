@@ -164,9 +164,11 @@ def can_run(spec: JobSpec, runs_processes: bool) -> bool:
 def take(view: NodeView, count: int) -> tuple[int, ...]:
     """``count`` free GPUs of one node, from as few NVLink islands as possible: the best-fitting
     island that holds them all, else the largest islands first."""
-    fitting = [island for island in view.islands if len(island) >= count]
-    if fitting:
-        best = min(fitting, key=lambda island: (len(island), island))
+    best: tuple[int, ...] | None = None
+    for island in view.islands:
+        if len(island) >= count and (best is None or (len(island), island) < (len(best), best)):
+            best = island
+    if best is not None:
         return best[:count]
     chosen: list[int] = []
     for island in sorted(view.islands, key=lambda island: (-len(island), island)):

@@ -107,8 +107,8 @@ def _plan(
         order = policy.order(state)
     else:
         # Jobs of a VC with its quota used up can neither start nor (but by preemption) become
-        # able to: leave them out of the sort unless they may preempt in their VC.
-        full = set() if policy.preemptive else _full_vcs(state, vc_used)
+        # able to: leave a long queue's out of the sort unless they may preempt in their VC.
+        full = set() if policy.preemptive or len(state.queue) < 64 else _full_vcs(state, vc_used)
         if full:
             jobs = state.jobs
             lowest = min((j.spec.priority for j in state.active_jobs()), default=0)
