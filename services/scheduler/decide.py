@@ -34,15 +34,17 @@ from services.scheduler.schedule import Plan, plan
 
 # Events after which a pass can place nothing the pass before could not: no GPU freed, no job,
 # node, quota, order or time changed. (JobPlaced: the pass that placed it placed all it could.)
-NOTHING_TO_PLACE = (
-    ev.JobPlaced,
-    ev.JobRejected,
-    ev.JobStarted,
-    ev.TaskEnded,
-    ev.JobPreempted,
-    ev.NodeDrained,
-    ev.NodePowerDownRequested,
-    ev.NodePoweredDown,
+NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
+    {
+        ev.JobPlaced,
+        ev.JobRejected,
+        ev.JobStarted,
+        ev.TaskEnded,
+        ev.JobPreempted,
+        ev.NodeDrained,
+        ev.NodePowerDownRequested,
+        ev.NodePoweredDown,
+    }
 )
 
 
@@ -67,6 +69,9 @@ class SchedulerDecider(Decider[ClusterState]):
         return decode_state(data)
 
     def decide(self, state: ClusterState, event: ev.Event) -> list[ev.Event]:
+        kind = type(event)
+        if kind in NOTHING_TO_PLACE and kind is not ev.TaskEnded:
+            return []  # (the common case first: most events are these)
         decisions: list[ev.Event] = []
         if isinstance(event, ev.ClockTicked):
             decisions += lost_nodes(state, event)
@@ -86,9 +91,9 @@ class SchedulerDecider(Decider[ClusterState]):
                 )
             else:
                 decisions += self._settle_all(state, [event.job])
-        if isinstance(event, NOTHING_TO_PLACE) and not decisions:
+        if kind in NOTHING_TO_PLACE and not decisions:
             return decisions
-        if any(isinstance(d, ev.NodeLost) for d in decisions):
+        if any(type(d) is ev.NodeLost for d in decisions):
             return decisions  # pass once the loss is folded: this state still shows the node up
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         decisions += self._schedule(state, decided)
