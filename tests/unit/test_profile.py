@@ -1,0 +1,133 @@
+"""The layer profiler: FLOPs against closed forms, bytes and intensity against hand counts, times
+against the whole step, and no trace left on the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpuherd.train.peaks import DevicePeaks
+from gpuherd.train.profile import OUTSIDE, ProfileError, StepProfile, profile_layers
+
+PEAKS = DevicePeaks(device="test", dtype="torch.float32", matmul_flops=1e11, copy_bytes_per_s=1e10)  # ridge 10
+
+
+def rows(profile: StepProfile) -> dict[str, object]:
+    return {layer.name: layer for layer in profile.layers}
+
+
+def test_linear_flops_bytes_and_intensity_match_hand_counts() -> None:
+    batch, fan_in, fan_out = 16, 64, 32
+    model = nn.Sequential(nn.Linear(fan_in, fan_out))
+    profile = profile_layers(model, torch.randn(batch, fan_in), warmup=1, repeats=2, peaks=PEAKS)
+    linear = rows(profile)["0"]
+    # forward: one addmm, 2*B*in*out; backward: grad input and grad weight, two mms of the same size
+    assert linear.forward_flops == 2 * batch * fan_in * fan_out
+    assert linear.backward_flops == 2 * (2 * batch * fan_in * fan_out)
+    # forward reads x, W and b and writes y (fp32)
+    assert linear.forward_bytes == 4 * (batch * fan_in + fan_in * fan_out + fan_out + batch * fan_out)
+    # backward: dx = dy W (reads dy, W; writes dx), dW = dy^T x (reads dy, x; writes dW), db = sum(dy)
+    dy, x, w = batch * fan_out, batch * fan_in, fan_in * fan_out
+    assert linear.backward_bytes == 4 * ((dy + w + x) + (dy + x + w) + (dy + fan_out))
+    assert linear.intensity == pytest.approx(linear.flops / linear.bytes)
+    assert linear.params == fan_in * fan_out + fan_out
+    assert linear.param_bytes == linear.grad_bytes == 4 * linear.params
+    assert linear.activation_bytes == 4 * batch * fan_in  # addmm saves its input for dW
+    assert linear.uncounted_ops == ("sum",)  # the bias gradient: a reduction, no FLOP formula
+    assert linear.bound(PEAKS) == ("compute" if linear.intensity >= 10 else "memory")
+
+
+@pytest.mark.parametrize(("stride", "padding", "groups"), [(1, 1, 1), (2, 0, 1), (1, 1, 2)])
+def test_conv2d_flops_match_the_closed_form(stride: int, padding: int, groups: int) -> None:
+    batch, c_in, c_out, k, size = 4, 8, 16, 3, 12
+    conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=padding, groups=groups, bias=False)
+    profile = profile_layers(nn.Sequential(conv), torch.randn(batch, c_in, size, size), warmup=0, repeats=1, peaks=None)
+    out = (size + 2 * padding - k) // stride + 1
+    forward = 2 * batch * c_out * out * out * (c_in // groups) * k * k
+    layer = rows(profile)["0"]
+    assert layer.forward_flops == forward
+    assert layer.backward_flops == 2 * forward  # grad input + grad weight
+    assert layer.uncounted_ops == ()
+
+
+def test_elementwise_layers_count_no_flops_and_are_memory_bound() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.LayerNorm(256))
+    profile = profile_layers(model, torch.randn(128, 256), warmup=1, repeats=3, peaks=PEAKS)
+    relu, norm = rows(profile)["1"], rows(profile)["2"]
+    assert relu.flops == 0 and relu.bound(PEAKS) == "memory"
+    assert "relu" in relu.uncounted_ops and "threshold_backward" in relu.uncounted_ops
+    assert relu.forward_bytes == 2 * 4 * 128 * 256  # reads and writes the activations once
+    assert any("layer_norm" in op for op in norm.uncounted_ops)
+
+
+def test_layer_times_add_up_to_the_step() -> None:
+    # Layers large enough that a hook's microseconds are small against them.
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    profile = profile_layers(model, torch.randn(256, 512), warmup=2, repeats=7, peaks=None)
+    model_rows = [layer for layer in profile.layers if layer.name != OUTSIDE]
+    assert all(layer.forward_s > 0 and layer.backward_s > 0 for layer in model_rows if layer.kind == "Linear")
+    # By construction the rows add up to the hooked step; against the step without hooks the
+    # difference is the profiler's overhead plus noise: stated tolerance 35% on a shared CPU.
+    assert profile.layer_sum_s == pytest.approx(profile.profiled_step_s, rel=0.35)
+    assert profile.layer_sum_s == pytest.approx(profile.step_s, rel=0.35)
+    matmuls = sum(layer.time_s for layer in model_rows if layer.kind == "Linear")
+    assert matmuls > 0.5 * profile.layer_sum_s  # the time is where the FLOPs are
+
+
+def test_profiling_changes_no_output_gradient_buffer_or_random_stream() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Dropout(0.3), nn.Flatten())
+    x = torch.randn(4, 3, 10, 10)
+    twin = copy.deepcopy(model)
+    for net in (model, twin):  # gradients already there must survive
+        torch.manual_seed(5)
+        net(x).sum().backward()
+
+    profile_layers(model, x, warmup=1, repeats=2, peaks=None)
+
+    assert model[2].inplace is True
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # batch-norm statistics put back
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    state = torch.get_rng_state()
+    torch.manual_seed(1)
+    out_a = model(x)
+    torch.manual_seed(1)
+    out_b = twin(x)
+    assert torch.equal(out_a, out_b)
+    torch.set_rng_state(state)
+
+
+def test_blocks_and_json_round_trip(tmp_path) -> None:
+    block = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+    model = nn.Sequential(block, copy.deepcopy(block), nn.Linear(32, 4))
+    profile = profile_layers(model, torch.randn(8, 32), warmup=0, repeats=2, peaks=PEAKS, block_depth=1)
+    blocks = {b.name: b for b in profile.blocks()}
+    assert set(blocks) >= {"0", "1", "2"}
+    assert blocks["0"].flops == sum(layer.flops for layer in profile.layers if layer.block == "0")
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert StepProfile.load(path) == profile
+
+
+class _Classify(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).argmax(-1)  # integers: nothing to differentiate without a loss
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ProfileError):
+        profile_layers(nn.Linear(2, 2), torch.randn(2, 2), repeats=0)
+    with pytest.raises(ProfileError, match="loss_fn"):
+        profile_layers(_Classify(), torch.randn(2, 4), peaks=None, repeats=1, warmup=0)
+    with pytest.raises(ProfileError, match="gradient"):
+        frozen = nn.Embedding(10, 4).requires_grad_(False)
+        profile_layers(frozen, torch.tensor([[1, 2]]), peaks=None, repeats=1, warmup=0)
