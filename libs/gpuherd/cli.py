@@ -559,9 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     r.set_defaults(func=cmd_replay)
 
-    from gpuherd.cli_analytics import add_commands
+    from gpuherd import cli_analytics, cli_profile
 
-    add_commands(sub)
+    cli_analytics.add_commands(sub)
+    cli_profile.add_commands(sub)
     return parser
 
 

@@ -69,6 +69,14 @@ def violations(records: Iterable[Record]) -> list[str]:
         vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
     if state.vc_used != vc_used:
         problems.append(f"the fold's per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
+    by_vc: dict[str, set[str]] = {}
+    priorities: dict[int, int] = {}
+    for job_id in state.queue:
+        spec = state.jobs[job_id].spec
+        by_vc.setdefault(spec.vc, set()).add(job_id)
+        priorities[spec.priority] = priorities.get(spec.priority, 0) + 1
+    if {vc: set(jobs) for vc, jobs in state.queued_by_vc.items()} != by_vc or state.queued_priorities != priorities:
+        problems.append("the fold's per-VC queue index drifted from the queue")
     if set(state.node_changes) != set(state.nodes) or any(
         state.node_changes[name] != node.version for name, node in state.nodes.items()
     ):

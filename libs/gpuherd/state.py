@@ -10,7 +10,6 @@ from the log.
 from __future__ import annotations
 
 import bisect
-import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
@@ -219,6 +218,10 @@ class ClusterState(msgspec.Struct, kw_only=True, gc=False):
     # looks at the jobs holding GPUs, not at every job the cluster ever ran.
     active: dict[str, None] = msgspec.field(default_factory=dict)
     vc_used: dict[str, int] = msgspec.field(default_factory=dict)  # GPUs the active jobs hold, per VC
+    # The queue by VC (unordered: a pass sorts by policy) and how many wait at each priority: a
+    # pass skips a VC whose quota is used up without looking at each of its waiting jobs.
+    queued_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
+    queued_priorities: dict[int, int] = msgspec.field(default_factory=dict)
     # Every change to a node ticks the clock; ``node_changes`` lists nodes by their last change,
     # oldest first, so a pass finds the nodes changed since the one before without a scan.
     node_clock: int = 0
@@ -334,11 +337,30 @@ def _release(state: ClusterState, job: JobState) -> None:
 
 def _enqueue(state: ClusterState, job: JobState) -> None:
     bisect.insort(state.queue, job.job, key=lambda j: state.jobs[j].order)
+    _index_queued(state, job)
+
+
+def _index_queued(state: ClusterState, job: JobState) -> None:
+    state.queued_by_vc.setdefault(job.spec.vc, {})[job.job] = None
+    priority = job.spec.priority
+    state.queued_priorities[priority] = state.queued_priorities.get(priority, 0) + 1
 
 
 def _dequeue(state: ClusterState, job_id: str) -> None:
-    with contextlib.suppress(ValueError):
+    try:
         state.queue.remove(job_id)
+    except ValueError:
+        return
+    job = state.jobs[job_id]
+    queued = state.queued_by_vc[job.spec.vc]
+    del queued[job_id]
+    if not queued:
+        del state.queued_by_vc[job.spec.vc]
+    left = state.queued_priorities[job.spec.priority] - 1
+    if left:
+        state.queued_priorities[job.spec.priority] = left
+    else:
+        del state.queued_priorities[job.spec.priority]
 
 
 def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> None:
@@ -440,6 +462,7 @@ def _job_submitted(state: ClusterState, seq: int, e: ev.JobSubmitted) -> None:
     if e.spec.intake_id is not None:
         state.intake_index[intake_key(e.intake_source, e.spec.intake_id)] = e.job
     state.queue.append(e.job)  # seq only grows, so appending keeps queue order
+    _index_queued(state, job)
 
 
 def _job_rejected(state: ClusterState, seq: int, e: ev.JobRejected) -> None:
@@ -597,7 +620,7 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
 # Bumped whenever the state's layout or an index kept by the fold changes meaning: a snapshot of
 # another format is not read (its indexes could be missing or stale) and the state is rebuilt
 # from the log, which is always possible.
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 
 
 class _Stored(msgspec.Struct, array_like=True):

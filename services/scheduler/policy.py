@@ -61,7 +61,11 @@ class Policy(abc.ABC):
         """Waiting jobs (``queue``, or all), first to try first."""
         self.prepare(state)
         jobs = [state.jobs[j] for j in (state.queue if queue is None else queue)]
-        return sorted(jobs, key=lambda j: (-j.spec.priority, self.key(j, state), j.order))
+        return sorted(jobs, key=lambda j: self.rank(j, state))
+
+    def rank(self, job: JobState, state: ClusterState) -> tuple:
+        """The sort key of ``order`` (after ``prepare``): priority, the policy's key, arrival."""
+        return (-job.spec.priority, self.key(job, state), job.order)
 
     def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
         """Whether ``waiting`` may take ``running``'s GPUs (preemptive policies only)."""

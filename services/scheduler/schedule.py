@@ -106,13 +106,19 @@ def _plan(
     if explain:
         order = policy.order(state)
     else:
-        # Jobs of a VC with its quota used up can neither start nor (but by preemption) become
-        # able to: leave a long queue's out of the sort unless they may preempt in their VC.
-        full = set() if policy.preemptive or len(state.queue) < 64 else _full_vcs(state, vc_used)
+        # Jobs of a VC with its quota used up cannot start, and only its first may preempt (in
+        # the VC, or by priority): of a long queue, only those firsts are sorted with the rest.
+        full = set() if len(state.queue) < 64 else _full_vcs(state, vc_used)
         if full:
-            jobs = state.jobs
+            queue = [j for vc, queued in state.queued_by_vc.items() if vc not in full for j in queued]
             lowest = min((j.spec.priority for j in state.active_jobs()), default=0)
-            queue = [j for j in state.queue if jobs[j].spec.vc not in full or jobs[j].spec.priority > lowest]
+            if policy.preemptive or max(state.queued_priorities) > lowest:
+                policy.prepare(state)
+                jobs = state.jobs
+                for vc in full & state.queued_by_vc.keys():
+                    able = [j for j in state.queued_by_vc[vc] if j not in skip and not jobs[j].cancel_requested]
+                    if able:
+                        queue.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
             order = policy.order(state, queue)
         else:
             order = policy.order(state)

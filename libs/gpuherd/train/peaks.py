@@ -75,11 +75,11 @@ def _read(path: Path) -> dict[str, dict]:
 def measure_peaks(device: torch.device, dtype: torch.dtype, *, repeats: int = 5) -> DevicePeaks:
     """Best-of-``repeats`` matmul FLOP/s and copy bandwidth (sizes large enough to leave the caches)."""
     cuda = device.type == "cuda"
-    n = 8192 if cuda else 1024
+    n = 8192 if cuda else 2048
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     matmul = _best(lambda: torch.mm(a, b), device, repeats)
-    elements = (1 << 28 if cuda else 1 << 24) // torch.tensor([], dtype=dtype).element_size()
+    elements = (1 << 30 if cuda else 1 << 28) // torch.tensor([], dtype=dtype).element_size()
     src = torch.empty(elements, device=device, dtype=dtype).fill_(1)
     dst = torch.empty_like(src)
     copy = _best(lambda: dst.copy_(src), device, repeats)
