@@ -63,6 +63,7 @@ def run(
             raise SystemExit(f"failing on purpose at step {step}")  # exit code 1 with a message on stderr
         index = torch.randint(0, len(inputs), (args.batch_size,))
         x, y = inputs[index].to(ctx.device), labels[index].to(ctx.device)
+        ctx.maybe_profile(model, x, loss_fn=lambda out, y=y: F.cross_entropy(out, y))  # on `gpuherd profile --job`
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()

@@ -3,7 +3,8 @@
     gpuherd profile examples/train_cnn.py:SmallResNet --input 3,32,32 --batch 32
     gpuherd profile examples/transformer.py:TransformerBlock --input 128,256 --json p.json --plot roofline.png
     gpuherd profile examples/train_cnn.py:SmallResNet --input 3,32,32 --ddp 1,2,4,8
-    gpuherd profile --from p.json                      # show a saved profile (or a job's ProfileReported)
+    gpuherd profile --from p.json                      # show a saved profile
+    gpuherd profile --job JOB --steps 5                # a running job profiles its own steps
 
 TARGET is ``path/to/file.py:Factory`` or ``package.module:Factory``; the factory is called with no
 arguments and must return an ``nn.Module``.
@@ -181,7 +182,43 @@ def make_batch(args: argparse.Namespace, device: Any) -> Any:
     return torch.randn(shape, device=device, dtype=getattr(torch, args.dtype))
 
 
+async def request_job_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Ask a running job for a profile and wait for the first ``ProfileReported`` answering it."""
+    import asyncio
+
+    from gpuherd import events as ev
+    from gpuherd.cli import _nats_url, _open
+    from gpuherd.client import Client
+    from gpuherd.errors import GpuherdError
+
+    log_ = await _open(args)
+    client = await Client.connect(_nats_url(args), source="cli")
+    try:
+        start = await log_.last_seq() + 1
+        request = await client.request_profile(args.job, args.steps)
+
+        async def answer() -> dict[str, Any]:
+            async for record in log_.read(start, follow=True):
+                event = record.event
+                if isinstance(event, ev.ProfileReported) and event.request == request:
+                    return event.profile
+            raise GpuherdError("the log ended")
+
+        try:
+            return await asyncio.wait_for(answer(), args.wait)
+        except TimeoutError:
+            raise GpuherdError(
+                f"no profile from {args.job} within {args.wait:.0f}s: it must be running on agents that run "
+                "processes, and its script must call ctx.maybe_profile(model, batch) each step"
+            ) from None
+    finally:
+        await client.close()
+        await log_.close()
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    import asyncio
+
     import torch
 
     from gpuherd.train.dataparallel import measure_allreduce, predict_scaling
@@ -189,6 +226,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.source:
         profile = StepProfile.load(args.source)
+    elif args.job:
+        with console.status(f"asking {args.job} for a profile of {args.steps} steps"):
+            profile = StepProfile.from_dict(asyncio.run(request_job_profile(args)))
     else:
         if not args.target or not args.input:
             console.print("[red]give TARGET and --input (or --from a saved profile)[/red]")
@@ -242,6 +282,9 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("profile", help="per-layer time, FLOPs, bytes, intensity and roofline of a model")
     p.add_argument("target", nargs="?", help="path/to/file.py:Factory or package.module:Factory")
     p.add_argument("--from", dest="source", help="show a saved profile JSON instead of profiling")
+    p.add_argument("--job", help="profile a running job's own steps (recorded as ProfileRequested/ProfileReported)")
+    p.add_argument("--steps", type=int, default=5, help="--job: steps to profile")
+    p.add_argument("--wait", type=float, default=120.0, help="--job: seconds to wait for the answer")
     p.add_argument("--input", help="one sample's shape, e.g. 3,32,32 (the batch dimension comes from --batch)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--input-dtype", choices=["float", "long"], default="float", help="long: token ids")

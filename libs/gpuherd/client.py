@@ -145,6 +145,18 @@ class Client:
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
         await log_.append([ev.JobCancelRequested(**self._stamp("cancel"), job=job_id, reason=reason)])
 
+    async def request_profile(self, job_id: str, steps: int = 5) -> str:
+        """Ask a running job to profile ``steps`` of its training steps; the request's event id
+        (its ``ProfileReported`` names it)."""
+        if steps < 1:
+            raise SubmissionError(f"a profile needs at least one step, got {steps}")
+        log_ = await self._log()
+        if await log_.subject_last_seq(f"herd.job.{job_id}") == 0:
+            raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
+        request = ev.ProfileRequested(**self._stamp("profile"), job=job_id, steps=steps)
+        await log_.append([request])
+        return request.id
+
     async def configure_vc(
         self, vc: str, *, gpu_quota: int | None, can_borrow: bool = True, weight: float = 1.0
     ) -> None:

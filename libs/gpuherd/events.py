@@ -416,6 +416,32 @@ class JobRequeued(Decision, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+class ProfileRequested(Event, kw_only=True, frozen=True):
+    """Someone asks a running job for a per-layer profile of ``steps`` of its own training steps
+    (``gpuherd profile --job``). The agents running it pass the request to the job's leader rank."""
+
+    job: str
+    steps: int = 5
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class ProfileReported(Event, kw_only=True, frozen=True):
+    """A rank's per-layer profile of its own steps (``gpuherd.train.profile.StepProfile.to_dict()``:
+    per layer forward/backward time, FLOPs, bytes, memory; the device's measured roofs)."""
+
+    job: str
+    attempt: int
+    node: str
+    rank: int
+    request: str = ""  # the ProfileRequested id it answers
+    profile: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
 AnyEvent = (
     NodeRegistered
     | NodeDrained
@@ -439,6 +465,8 @@ AnyEvent = (
     | JobDurationPredicted
     | JobPreempted
     | JobRequeued
+    | ProfileRequested
+    | ProfileReported
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]

@@ -20,6 +20,7 @@ ATTEMPT = "GPUHERD_ATTEMPT"
 NODE = "GPUHERD_NODE"
 AGENT_ADDR = "GPUHERD_AGENT_ADDR"  # the agent's control socket (see services/nodeagent/control.py)
 VIRTUAL_GPUS = "GPUHERD_VIRTUAL_GPUS"  # cpu executor: the declared GPU indices this process stands for
+TASK_DIR = "GPUHERD_TASK_DIR"  # the attempt's folder on the node: the agent leaves requests there
 
 RESERVED = frozenset(
     {
@@ -36,5 +37,14 @@ RESERVED = frozenset(
         NODE,
         AGENT_ADDR,
         VIRTUAL_GPUS,
+        TASK_DIR,
     }
 )
+
+# In TASK_DIR: the agent writes a profile request (``{"request": id, "steps": n}``), the leader
+# rank claims it and writes its profile (``StepProfile.to_dict()``) there before telling the agent.
+PROFILE_REQUEST_FILE = "profile-request.json"
+
+
+def profile_result_file(rank: int) -> str:
+    return f"profile-rank{rank}.json"

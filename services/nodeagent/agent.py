@@ -240,7 +240,9 @@ class Agent:
                     if me is not None and me.status == "lost":
                         await self.register(after_seq=record.seq)
                 continue
-            if job_id is not None:
+            if isinstance(event, ev.ProfileRequested):
+                self._pass_profile_request(event)
+            elif job_id is not None:
                 self.kick(job_id)
                 if isinstance(event, ev.JobFinished | ev.JobRequeued):
                     self.kick_power()  # a draining node may now be empty
@@ -402,7 +404,49 @@ class Agent:
 
     # -- what jobs tell the agent, and what people ask it ----------------------------------------
 
+    def _pass_profile_request(self, event: ev.ProfileRequested) -> None:
+        """Leave the request where the job's leader rank looks for it (a request for a job not
+        running here, or on an executor without processes, is not this agent's to answer)."""
+        job = self.state.jobs.get(event.job)
+        if job is None or job.status not in ACTIVE or self.node not in job.nodes:
+            return
+        key = TaskKey(job.job, job.attempt)
+        if self.executor.request_profile(key, event.id, event.steps):
+            log.info("profile requested", job=job.job, attempt=job.attempt, steps=event.steps)
+
+    def _on_profile(self, key: TaskKey, report: dict) -> None:
+        data = self.executor.profile_result(key, str(report.get("file", "")))
+        try:
+            profile = msgspec.json.decode(data) if data is not None else None
+        except msgspec.DecodeError:
+            profile = None
+        if not isinstance(profile, dict):
+            log.warning("ignored a profile report without a readable profile", job=key.job, file=report.get("file"))
+            return
+        rank, request = report["rank"], str(report.get("request", ""))
+        event = ev.ProfileReported(
+            **self._stamp("profile", key.job, str(key.attempt), str(rank), request),
+            job=key.job,
+            attempt=key.attempt,
+            node=self.node,
+            rank=rank,
+            request=request,
+            profile=profile,
+        )
+        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
     def _on_report(self, report: dict) -> None:
+        if report.get("kind") == "profile":
+            try:
+                key = TaskKey(str(report["job"]), int(report["attempt"]))
+                report["rank"] = int(report["rank"])
+            except (KeyError, TypeError, ValueError):
+                log.warning("ignored a malformed profile report")
+                return
+            if key in self.executor.running():
+                self._on_profile(key, report)
+            return
         try:
             key = TaskKey(str(report["job"]), int(report["attempt"]))
             rank, step = int(report["rank"]), int(report["step"])

@@ -44,6 +44,8 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
         ev.NodeDrained,
         ev.NodePowerDownRequested,
         ev.NodePoweredDown,
+        ev.ProfileRequested,
+        ev.ProfileReported,
     }
 )
 

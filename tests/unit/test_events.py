@@ -39,6 +39,10 @@ SAMPLES: list[ev.Event] = [
     ev.NodePowerUpRequested(id="t", node="n1", reason="2 jobs wait for 16 GPUs"),
     ev.NodePoweredDown(id="u", node="n1", cause="s"),
     ev.NodePoweredUp(id="w", node="n1", cause="t"),
+    ev.ProfileRequested(id="x", job="j1", steps=3),
+    ev.ProfileReported(
+        id="y", job="j1", attempt=0, node="n1", rank=0, request="x", profile={"model": "M", "layers": [{"name": "fc"}]}
+    ),
 ]
 
 

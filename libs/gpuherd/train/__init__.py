@@ -6,6 +6,7 @@
     model = ctx.wrap(model)         # DistributedDataParallel when there is more than one rank
     ...
     train.report(step, loss=loss)   # to the node agent (telemetry; the last one lands in JobFinished)
+    ctx.maybe_profile(model, batch) # answers `gpuherd profile --job` (one file check otherwise)
     ctx.close()
 
 A script started by hand (no agent, no env) runs as a single process.
@@ -14,17 +15,30 @@ A script started by hand (no agent, no env) runs as a single process.
 from __future__ import annotations
 
 import datetime
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gpuherd import jobenv
-from gpuherd.train.report import report
+from gpuherd.train.report import report, send
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["JobContext", "init", "report"]
+    from gpuherd.train.profile import StepProfile
+
+__all__ = ["JobContext", "init", "profile_layers", "report"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "profile_layers":  # torch-heavy: imported when used, not by every script
+        from gpuherd.train.profile import profile_layers
+
+        return profile_layers
+    raise AttributeError(name)
 
 
 @dataclass
@@ -57,11 +71,49 @@ class JobContext:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
+    def maybe_profile(
+        self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None
+    ) -> StepProfile | None:
+        """Call once per step: when someone asked for a profile of this job (``gpuherd profile
+        --job``), profile ``steps`` steps of ``model`` on ``batch`` here (this node's first rank;
+        the model's own layers, without DDP's communication), hand it to the agent, and return it.
+        Costs one file check per step otherwise."""
+        task_dir = os.environ.get(jobenv.TASK_DIR)
+        if not task_dir or self.local_rank != 0:
+            return None
+        request = _claim(Path(task_dir) / jobenv.PROFILE_REQUEST_FILE, self.rank)
+        if request is None:
+            return None
+        from gpuherd.train.profile import profile_layers
+
+        inner = getattr(model, "module", model) if self.distributed else model
+        profile = profile_layers(inner, batch, loss_fn=loss_fn, warmup=1, repeats=max(1, int(request["steps"])))
+        name = jobenv.profile_result_file(self.rank)
+        tmp = Path(task_dir) / f".{name}.tmp"
+        tmp.write_text(json.dumps(profile.to_dict()))
+        tmp.replace(Path(task_dir) / name)
+        send({"kind": "profile", "request": str(request.get("request", "")), "file": name})
+        return profile
+
     def close(self) -> None:
         import torch.distributed as dist
 
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _claim(path: Path, rank: int) -> dict[str, Any] | None:
+    """Take the request file (a rename: one process wins it) and read it."""
+    if not path.exists():
+        return None
+    taken = path.with_name(f"{path.name}.rank{rank}")
+    try:
+        path.rename(taken)
+        request = json.loads(taken.read_text())
+        taken.unlink()
+    except (OSError, ValueError):
+        return None
+    return request if isinstance(request, dict) and "steps" in request else None
 
 
 def _int(name: str, default: int) -> int:

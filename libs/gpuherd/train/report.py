@@ -24,18 +24,21 @@ def _address() -> bytes | None:
 
 def report(step: int, **values: float) -> bool:
     """Tell the agent how far this process is; True if the agent got it."""
+    return send({"kind": "metrics", "step": step, "values": {k: float(v) for k, v in values.items()}})
+
+
+def send(message: dict) -> bool:
+    """One message to the agent, stamped with this process's job, attempt, rank and time."""
     global _sock
     address = _address()
     if address is None:
         return False
     message = {
-        "kind": "metrics",
         "job": os.environ.get(jobenv.JOB_ID, ""),
         "attempt": int(os.environ.get(jobenv.ATTEMPT, "0")),
         "rank": int(os.environ.get(jobenv.RANK, "0")),
-        "step": step,
         "at": time.time(),
-        "values": {k: float(v) for k, v in values.items()},
+        **message,
     }
     try:
         if _sock is None:

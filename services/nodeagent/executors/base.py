@@ -101,6 +101,15 @@ class Executor(abc.ABC):
         """The task's captured output, per log file (the last ``max_bytes`` of each)."""
         return {}
 
+    def request_profile(self, key: TaskKey, request: str, steps: int) -> bool:
+        """Leave a profile request where the task's processes look for it; False if this
+        executor's tasks cannot profile (no processes)."""
+        return False
+
+    def profile_result(self, key: TaskKey, name: str) -> bytes | None:
+        """A profile a task's process wrote (``name`` as its report says), or None."""
+        return None
+
     async def shutdown(self) -> None:
         """The agent is stopping. By default its tasks stop too."""
         for key in list(self.running()):

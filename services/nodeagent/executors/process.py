@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from services.nodeagent.shim import write_json
 log = get_logger("gpuherd.nodeagent.executor")
 
 TAIL_LINES = 30
+_PROFILE_FILE = re.compile(r"profile-rank\d+\.json")
 
 
 @dataclass
@@ -164,6 +166,21 @@ class ProcessExecutor(Executor):
                     out.setdefault(task.gpus[local_rank % len(task.gpus)], []).append(pid)
         return out
 
+    def request_profile(self, key: TaskKey, request: str, steps: int) -> bool:
+        task_dir = self.task_dir(key)
+        if key not in self.running() or not task_dir.is_dir():
+            return False
+        write_json(task_dir / jobenv.PROFILE_REQUEST_FILE, {"request": request, "steps": steps})
+        return True
+
+    def profile_result(self, key: TaskKey, name: str) -> bytes | None:
+        if not _PROFILE_FILE.fullmatch(name):
+            return None  # only a file the runtime names itself, never a path out of the folder
+        try:
+            return (self.task_dir(key) / name).read_bytes()
+        except OSError:
+            return None
+
     def output(self, key: TaskKey, max_bytes: int = 65536) -> dict[str, str]:
         task_dir = self.task_dir(key)
         return {p.name: _tail_bytes(p, max_bytes) for p in sorted(task_dir.glob("rank-*.log"))}
@@ -194,6 +211,7 @@ class ProcessExecutor(Executor):
                     jobenv.ATTEMPT: str(launch.key.attempt),
                     jobenv.NODE: self.node,
                     jobenv.AGENT_ADDR: self.agent_addr,
+                    jobenv.TASK_DIR: str(task_dir),
                     "PYTHONUNBUFFERED": "1",
                 }
             )
