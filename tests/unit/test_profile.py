@@ -131,3 +131,55 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ProfileError, match="gradient"):
         frozen = nn.Embedding(10, 4).requires_grad_(False)
         profile_layers(frozen, torch.tensor([[1, 2]]), peaks=None, repeats=1, warmup=0)
+
+
+# -- data-parallel prediction ---------------------------------------------------------------------
+
+
+def _synthetic_profile() -> StepProfile:
+    from gpuherd.train.profile import LayerProfile
+
+    mib = 1 << 20
+    layers = [
+        LayerProfile(name=f"l{i}", kind="Linear", block=f"l{i}", forward_s=0.5, backward_s=1.0, grad_bytes=2 * mib)
+        for i in range(3)
+    ]
+    layers.append(LayerProfile(name=OUTSIDE, kind="outside", block=OUTSIDE))
+    return StepProfile(
+        device="cpu",
+        dtype="torch.float32",
+        batch_size=10,
+        warmup=0,
+        repeats=1,
+        step_s=4.5,
+        profiled_step_s=4.5,
+        layers=layers,
+    )
+
+
+def test_ddp_replay_overlaps_buckets_with_backward() -> None:
+    from gpuherd.train.dataparallel import AllReduceCost, predict_scaling
+
+    cost = AllReduceCost("gloo", 2, latency_s=0.0, bytes_per_s=float(1 << 20))  # 1 MiB/s: 2 s per layer
+    detail, points = predict_scaling(_synthetic_profile(), {2: cost}, workers=(1, 2))
+    one, two = points
+    assert one.step_s == pytest.approx(4.5) and one.comm_s == 0
+    # Backward ends at 1.5 + 3 = 4.5. The last layer's gradients (2 MiB) fill DDP's small first
+    # bucket at t=2.5 and are reduced by 4.5, hidden; the other two go together after the backward.
+    assert [d.bucket for d in detail] == [0, 1, 1]
+    assert [d.hidden for d in detail] == [True, False, False]
+    assert two.comm_s == pytest.approx(6.0) and two.exposed_s == pytest.approx(4.0)
+    assert two.step_s == pytest.approx(8.5)
+    assert two.efficiency == pytest.approx(4.5 / 8.5)
+
+
+def test_shared_cores_slow_compute_and_the_ring_model_carries_costs() -> None:
+    from gpuherd.train.dataparallel import AllReduceCost, predict_scaling
+
+    cost = AllReduceCost("gloo", 2, latency_s=1e-3, bytes_per_s=1e9)
+    four = cost.ring(4)
+    assert four.latency_s == pytest.approx(3e-3)  # 2(W-1) steps: 6 against 2
+    assert four.bytes_per_s == pytest.approx(1e9 * 1.0 / 1.5)  # 2(W-1)/W of the buffer: 1.5 against 1
+    free = AllReduceCost("gloo", 2, 0.0, float("inf"))
+    _, points = predict_scaling(_synthetic_profile(), {2: free}, workers=(1, 2, 4), cores=2)
+    assert [round(p.compute_s, 6) for p in points] == [4.5, 4.5, 9.0]  # 4 workers on 2 cores: twice as slow
