@@ -42,7 +42,8 @@ bench: install
 	$(PY) bench/bench_log.py
 	$(PY) bench/bench_agent.py
 	$(PY) bench/bench_scheduler.py
-	$(PY) bench/bench_sim.py --scales 1.0,0.25 --determinism
+	$(PY) bench/bench_sim.py --scales 1.0,0.5 --determinism
+	$(PY) bench/bench_profile.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache
