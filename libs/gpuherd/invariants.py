@@ -67,6 +67,12 @@ def violations(records: Iterable[Record]) -> list[str]:
     for job_id in active:
         job = state.jobs[job_id]
         vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    active_priorities: dict[int, int] = {}
+    for job_id in active:
+        priority = state.jobs[job_id].spec.priority
+        active_priorities[priority] = active_priorities.get(priority, 0) + 1
+    if state.active_priorities != active_priorities:
+        problems.append("the fold's per-priority count of active jobs drifted")
     if state.vc_used != vc_used:
         problems.append(f"the fold's per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
     by_vc: dict[str, set[str]] = {}

@@ -222,6 +222,7 @@ class ClusterState(msgspec.Struct, kw_only=True, gc=False):
     # pass skips a VC whose quota is used up without looking at each of its waiting jobs.
     queued_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
     queued_priorities: dict[int, int] = msgspec.field(default_factory=dict)
+    active_priorities: dict[int, int] = msgspec.field(default_factory=dict)  # placed/running jobs per priority
     # Every change to a node ticks the clock; ``node_changes`` lists nodes by their last change,
     # oldest first, so a pass finds the nodes changed since the one before without a scan.
     node_clock: int = 0
@@ -312,15 +313,21 @@ def _touch(state: ClusterState, node: NodeState) -> None:
 def _activate(state: ClusterState, job: JobState) -> None:
     state.active[job.job] = None
     state.vc_used[job.spec.vc] = state.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    state.active_priorities[job.spec.priority] = state.active_priorities.get(job.spec.priority, 0) + 1
 
 
 def _deactivate(state: ClusterState, job: JobState) -> None:
     if state.active.pop(job.job, False) is None:
-        left = state.vc_used[job.spec.vc] - job.spec.gpus
-        if left:
-            state.vc_used[job.spec.vc] = left
-        else:
-            del state.vc_used[job.spec.vc]
+        _count_down(state.vc_used, job.spec.vc, job.spec.gpus)
+        _count_down(state.active_priorities, job.spec.priority, 1)
+
+
+def _count_down(counts: dict, key: object, by: int) -> None:
+    left = counts[key] - by
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 def _release(state: ClusterState, job: JobState) -> None:
@@ -356,11 +363,7 @@ def _dequeue(state: ClusterState, job_id: str) -> None:
     del queued[job_id]
     if not queued:
         del state.queued_by_vc[job.spec.vc]
-    left = state.queued_priorities[job.spec.priority] - 1
-    if left:
-        state.queued_priorities[job.spec.priority] = left
-    else:
-        del state.queued_priorities[job.spec.priority]
+    _count_down(state.queued_priorities, job.spec.priority, 1)
 
 
 def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> None:
@@ -620,7 +623,7 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
 # Bumped whenever the state's layout or an index kept by the fold changes meaning: a snapshot of
 # another format is not read (its indexes could be missing or stale) and the state is rebuilt
 # from the log, which is always possible.
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 
 
 class _Stored(msgspec.Struct, array_like=True):

@@ -111,8 +111,7 @@ def _plan(
         full = set() if len(state.queue) < 64 else _full_vcs(state, vc_used)
         if full:
             queue = [j for vc, queued in state.queued_by_vc.items() if vc not in full for j in queued]
-            lowest = min((j.spec.priority for j in state.active_jobs()), default=0)
-            if policy.preemptive or max(state.queued_priorities) > lowest:
+            if policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0):
                 policy.prepare(state)
                 jobs = state.jobs
                 for vc in full & state.queued_by_vc.keys():
@@ -341,14 +340,20 @@ def _preempt(
     if not candidates:
         return
     stopping_for = {j.preempted_for for j in state.active_jobs() if j.preempt_reason is not None}
+    lowest = min(state.active_priorities, default=0)
+    lenders = any(vc.can_borrow for vc in state.vcs.values())
     for job in order:
         position = candidates.get(job.job)
         if position is None:
             continue
+        is_head = job.job == out.head
         if job.job in stopping_for:
             out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", position)
             return  # its victims' GPUs (and quota) are its reservation
-        is_head = job.job == out.head
+        if not (policy.preemptive or job.spec.priority > lowest or (is_head and lenders)):
+            if is_head:
+                return
+            continue  # nothing it could take: no lower priority, no policy ranking, no lent GPUs
         over = 0 if is_head else vc_used.get(job.spec.vc, 0) + job.spec.gpus - state.vcs[job.spec.vc].gpu_quota
         victims = _victims(state, policy, job, vc_used, same_vc=not is_head)
         chosen = _fewest_victims(job, victims, free, state, quota_over=over)
@@ -392,13 +397,11 @@ def _victims(
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
+    cap = state.scheduling.param("max_preemptions_per_hour")
     for running in state.active_jobs():
-        if running.preempt_reason is not None or running.stopping():
-            continue
         if same_vc and running.spec.vc != job.spec.vc:
             continue
-        recent = [t for t in running.preempted_at if state.now - t < 3600.0]
-        if len(recent) >= state.scheduling.param("max_preemptions_per_hour"):
+        if running.preempt_reason is not None or running.stopping():
             continue
         outranked = (
             job.spec.priority > running.spec.priority
@@ -409,7 +412,7 @@ def _victims(
             )
             or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
         )
-        if outranked:
+        if outranked and sum(1 for t in running.preempted_at if state.now - t < 3600.0) < cap:
             out.append(running)
     # Lowest priority first, then the least work lost, then the youngest.
     return sorted(
