@@ -34,7 +34,7 @@ CLUSTER_FILE = "cluster.json"
 AUDITABLE = {"scheduler": "services.scheduler.decide:SchedulerDecider"}
 
 
-def _nats_url(args: argparse.Namespace) -> str:
+def nats_url_of(args: argparse.Namespace) -> str:
     if getattr(args, "nats_url", None):
         return args.nats_url
     if os.environ.get("NATS_URL"):
@@ -57,14 +57,14 @@ def load_decider(name: str, policy: str | None = None) -> Any:
     return decider_cls(policy_mod.make_policy(policy or "fifo"))
 
 
-async def _open(args: argparse.Namespace):
+async def open_cli_log(args: argparse.Namespace):
     from gpuherd.log import open_log
 
     try:
-        return await asyncio.wait_for(open_log(_nats_url(args), name="gpuherd-cli", persistent=False), 10)
+        return await asyncio.wait_for(open_log(nats_url_of(args), name="gpuherd-cli", persistent=False), 10)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise GpuherdError(
-            f"cannot reach NATS at {_nats_url(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
+            f"cannot reach NATS at {nats_url_of(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
         ) from None
 
 
@@ -79,7 +79,7 @@ async def _state(args: argparse.Namespace) -> tuple[ClusterState, list[Any]]:
 
         records = read_log_file(args.log)
         return fold((r.seq, r.event) for r in records), records
-    log_ = await _open(args)
+    log_ = await open_cli_log(args)
     try:
         records = await log_.read_all()
     finally:
@@ -103,7 +103,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         spec = load_spec_file(args.file)
-        client = await Client.connect(_nats_url(args), source=args.source)
+        client = await Client.connect(nats_url_of(args), source=args.source)
         try:
             job_id = await client.submit(spec, timeout=args.timeout)
         finally:
@@ -121,7 +121,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from gpuherd.client import Client
 
     async def run() -> int:
-        client = await Client.connect(_nats_url(args), source="cli")
+        client = await Client.connect(nats_url_of(args), source="cli")
         try:
             await client.cancel(args.job, args.reason)
         finally:
@@ -143,7 +143,7 @@ def _client_call(args: argparse.Namespace, call) -> None:
     from gpuherd.client import Client
 
     async def run() -> None:
-        client = await Client.connect(_nats_url(args), source="cli")
+        client = await Client.connect(nats_url_of(args), source="cli")
         try:
             await call(client)
         finally:
@@ -336,7 +336,7 @@ def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
 
 def cmd_events(args: argparse.Namespace) -> int:
     async def run() -> int:
-        log_ = await _open(args)
+        log_ = await open_cli_log(args)
         try:
             start = 1
             if args.last and not args.follow:
@@ -372,7 +372,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from gpuherd.errors import LogUnavailable
 
     async def run() -> int:
-        log_ = await _open(args)
+        log_ = await open_cli_log(args)
         try:
             placed = [
                 r.event for r in await log_.read_all() if isinstance(r.event, ev.JobPlaced) and r.event.job == args.job

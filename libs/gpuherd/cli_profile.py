@@ -23,10 +23,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpuherd.errors import GpuherdError
+
 console = Console(width=None if sys.stdout.isatty() else 190)
 
 
-class ProfileTargetError(ValueError):
+class ProfileTargetError(GpuherdError, ValueError):
     """TARGET does not name a model factory that can be loaded."""
 
 
@@ -187,12 +189,12 @@ async def request_job_profile(args: argparse.Namespace) -> dict[str, Any]:
     import asyncio
 
     from gpuherd import events as ev
-    from gpuherd.cli import _nats_url, _open
+    from gpuherd.cli import nats_url_of, open_cli_log
     from gpuherd.client import Client
     from gpuherd.errors import GpuherdError
 
-    log_ = await _open(args)
-    client = await Client.connect(_nats_url(args), source="cli")
+    log_ = await open_cli_log(args)
+    client = await Client.connect(nats_url_of(args), source="cli")
     try:
         start = await log_.last_seq() + 1
         request = await client.request_profile(args.job, args.steps)

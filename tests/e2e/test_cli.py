@@ -201,3 +201,28 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
     wait_for(lambda: why(waiting)["status"] == "completed")
     nodes = {n["node"]: n for n in json.loads(cli(data, "nodes", "--json").stdout)}
     assert nodes["node-1"]["status"] == "up" and nodes["node-2"]["status"] == "drained"
+
+
+def test_profile_command_writes_table_json_and_roofline(tmp_path) -> None:
+    env = dict(ENV, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    args = ["profile", "examples/train_cnn.py:SmallResNet", "--input", "3,32,32", "--batch", "4"]
+    args += ["--warmup", "0", "--repeats", "2", "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "r.png")]
+    result = subprocess.run([*GPUHERD, *args], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "layers.0.conv1" in result.stdout and "compute" in result.stdout and "memory" in result.stdout
+    profile = json.loads((tmp_path / "p.json").read_text())
+    assert profile["model"] == "SmallResNet" and profile["peaks"]["matmul_flops"] > 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert (tmp_path / "cache" / "gpuherd" / "peaks.json").exists()  # measured once, then cached
+    shown = subprocess.run(
+        [*GPUHERD, "profile", "--from", str(tmp_path / "p.json"), "--blocks"], capture_output=True, text=True, env=env
+    )
+    assert shown.returncode == 0 and "layers.1" in shown.stdout
+    bad = subprocess.run(
+        [*GPUHERD, "profile", "examples/train_cnn.py:NoSuchModel", "--input", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "has no NoSuchModel" in bad.stdout + bad.stderr

@@ -58,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gpuherd.errors import GpuherdError
 from gpuherd.train.peaks import DevicePeaks, device_peaks
 
 Phase = Literal["forward", "backward"]
@@ -82,7 +83,7 @@ def _conv_backward_flops(
 _FLOP_FORMULAS = {**flop_registry, torch.ops.aten.convolution_backward: _conv_backward_flops}
 
 
-class ProfileError(ValueError):
+class ProfileError(GpuherdError, ValueError):
     """The model or batch cannot be profiled as given."""
 
 
