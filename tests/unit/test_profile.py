@@ -183,3 +183,17 @@ def test_shared_cores_slow_compute_and_the_ring_model_carries_costs() -> None:
     free = AllReduceCost("gloo", 2, 0.0, float("inf"))
     _, points = predict_scaling(_synthetic_profile(), {2: free}, workers=(1, 2, 4), cores=2)
     assert [round(p.compute_s, 6) for p in points] == [4.5, 4.5, 9.0]  # 4 workers on 2 cores: twice as slow
+
+
+def test_ddp_replay_adds_the_buffer_broadcast_before_forward() -> None:
+    from dataclasses import replace
+
+    from gpuherd.train.dataparallel import AllReduceCost, predict_scaling
+
+    cost = AllReduceCost("gloo", 2, latency_s=0.0, bytes_per_s=float(1 << 20))
+    with_buffers = replace(_synthetic_profile(), buffer_bytes=1 << 20)  # batch-norm statistics: 1 s to broadcast
+    _, (one, two) = predict_scaling(with_buffers, {2: cost}, workers=(1, 2))
+    assert one.step_s == pytest.approx(4.5)  # one worker broadcasts nothing
+    assert two.step_s == pytest.approx(8.5 + 1.0) and two.exposed_s == pytest.approx(5.0)
+    _, (_, quiet) = predict_scaling(with_buffers, {2: cost}, workers=(1, 2), broadcast_buffers=False)
+    assert quiet.step_s == pytest.approx(8.5)

@@ -1,16 +1,19 @@
 """How a data-parallel (DDP) job scales: per-layer compute next to its gradients' all-reduce.
 
-DDP all-reduces gradients in buckets (the first about 1 MiB, then ``bucket_bytes``) filled in
-backward order, and starts a bucket's all-reduce as soon as its last gradient is ready, so the
-communication of late layers hides behind the backward of earlier ones. ``predict_scaling``
+DDP broadcasts the model's buffers before each forward, and all-reduces gradients in buckets (the
+first about 1 MiB, then ``bucket_bytes``) filled in backward order, starting a bucket's
+all-reduce as soon as its last gradient is ready, so the communication of late layers hides
+behind the backward of earlier ones. ``predict_scaling``
 replays that on a measured ``StepProfile``: backward layer by layer, buckets launched as they
 fill, one all-reduce at a time, with the cost of each from ``AllReduceCost`` (latency plus bytes
 over bandwidth, fitted to all-reduces measured with ``measure_allreduce``: gloo on CPU, NCCL on
 GPU). What is left of the communication after the backward ends is exposed and lengthens the
 step.
 
-When workers share CPU cores (CPU training on one machine) each one's compute slows by
-``workers x threads / cores``; on GPUs every worker has its own device and it does not.
+When workers share CPU cores (CPU training on one machine) each one's compute slows down: by
+``workers x threads / cores`` if the cores are real and independent, or by the slowdown
+``measure_core_sharing`` measures (logical CPUs may be hyperthreads of fewer cores, and workers
+share caches and memory bandwidth). On GPUs every worker has its own device and it does not.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import os
 import queue as queue_module
 import socket
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +93,20 @@ def _free_port() -> int:
 
 
 def _allreduce_worker(
-    rank: int, workers: int, port: int, backend: str, sizes: list[int], repeats: int, out: mp.Queue
+    rank: int, workers: int, port: int, backend: str, sizes: list[int], repeats: int, busy: bool, out: mp.Queue
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=workers)
+    stop = threading.Event()
+    if busy:  # the worker's own training keeps its core busy while its gradients are reduced
+
+        def compute() -> None:
+            a = torch.randn(256, 256)
+            while not stop.is_set():
+                torch.mm(a, a)  # releases the GIL: a second thread, as DDP's backward is
+
+        threading.Thread(target=compute, daemon=True).start()
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -112,6 +125,7 @@ def _allreduce_worker(
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
         results.append((buffer.numel() * 4, statistics.median(times)))
+    stop.set()
     if rank == 0:
         out.put(results)
     dist.barrier()
@@ -124,13 +138,18 @@ def measure_allreduce(
     *,
     backend: str = "gloo",
     repeats: int = 5,
+    busy: bool = False,
 ) -> AllReduceCost:
-    """All-reduce buffers of ``sizes`` bytes among ``workers`` local processes and fit the cost."""
+    """All-reduce buffers of ``sizes`` bytes among ``workers`` local processes and fit the cost.
+    ``busy``: each process computes on another thread meanwhile, as a training worker does (on a
+    CPU whose cores all train, the all-reduce then competes with compute for them)."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
     procs = [
-        context.Process(target=_allreduce_worker, args=(rank, workers, port, backend, list(sizes), repeats, queue))
+        context.Process(
+            target=_allreduce_worker, args=(rank, workers, port, backend, list(sizes), repeats, busy, queue)
+        )
         for rank in range(workers)
     ]
     for proc in procs:
@@ -154,6 +173,36 @@ def measure_allreduce(
             if proc.is_alive():
                 proc.kill()
     return fit_cost(backend, workers, points)
+
+
+def _busy_worker(start: mp.Event, seconds: float, out: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    torch.mm(a, a)
+    start.wait()
+    done, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.mm(a, a)
+        done += 1
+    out.put(done / (time.perf_counter() - began))
+
+
+def measure_core_sharing(workers: Sequence[int], *, seconds: float = 1.0) -> dict[int, float]:
+    """How much slower one single-thread worker computes when ``n`` run at once on this machine
+    (matmuls in ``n`` processes against one alone): the compute slowdown of ``n`` CPU workers."""
+    context = mp.get_context("spawn")
+    rates: dict[int, float] = {}
+    for count in sorted({1, *workers}):
+        queue, start = context.Queue(), context.Event()
+        procs = [context.Process(target=_busy_worker, args=(start, seconds, queue)) for _ in range(count)]
+        for proc in procs:
+            proc.start()
+        time.sleep(0.5 + 0.2 * count)  # let every process import torch before the clock starts
+        start.set()
+        rates[count] = statistics.fmean(queue.get(timeout=120) for _ in range(count))
+        for proc in procs:
+            proc.join(30)
+    return {count: rates[1] / rate for count, rate in rates.items()}
 
 
 # -- the prediction ---------------------------------------------------------------------------------------
@@ -187,16 +236,27 @@ def predict_scaling(
     workers: Sequence[int] = (1, 2, 4, 8),
     extra_s: float = 0.0,
     cores: int | None = None,
+    slowdown: dict[int, float] | None = None,
     threads_per_worker: int = 1,
     bucket_bytes: int = BUCKET_BYTES,
+    broadcast_buffers: bool = True,
 ) -> tuple[list[LayerComm], list[ScalingPoint]]:
     """Per-layer communication (at the largest worker count) and the predicted step and
     throughput at each worker count. ``costs``: all-reduce cost per worker count (a missing count
     is carried from the largest measured one by the ring model). ``extra_s``: per-step time the
-    profile does not hold (optimizer, data loading). ``cores``: CPU cores the workers share."""
+    profile does not hold (optimizer, data loading). ``cores``: CPU cores the workers share;
+    ``slowdown``: measured compute slowdown per worker count (wins over ``cores``).
+    ``broadcast_buffers``: DDP's default, a broadcast of the model's buffers before every
+    forward, which nothing overlaps."""
     if not costs:
         raise ValueError("predict_scaling needs at least one measured all-reduce cost")
-    model = _Replay(profile, extra_s, cores, threads_per_worker, bucket_bytes)
+
+    def slow(count: int) -> float:
+        if slowdown and count in slowdown:
+            return max(1.0, slowdown[count])
+        return max(1.0, count * threads_per_worker / cores) if cores else 1.0
+
+    model = _Replay(profile, extra_s, slow, bucket_bytes, broadcast_buffers)
     single, _ = model.run(1, costs[max(costs)].ring(1))
     points, detail = [], []
     for count in workers:
@@ -211,21 +271,27 @@ class _Replay:
     """One DDP step replayed on the profile for a worker count."""
 
     def __init__(
-        self, profile: StepProfile, extra_s: float, cores: int | None, threads: int, bucket_bytes: int
+        self,
+        profile: StepProfile,
+        extra_s: float,
+        slow: Callable[[int], float],
+        bucket_bytes: int,
+        broadcast_buffers: bool,
     ) -> None:
         self.profile = profile
         self.layers = [layer for layer in profile.layers if layer.name != OUTSIDE]
         self.outside_s = sum(layer.backward_s for layer in profile.layers if layer.name == OUTSIDE)
         self.forward_s = sum(layer.forward_s for layer in profile.layers)
         self.extra_s = extra_s
-        self.cores = cores
-        self.threads = threads
+        self.slow = slow
+        self.broadcast_buffers = broadcast_buffers
         self.bucket_bytes = bucket_bytes
 
     def run(self, count: int, cost: AllReduceCost) -> tuple[dict[str, float], list[LayerComm]]:
-        slow = max(1.0, count * self.threads / self.cores) if self.cores else 1.0
-        t = self.forward_s * slow
-        comm_free = comm_total = 0.0
+        slow = self.slow(count)
+        sync = cost.time(self.profile.buffer_bytes) if self.broadcast_buffers else 0.0
+        t = sync + self.forward_s * slow
+        comm_free, comm_total = 0.0, sync
         buckets: list[tuple[list[int], float]] = []  # (layer indexes, when its all-reduce ends)
         members: list[int] = []
         filled, cap = 0, FIRST_BUCKET_BYTES
@@ -253,9 +319,9 @@ class _Replay:
         step = end + self.extra_s * slow
         point = {
             "workers": count,
-            "compute_s": backward_end + self.extra_s * slow,
+            "compute_s": backward_end - sync + self.extra_s * slow,
             "comm_s": comm_total,
-            "exposed_s": end - backward_end,
+            "exposed_s": end - backward_end + sync,
             "step_s": step,
             "samples_per_s": count * self.profile.batch_size / step,
         }

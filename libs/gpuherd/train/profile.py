@@ -153,6 +153,7 @@ class StepProfile:
     layers: list[LayerProfile]
     peaks: DevicePeaks | None = None
     model: str = ""
+    buffer_bytes: int = 0  # the model's buffers (batch-norm statistics): DDP broadcasts them every step
 
     @property
     def layer_sum_s(self) -> float:
@@ -257,6 +258,7 @@ def profile_layers(
         layers=rows,
         peaks=roofs,
         model=type(model).__name__,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
     )
 
 
