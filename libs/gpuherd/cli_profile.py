@@ -223,7 +223,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gpuherd.train.dataparallel import measure_allreduce, predict_scaling
+    from gpuherd.train.dataparallel import measure_allreduce, measure_core_sharing, predict_scaling
     from gpuherd.train.profile import StepProfile, profile_layers
 
     if args.source:
@@ -261,7 +261,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         costs = {}
         with console.status(f"measuring {backend} all-reduce among {measurable} local workers"):
             for w in measurable:
-                costs[w] = measure_allreduce(w, backend=backend)
+                costs[w] = measure_allreduce(w, backend=backend, busy=not cuda)  # CPU workers share cores
         for w, cost in costs.items():
             console.print(
                 f"{backend} all-reduce, {w} workers: {cost.latency_s * 1e6:.0f} us + bytes / "
@@ -273,6 +273,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             workers=workers,
             extra_s=args.extra_ms / 1e3,
             cores=None if cuda else (args.cores or os.cpu_count()),
+            slowdown=None if cuda or args.cores else measure_core_sharing(workers),
             threads_per_worker=args.threads or 1,
         )
         for table in scaling_tables(detail, points):
@@ -302,6 +303,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", help="write the profile here")
     p.add_argument("--plot", help="write the roofline plot (PNG) here")
     p.add_argument("--ddp", help="predict data-parallel scaling at these worker counts, e.g. 1,2,4,8")
-    p.add_argument("--cores", type=int, default=0, help="CPU cores the workers share (default: this machine's)")
+    p.add_argument(
+        "--cores", type=int, default=0, help="CPU cores the workers share (default: measure how they share this one)"
+    )
     p.add_argument("--extra-ms", type=float, default=0.0, help="per-step time outside forward/backward (optimizer)")
     p.set_defaults(func=cmd_profile)
