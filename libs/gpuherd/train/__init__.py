@@ -30,14 +30,21 @@ if TYPE_CHECKING:
 
     from gpuherd.train.profile import StepProfile
 
-__all__ = ["JobContext", "init", "profile_layers", "report"]
+__all__ = ["ElasticSampler", "ElasticState", "JobContext", "accumulation_steps", "init", "profile_layers", "report"]
+
+_LAZY = {  # torch-heavy: imported when used, not by every script
+    "profile_layers": "gpuherd.train.profile",
+    "ElasticSampler": "gpuherd.train.elastic",
+    "ElasticState": "gpuherd.train.elastic",
+    "accumulation_steps": "gpuherd.train.elastic",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "profile_layers":  # torch-heavy: imported when used, not by every script
-        from gpuherd.train.profile import profile_layers
+    if name in _LAZY:
+        import importlib
 
-        return profile_layers
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
 
 
