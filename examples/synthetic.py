@@ -1,4 +1,6 @@
-"""What the example scripts share: a learnable synthetic dataset and a DDP training loop.
+"""What the example scripts share: a learnable synthetic dataset, a DDP training loop, and an
+elastic one (when the job is elastic: it grows and shrinks at step boundaries, with one global
+sample order and a constant global batch, so it trains as if it had never been resized).
 
 Each class has a fixed random template; a sample is its class's template under
 heavy noise, so the loss really falls as the model learns. Every rank builds the same dataset from
@@ -11,12 +13,15 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from gpuherd import train
+from gpuherd.train.elastic import ElasticSampler, ElasticState
 
 
 def arguments(description: str) -> argparse.ArgumentParser:
@@ -27,6 +32,8 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=4096, help="dataset size (all ranks together)")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--global-batch", type=int, default=96, help="elastic jobs: samples per step, at any size")
+    parser.add_argument("--micro-batch", type=int, default=8, help="elastic jobs: samples per forward pass")
     parser.add_argument("--fail-at-step", type=int, default=None, help="exit with code 3 there (to test failures)")
     return parser
 
@@ -46,6 +53,8 @@ def run(
     classes: int,
 ) -> float:
     ctx = train.init()
+    if ctx.elastic:
+        return run_elastic(ctx, args, make_model, input_shape, classes)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts them)
     inputs, labels = make_dataset(args.samples, input_shape, classes, args.seed)
     inputs, labels = inputs[ctx.rank :: ctx.world_size], labels[ctx.rank :: ctx.world_size]
@@ -77,3 +86,68 @@ def run(
     print(f"final loss {loss_value:.4f}", flush=True)
     ctx.close()
     return loss_value
+
+
+def elastic_steps(
+    state: ElasticState,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int,
+    on_step: Callable[[ElasticState, float], None] | None = None,
+) -> list[float]:
+    """Train until ``steps`` (or until this worker leaves at a rescale); the global mean loss of
+    each step this worker ran."""
+    losses = []
+    while state.step < steps and state.sync():
+        with state.guard():
+            model = state.ddp()
+            state.optimizer.zero_grad()
+            step_loss = torch.zeros(1, device=inputs.device)
+            for indices, last in state.micro_batches():
+                with nullcontext() if last else model.no_sync():
+                    loss = F.cross_entropy(model(inputs[indices]), labels[indices]) / state.accumulation
+                    loss.backward()
+                step_loss += loss.detach()
+            dist.all_reduce(step_loss)  # before the optimizer step: inside the guard's rollback
+            state.optimizer.step()
+            state.finish_step()
+        losses.append(float(step_loss) / state.world)
+        if on_step is not None:
+            on_step(state, losses[-1])
+    return losses
+
+
+def run_elastic(
+    ctx: train.JobContext,
+    args: argparse.Namespace,
+    make_model: Callable[[], nn.Module],
+    input_shape: tuple[int, ...],
+    classes: int,
+) -> float:
+    torch.manual_seed(args.seed)
+    inputs, labels = make_dataset(args.samples, input_shape, classes, args.seed)
+    inputs, labels = inputs.to(ctx.device), labels.to(ctx.device)
+    model = make_model().to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = ElasticSampler(args.samples, args.global_batch, seed=args.seed)
+    state = ElasticState(model, optimizer, sampler=sampler, micro_batch=args.micro_batch, membership=ctx.membership())
+    print(f"job {ctx.job_id} attempt {ctx.attempt}: elastic worker {ctx.elastic_worker} on {ctx.device}", flush=True)
+    started, at_start = time.perf_counter(), 0
+
+    def log(state: ElasticState, loss: float) -> None:
+        nonlocal started, at_start
+        if state.step == 1 or state.step % args.log_every == 0 or state.step == args.steps:
+            rate = (state.step - at_start) * args.global_batch / max(1e-9, time.perf_counter() - started)
+            started, at_start = time.perf_counter(), state.step
+            if state.rank == 0:
+                print(f"step {state.step} loss {loss:.4f} world {state.world} samples/s {rate:.0f}", flush=True)
+                train.report(state.step, loss=loss, samples_per_s=rate, world=state.world)
+
+    losses = elastic_steps(state, inputs, labels, args.steps, on_step=log)
+    assert state.membership is not None
+    if state.membership.left:
+        print(f"worker {ctx.elastic_worker} left the job at step {state.step}", flush=True)
+    else:
+        print(f"final loss {losses[-1]:.4f}", flush=True)
+    state.membership.close()
+    return losses[-1] if losses else float("nan")

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from gpuherd.errors import EventDecodeError
+from gpuherd.jobenv import worker_id as worker_id
 
 # ---------------------------------------------------------------------------
 # base classes
@@ -76,9 +77,28 @@ def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: 
     return out
 
 
+LrScaling = Literal["linear"]
+
+
 class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An elastic job runs on ``min`` to ``max`` GPUs (one worker process each) and is resized
+    while it runs. ``global_batch`` samples a step at every size (``micro_batch`` per forward):
+    each world size it may take must divide ``global_batch`` by ``world x micro_batch``, unless the
+    job declares ``lr_scaling`` (then a step is ``world x micro_batch`` samples and the learning
+    rate follows the rule), in which case only the sizes that keep the global batch are exact."""
+
     min: int
     max: int
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    lr_scaling: LrScaling | None = None
+
+    def sizes(self) -> list[int]:
+        """The world sizes the job may run at: all of min..max, or those that keep the global batch."""
+        every = list(range(self.min, self.max + 1))
+        if self.global_batch is None or self.micro_batch is None or self.lr_scaling is not None:
+            return every
+        return [w for w in every if self.global_batch % (w * self.micro_batch) == 0]
 
 
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -442,6 +462,113 @@ class ProfileReported(Event, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+# ---------------------------------------------------------------------------
+# elastic jobs: grow and shrink while running
+
+
+RescaleKind = Literal["grow", "shrink", "recover", "rollback"]
+
+
+class RescaleProposed(Decision, kw_only=True, frozen=True):
+    """The elastic service would run an elastic job at ``gpus`` GPUs: grow into GPUs that would
+    stay idle, or shrink so that waiting jobs start. The scheduler, sole owner of GPUs, commits it
+    (``JobResized``) if it still holds when it decides; a stale proposal changes nothing."""
+
+    job: str
+    attempt: int
+    generation: int  # the generation it was based on
+    gpus: int
+    reason: str = ""
+    expected_samples_per_s: float | None = None  # the policy's prediction at the new size
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobResized(Decision, kw_only=True, frozen=True):
+    """A new generation of a running elastic job. Its workers, in rank order, are the GPUs of
+    ``allocations`` (a worker is ``<node>/<gpu>``); they meet at ``rendezvous`` (a new store for
+    every generation) and take the state of ``state_from``, the oldest surviving worker. ``joiners``
+    are started now; GPUs in ``releasing`` stay the job's until the rescale ends (their workers
+    take part in the switch, then leave)."""
+
+    job: str
+    attempt: int
+    generation: int
+    allocations: tuple[Allocation, ...]
+    rendezvous: Rendezvous | None = None
+    state_from: str = ""
+    joiners: tuple[str, ...] = ()
+    releasing: tuple[Allocation, ...] = ()
+    kind: RescaleKind = "grow"
+    reason: str = ""
+    borrowed: int = 0  # GPUs beyond the VC's quota after the resize
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class RescaleCompleted(Event, kw_only=True, frozen=True):
+    """The job's new rank 0 finished its first step at the new size. ``times`` are wall-clock
+    (event-time) stamps of each phase: decided, noticed, quiesced, reformed, restored, first_step."""
+
+    job: str
+    attempt: int
+    generation: int
+    node: str
+    world: int
+    world_before: int
+    times: dict[str, float] = msgspec.field(default_factory=dict)
+    samples_per_s_before: float | None = None  # measured throughput at the old size
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+    def durations(self) -> dict[str, float]:
+        t = self.times
+        pairs = {
+            "notice_s": ("decided", "noticed"),
+            "wait_s": ("noticed", "quiesced"),
+            "reform_s": ("quiesced", "reformed"),
+            "restore_s": ("reformed", "restored"),
+            "first_step_s": ("restored", "first_step"),
+            "pause_s": ("quiesced", "first_step"),
+            "total_s": ("decided", "first_step"),
+        }
+        return {name: t[b] - t[a] for name, (a, b) in pairs.items() if a in t and b in t}
+
+
+class RescaleFailed(Event, kw_only=True, frozen=True):
+    """A switch to ``generation`` failed on a worker (it rolled back to the state committed at the
+    old size). The scheduler commits a rollback generation of the workers that still hold state."""
+
+    job: str
+    attempt: int
+    generation: int
+    node: str
+    reason: str
+    step: int = 0  # the step the job rolled back to
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class WorkerLost(Event, kw_only=True, frozen=True):
+    """A worker of a running elastic job died outside a planned rescale. The job shrinks to the
+    survivors while they are at least its minimum."""
+
+    job: str
+    attempt: int
+    node: str
+    gpu: int
+    exit_code: int | None = None
+    reason: str = ""
+    output_tail: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
 AnyEvent = (
     NodeRegistered
     | NodeDrained
@@ -467,6 +594,11 @@ AnyEvent = (
     | JobRequeued
     | ProfileRequested
     | ProfileReported
+    | RescaleProposed
+    | JobResized
+    | RescaleCompleted
+    | RescaleFailed
+    | WorkerLost
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]
@@ -543,6 +675,11 @@ def decode(data: bytes) -> Event:
         return msgspec.convert(upcast(raw), AnyEvent)
     except msgspec.ValidationError as exc:
         raise EventDecodeError(f"invalid event: {exc}") from exc
+
+
+def workers_of(allocations: tuple[Allocation, ...]) -> tuple[str, ...]:
+    """An elastic job's workers in rank order: one per GPU, named ``<node>/<gpu>``."""
+    return tuple(worker_id(a.node, g) for a in allocations for g in a.gpus)
 
 
 def stable_id(*parts: str, length: int = 12) -> str:

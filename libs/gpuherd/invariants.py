@@ -23,6 +23,17 @@ def violations(records: Iterable[Record]) -> list[str]:
     terminal: Counter[str] = Counter()
     for record in records:
         event = record.event
+        if isinstance(event, ev.JobResized):
+            job = state.jobs.get(event.job)
+            if job is not None and job.status in ACTIVE and event.generation == job.generation + 1:
+                for alloc in event.allocations:
+                    node = state.nodes.get(alloc.node)
+                    for index in alloc.gpus:
+                        holder = node.gpus[index].job if node is not None and index < len(node.gpus) else "?"
+                        if holder not in (None, event.job):
+                            problems.append(
+                                f"seq {record.seq}: {event.job} grew onto {alloc.node}/{index}, held by {holder}"
+                            )
         if isinstance(event, ev.JobPlaced):
             job = state.jobs.get(event.job)
             if job is not None and job.status == "pending" and job.attempt == event.attempt:
@@ -66,7 +77,10 @@ def violations(records: Iterable[Record]) -> list[str]:
     vc_used: dict[str, int] = {}
     for job_id in active:
         job = state.jobs[job_id]
-        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
+        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.held
+        holds = sum(len(a.gpus) for a in (*job.allocations, *job.releasing))
+        if job.held != holds:
+            problems.append(f"job {job_id} counts {job.held} GPUs held but its allocations hold {holds}")
     active_priorities: dict[int, int] = {}
     for job_id in active:
         priority = state.jobs[job_id].spec.priority

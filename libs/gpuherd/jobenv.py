@@ -7,6 +7,9 @@ runs under gpuherd unchanged.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
+
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 RANK = "RANK"
@@ -48,3 +51,62 @@ PROFILE_REQUEST_FILE = "profile-request.json"
 
 def profile_result_file(rank: int) -> str:
     return f"profile-rank{rank}.json"
+
+
+# -- elastic jobs ------------------------------------------------------------------------------------
+# An elastic job runs one process per GPU; each is a *worker* with a stable identity
+# ("<node>/<gpu>") that survives rescales (its rank does not). The agent writes every generation
+# the scheduler commits (JobResized) to ELASTIC_PLAN_FILE in the task folder; workers read it at
+# step boundaries (``gpuherd.train.elastic``).
+ELASTIC_WORKER = "GPUHERD_ELASTIC_WORKER"
+ELASTIC_PLAN_FILE = "elastic-plan.json"
+
+RESERVED = RESERVED | {ELASTIC_WORKER}
+
+
+def worker_id(node: str, gpu: int) -> str:
+    return f"{node}/{gpu}"
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """One generation of an elastic job: its workers in rank order, where the generation's
+    rendezvous store listens (hosted by its rank 0), whose state everyone takes (``source``: the
+    oldest surviving worker), and which workers are new (the switch waits until they are ready)."""
+
+    generation: int
+    workers: tuple[str, ...]
+    addr: str
+    port: int
+    source: str
+    joiners: tuple[str, ...] = ()
+    decided_at: float = 0.0  # when the scheduler committed it (JobResized.at)
+    attempt: int = 0
+
+    @property
+    def world(self) -> int:
+        return len(self.workers)
+
+    def rank_of(self, worker: str) -> int:
+        """The worker's rank in this generation; -1 if it is not part of it (it leaves)."""
+        try:
+            return self.workers.index(worker)
+        except ValueError:
+            return -1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ElasticPlan:
+        raw = json.loads(text)
+        return cls(
+            generation=int(raw["generation"]),
+            workers=tuple(raw["workers"]),
+            addr=str(raw["addr"]),
+            port=int(raw["port"]),
+            source=str(raw["source"]),
+            joiners=tuple(raw.get("joiners", ())),
+            decided_at=float(raw.get("decided_at", 0.0)),
+            attempt=int(raw.get("attempt", 0)),
+        )

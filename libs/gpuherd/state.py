@@ -127,6 +127,20 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     borrowed: int = 0  # GPUs of the current attempt beyond its VC's quota
     last_nodes: list[str] = msgspec.field(default_factory=list)  # where the latest attempt was placed
     final_metrics: dict[str, float] | None = None  # what rank 0 last reported, once finished
+    # Elastic jobs: the generation of the current attempt (0 at placement, +1 per JobResized),
+    # GPUs of workers leaving at the rescale in flight (held until it ends), the allocations of
+    # the last generation that completed (a failed rescale rolls back to them), and what the
+    # job's rescales measured: samples/s per world size.
+    held: int = 0  # GPUs the job holds now: its allocations and the ones it is releasing
+    generation: int = 0
+    releasing: tuple[ev.Allocation, ...] = ()
+    committed: tuple[ev.Allocation, ...] = ()
+    rescale: ev.RescaleKind | None = None  # the kind of the rescale in flight
+    rescale_failed: bool = False  # the rescale in flight failed: a rollback is due
+    rescaled_at: float | None = None
+    lost_workers: list[str] = msgspec.field(default_factory=list)
+    throughput: dict[int, float] = msgspec.field(default_factory=dict)
+    service_from: float | None = None  # attained service is counted at ``held`` GPUs from here
 
     @property
     def gpus(self) -> int:
@@ -149,10 +163,19 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
         )
 
     def running_gpu_s(self, now: float) -> float:
-        """GPU-seconds of the current attempt so far."""
+        """GPU-seconds of the current attempt so far (at its current size since its last resize)."""
         if self.status != "running" or self.started_at is None:
             return 0.0
-        return self.spec.gpus * max(0.0, now - self.started_at)
+        return self.held * max(0.0, now - (self.service_from or self.started_at))
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """An elastic job's workers in rank order (``<node>/<gpu>``)."""
+        return ev.workers_of(self.allocations)
+
+    def survivors(self) -> int:
+        """Workers of the current generation that have not died."""
+        return sum(1 for w in self.workers if w not in self.lost_workers)
 
     def all_parts_ended(self) -> bool:
         return bool(self.allocations) and all(a.node in self.parts_ended for a in self.allocations)
@@ -293,7 +316,8 @@ def _account(state: ClusterState, job: JobState, at: float) -> None:
     """Add the ending attempt's GPU time to the job's attained service and its user's and VC's usage."""
     if job.status != "running" or job.started_at is None:
         return
-    used = job.spec.gpus * max(0.0, at - job.started_at)
+    used = job.held * max(0.0, at - (job.service_from or job.started_at))
+    job.service_from = at
     job.service_gpu_s += used
     half_life = state.scheduling.half_life_s
     for key in (f"user:{job.spec.user}", f"vc:{job.spec.vc}"):
@@ -312,14 +336,16 @@ def _touch(state: ClusterState, node: NodeState) -> None:
 
 def _activate(state: ClusterState, job: JobState) -> None:
     state.active[job.job] = None
-    state.vc_used[job.spec.vc] = state.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    job.held = sum(len(a.gpus) for a in job.allocations)
+    state.vc_used[job.spec.vc] = state.vc_used.get(job.spec.vc, 0) + job.held
     state.active_priorities[job.spec.priority] = state.active_priorities.get(job.spec.priority, 0) + 1
 
 
 def _deactivate(state: ClusterState, job: JobState) -> None:
     if state.active.pop(job.job, False) is None:
-        _count_down(state.vc_used, job.spec.vc, job.spec.gpus)
+        _count_down(state.vc_used, job.spec.vc, job.held)
         _count_down(state.active_priorities, job.spec.priority, 1)
+    job.held = 0
 
 
 def _count_down(counts: dict, key: object, by: int) -> None:
@@ -331,7 +357,7 @@ def _count_down(counts: dict, key: object, by: int) -> None:
 
 
 def _release(state: ClusterState, job: JobState) -> None:
-    for alloc in job.allocations:
+    for alloc in (*job.allocations, *job.releasing):
         node = state.nodes.get(alloc.node)
         if node is None:
             continue
@@ -340,6 +366,7 @@ def _release(state: ClusterState, job: JobState) -> None:
                 node.gpus[index].job = None
         _touch(state, node)
     job.allocations = ()
+    job.releasing = ()
 
 
 def _enqueue(state: ClusterState, job: JobState) -> None:
@@ -496,6 +523,13 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.last_nodes = [a.node for a in e.allocations]
     job.parts_ended = {}
     job.borrowed = e.borrowed
+    job.generation = 0
+    job.committed = e.allocations
+    job.releasing = ()
+    job.rescale = None
+    job.rescale_failed = False
+    job.lost_workers = []
+    job.service_from = None
     if job.first_placed_at is None:
         job.first_placed_at = e.at
     _dequeue(state, e.job)
@@ -533,6 +567,8 @@ def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:
         return
     if e.node in job.parts_ended:
         return  # the first word on a part stands (a lost node's late report changes nothing)
+    if e.outcome == "failed" and recovers_from_lost_workers(job, e.node):
+        return  # its workers died one by one (WorkerLost): the job shrinks to the survivors instead
     job.parts_ended[e.node] = PartEnd(
         outcome=e.outcome, exit_code=e.exit_code, reason=e.reason, output_tail=e.output_tail, metrics=e.metrics
     )
@@ -596,6 +632,121 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     _enqueue(state, job)
 
 
+# -- elastic jobs -------------------------------------------------------------------------------------
+
+
+def recovers_from_lost_workers(job: JobState, node: str | None = None) -> bool:
+    """An elastic job whose lost workers (all of ``node``'s, if given) leave enough survivors
+    (at least its minimum) goes on with them rather than failing its attempt."""
+    if job.spec.elastic is None or not job.lost_workers:
+        return False
+    if node is not None:
+        mine = [w for w in job.workers if w.rpartition("/")[0] == node]
+        if not all(w in job.lost_workers for w in mine):
+            return False
+    return job.survivors() >= job.spec.elastic.min
+
+
+def _gpus_of(allocations: Iterable[ev.Allocation]) -> set[tuple[str, int]]:
+    return {(a.node, g) for a in allocations for g in a.gpus}
+
+
+def _job_resized(state: ClusterState, seq: int, e: ev.JobResized) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or e.generation != job.generation + 1:
+        return
+    if not all(
+        alloc.node in state.nodes and all(0 <= i < len(state.nodes[alloc.node].gpus) for i in alloc.gpus)
+        for alloc in e.allocations
+    ):
+        return  # names GPUs that do not exist: never applied (invariants.violations reports it)
+    new = _gpus_of(e.allocations)
+    releasing = (_gpus_of(job.releasing) | _gpus_of(e.releasing)) - new
+    held_before = _gpus_of(job.allocations) | _gpus_of(job.releasing)
+    for node_name, index in (held_before - new - releasing) | (new - held_before):
+        node = state.nodes.get(node_name)
+        if node is None or index >= len(node.gpus):
+            continue
+        slot = node.gpus[index]
+        if (node_name, index) in new:
+            slot.job = e.job
+        elif slot.job == e.job:
+            slot.job = None
+        _touch(state, node)
+    _account(state, job, e.at)
+    job.allocations = e.allocations
+    job.releasing = _as_allocations(releasing)
+    _hold(state, job, len(new) + len(releasing))
+    job.generation = e.generation
+    job.rendezvous = e.rendezvous
+    job.rescale = e.kind
+    job.rescale_failed = False
+    job.rescaled_at = e.at
+    job.borrowed = e.borrowed
+    job.last_nodes = job.nodes
+    workers = set(job.workers)
+    job.lost_workers = [w for w in job.lost_workers if w in workers]
+    job.parts_ended = {n: p for n, p in job.parts_ended.items() if n in job.nodes}
+    job.started_nodes = [n for n in job.started_nodes if n in job.nodes]
+
+
+def _as_allocations(gpus: set[tuple[str, int]]) -> tuple[ev.Allocation, ...]:
+    by_node: dict[str, list[int]] = {}
+    for node, index in sorted(gpus):
+        by_node.setdefault(node, []).append(index)
+    return tuple(ev.Allocation(node, tuple(indices)) for node, indices in by_node.items())
+
+
+def _hold(state: ClusterState, job: JobState, held: int) -> None:
+    """The job now holds ``held`` GPUs: keep its VC's use in step."""
+    if job.job in state.active and held != job.held:
+        state.vc_used[job.spec.vc] = state.vc_used.get(job.spec.vc, 0) + held - job.held
+        if not state.vc_used[job.spec.vc]:
+            del state.vc_used[job.spec.vc]
+    job.held = held
+
+
+def _rescale_completed(state: ClusterState, seq: int, e: ev.RescaleCompleted) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+        return
+    if e.samples_per_s_before is not None and e.world_before > 0:
+        job.throughput[e.world_before] = e.samples_per_s_before
+    if e.generation != job.generation or job.rescale is None:
+        return
+    for alloc in job.releasing:
+        node = state.nodes.get(alloc.node)
+        if node is None:
+            continue
+        for index in alloc.gpus:
+            if index < len(node.gpus) and node.gpus[index].job == job.job:
+                node.gpus[index].job = None
+        _touch(state, node)
+    _account(state, job, e.at)
+    job.releasing = ()
+    _hold(state, job, sum(len(a.gpus) for a in job.allocations))
+    job.committed = job.allocations
+    job.rescale = None
+    job.rescale_failed = False
+
+
+def _rescale_failed(state: ClusterState, seq: int, e: ev.RescaleFailed) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+        return
+    if e.generation == job.generation and job.rescale is not None:
+        job.rescale_failed = True
+
+
+def _worker_lost(state: ClusterState, seq: int, e: ev.WorkerLost) -> None:
+    job = state.jobs.get(e.job)
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+        return
+    worker = ev.worker_id(e.node, e.gpu)
+    if worker in job.workers and worker not in job.lost_workers:
+        job.lost_workers.append(worker)
+
+
 _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.NodeRegistered: _node_registered,
     ev.NodeDrained: _node_drained,
@@ -618,12 +769,16 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.JobDurationPredicted: _job_duration_predicted,
     ev.PolicyConfigured: _policy_configured,
     ev.GpuHealthChanged: _gpu_health_changed,
+    ev.JobResized: _job_resized,
+    ev.RescaleCompleted: _rescale_completed,
+    ev.RescaleFailed: _rescale_failed,
+    ev.WorkerLost: _worker_lost,
 }  # type: ignore[dict-item]
 
 # Bumped whenever the state's layout or an index kept by the fold changes meaning: a snapshot of
 # another format is not read (its indexes could be missing or stale) and the state is rebuilt
 # from the log, which is always possible.
-STATE_FORMAT = 4
+STATE_FORMAT = 5
 
 
 class _Stored(msgspec.Struct, array_like=True):

@@ -30,6 +30,7 @@ from gpuherd.decider import Decider
 from gpuherd.state import ACTIVE, ClusterState, JobState, apply, decode_state, encode_state
 from services.scheduler.placement import ViewCache
 from services.scheduler.policy import POLICIES, Fifo, Policy, make_policy
+from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
 from services.scheduler.schedule import Plan, plan
 
 # Events after which a pass can place nothing the pass before could not: no GPU freed, no job,
@@ -46,8 +47,14 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
         ev.NodePoweredDown,
         ev.ProfileRequested,
         ev.ProfileReported,
+        ev.RescaleFailed,
+        ev.WorkerLost,
     }
 )
+
+
+# Of those, the ones it still reacts to (settling an attempt, committing an elastic job's new generation).
+REACTS_TO: frozenset[type[ev.Event]] = frozenset({ev.TaskEnded, ev.RescaleFailed, ev.WorkerLost})
 
 
 class SchedulerDecider(Decider[ClusterState]):
@@ -72,9 +79,15 @@ class SchedulerDecider(Decider[ClusterState]):
 
     def decide(self, state: ClusterState, event: ev.Event) -> list[ev.Event]:
         kind = type(event)
-        if kind in NOTHING_TO_PLACE and kind is not ev.TaskEnded:
+        if kind in NOTHING_TO_PLACE and kind not in REACTS_TO:
             return []  # (the common case first: most events are these)
         decisions: list[ev.Event] = []
+        if isinstance(event, ev.RescaleProposed):
+            return on_proposal(state, event)  # a pass waits until the resize is folded (it takes GPUs)
+        if isinstance(event, ev.RescaleFailed):
+            return on_failed(state, event)
+        if isinstance(event, ev.WorkerLost):
+            return on_worker_lost(state, event)
         if isinstance(event, ev.ClockTicked):
             decisions += lost_nodes(state, event)
         elif isinstance(event, ev.NodeLost):

@@ -74,6 +74,8 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | No
             return f"`elastic` needs 1 <= min <= max, got min={lo} max={hi}"
         if not lo <= spec.gpus <= hi:
             return f"`gpus` ({spec.gpus}) must lie within elastic min..max ({lo}..{hi})"
+        if problem := _elastic_problem(spec, spec.elastic):
+            return problem
     if not 0 <= spec.max_retries <= 100:
         return f"`max_retries` must be between 0 and 100, got {spec.max_retries}"
     if spec.procs_per_node is not None:
@@ -116,6 +118,34 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | No
         if per_node > max(sizes):
             largest = "the largest node" if every else "the largest node that can run it"
             return f"asks for {per_node} GPUs per node but {largest} has {max(sizes)}"
+    return None
+
+
+def _elastic_problem(spec: ev.JobSpec, elastic: ev.Elastic) -> str | None:
+    """An elastic job runs one worker per GPU on as many nodes as it gets, and keeps its global
+    batch at every size it may take (or says how the learning rate follows a changing batch)."""
+    if spec.nodes is not None:
+        return "an elastic job cannot fix `nodes`: its GPUs change while it runs"
+    if spec.procs_per_node is not None:
+        return "an elastic job runs one worker process per GPU; leave out `procs_per_node`"
+    batch, micro = elastic.global_batch, elastic.micro_batch
+    if (batch is None) != (micro is None):
+        return "give both `elastic.global_batch` and `elastic.micro_batch`, or neither"
+    if batch is None or micro is None:
+        return None
+    if batch < 1 or micro < 1:
+        return f"`elastic.global_batch` and `elastic.micro_batch` must be positive, got {batch} and {micro}"
+    if elastic.lr_scaling is not None:
+        return None
+    fits = elastic.sizes()
+    bad = sorted({w for w in (elastic.min, spec.gpus, elastic.max) if w not in fits})
+    if bad:
+        works = ", ".join(map(str, fits)) or "none"
+        return (
+            f"a global batch of {batch} is not a whole number of micro-batches of {micro} on every worker "
+            f"at {', '.join(map(str, bad))} GPUs (sizes within {elastic.min}..{elastic.max} that work: {works}); "
+            "choose min, max and gpus among those, change the batch sizes, or declare `elastic.lr_scaling`"
+        )
     return None
 
 

@@ -436,8 +436,8 @@ def _fewest_victims(
     for count, victim in enumerate(victims[:MAX_VICTIMS], 1):
         for alloc in victim.allocations:
             freed.setdefault(alloc.node, set()).update(alloc.gpus)
-        available += victim.spec.gpus
-        released += victim.spec.gpus
+        available += victim.held
+        released += victim.held
         if available < job.spec.gpus or released < quota_over:
             continue  # not enough GPUs (or quota) yet, whatever their shape
         trial = dict(free)
@@ -465,18 +465,20 @@ def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
 
 
 def choose_rendezvous(
-    state: ClusterState, job: JobState, leader: str, in_use: dict[str, set[int]]
+    state: ClusterState, job: JobState, leader: str, in_use: dict[str, set[int]], *, generation: int = 0
 ) -> ev.Rendezvous | None:
-    """MASTER_ADDR/PORT of an attempt: the leader node's address and a port of its declared range
-    that no running job there holds. The first port tried depends on (job, attempt), so a retry does
-    not reuse the port of the attempt before it (it may linger in TIME_WAIT)."""
+    """MASTER_ADDR/PORT of an attempt (or of an elastic job's generation): the leader node's
+    address and a port of its declared range that no running job there holds. The first port tried
+    depends on (job, attempt, generation), so a retry or a rescale does not reuse the port before
+    it (it may linger in TIME_WAIT)."""
     node = state.nodes[leader]
     if node.port_range is None or not node.address:
         return None  # a node without processes (sim) needs no rendezvous
     first, last = node.port_range
     size = last - first + 1
     taken = in_use.setdefault(leader, set())
-    start = int(ev.stable_id(job.job, str(job.attempt), length=8), 16) % size
+    salt = (str(generation),) if generation else ()
+    start = int(ev.stable_id(job.job, str(job.attempt), *salt, length=8), 16) % size
     for offset in range(size):
         port = first + (start + offset) % size
         if port not in taken:

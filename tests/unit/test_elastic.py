@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gpuherd.train.elastic import ElasticSampler, ElasticState, GlobalBatchError, accumulation_steps, ledger
+from gpuherd.jobenv import ElasticPlan
+from gpuherd.train.elastic import (
+    ElasticSampler,
+    ElasticState,
+    GlobalBatchError,
+    Membership,
+    accumulation_steps,
+    ledger,
+)
 
 GLOBAL_BATCH, MICRO = 24, 2
 WORLDS = [w for w in range(1, 13) if GLOBAL_BATCH % (w * MICRO) == 0]  # 1, 2, 3, 4, 6, 12
@@ -139,6 +153,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports (held open together, so none is handed out twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _broadcast_worker(rank: int, port: int, out: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -169,3 +195,206 @@ def test_broadcast_hands_the_whole_state_to_a_joining_rank() -> None:
     (params0, step0, cursor0), (params1, step1, cursor1) = results[0], results[1]
     assert (step0, cursor0) == (step1, cursor1) == (5, 5 * GLOBAL_BATCH % 96)
     assert params0 == params1  # bit-identical
+
+
+# -- rescaling examples/train_cnn.py's model while it trains, in real processes over gloo ---------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SAMPLES, CNN_BATCH, CNN_MICRO, CNN_STEPS = 96, 24, 4, 16  # 4 steps an epoch, 4 epochs
+
+
+class StepPlans:
+    """The test's scheduler and agent: generation n shows once this worker reaches step ``at[n]``
+    and is in generation n - 1 (a new worker sees its own at once); the rollback plan once this
+    worker reported a failed switch."""
+
+    def __init__(
+        self,
+        timeline: list[tuple[int, ElasticPlan]],
+        step: Callable[[], int],
+        current: Callable[[], int | None],
+        not_before: int,
+    ) -> None:
+        self.timeline, self.step, self.current, self.not_before = timeline, step, current, not_before
+        self.rollback: ElasticPlan | None = None
+        self.failed = False
+        self.shown: dict[int, float] = {}
+
+    def latest(self) -> ElasticPlan | None:
+        step = max(self.step(), self.not_before)
+        visible = [plan for at, plan in self.timeline if at <= step]
+        if (current := self.current()) is not None:
+            visible = [plan for plan in visible if plan.generation <= current + 1]
+        if self.failed and self.rollback is not None:
+            visible.append(self.rollback)
+        if not visible:
+            return None
+        plan = max(visible, key=lambda p: p.generation)
+        return dataclasses.replace(plan, decided_at=self.shown.setdefault(plan.generation, time.time()))
+
+
+class LedgerState(ElasticState):
+    """Records which samples this worker trained on, per epoch, once each step is done."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.used: dict[int, list[int]] = {}
+        self._pending: list[int] = []
+
+    def micro_batches(self):  # type: ignore[no-untyped-def]
+        self._pending = []
+        for indices, last in super().micro_batches():
+            self._pending.extend(int(i) for i in indices)
+            yield indices, last
+
+    def finish_step(self) -> None:
+        self.used.setdefault(self.sampler.epoch, []).extend(self._pending)
+        super().finish_step()
+
+
+def _cnn_worker(
+    worker: str,
+    timeline: list[tuple[int, ElasticPlan]],
+    rollback: ElasticPlan | None,
+    not_before: int,
+    doomed: bool,
+    out: mp.Queue,
+) -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    from synthetic import elastic_steps, make_dataset
+    from train_cnn import SmallResNet
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    inputs, labels = make_dataset(SAMPLES, (3, 16, 16), 10, seed=0)
+    model = SmallResNet(width=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    state = LedgerState(
+        model, optimizer, sampler=ElasticSampler(SAMPLES, CNN_BATCH, seed=3), scheduler=scheduler, micro_batch=CNN_MICRO
+    )
+    membership: Membership | None = None
+    plans = StepPlans(
+        timeline,
+        lambda: state.step,
+        lambda: membership.current.generation if membership and membership.current else None,
+        not_before,
+    )
+    plans.rollback = rollback
+    reports: list[dict] = []
+
+    def reporter(message: dict) -> None:
+        reports.append(message)
+        plans.failed = plans.failed or message["event"] == "failed"
+
+    membership = Membership(
+        worker, plans, reform_timeout_s=5.0, join_timeout_s=120.0, recover_timeout_s=60.0, reporter=reporter
+    )
+    state.membership = membership
+    if doomed:  # killed during re-formation: after it told the others it is ready, before it joins
+        dist.init_process_group = lambda *a, **k: os._exit(9)
+    # A step takes at least 0.2 s, as real ones do: new workers start while the old ones train.
+    losses = elastic_steps(state, inputs, labels, CNN_STEPS, on_step=lambda *_: time.sleep(0.2))
+    finished = state.step == CNN_STEPS and not state.membership.left
+    params = [p.detach().numpy().tobytes() for p in model.parameters()] if finished else None
+    state.membership.close()
+    out.put((worker, state.used, losses, params, reports))
+
+
+def _plan(generation: int, workers: str, port: int, source: str, joiners: str = "") -> ElasticPlan:
+    return ElasticPlan(generation, tuple(workers), "127.0.0.1", port, source, joiners=tuple(joiners))
+
+
+def _run_cnn(
+    timeline: list[tuple[int, ElasticPlan]],
+    *,
+    rollback: ElasticPlan | None = None,
+    doomed: str = "",
+    expect: int | None = None,
+) -> dict[str, tuple]:
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    plans = [plan for _, plan in timeline] + ([rollback] if rollback else [])
+    workers = sorted({w for plan in plans for w in plan.workers})
+    first_seen = {w: next(at for at, plan in timeline if w in plan.workers) for w in workers}
+    procs = [
+        context.Process(target=_cnn_worker, args=(w, timeline, rollback, first_seen[w], w == doomed, queue))
+        for w in workers
+    ]
+    for proc in procs:
+        proc.start()
+    results = {}
+    for _ in range(expect if expect is not None else len(procs)):
+        worker, *rest = queue.get(timeout=240)
+        results[worker] = rest
+    for proc in procs:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return results
+
+
+def _params(result: tuple) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(result[2])), dtype=torch.float32)
+
+
+def _each_sample_once(results: dict[str, tuple]) -> None:
+    epochs: dict[int, list[int]] = {}
+    for used, *_ in results.values():
+        for epoch, indices in used.items():
+            epochs.setdefault(epoch, []).extend(indices)
+    assert sorted(epochs) == [0, 1, 2, 3]
+    for indices in epochs.values():
+        assert len(indices) == len(set(indices)) == SAMPLES  # 4 steps x 24: the whole epoch, once
+
+
+@pytest.mark.slow
+def test_train_cnn_rescaled_2_3_1_2_ends_like_a_fixed_2_worker_run() -> None:
+    p = _free_ports(5)
+    elastic = [
+        (0, _plan(0, "ab", p[0], "a")),
+        (4, _plan(1, "abc", p[1], "a", joiners="c")),
+        (8, _plan(2, "b", p[2], "b")),  # a (the old rank 0) and c leave; b is the oldest survivor
+        (12, _plan(3, "bd", p[3], "b", joiners="d")),
+    ]
+    resized = _run_cnn(elastic)
+    fixed = _run_cnn([(0, _plan(0, "ab", p[4], "a"))])
+
+    # Not bit for bit: at 3 and 1 workers the gradient sums run in another order. Stated
+    # tolerance after 16 steps: 1e-5 relative, 1e-6 absolute.
+    torch.testing.assert_close(_params(resized["b"]), _params(fixed["a"]), rtol=1e-5, atol=1e-6)
+    ran_by_a = len(resized["a"][1])  # a left at generation 2; b ran every step
+    assert resized["b"][1][:ran_by_a] == resized["a"][1]
+    torch.testing.assert_close(torch.tensor(resized["b"][1]), torch.tensor(fixed["a"][1]), rtol=1e-5, atol=1e-6)
+    _each_sample_once(resized)
+    _each_sample_once({"a": fixed["a"], "b": fixed["b"]})
+    assert resized["a"][2] is None and resized["c"][2] is None  # they left at generation 2
+    completed = [r for r in resized["b"][3] if r["event"] == "completed"]
+    assert [r["generation"] for r in completed] == [2, 3]  # reported by the new rank 0 (b); gen 1 by a
+    assert [r["generation"] for r in resized["a"][3] if r["event"] == "completed"] == [1]
+    for report in completed:
+        t = report["times"]
+        assert t["decided"] <= t["noticed"] <= t["quiesced"] <= t["reformed"] <= t["restored"] <= t["first_step"]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_re_formation_rolls_back_and_trains_bit_identically() -> None:
+    p = _free_ports(5)
+    elastic = [
+        (0, _plan(0, "ab", p[0], "a")),
+        (3, _plan(1, "abc", p[1], "a", joiners="c")),  # c dies after saying it is ready
+        (9, _plan(3, "bd", p[3], "b", joiners="d")),  # later a handoff at the same size: a leaves, d joins
+    ]
+    rollback = _plan(2, "ab", p[2], "a")  # what the scheduler commits on RescaleFailed
+    resized = _run_cnn(elastic, rollback=rollback, doomed="c", expect=3)  # c never reports
+    fixed = _run_cnn([(0, _plan(0, "ab", p[4], "a"))])
+
+    # The world size is 2 throughout, so the arithmetic is the fixed run's: bit-identical.
+    assert resized["b"][2] == fixed["a"][2]
+    assert resized["b"][1] == fixed["a"][1]
+    _each_sample_once({k: v for k, v in resized.items()})
+    for worker in "ab":
+        failed = [r for r in resized[worker][3] if r["event"] == "failed"]
+        assert [(r["generation"], r["step"]) for r in failed] == [(1, 3)]  # rolled back to step 3, lost nothing
+    assert [r["generation"] for r in resized["a"][3] if r["event"] == "completed"] == [2]

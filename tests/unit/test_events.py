@@ -43,6 +43,31 @@ SAMPLES: list[ev.Event] = [
     ev.ProfileReported(
         id="y", job="j1", attempt=0, node="n1", rank=0, request="x", profile={"model": "M", "layers": [{"name": "fc"}]}
     ),
+    ev.RescaleProposed(id="z1", job="j1", attempt=0, generation=0, gpus=3, reason="idle GPUs", based_on=4, cause="i"),
+    ev.JobResized(
+        id="z2",
+        job="j1",
+        attempt=0,
+        generation=1,
+        allocations=(ev.Allocation("n1", (0, 1)), ev.Allocation("n2", (4,))),
+        rendezvous=ev.Rendezvous("10.0.0.1", 29501),
+        state_from="n1/0",
+        joiners=("n2/4",),
+        kind="grow",
+    ),
+    ev.RescaleCompleted(
+        id="z3",
+        job="j1",
+        attempt=0,
+        generation=1,
+        node="n1",
+        world=3,
+        world_before=2,
+        times={"decided": 1.0, "quiesced": 2.0, "first_step": 2.5},
+        samples_per_s_before=640.0,
+    ),
+    ev.RescaleFailed(id="z4", job="j1", attempt=0, generation=1, node="n1", reason="timeout", step=40),
+    ev.WorkerLost(id="z5", job="j1", attempt=0, node="n2", gpu=4, exit_code=137, reason="killed by SIGKILL"),
 ]
 
 

@@ -28,15 +28,26 @@ from gpuherd.train.report import report, send
 if TYPE_CHECKING:
     import torch
 
+    from gpuherd.train.elastic import Membership
     from gpuherd.train.profile import StepProfile
 
-__all__ = ["ElasticSampler", "ElasticState", "JobContext", "accumulation_steps", "init", "profile_layers", "report"]
+__all__ = [
+    "ElasticSampler",
+    "ElasticState",
+    "JobContext",
+    "Membership",
+    "accumulation_steps",
+    "init",
+    "profile_layers",
+    "report",
+]
 
 _LAZY = {  # torch-heavy: imported when used, not by every script
     "profile_layers": "gpuherd.train.profile",
     "ElasticSampler": "gpuherd.train.elastic",
     "ElasticState": "gpuherd.train.elastic",
     "accumulation_steps": "gpuherd.train.elastic",
+    "Membership": "gpuherd.train.elastic",
 }
 
 
@@ -58,7 +69,8 @@ class JobContext:
     local_world_size: int
     node: str
     device: torch.device
-    backend: str | None  # None when single-process
+    backend: str | None  # None when single-process (or elastic: the membership forms the group)
+    elastic_worker: str | None = None  # this worker's identity when the job is elastic
 
     @property
     def is_leader(self) -> bool:
@@ -67,6 +79,21 @@ class JobContext:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    @property
+    def elastic(self) -> bool:
+        return self.elastic_worker is not None
+
+    def membership(self, **options: Any) -> Membership | None:
+        """An elastic job's worker: follows the generations the agent writes into the task folder
+        (``ElasticState(..., membership=ctx.membership())``); None when the job is not elastic."""
+        if self.elastic_worker is None:
+            return None
+        from gpuherd.train.elastic import Membership, PlanFile
+
+        plans = PlanFile(Path(os.environ[jobenv.TASK_DIR]) / jobenv.ELASTIC_PLAN_FILE)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        return Membership(self.elastic_worker, plans, backend=backend, device=self.device, **options)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to this process's device; DistributedDataParallel when distributed."""
@@ -144,7 +171,8 @@ def init(*, timeout_s: float = 120.0) -> JobContext:
     else:
         device = torch.device("cpu")
     backend = None
-    if world_size > 1:
+    elastic_worker = os.environ.get(jobenv.ELASTIC_WORKER) or None
+    if world_size > 1 and elastic_worker is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,
@@ -163,4 +191,5 @@ def init(*, timeout_s: float = 120.0) -> JobContext:
         node=os.environ.get(jobenv.NODE, ""),
         device=device,
         backend=backend,
+        elastic_worker=elastic_worker,
     )

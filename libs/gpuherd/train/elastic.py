@@ -19,17 +19,29 @@ The contract a rescale keeps is that the job trains as if it had never been resi
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import datetime
 import io
+import itertools
 import random
-from collections.abc import Iterator
-from typing import Any
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from gpuherd.errors import GpuherdError
+from gpuherd.jobenv import ElasticPlan
+
+
+class ElasticError(GpuherdError):
+    """A rescale could not be carried out, and no plan to recover with came in time."""
 
 
 class GlobalBatchError(GpuherdError, ValueError):
@@ -136,7 +148,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class ElasticState:
-    """Everything a rescale must carry across, captured and restored as one snapshot."""
+    """Everything a rescale must carry across, captured and restored as one snapshot.
+
+    With a ``membership`` (an elastic job's worker) the training loop calls ``sync()`` at every
+    step boundary: it forms the first generation, carries out a pending rescale, and says whether
+    this worker is still part of the job; ``guard()`` around the step turns a peer's death into a
+    recovery at the step's start instead of a crash::
+
+        state = ElasticState(model, optimizer, sampler=sampler, micro_batch=8, membership=ctx.membership())
+        while state.step < total and state.sync():
+            with state.guard():
+                model = state.ddp()
+                for micro, last in state.micro_batches():
+                    ...  # forward / backward, under model.no_sync() unless last
+                optimizer.step()
+                state.finish_step()
+    """
 
     def __init__(
         self,
@@ -146,13 +173,102 @@ class ElasticState:
         sampler: ElasticSampler,
         scheduler: Any | None = None,
         scaler: Any | None = None,
+        micro_batch: int | None = None,
+        membership: Membership | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
         self.scheduler = scheduler
         self.scaler = scaler
+        self.micro_batch = micro_batch or sampler.global_batch
+        self.membership = membership
         self.step = 0
+        self._marker: dict[str, Any] | None = None
+        self._optimizer_steps = 0
+        optimizer.register_step_post_hook(self._count_optimizer_step)
+
+    def _count_optimizer_step(self, *_: Any) -> None:
+        self._optimizer_steps += 1
+
+    # -- the elastic loop ------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank if self.membership is not None else 0
+
+    @property
+    def world(self) -> int:
+        return self.membership.world if self.membership is not None else 1
+
+    def sync(self) -> bool:
+        """At a step boundary: form or join the job's group on the first call, carry out a
+        pending rescale, recover from a lost peer. False: this worker has left the job."""
+        if self.membership is None:
+            self._mark()
+            return True
+        return self.membership.sync(self)
+
+    def ddp(self) -> torch.nn.Module:
+        """The model under DistributedDataParallel for the current generation (rebuilt after a rescale)."""
+        if self.membership is None:
+            return self.model
+        return self.membership.ddp(self.model)
+
+    def micro_batches(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches of the step, each with whether it is the last (the one whose
+        backward all-reduces the gradients: the others run under ``no_sync()``)."""
+        batches = self.sampler.micro_batches(self.rank, self.world, self.micro_batch)
+        for i, indices in enumerate(batches):
+            yield indices, i == len(batches) - 1
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per step; scale each micro-batch's loss by ``1 / accumulation``."""
+        return accumulation_steps(self.sampler.global_batch, self.world, self.micro_batch)
+
+    def finish_step(self) -> None:
+        """After ``optimizer.step()``: advance the LR schedule, the sampler and the step count."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.sampler.advance()
+        self.step += 1
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run one training step; if a peer dies during it (a collective fails before the optimizer
+        stepped), put back what the step changed (buffers, RNG, sampler) and let the next ``sync()``
+        re-form the group with the survivors. Keep communication after ``optimizer.step()`` out of it."""
+        stepped = self._optimizer_steps
+        try:
+            yield
+        except Exception as exc:
+            if self.membership is None or not is_collective_failure(exc) or self._optimizer_steps != stepped:
+                raise
+            self._rewind()
+            self.membership.broken(f"a collective failed during step {self.step}: {_first_line(exc)}")
+
+    def _mark(self) -> None:
+        """What a step changes before its optimizer step, taken at the step's start (cheap: no parameters)."""
+        self._marker = {
+            "step": self.step,
+            "buffers": {k: v.detach().clone() for k, v in self._module().named_buffers()},
+            "sampler": self.sampler.state_dict(),
+            "rng": _rng_state(),
+        }
+
+    def _rewind(self) -> None:
+        marker = self._marker
+        if marker is None:
+            return
+        self.step = marker["step"]
+        buffers = dict(self._module().named_buffers())
+        with torch.no_grad():
+            for name, value in marker["buffers"].items():
+                buffers[name].copy_(value)
+        self.sampler.load_state_dict(marker["sampler"])
+        _set_rng_state(marker["rng"])
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _module(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)  # the model under DDP
@@ -224,3 +340,420 @@ def ledger(sampler: ElasticSampler, worlds: Iterator[int], micro_batch: int) -> 
                 used.setdefault(epoch, []).extend(int(i) for i in micro)
         sampler.advance()
     return used
+
+
+# -- membership: one worker's view of the job's generations -------------------------------------------
+
+
+class PlanSource(Protocol):
+    def latest(self) -> ElasticPlan | None:
+        """The newest plan this worker can see (None before the first)."""
+
+
+class PlanFile:
+    """Plans as the node agent writes them into the task folder (a stat per call; read on change)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._seen: tuple[int, int] | None = None
+        self._plan: ElasticPlan | None = None
+
+    def latest(self) -> ElasticPlan | None:
+        try:
+            info = self.path.stat()
+        except FileNotFoundError:
+            return self._plan
+        if (info.st_mtime_ns, info.st_size) != self._seen:
+            try:
+                plan = ElasticPlan.from_json(self.path.read_text())
+            except (OSError, ValueError, KeyError):
+                return self._plan  # being replaced: the next call reads the whole new file
+            self._seen = (info.st_mtime_ns, info.st_size)
+            if self._plan is None or plan.generation >= self._plan.generation:
+                self._plan = plan
+        return self._plan
+
+
+@dataclass
+class RescalePhases:
+    """Wall-clock times (``time.time()``, comparable with the log's event times) of one rescale as
+    its new rank 0 saw them."""
+
+    generation: int
+    world: int
+    decided_at: float  # the scheduler committed it (JobResized)
+    noticed_at: float  # this worker first saw the plan
+    quiesced_at: float = 0.0  # state committed in memory at the step boundary; training stops
+    reformed_at: float = 0.0  # the new process group is up
+    restored_at: float = 0.0  # the source's state is in place on every rank
+    first_step_at: float = 0.0  # the first step at the new size is done
+    world_before: int = 0
+    samples_per_s_before: float | None = None  # throughput at the old size (for the elastic policy)
+
+    def durations(self) -> dict[str, float]:
+        return {
+            "notice_s": self.noticed_at - self.decided_at,
+            "wait_s": self.quiesced_at - self.noticed_at,  # new workers starting while the old ones train
+            "reform_s": self.reformed_at - self.quiesced_at,
+            "restore_s": self.restored_at - self.reformed_at,
+            "first_step_s": self.first_step_at - self.restored_at,
+            "pause_s": self.first_step_at - self.quiesced_at,  # no training at either size
+            "total_s": self.first_step_at - self.decided_at,
+        }
+
+
+Reporter = Callable[[dict[str, Any]], None]
+
+
+def _report_to_agent(message: dict[str, Any]) -> None:
+    from gpuherd.train.report import send
+
+    send({"kind": "rescale", **message})
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the process group broke (a peer died or hung), not a bug in the step."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out")
+    )
+
+
+def _wait_for_port(addr: str, port: int, timeout_s: float, poll_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=1.0):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ElasticError(f"no rendezvous store at {addr}:{port} after {timeout_s:.0f}s: {exc}") from exc
+            time.sleep(poll_s)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+class Membership:
+    """One worker of an elastic job: which generation it is in, and how it moves to the next.
+
+    A switch happens at a step boundary that every rank of the current generation agrees on, with
+    one small all-reduce per step: the newest generation each has seen (max and min must agree) and,
+    for a grow, whether every new worker is ready (new workers start, import and connect to the new
+    generation's store, hosted by its rank 0, while the old ones keep training). Then every rank
+    commits its state in memory, leaves the old group, joins the new one through that generation's
+    own store, and takes the source's state. A switch that fails rolls back to the committed state
+    and waits for the scheduler's next plan; so does a group broken by a dead peer."""
+
+    def __init__(
+        self,
+        worker: str,
+        plans: PlanSource,
+        *,
+        backend: str = "gloo",
+        device: torch.device | None = None,
+        reform_timeout_s: float = 30.0,
+        join_timeout_s: float = 300.0,
+        recover_timeout_s: float = 120.0,
+        poll_s: float = 0.02,
+        reporter: Reporter | None = None,
+    ) -> None:
+        self.worker = worker
+        self.plans = plans
+        self.backend = backend
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None)
+        self.reform_timeout_s = reform_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.recover_timeout_s = recover_timeout_s
+        self.poll_s = poll_s
+        self.report = reporter or _report_to_agent
+        self.current: ElasticPlan | None = None
+        self.left = False
+        self.history: list[RescalePhases] = []  # this worker's rescales (as new rank 0 or not)
+        self._broken: str | None = None
+        self._store: tuple[int, dist.TCPStore] | None = None  # (generation, store) this worker hosts
+        self._ddp: tuple[int, torch.nn.Module] | None = None
+        self._noticed: dict[int, float] = {}
+        self._pending: RescalePhases | None = None
+        self._step_times: list[float] = []
+
+    # -- what the training loop sees ---------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.current.rank_of(self.worker) if self.current is not None else -1
+
+    @property
+    def world(self) -> int:
+        return self.current.world if self.current is not None else 0
+
+    def ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.current is None:
+            raise ElasticError("call sync() first: this worker has not joined a generation yet")
+        if self._ddp is None or self._ddp[0] != self.current.generation:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
+            self._ddp = (self.current.generation, DistributedDataParallel(model, device_ids=device_ids))
+        return self._ddp[1]
+
+    def broken(self, reason: str) -> None:
+        """The group failed during a step (``ElasticState.guard``): recover at the next sync."""
+        self._broken = reason
+
+    def sync(self, state: ElasticState) -> bool:
+        now = time.time()
+        self._step_times = [*self._step_times[-20:], now]
+        if self._pending is not None:
+            self._pending.first_step_at = now
+            self._complete(self._pending)
+            self._pending = None
+        if self.left:
+            return False
+        if self.current is None:
+            ok = self._start(state)
+        elif self._broken is not None:
+            ok = self._recover(state)
+        else:
+            ok = self._at_boundary(state)
+        if ok:
+            state._mark()
+        return ok
+
+    # -- the steps of a rescale -----------------------------------------------------------------------
+
+    def _newer(self) -> ElasticPlan | None:
+        plan = self.plans.latest()
+        if plan is None or self.current is None or plan.generation <= self.current.generation:
+            return None
+        self._noticed.setdefault(plan.generation, time.time())
+        return plan
+
+    def _at_boundary(self, state: ElasticState) -> bool:
+        assert self.current is not None
+        plan = self._newer()
+        seen = plan.generation if plan is not None else self.current.generation
+        ready = self._ready(plan)
+        agreed = torch.tensor([seen, -seen, ready], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise
+            self._broken = f"the step-boundary agreement failed: {_first_line(exc)}"
+            return self._recover(state)
+        newest, oldest, all_ready = (int(v) for v in agreed.cpu())
+        if plan is None or newest != -oldest or newest != plan.generation or not all_ready:
+            return True  # nothing to do, or not every rank has seen the plan yet, or new workers still start
+        return self._switch(state, plan)
+
+    def _ready(self, plan: ElasticPlan | None) -> int:
+        """This rank's word on whether the plan's new workers are ready: only the plan's rank 0 (who
+        hosts its store) can tell, the others say 0; the all-reduce takes the max."""
+        if plan is None:
+            return 0
+        if not plan.joiners or plan.workers[0] in plan.joiners:
+            return 1
+        if plan.rank_of(self.worker) != 0:
+            return 0
+        try:
+            store = self._host(plan)
+            return int(store.check([f"ready/{j}" for j in plan.joiners]))
+        except Exception:
+            return 0  # the store could not be opened (yet): the switch waits; a dead joiner is reported by its agent
+
+    def _host(self, plan: ElasticPlan) -> dist.TCPStore:
+        """The generation's rendezvous store, hosted by its rank 0 (opened early for a grow, so new
+        workers connect while the old ones train)."""
+        if self._store is None or self._store[0] != plan.generation:
+            self._store = None
+            store = dist.TCPStore(
+                plan.addr,
+                plan.port,
+                None,
+                True,
+                timeout=datetime.timedelta(seconds=self.reform_timeout_s),
+                wait_for_workers=False,
+            )
+            store.set("gpuherd/generation", str(plan.generation))
+            self._store = (plan.generation, store)
+        return self._store[1]
+
+    def _switch(self, state: ElasticState, plan: ElasticPlan) -> bool:
+        assert self.current is not None
+        phases = self._phases(plan)
+        snapshot = state.capture()  # every rank is at the same step boundary: the all-reduce said so
+        phases.quiesced_at = time.time()
+        self._teardown(keep_store=plan)
+        if plan.rank_of(self.worker) < 0:
+            self._leave(plan)
+            return False
+        return self._enter(state, plan, snapshot, phases)
+
+    def _phases(self, plan: ElasticPlan) -> RescalePhases:
+        before = self.current.world if self.current is not None else 0
+        return RescalePhases(
+            generation=plan.generation,
+            world=plan.world,
+            decided_at=plan.decided_at,
+            noticed_at=self._noticed.get(plan.generation, time.time()),
+            world_before=before,
+            samples_per_s_before=self._throughput(self.current),
+        )
+
+    def _throughput(self, plan: ElasticPlan | None) -> float | None:
+        """Samples per second over the recent steps of the current generation (global batch / median step)."""
+        times = self._step_times
+        if plan is None or len(times) < 4 or self._batch is None:
+            return None
+        gaps = sorted(b - a for a, b in itertools.pairwise(times[-11:]))
+        median = gaps[len(gaps) // 2]
+        return self._batch / median if median > 0 else None
+
+    _batch: int | None = None  # the global batch, set on the first sync
+
+    def _enter(
+        self, state: ElasticState, plan: ElasticPlan, snapshot: dict[str, Any] | None, phases: RescalePhases
+    ) -> bool:
+        """Join ``plan``'s group and take its source's state; on failure roll back and wait for the next plan."""
+        self._batch = state.sampler.global_batch
+        joining = self.current is None or snapshot is None
+        try:
+            self._form(plan, joining=joining)
+            phases.reformed_at = time.time()
+            source = plan.rank_of(plan.source)
+            if source < 0:
+                raise ElasticError(f"generation {plan.generation}: its source {plan.source} is not one of its workers")
+            state.broadcast(snapshot if plan.source == self.worker else None, src=source)
+            phases.restored_at = time.time()
+        except Exception as exc:
+            return self._failed(state, plan, snapshot, phases, f"{type(exc).__name__}: {_first_line(exc)}")
+        self.current = plan
+        self._store = None if self._store is not None and self._store[0] != plan.generation else self._store
+        self.history.append(phases)
+        if plan.rank_of(self.worker) == 0 and phases.world_before:
+            self._pending = phases  # reported once the first step at the new size is done
+        return True
+
+    def _form(self, plan: ElasticPlan, *, joining: bool) -> None:
+        rank = plan.rank_of(self.worker)
+        timeout = datetime.timedelta(seconds=self.join_timeout_s if joining else self.reform_timeout_s)
+        if rank == 0:
+            store = self._host(plan)
+        else:
+            # Poll for the host's port ourselves: the store client backs off for long between tries,
+            # and a new worker must be ready the moment the host opens the store.
+            _wait_for_port(plan.addr, plan.port, timeout.total_seconds(), self.poll_s)
+            store = dist.TCPStore(plan.addr, plan.port, None, False, timeout=timeout)
+            found = store.get("gpuherd/generation").decode()
+            if found != str(plan.generation):
+                raise ElasticError(f"{plan.addr}:{plan.port} serves generation {found}, not {plan.generation}")
+        if self.worker in plan.joiners:
+            store.set(f"ready/{self.worker}", "1")
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"g{plan.generation}", store),
+            rank=rank,
+            world_size=plan.world,
+            timeout=timeout,
+        )
+
+    def _failed(
+        self,
+        state: ElasticState,
+        plan: ElasticPlan,
+        snapshot: dict[str, Any] | None,
+        phases: RescalePhases,
+        reason: str,
+    ) -> bool:
+        if snapshot is not None:
+            state.restore(snapshot)  # back to what was committed at the old size: no progress lost
+        self._teardown()
+        self.report({"event": "failed", "generation": plan.generation, "reason": reason, "step": state.step})
+        following = self._wait(lambda p: p.generation > plan.generation, self.recover_timeout_s)
+        if following is None:
+            raise ElasticError(
+                f"the switch to generation {plan.generation} failed ({reason}) and no new plan came within "
+                f"{self.recover_timeout_s:.0f}s"
+            )
+        if following.rank_of(self.worker) < 0:
+            self._leave(following)
+            return False
+        retry = self._phases(following)
+        retry.quiesced_at = phases.quiesced_at or time.time()  # training has stood still since then
+        return self._enter(state, following, snapshot, retry)
+
+    def _recover(self, state: ElasticState) -> bool:
+        """A peer died: the state is back at the step's start (``guard``); wait for the scheduler's
+        plan without the dead worker and re-form with it."""
+        assert self.current is not None
+        reason, self._broken = self._broken or "the group broke", None
+        self._teardown()
+        self.report({"event": "peer-lost", "generation": self.current.generation, "reason": reason, "step": state.step})
+        following = self._wait(lambda p: p.generation > self.current.generation, self.recover_timeout_s)
+        if following is None:
+            raise ElasticError(f"{reason}; no plan without the lost worker came within {self.recover_timeout_s:.0f}s")
+        if following.rank_of(self.worker) < 0:
+            self._leave(following)
+            return False
+        phases = self._phases(following)
+        phases.quiesced_at = time.time()
+        return self._enter(state, following, state.capture(), phases)
+
+    def _start(self, state: ElasticState) -> bool:
+        """The first sync: the job's first generation (every worker starts together) or joining a
+        running job (a grow): connect, say ready, and take the source's state."""
+        plan = self._wait(lambda p: p.rank_of(self.worker) >= 0, self.join_timeout_s)
+        if plan is None:
+            raise ElasticError(f"worker {self.worker} found no plan naming it within {self.join_timeout_s:.0f}s")
+        if self.worker not in plan.joiners:
+            return self._enter(state, plan, state.capture(), self._phases(plan))
+        return self._enter(state, plan, None, self._phases(plan))
+
+    def _leave(self, plan: ElasticPlan) -> None:
+        self.left = True
+        self.current = plan
+        self.report({"event": "left", "generation": plan.generation})
+
+    def _wait(self, wanted: Callable[[ElasticPlan], bool], timeout_s: float) -> ElasticPlan | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            plan = self.plans.latest()
+            if plan is not None and wanted(plan):
+                self._noticed.setdefault(plan.generation, time.time())
+                return plan
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(self.poll_s)
+
+    def _teardown(self, keep_store: ElasticPlan | None = None) -> None:
+        self._ddp = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._store is not None and (keep_store is None or self._store[0] != keep_store.generation):
+            self._store = None
+
+    def _complete(self, phases: RescalePhases) -> None:
+        self.report(
+            {
+                "event": "completed",
+                "generation": phases.generation,
+                "world": phases.world,
+                "world_before": phases.world_before,
+                "samples_per_s_before": phases.samples_per_s_before,
+                "times": {
+                    "decided": phases.decided_at,
+                    "noticed": phases.noticed_at,
+                    "quiesced": phases.quiesced_at,
+                    "reformed": phases.reformed_at,
+                    "restored": phases.restored_at,
+                    "first_step": phases.first_step_at,
+                },
+            }
+        )
+
+    def close(self) -> None:
+        self._teardown()

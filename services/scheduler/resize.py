@@ -1,0 +1,162 @@
+"""Resizing running elastic jobs: the scheduler commits every change of their GPUs.
+
+The elastic service only proposes (``RescaleProposed``); the scheduler, sole owner of GPUs,
+turns a proposal that still holds into a new generation (``JobResized``). It also commits the
+generations nobody proposed: a *rollback* after a failed switch (the workers of the last
+completed generation, less any that died) and a *recovery* after a worker died outside a
+rescale (the survivors, while they are at least the job's minimum).
+
+Rules of a generation, which the runtime relies on:
+- workers keep their order (a node's new GPUs follow its old ones, new nodes come last), so
+  rank 0 (the host of the generation's store) is an old worker whenever one survives;
+- ``state_from`` is the first worker of the last completed generation that is still there: it
+  holds the committed state the others take;
+- a grow takes free GPUs on the nodes the job already runs on first (NVLink, no network),
+  then on the nodes with the most free GPUs, within the VC's quota unless the VC may borrow;
+- a shrink lets the newest workers go; their GPUs stay the job's until the rescale ends.
+"""
+
+from __future__ import annotations
+
+from gpuherd import events as ev
+from gpuherd.state import ClusterState, JobState, NodeState
+from services.scheduler.placement import can_run
+from services.scheduler.schedule import _ports_in_use, choose_rendezvous
+
+
+def on_proposal(state: ClusterState, proposal: ev.RescaleProposed) -> list[ev.Event]:
+    """Commit the proposal if it still holds: the job runs that generation, no rescale is in
+    flight, the size is one the job may take, and (to grow) the GPUs are free."""
+    job = state.jobs.get(proposal.job)
+    if job is None or job.status != "running" or job.spec.elastic is None:
+        return []
+    if job.attempt != proposal.attempt or job.generation != proposal.generation or job.rescale is not None:
+        return []
+    if job.lost_workers or proposal.gpus not in job.spec.elastic.sizes():
+        return []
+    size = len(job.workers)
+    if proposal.gpus > size:
+        grown = _grow(state, job, proposal.gpus - size)
+        if grown is None:
+            return []
+        allocations, borrowed = grown
+        return [_resized(state, job, allocations, "grow", proposal.reason, borrowed=borrowed)]
+    if proposal.gpus < size:
+        keep = job.workers[: proposal.gpus]  # the newest workers go
+        allocations = _only(job.allocations, set(keep))
+        leaving = _only(job.allocations, set(job.workers) - set(keep))
+        borrowed = max(0, job.borrowed - (size - proposal.gpus))
+        return [_resized(state, job, allocations, "shrink", proposal.reason, releasing=leaving, borrowed=borrowed)]
+    return []
+
+
+def on_failed(state: ClusterState, failed: ev.RescaleFailed) -> list[ev.Event]:
+    """Roll back to the last completed generation's workers that are still alive (their state is
+    what was committed); new workers of the failed generation leave."""
+    job = state.jobs.get(failed.job)
+    if job is None or job.spec.elastic is None or job.status not in ("placed", "running"):
+        return []
+    if failed.attempt != job.attempt or failed.generation != job.generation or not job.rescale_failed:
+        return []
+    alive = [w for w in ev.workers_of(job.committed) if w not in job.lost_workers]
+    if len(alive) < job.spec.elastic.min:
+        return []  # too few hold the state: the workers give up and the attempt fails (and is retried)
+    allocations = _only(job.committed, set(alive))
+    joined = set(job.workers) - set(ev.workers_of(job.committed)) - set(job.lost_workers)
+    reason = f"rescale to generation {failed.generation} failed on {failed.node}: {failed.reason}"
+    return [_resized(state, job, allocations, "rollback", reason, releasing=_only(job.allocations, joined), borrowed=0)]
+
+
+def on_worker_lost(state: ClusterState, lost: ev.WorkerLost) -> list[ev.Event]:
+    """Go on with the survivors while they are at least the job's minimum."""
+    job = state.jobs.get(lost.job)
+    if job is None or job.spec.elastic is None or job.status not in ("placed", "running"):
+        return []
+    if lost.attempt != job.attempt or ev.worker_id(lost.node, lost.gpu) not in job.lost_workers:
+        return []
+    survivors = [w for w in job.workers if w not in job.lost_workers]
+    if len(survivors) < job.spec.elastic.min or not _has_state(job, survivors):
+        return []
+    allocations = _only(job.allocations, set(survivors))
+    why = lost.reason or (f"exit code {lost.exit_code}" if lost.exit_code is not None else "died")
+    reason = f"worker {lost.node}/{lost.gpu} lost ({why}); {len(survivors)} go on"
+    return [_resized(state, job, allocations, "recover", reason, borrowed=min(job.borrowed, len(survivors)))]
+
+
+def _has_state(job: JobState, workers: list[str]) -> bool:
+    committed = set(ev.workers_of(job.committed))
+    return any(w in committed for w in workers)
+
+
+def _resized(
+    state: ClusterState,
+    job: JobState,
+    allocations: tuple[ev.Allocation, ...],
+    kind: ev.RescaleKind,
+    reason: str,
+    *,
+    releasing: tuple[ev.Allocation, ...] = (),
+    borrowed: int = 0,
+) -> ev.JobResized:
+    workers = ev.workers_of(allocations)
+    committed = ev.workers_of(job.committed)
+    source = next(w for w in committed if w in workers) if any(w in workers for w in committed) else workers[0]
+    generation = job.generation + 1
+    leader = allocations[0].node
+    return ev.JobResized(
+        job=job.job,
+        attempt=job.attempt,
+        generation=generation,
+        allocations=allocations,
+        rendezvous=choose_rendezvous(state, job, leader, _ports_in_use(state), generation=generation),
+        state_from=source,
+        joiners=tuple(w for w in workers if w not in job.workers),
+        releasing=releasing,
+        kind=kind,
+        reason=reason or f"{kind} to {len(workers)} GPUs",
+        borrowed=borrowed,
+    )
+
+
+def _only(allocations: tuple[ev.Allocation, ...], keep: set[str]) -> tuple[ev.Allocation, ...]:
+    """The allocations restricted to the workers in ``keep``, in their order."""
+    out = []
+    for alloc in allocations:
+        gpus = tuple(g for g in alloc.gpus if ev.worker_id(alloc.node, g) in keep)
+        if gpus:
+            out.append(ev.Allocation(alloc.node, gpus))
+    return tuple(out)
+
+
+def _grow(state: ClusterState, job: JobState, extra: int) -> tuple[tuple[ev.Allocation, ...], int] | None:
+    """``extra`` free GPUs for the job, and how many GPUs it then borrows beyond its VC's quota;
+    None if they are not there or the quota stops it."""
+    vc = state.vcs.get(job.spec.vc)
+    borrowed = job.borrowed
+    if vc is not None and vc.gpu_quota is not None:
+        over = state.vc_used.get(vc.vc, 0) + extra - vc.gpu_quota
+        if over > 0:
+            if not vc.can_borrow:
+                return None
+            borrowed += min(over, extra)
+    current = [a.node for a in job.allocations]
+
+    def preference(node: NodeState) -> tuple:
+        mine = node.node in current
+        return (not mine, current.index(node.node) if mine else 0, -len(node.free_gpus()), node.node)
+
+    usable = [n for n in state.nodes.values() if n.accepts_work() and can_run(job.spec, n.runs_processes())]
+    taken: dict[str, list[int]] = {}
+    need = extra
+    for node in sorted(usable, key=preference):
+        if need == 0:
+            break
+        free = node.free_gpus()[:need]
+        if free:
+            taken[node.node] = free
+            need -= len(free)
+    if need:
+        return None
+    allocations = [ev.Allocation(a.node, a.gpus + tuple(taken.pop(a.node, ()))) for a in job.allocations]
+    allocations += [ev.Allocation(node, tuple(gpus)) for node, gpus in taken.items()]
+    return tuple(allocations), borrowed
