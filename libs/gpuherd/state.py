@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd import jobenv
 
 NodeStatus = Literal["up", "drained", "lost"]
 PowerState = Literal["on", "draining", "off", "booting"]  # cluster energy saving (CES)
@@ -138,6 +139,8 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     rescale: ev.RescaleKind | None = None  # the kind of the rescale in flight
     rescale_failed: bool = False  # the rescale in flight failed: a rollback is due
     rescaled_at: float | None = None
+    state_from: str = ""  # the worker whose state the current generation took
+    joiners: tuple[str, ...] = ()  # the workers new in the current generation
     lost_workers: list[str] = msgspec.field(default_factory=list)
     throughput: dict[int, float] = msgspec.field(default_factory=dict)
     service_from: float | None = None  # attained service is counted at ``held`` GPUs from here
@@ -172,6 +175,21 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     def workers(self) -> tuple[str, ...]:
         """An elastic job's workers in rank order (``<node>/<gpu>``)."""
         return ev.workers_of(self.allocations)
+
+    def plan(self) -> jobenv.ElasticPlan | None:
+        """What an elastic job's workers need of the current generation (the agent writes it to them)."""
+        if self.spec.elastic is None or self.rendezvous is None or not self.allocations:
+            return None
+        return jobenv.ElasticPlan(
+            generation=self.generation,
+            workers=self.workers,
+            addr=self.rendezvous.addr,
+            port=self.rendezvous.port,
+            source=self.state_from,
+            joiners=self.joiners,
+            decided_at=(self.rescaled_at if self.generation else self.placed_at) or 0.0,
+            attempt=self.attempt,
+        )
 
     def survivors(self) -> int:
         """Workers of the current generation that have not died."""
@@ -525,6 +543,8 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.borrowed = e.borrowed
     job.generation = 0
     job.committed = e.allocations
+    job.state_from = ev.workers_of(e.allocations)[0] if e.allocations and e.allocations[0].gpus else ""
+    job.joiners = ()
     job.releasing = ()
     job.rescale = None
     job.rescale_failed = False
@@ -678,6 +698,8 @@ def _job_resized(state: ClusterState, seq: int, e: ev.JobResized) -> None:
     job.releasing = _as_allocations(releasing)
     _hold(state, job, len(new) + len(releasing))
     job.generation = e.generation
+    job.state_from = e.state_from
+    job.joiners = e.joiners
     job.rendezvous = e.rendezvous
     job.rescale = e.kind
     job.rescale_failed = False

@@ -56,10 +56,28 @@ class LogsRequest(msgspec.Struct, frozen=True):
     max_bytes: int = 65536
 
 
-def launch_for(job: JobState, node: str, *, resume: bool, elapsed_s: float) -> TaskLaunch:
-    """This node's part of the job's current attempt: its GPUs, ranks and rendezvous."""
+def launch_for(
+    job: JobState, node: str, *, resume: bool, elapsed_s: float, gpus: tuple[int, ...] | None = None
+) -> TaskLaunch:
+    """This node's part of the job's current attempt: its GPUs, ranks and rendezvous. For an
+    elastic job, one worker per GPU (``gpus``: only these, when a running task grows)."""
     procs = [job.spec.procs_per_node or len(a.gpus) for a in job.allocations]
     index = job.nodes.index(node)
+    if job.spec.elastic is not None:
+        mine = job.allocations[index].gpus if gpus is None else gpus
+        return TaskLaunch(
+            key=TaskKey(job.job, job.attempt),
+            spec=job.spec,
+            gpus=mine,
+            group_rank=index,
+            rank_offset=sum(procs[:index]),
+            world_size=sum(procs),
+            procs=len(mine),
+            rendezvous=job.rendezvous,
+            resume=resume,
+            elapsed_s=elapsed_s,
+            elastic=True,
+        )
     return TaskLaunch(
         key=TaskKey(job.job, job.attempt),
         spec=job.spec,
@@ -232,6 +250,8 @@ class Agent:
                 self._traces[event.job] = record.trace
             elif isinstance(event, ev.JobFinished | ev.JobRequeued):
                 self._forget(event.job)
+            elif isinstance(event, ev.JobResized) and any(a.node == self.node for a in event.allocations):
+                self._exited.discard(TaskKey(event.job, event.attempt))  # back on this node: start it again
             if not self.caught_up.is_set():
                 if record.seq >= head:
                     self.caught_up.set()
@@ -343,8 +363,13 @@ class Agent:
         if job is None:
             return
         mine = job.status in ACTIVE and self.node in job.nodes
+        # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
+        leaving = job.status in ACTIVE and not mine and any(a.node == self.node for a in job.releasing)
         key = TaskKey(job_id, job.attempt)
         for running in [k for k in self.executor.running() if k.job == job_id]:
+            if leaving and running == key:
+                self._hand_plan(job, key)
+                continue
             if not mine or running != key:
                 await self.executor.stop(running, "its attempt ended")
                 log.info("task stopped", job=job_id, attempt=running.attempt, status=job.status)
@@ -358,14 +383,20 @@ class Agent:
                 TaskExit(key=key, outcome="stopped", reason=reason, output_tail=exit_.output_tail if exit_ else "")
             )
             return
-        if key in self._exited or key in self.executor.running():
+        if key in self.executor.running():
+            if job.spec.elastic is not None:
+                self._hand_plan(job, key)
+                self._grow(job, key)
+            return
+        if key in self._exited:
             return
         resume = self.node in job.started_nodes
         elapsed = max(0.0, self.clock() - job.started_at) if resume and job.started_at is not None else 0.0
         if not resume:
             with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
+                again = (str(job.generation),) if job.generation else ()  # an elastic job back on this node
                 started = ev.JobStarted(
-                    **self._stamp("start", job_id, str(job.attempt)),
+                    **self._stamp("start", job_id, str(job.attempt), *again),
                     job=job_id,
                     attempt=job.attempt,
                     node=self.node,
@@ -379,7 +410,90 @@ class Agent:
                 TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
             )
             return
+        if job.spec.elastic is not None:
+            self._hand_plan(job, key)
         log.info("task started", job=job_id, attempt=job.attempt, resumed=resume)
+
+    # -- elastic jobs ---------------------------------------------------------------------------
+
+    def _hand_plan(self, job: JobState, key: TaskKey) -> None:
+        """Give the task's workers the job's current generation (they switch at a step boundary)."""
+        plan = job.plan()
+        if plan is not None:
+            self.executor.write_plan(key, plan)
+
+    def _grow(self, job: JobState, key: TaskKey) -> None:
+        """Start the workers of this node's GPUs that a rescale added to a running task."""
+        if self.node not in job.nodes:
+            return
+        mine = job.allocations[job.nodes.index(self.node)].gpus
+        new = tuple(g for g in mine if g not in self.executor.launched(key))
+        if new and self.executor.grow(key, launch_for(job, self.node, resume=False, elapsed_s=0.0, gpus=new)):
+            log.info("workers added", job=job.job, attempt=job.attempt, gpus=list(new), generation=job.generation)
+
+    def _on_rescale_report(self, report: dict) -> None:
+        """A worker's word on a rescale: the new rank 0's first step at the new size, or a failed switch."""
+        try:
+            key = TaskKey(str(report["job"]), int(report["attempt"]))
+            generation, what = int(report["generation"]), str(report["event"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignored a malformed rescale report")
+            return
+        if what == "completed":
+            times = {k: float(v) for k, v in dict(report.get("times") or {}).items() if v}
+            before = report.get("samples_per_s_before")
+            event: ev.Event = ev.RescaleCompleted(
+                **self._stamp("rescaled", key.job, str(key.attempt), str(generation)),
+                job=key.job,
+                attempt=key.attempt,
+                generation=generation,
+                node=self.node,
+                world=int(report.get("world", 0)),
+                world_before=int(report.get("world_before", 0)),
+                times=times,
+                samples_per_s_before=float(before) if before is not None else None,
+            )
+        elif what == "failed":
+            event = ev.RescaleFailed(
+                **self._stamp("rescale-failed", key.job, str(key.attempt), str(generation)),
+                job=key.job,
+                attempt=key.attempt,
+                generation=generation,
+                node=self.node,
+                reason=str(report.get("reason", ""))[:500],
+                step=int(report.get("step", 0)),
+            )
+        else:
+            log.info("elastic worker", job=key.job, event=what, generation=generation, reason=report.get("reason"))
+            return
+        self._append_soon(event)
+
+    def _on_worker_exit(self, report: dict) -> None:
+        """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
+        try:
+            key = TaskKey(str(report["job"]), int(report["attempt"]))
+            gpu, code = int(report["gpu"]), int(report["code"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignored a malformed worker-exit report")
+            return
+        job = self.state.jobs.get(key.job)
+        if job is None or job.attempt != key.attempt or job.stopping():
+            return  # the whole attempt is ending: its parts report as usual
+        event = ev.WorkerLost(
+            **self._stamp("worker-lost", key.job, str(key.attempt), str(gpu), str(job.generation)),
+            job=key.job,
+            attempt=key.attempt,
+            node=self.node,
+            gpu=gpu,
+            exit_code=code,
+            reason=str(report.get("reason", "")),
+        )
+        log.warning("elastic worker died", job=key.job, gpu=gpu, code=code)
+        self._append_soon(event)
+
+    def _append_soon(self, event: ev.Event) -> None:
+        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _on_exit(self, exit_: TaskExit) -> None:
         await self.caught_up.wait()
@@ -433,10 +547,15 @@ class Agent:
             request=request,
             profile=profile,
         )
-        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._append_soon(event)
 
     def _on_report(self, report: dict) -> None:
+        if report.get("kind") == "rescale":
+            self._on_rescale_report(report)
+            return
+        if report.get("kind") == "worker-exit":
+            self._on_worker_exit(report)
+            return
         if report.get("kind") == "profile":
             try:
                 key = TaskKey(str(report["job"]), int(report["attempt"]))
@@ -457,7 +576,10 @@ class Agent:
         job = self.state.jobs.get(key.job)
         if job is None or key not in self.executor.running() or self.node not in job.nodes:
             return
-        if rank == launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset:
+        leader = (
+            job.spec.elastic is not None or rank == launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset
+        )
+        if leader:  # (an elastic job's rank 0 is whichever worker holds it now: only it reports)
             self._metrics[key] = {"step": float(step), **values}
         payload = msgspec.json.encode(dict(report, node=self.node))
         task = asyncio.get_running_loop().create_task(self.log.publish_telemetry(f"{self.node}.job.{key.job}", payload))

@@ -8,7 +8,10 @@ nothing: the new agent adopts a live shim, or reads the exit record of one
 that finished while no agent was there.
 
 Three rules make "nothing runs twice at the same time" hold:
-- one rank failing stops the other ranks of the task (they would hang in a collective);
+- one rank failing stops the other ranks of the task (they would hang in a collective), except
+  in an elastic task: there each process is a worker, a dead one is reported to the agent (the
+  job goes on with the survivors), workers that leave at a rescale exit on their own, and the
+  agent adds workers by leaving ``grow-*.json`` files in the task folder;
 - on SIGTERM the shim sends SIGTERM to the whole process group, waits the
   grace period, then SIGKILLs the group (so no grandchild survives either);
 - **fencing**: the agent touches ``alive_file`` after every heartbeat the log
@@ -26,6 +29,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +58,10 @@ class Shim:
         self.checkpoint_grace_s = 0.0
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
+        self.elastic = bool(spec.get("elastic"))
+        self.agent_addr: str = spec.get("agent_addr") or ""
+        self.job, self.attempt, self.node = spec.get("job", ""), int(spec.get("attempt", 0)), spec.get("node", "")
+        self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
@@ -64,9 +72,9 @@ class Shim:
         self.checkpoint_grace_s = float(request.get("checkpoint_grace_s", 0.0))
         self.stop_reason = request.get("reason") or f"stopped by the agent ({signal.Signals(signum).name})"
 
-    def launch(self) -> str | None:
+    def launch(self, specs: list[dict] | None = None) -> str | None:
         """Start every rank in one new process group; the reason if one could not start."""
-        for rank, proc in enumerate(self.procs_spec):
+        for rank, proc in enumerate(self.procs_spec if specs is None else specs, len(self.procs) if specs else 0):
             with open(proc["log"], "ab", buffering=0) as log:
                 try:
                     child = subprocess.Popen(
@@ -85,7 +93,49 @@ class Shim:
             if self.pgid is None:
                 self.pgid = child.pid
             self.procs.append(child)
+            if specs is not None:
+                self.procs_spec.append(proc)
         return None
+
+    def grow(self) -> None:
+        """Elastic: start the workers the agent asked for (each request file is taken once)."""
+        for request in sorted(self.dir.glob("grow-*.json")):
+            taken = request.with_suffix(".json.started")
+            try:
+                request.rename(taken)
+                specs = json.loads(taken.read_text())["procs"]
+            except (OSError, ValueError, KeyError):
+                continue
+            failure = self.launch(specs)
+            if failure is not None:
+                self.tell_agent({"kind": "worker-exit", "index": len(self.procs), "code": 127, "reason": failure})
+        self.write_info()
+
+    def report_dead_workers(self) -> None:
+        """Elastic: tell the agent of each worker that died (exit code other than 0)."""
+        for index, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code not in (None, 0) and index not in self.reported:
+                self.reported.add(index)
+                gpu = self.procs_spec[index].get("gpu")
+                self.tell_agent(
+                    {"kind": "worker-exit", "gpu": gpu, "code": code, "reason": f"worker {describe_exit(code)}"}
+                )
+
+    def tell_agent(self, message: dict) -> None:
+        """One datagram to the agent's control socket (lost if no agent listens: the exit record
+        keeps the codes for the next one)."""
+        scheme, _, name = self.agent_addr.partition(":")
+        if scheme != "unix-abstract" or not name:
+            return
+        message = {"job": self.job, "attempt": self.attempt, "node": self.node, "at": time.time(), **message}
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(json.dumps(message).encode(), b"\0" + name.encode())
+
+    def write_info(self) -> None:
+        pids = [p.pid for p in self.procs]
+        info = {"pid": os.getpid(), "pgid": self.pgid, "pids": pids, "started_at": self.started_at}
+        write_json(self.dir / "shim.json", info | {"launched_at": time.time()})
 
     def signal_group(self, sig: int) -> None:
         if self.pgid is not None:
@@ -121,21 +171,23 @@ class Shim:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
-        started_at = time.time()
+        self.started_at = started_at = time.time()
         write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": started_at})
         failure = self.launch() if self.stop_reason is None else None
-        info = {"pid": os.getpid(), "pgid": self.pgid, "pids": [p.pid for p in self.procs], "started_at": started_at}
-        write_json(self.dir / "shim.json", info | {"launched_at": time.time()})
+        self.write_info()
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
         if failure is not None:
             self.stop_all(self.kill_grace_s)
         else:
             while True:
+                if self.elastic:
+                    self.grow()
+                    self.report_dead_workers()
                 codes = [p.poll() for p in self.procs]
-                if all(c is not None for c in codes):
+                if all(c is not None for c in codes) and not (self.elastic and any(self.dir.glob("grow-*.json"))):
                     break
                 bad = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-                if bad is not None:
+                if bad is not None and not self.elastic:
                     first_failure = bad
                     self.stop_all(self.kill_grace_s)
                     break
@@ -150,8 +202,15 @@ class Shim:
                 time.sleep(POLL_S)
             self.signal_group(signal.SIGKILL)  # whatever the ranks left behind (workers, helpers)
         codes = [p.returncode for p in self.procs]
+        # An elastic task's dead workers were each reported (the job went on without them): the
+        # task fails only if every worker died.
+        judged = [
+            r
+            for r in range(len(codes))
+            if not (self.elastic and r in self.reported and len(self.reported) < len(codes))
+        ]
         if failure is None and first_failure is None:
-            first_failure = next(((r, c) for r, c in enumerate(codes) if c != 0), None)
+            first_failure = next(((r, codes[r]) for r in judged if codes[r] != 0), None)
         if failure is None and first_failure is not None and self.stop_reason is None:
             rank, code = first_failure
             failure = f"local rank {rank} {describe_exit(code)}"

@@ -634,7 +634,7 @@ class Membership:
         self.current = plan
         self._store = None if self._store is not None and self._store[0] != plan.generation else self._store
         self.history.append(phases)
-        if plan.rank_of(self.worker) == 0 and phases.world_before:
+        if plan.rank_of(self.worker) == 0 and plan.generation > 0:
             self._pending = phases  # reported once the first step at the new size is done
         return True
 

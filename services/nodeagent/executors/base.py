@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 import msgspec
 
 from gpuherd.events import GpuInfo, JobSpec, Rendezvous
+from gpuherd.jobenv import ElasticPlan
 
 
 class TaskKey(NamedTuple):
@@ -35,6 +36,7 @@ class TaskLaunch(msgspec.Struct, frozen=True, kw_only=True):
     rendezvous: Rendezvous | None = None
     resume: bool = False  # the log says it started here before an agent restart: adopt, never start twice
     elapsed_s: float = 0.0  # how long it has been running, when resumed
+    elastic: bool = False  # one worker per GPU, each named <node>/<gpu>; workers come and go with rescales
 
 
 class TaskExit(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +111,19 @@ class Executor(abc.ABC):
     def profile_result(self, key: TaskKey, name: str) -> bytes | None:
         """A profile a task's process wrote (``name`` as its report says), or None."""
         return None
+
+    def write_plan(self, key: TaskKey, plan: ElasticPlan) -> bool:
+        """Hand an elastic job's current generation to the task's workers; False if this executor
+        runs no processes (or the task is not here)."""
+        return False
+
+    def grow(self, key: TaskKey, launch: TaskLaunch) -> bool:
+        """Start more workers in a running elastic task (``launch.gpus``: the new ones)."""
+        return False
+
+    def launched(self, key: TaskKey) -> set[int]:
+        """The GPUs of a running elastic task that have a worker started for them."""
+        return set()
 
     async def shutdown(self) -> None:
         """The agent is stopping. By default its tasks stop too."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gpuherd import jobenv
 from gpuherd.events import MAX_OUTPUT_TAIL
+from gpuherd.jobenv import ElasticPlan
 from gpuherd.obs import get_logger
 from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
 from services.nodeagent.shim import write_json
@@ -89,6 +90,8 @@ class ProcessExecutor(Executor):
             self._adopt(key, task_dir, on_exit, launch.gpus)  # never start twice what ran before a restart
             return
         task_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in ("exit.json", "shim.json", "stop.json", *(p.name for p in task_dir.glob("grow-*.json*"))):
+            (task_dir / leftover).unlink(missing_ok=True)  # an elastic job back on this node in the same attempt
         write_json(task_dir / "task.json", self._describe(launch, task_dir))
         shim_log = open(task_dir / "shim.log", "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -183,11 +186,27 @@ class ProcessExecutor(Executor):
 
     def output(self, key: TaskKey, max_bytes: int = 65536) -> dict[str, str]:
         task_dir = self.task_dir(key)
-        return {p.name: _tail_bytes(p, max_bytes) for p in sorted(task_dir.glob("rank-*.log"))}
+        logs = [*sorted(task_dir.glob("rank-*.log")), *sorted(task_dir.glob("worker-*.log"))]
+        return {p.name: _tail_bytes(p, max_bytes) for p in logs}
 
     # -- internals -----------------------------------------------------------------------------
 
     def _describe(self, launch: TaskLaunch, task_dir: Path) -> dict:
+        return {
+            "job": launch.key.job,
+            "attempt": launch.key.attempt,
+            "procs": self._procs(launch, task_dir),
+            "cwd": launch.spec.workdir,
+            "alive_file": str(self.alive_file),
+            "fence_after_s": self.fence_after_s,
+            "kill_grace_s": self.kill_grace_s,
+            "elastic": launch.elastic,
+            "agent_addr": self.agent_addr,
+            "node": self.node,
+        }
+
+    def _procs(self, launch: TaskLaunch, task_dir: Path) -> list[dict]:
+        """One process per rank; for an elastic task, one worker per GPU of ``launch.gpus``."""
         spec = launch.spec
         assert spec.command is not None
         argv = list(spec.command)
@@ -218,17 +237,51 @@ class ProcessExecutor(Executor):
             if launch.rendezvous is not None:
                 env[jobenv.MASTER_ADDR] = launch.rendezvous.addr
                 env[jobenv.MASTER_PORT] = str(launch.rendezvous.port)
-            env.update(self.device_env(launch.gpus, local_rank))
-            procs.append({"argv": argv, "env": env, "log": str(task_dir / f"rank-{rank}.log")})
-        return {
-            "job": launch.key.job,
-            "attempt": launch.key.attempt,
-            "procs": procs,
-            "cwd": spec.workdir,
-            "alive_file": str(self.alive_file),
-            "fence_after_s": self.fence_after_s,
-            "kill_grace_s": self.kill_grace_s,
-        }
+            log_name = f"rank-{rank}.log"
+            if launch.elastic:  # a worker owns one GPU; its rank changes with every rescale
+                gpu = launch.gpus[local_rank]
+                env.update({jobenv.ELASTIC_WORKER: jobenv.worker_id(self.node, gpu), jobenv.LOCAL_RANK: "0"})
+                env.update(self.device_env((gpu,), 0))
+                log_name = f"worker-{gpu}.log"
+            else:
+                env.update(self.device_env(launch.gpus, local_rank))
+            proc = {"argv": argv, "env": env, "log": str(task_dir / log_name)}
+            if launch.elastic:
+                proc["gpu"] = launch.gpus[local_rank]
+            procs.append(proc)
+        return procs
+
+    # -- elastic tasks ----------------------------------------------------------------------------
+
+    def write_plan(self, key: TaskKey, plan: ElasticPlan) -> bool:
+        task_dir = self.task_dir(key)
+        if not task_dir.is_dir():
+            return False
+        tmp = task_dir / f".{jobenv.ELASTIC_PLAN_FILE}.tmp"
+        tmp.write_text(plan.to_json())
+        os.replace(tmp, task_dir / jobenv.ELASTIC_PLAN_FILE)  # a worker reads the old plan or the whole new one
+        return True
+
+    def grow(self, key: TaskKey, launch: TaskLaunch) -> bool:
+        task = self._tasks.get(key)
+        if task is None or not launch.gpus:
+            return False
+        task_dir = self.task_dir(key)
+        number = len(list(task_dir.glob("grow-*.json*")))
+        write_json(task_dir / f"grow-{number:04d}.json", {"procs": self._procs(launch, task_dir)})
+        task.gpus = tuple(sorted({*task.gpus, *launch.gpus}))
+        return True
+
+    def launched(self, key: TaskKey) -> set[int]:
+        task_dir = self.task_dir(key)
+        out: set[int] = set()
+        for path in [task_dir / "task.json", *sorted(task_dir.glob("grow-*.json*"))]:
+            for proc in (_read_json(path) or {}).get("procs", []):
+                if isinstance(proc.get("gpu"), int):
+                    out.add(proc["gpu"])
+        return out
+
+    # -- internals ----------------------------------------------------------------------------------
 
     def _adopt(self, key: TaskKey, task_dir: Path, on_exit: OnExit, gpus: tuple[int, ...] = ()) -> None:
         if key in self._tasks:
@@ -297,7 +350,10 @@ def shell_code(code: int | None) -> int | None:
 
 
 def _task_tail(task_dir: Path, local_rank: int | None) -> str:
-    logs = sorted(task_dir.glob("rank-*.log"), key=lambda p: int(p.stem.removeprefix("rank-")))
+    logs = sorted(
+        [*task_dir.glob("rank-*.log"), *task_dir.glob("worker-*.log")],
+        key=lambda p: (p.stem.startswith("worker-"), int(p.stem.rpartition("-")[2])),
+    )
     if not logs:
         return ""
     path = logs[local_rank] if local_rank is not None and local_rank < len(logs) else logs[0]

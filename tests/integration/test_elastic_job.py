@@ -1,0 +1,140 @@
+"""An elastic job through NATS on cpu agents: it grows onto another node, shrinks, loses a worker
+to SIGKILL and goes on with the survivor, and ends with every rescale reported and audited."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.audit import audit
+from gpuherd.client import Client
+from gpuherd.decider import append_reliably
+from gpuherd.invariants import violations
+from gpuherd.log import open_log
+from gpuherd.state import ClusterState
+from services.scheduler.decide import SchedulerDecider
+from tests.integration.procs import Services, wait_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _records(records, kind: type) -> list:
+    return [r.event for r in records if isinstance(r.event, kind)]
+
+
+async def _propose(log, state: ClusterState, job_id: str, gpus: int) -> None:
+    job = state.jobs[job_id]
+    proposal = ev.RescaleProposed(
+        id=f"test:propose:{job_id}:{job.generation}",
+        at=time.time(),
+        source="test",
+        job=job_id,
+        attempt=job.attempt,
+        generation=job.generation,
+        gpus=gpus,
+        reason="test",
+    )
+    await append_reliably(log, [proposal])
+
+
+async def _wait(log, services: Services, predicate, timeout: float) -> ClusterState:
+    """wait_state, and on failure the job's events and the services' logs (what went wrong where)."""
+    try:
+        return await wait_state(log, predicate, timeout)
+    except AssertionError as exc:
+        events = [f"{r.seq} {type(r.event).__name__} {r.event}"[:300] for r in await log.read_all()]
+        raise AssertionError(f"{exc}\n" + "\n".join(events[-40:]) + "\n" + services.logs()) from None
+
+
+def _settled(job_id: str, generation: int):
+    """The job runs ``generation`` and its rescale has ended."""
+    return lambda s: s.jobs[job_id].generation == generation and s.jobs[job_id].rescale is None
+
+
+def _worker_pid(services_dir: Path, node: str, job_id: str, gpu: int) -> int:
+    """The pid of the worker of ``node/gpu`` (from /proc: the process with that worker's env)."""
+    needle = f"GPUHERD_ELASTIC_WORKER={node}/{gpu}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and f"GPUHERD_JOB_ID={job_id}".encode() in environ.split(b"\0"):
+            return int(entry.name)
+    raise AssertionError(f"no worker {node}/{gpu} of {job_id} running")
+
+
+async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nats, tmp_path) -> None:
+    # 2 GPUs per node so that a grow to 3 must go to the other node.
+    services = Services(local_nats.url, tmp_path, agents=2, gpus=2, executor="cpu", lost_after=10.0)
+    services.start_all()
+    log = await open_log(local_nats.url, name="test")
+    client = await Client.connect(local_nats.url, source="test")
+    try:
+        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+        command = ["python", "examples/train_cnn.py", "--steps", "400", "--samples", "960", "--log-every", "25"]
+        job_id = await client.submit(
+            {
+                "name": "elastic-cnn",
+                "user": "test",
+                "gpus": 2,
+                "command": [*command, "--global-batch", "24", "--micro-batch", "4"],
+                "elastic": {"min": 1, "max": 3, "global_batch": 24, "micro_batch": 4},
+                "workdir": str(ROOT),
+                "intake_id": "elastic-cnn",
+            }
+        )
+        state = await _wait(log, services, lambda s: s.jobs[job_id].status == "running", 60)
+        assert state.jobs[job_id].nodes == ["n1"] or state.jobs[job_id].nodes == ["n2"]
+        home = state.jobs[job_id].nodes[0]
+        first_log = tmp_path / "agents" / home / "jobs" / job_id / "attempt-0" / "worker-0.log"
+        for _ in range(200):  # the proposal comes once the job trains (not while its workers start)
+            if first_log.exists() and "step 1 " in first_log.read_text():
+                break
+            await asyncio.sleep(0.1)
+
+        await _propose(log, state, job_id, 3)  # grow: one more worker, on the other node
+        state = await _wait(log, services, _settled(job_id, 1), 90)
+        assert len(state.jobs[job_id].workers) == 3 and len(state.jobs[job_id].nodes) == 2
+
+        await _propose(log, state, job_id, 2)  # shrink: the newest worker (on the other node) leaves
+        state = await _wait(log, services, _settled(job_id, 2), 90)
+        assert state.jobs[job_id].nodes == [home] and state.jobs[job_id].held == 2
+
+        os.kill(_worker_pid(tmp_path, home, job_id, 1), signal.SIGKILL)  # not rank 0's: a worker dies
+        state = await _wait(log, services, _settled(job_id, 3), 90)
+        assert state.jobs[job_id].workers == (f"{home}/0",)
+
+        state = await _wait(log, services, lambda s: s.jobs[job_id].status in ("completed", "failed"), 180)
+        records = await log.read_all()
+        job = state.jobs[job_id]
+        assert job.status == "completed", (job.reason, services.logs())
+        assert job.final_metrics is not None and job.final_metrics["step"] == 400
+        resized = _records(records, ev.JobResized)
+        assert [(r.generation, r.kind, len(r.allocations[0].gpus)) for r in resized][:1] == [(1, "grow", 2)]
+        assert [r.kind for r in resized] == ["grow", "shrink", "recover"]
+        completed = [r for r in _records(records, ev.RescaleCompleted) if r.job == job_id]
+        assert [(c.generation, c.world_before, c.world) for c in completed] == [(1, 2, 3), (2, 3, 2), (3, 2, 1)]
+        for done in completed:
+            phases = done.durations()
+            assert all(v >= 0 for v in phases.values()), phases
+        lost = _records(records, ev.WorkerLost)
+        assert [(w.node, w.gpu, w.exit_code) for w in lost] == [(home, 1, -9)]
+        assert violations(records) == []
+        report = audit(records, SchedulerDecider())
+        assert report.ok, report.mismatches
+        assert not services.crashed(), services.logs()
+    finally:
+        await client.close()
+        await log.close()
+        services.stop_all()
