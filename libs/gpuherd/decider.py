@@ -147,6 +147,28 @@ async def append_reliably(
 ExtraTask = Callable[["DeciderRunner[Any]"], Awaitable[None]]
 
 
+def clock_ticker(service: str, every_s: float) -> ExtraTask:
+    """A runner task that appends a ``ClockTicked`` every ``every_s`` seconds once caught up:
+    time reaches the decider as an event, so time-based decisions replay exactly. (The tick
+    names no node as heard and has a timeout nothing reaches: it declares no node lost.)"""
+
+    async def tick(runner: DeciderRunner[Any]) -> None:
+        await runner.caught_up.wait()
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.time()
+            event = ev.ClockTicked(
+                id=f"{service}:tick:{now:.3f}",
+                at=now,
+                source=service,
+                last_heard={},
+                lost_after_s=ev.TICK_ONLY_TIMEOUT_S,
+            )
+            await append_reliably(runner.log, [event])
+
+    return tick
+
+
 class DeciderRunner(Generic[S]):
     """Runs one decider against a log: lease, snapshot, catch-up, live loop."""
 

@@ -15,12 +15,11 @@ import asyncio
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 from gpuherd import events as ev
 from gpuherd.aio import serve_until_signal
-from gpuherd.decider import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.decider import DeciderRunner, ExtraTask, clock_ticker
 from gpuherd.log import open_log
 from gpuherd.log.base import Record
 from gpuherd.obs import configure, get_logger
@@ -40,24 +39,6 @@ JOB_EVENTS = (
     ev.JobFinished,
     ev.JobDurationPredicted,
 )
-
-
-def ticker(every_s: float) -> ExtraTask:
-    async def tick(runner: DeciderRunner[AnalyticsState]) -> None:
-        await runner.caught_up.wait()
-        while True:
-            await asyncio.sleep(every_s)
-            now = time.time()
-            event = ev.ClockTicked(
-                id=f"analytics:tick:{now:.3f}",
-                at=now,
-                source="analytics",
-                last_heard={},
-                lost_after_s=ev.TICK_ONLY_TIMEOUT_S,
-            )
-            await append_reliably(runner.log, [event])
-
-    return tick
 
 
 def reporter(out_dir: Path, every_s: float) -> ExtraTask:
@@ -103,7 +84,7 @@ async def serve(
     log_ = await open_log(url, name=f"analytics-{instance}")
     extra: list[ExtraTask] = []
     if ces is not None:
-        extra.append(ticker(tick_s))
+        extra.append(clock_ticker("analytics", tick_s))
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
         extra.append(reporter(report_dir, report_every_s))

@@ -1,1 +1,2 @@
-"""The elastic service: arrives with its own issue. It will import only `gpuherd` and talk through events."""
+"""The elastic service: decides when running elastic jobs grow or shrink (``policy.py``) and
+proposes it as ``RescaleProposed``; it imports only ``gpuherd`` and talks through events."""

@@ -1,0 +1,3 @@
+from services.elastic.service import main
+
+main()

@@ -1,0 +1,104 @@
+"""The elastic service's policy: grow into idle GPUs, shrink for waiting jobs, predicted
+throughput per GPU, hysteresis."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.state import ClusterState, fold
+from services.elastic.decide import ElasticDecider, job_model
+from services.elastic.policy import ElasticParams, JobModel, allreduce_s, decide, predicted_throughput
+from tests.unit.test_resize import ELASTIC, SPEC, _completed, _e, _propose, started
+from tests.unit.test_scheduler_decider import drive
+
+PARAMS = ElasticParams(min_interval_s=60.0, hold_after_shrink_s=300.0)
+
+
+def _state(log) -> ClusterState:
+    return fold((r.seq, r.event) for r in log)
+
+
+def _at(log, seconds: float):
+    """Let time pass: a tick at ``seconds``."""
+    tick = ev.ClockTicked(id=f"tick{seconds}", at=seconds, source="t", last_heard={}, lost_after_s=1e15)
+    return drive([tick], log)
+
+
+def _decide(log, **kw) -> list[ev.RescaleProposed]:
+    return decide(_state(log), {}, PARAMS, shrunk_at=kw.get("shrunk_at", {}), proposed=kw.get("proposed", {}))
+
+
+def test_idle_gpus_grow_a_job_to_the_largest_size_that_keeps_its_global_batch() -> None:
+    (proposal,) = _decide(started())  # 2 of n1's GPUs and all of n2's are free; sizes 1, 2, 3
+    assert (proposal.job, proposal.gpus, proposal.generation) == ("j", 3, 0)
+    assert "idle" in proposal.reason
+
+
+def test_a_job_is_not_resized_again_within_the_minimum_interval_nor_grown_right_after_a_shrink() -> None:
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)
+    log = _propose(log, 1, generation=1)  # shrunk at t=1000
+    log = _completed(log, 2, 1, 3)
+    assert _decide(log) == []  # within min_interval_s of the last rescale
+    later = _at(log, 1000.0 + PARAMS.min_interval_s + 1)
+    assert [p.gpus for p in _decide(later)] == [3]
+    assert _decide(later, shrunk_at={"j": 1000.0}) == []  # held after a shrink for waiting jobs
+    # A proposal the scheduler has not answered yet is not repeated before retry_s.
+    assert _decide(later, proposed={"j": (2, later[-1].event.at)}) == []
+
+
+def test_a_waiting_job_shrinks_the_elastic_job_by_what_it_lacks() -> None:
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)
+    rigid = ev.JobSpec(name="rigid", user="bo", gpus=4, command=("python", "x.py"), nodes=1)
+    log = drive([ev.JobSubmitted(id="s2", source="scheduler", job="r", spec=rigid, intake_source="t")], log)
+    log = _at(log, 1100.0)
+    state = _state(log)
+    assert state.jobs["r"].status == "placed"  # n2 was free: it started, nothing to shrink
+    other = ev.JobSpec(name="other", user="bo", gpus=2, command=("python", "x.py"))
+    log = _at(drive([ev.JobSubmitted(id="s3", source="scheduler", job="o", spec=other, intake_source="t")], log), 1200)
+    assert _state(log).jobs["o"].status == "pending"  # n1 has 1 GPU free, it needs 2
+    (proposal,) = _decide(log)
+    assert (proposal.gpus, proposal.generation) == (2, 1) and "o waits" in proposal.reason
+
+
+def test_throughput_is_predicted_from_what_was_measured_and_the_gradients_to_all_reduce() -> None:
+    state = _state(_completed(_propose(started(), 3), 1, 3, 2, rate=100.0))
+    job = state.jobs["j"]
+    assert predicted_throughput(job, 2, None, PARAMS) == 100.0  # measured
+    assert predicted_throughput(job, 3, None, PARAMS) == 150.0  # no gradients known: linear from there
+    moderate = JobModel(grad_bytes=int(4e8))  # all-reduce: a third of the measured step at 2 workers
+    compute_2 = 24 / 100 - allreduce_s(int(4e8), 2, PARAMS)
+    step_3 = compute_2 * 2 / 3 + allreduce_s(int(4e8), 3, PARAMS)
+    assert abs(predicted_throughput(job, 3, moderate, PARAMS) - 24 / step_3) < 1e-9
+    assert predicted_throughput(job, 3, moderate, PARAMS) / 3 < 100 / 2  # less per GPU at 3
+    # Where the all-reduce outweighs the compute saved, a grow gains nothing: no proposal.
+    heavy = JobModel(grad_bytes=int(1e9))
+    assert predicted_throughput(job, 3, heavy, PARAMS) < 100
+    eager = msgspec.structs.replace(PARAMS, min_interval_s=0)
+    assert decide(state, {"j": heavy}, eager, shrunk_at={}, proposed={}) == []
+    assert [
+        p.gpus for p in decide(state, {"j": moderate}, eager, shrunk_at={}, proposed={})
+    ] == []  # at its largest size
+
+
+def test_a_profile_gives_the_compute_per_sample_before_anything_was_measured() -> None:
+    model = job_model({"batch_size": 32, "step_s": 0.064, "layers": [{"grad_bytes": 1000}, {"grad_bytes": 24}]})
+    assert model == JobModel(compute_per_sample_s=0.002, grad_bytes=1024)
+    assert job_model({"layers": []}) is None
+    state = _state(started())
+    rate = predicted_throughput(state.jobs["j"], 2, model, PARAMS)
+    assert abs(rate - 24 / (0.002 * 12 + allreduce_s(1024, 2, PARAMS))) < 1e-6
+
+
+def test_the_decider_proposes_on_triggers_and_folds_its_own_proposals() -> None:
+    decider = ElasticDecider(PARAMS)
+    state = decider.initial_state()
+    log = started()
+    for record in log:
+        decider.evolve(state, record.seq, record.event)
+    assert [p.gpus for p in decider.decide(state, log[-1].event)] == [3]  # JobStarted is a trigger
+    proposal = _e(ev.RescaleProposed, job="j", attempt=0, generation=0, gpus=3, at=state.now)
+    decider.evolve(state, log[-1].seq + 1, proposal)
+    assert decider.decide(state, log[-1].event) == []  # answered by the scheduler, not proposed twice
+    assert decider.decode_state(decider.encode_state(state)) == state
+    assert SPEC.elastic == ELASTIC
