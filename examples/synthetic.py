@@ -34,6 +34,12 @@ def arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--global-batch", type=int, default=96, help="elastic jobs: samples per step, at any size")
     parser.add_argument("--micro-batch", type=int, default=8, help="elastic jobs: samples per forward pass")
+    parser.add_argument(
+        "--lr-scaling",
+        choices=["linear"],
+        default=None,
+        help="elastic jobs: the batch is world x micro-batch and the LR scales with the world (--lr is for the first)",
+    )
     parser.add_argument("--fail-at-step", type=int, default=None, help="exit with code 3 there (to test failures)")
     return parser
 
@@ -129,15 +135,22 @@ def run_elastic(
     inputs, labels = inputs.to(ctx.device), labels.to(ctx.device)
     model = make_model().to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ElasticSampler(args.samples, args.global_batch, seed=args.seed)
-    state = ElasticState(model, optimizer, sampler=sampler, micro_batch=args.micro_batch, membership=ctx.membership())
+    sampler = ElasticSampler(args.samples, args.global_batch, seed=args.seed, fixed_batch=args.lr_scaling is None)
+    state = ElasticState(
+        model,
+        optimizer,
+        sampler=sampler,
+        micro_batch=args.micro_batch,
+        membership=ctx.membership(),
+        lr_scaling=args.lr_scaling,
+    )
     print(f"job {ctx.job_id} attempt {ctx.attempt}: elastic worker {ctx.elastic_worker} on {ctx.device}", flush=True)
     started, at_start = time.perf_counter(), 0
 
     def log(state: ElasticState, loss: float) -> None:
         nonlocal started, at_start
         if state.step == 1 or state.step % args.log_every == 0 or state.step == args.steps:
-            rate = (state.step - at_start) * args.global_batch / max(1e-9, time.perf_counter() - started)
+            rate = (state.step - at_start) * state.sampler.global_batch / max(1e-9, time.perf_counter() - started)
             started, at_start = time.perf_counter(), state.step
             if state.rank == 0:
                 print(f"step {state.step} loss {loss:.4f} world {state.world} samples/s {rate:.0f}", flush=True)

@@ -31,7 +31,10 @@ DEFAULT_DATA_DIR = ".gpuherd"
 CLUSTER_FILE = "cluster.json"
 
 # Deciders the audit can re-run, named by import path so this library never imports a service.
-AUDITABLE = {"scheduler": "services.scheduler.decide:SchedulerDecider"}
+AUDITABLE = {
+    "scheduler": "services.scheduler.decide:SchedulerDecider",
+    "elastic": "services.elastic.decide:ElasticDecider",
+}
 
 
 def nats_url_of(args: argparse.Namespace) -> str:
@@ -53,6 +56,8 @@ def load_decider(name: str, policy: str | None = None) -> Any:
         raise GpuherdError(f"no decider named {name!r}; auditable: {', '.join(AUDITABLE)}") from None
     module, cls = target.split(":")
     decider_cls = getattr(importlib.import_module(module), cls)
+    if name != "scheduler":
+        return decider_cls()  # its default parameters
     policy_mod = importlib.import_module("services.scheduler.policy")
     return decider_cls(policy_mod.make_policy(policy or "fifo"))
 
@@ -279,12 +284,15 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         if j.job in pending:
             p = pending[j.job]
             why = f"#{p.position} {p.kind}: {p.detail}"
+        gpus = str(j.gpus)
+        if j.spec.elastic is not None:  # elastic: GPUs now, and its range
+            gpus = f"{len(j.workers) if j.allocations else j.gpus} ({j.spec.elastic.min}..{j.spec.elastic.max})"
         table.add_row(
             j.job,
             j.spec.name,
             j.spec.user,
             j.spec.vc,
-            str(j.gpus),
+            gpus,
             j.status,
             str(j.attempt),
             _fmt_time(j.submitted_at),
@@ -365,6 +373,18 @@ def cmd_events(args: argparse.Namespace) -> int:
         return asyncio.run(run())
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_rescales(args: argparse.Namespace) -> int:
+    from gpuherd.rescales import rescale_rows, rescale_table
+
+    _, records = asyncio.run(_state(args))
+    rows = rescale_rows(records, args.job)
+    if args.json:
+        _print_json(rows)
+    else:
+        console.print(rescale_table(rows, f"rescales of elastic jobs ({len(rows)})"))
+    return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -541,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--bytes", type=int, default=65536, help="the last N bytes of each rank's log")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(func=cmd_logs)
+
+    rs = sub.add_parser("rescales", help="elastic jobs' rescales: kind, sizes, and each phase's duration")
+    rs.add_argument("--job", default=None)
+    rs.add_argument("--log", help="a log file instead of the live log")
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(func=cmd_rescales)
 
     e = sub.add_parser("events", help="print the event log (filter by job, node, type)")
     e.add_argument("--job", default=None)

@@ -6,9 +6,11 @@ factor and capped (a two-week job would otherwise keep the demo running), and
 the cap is printed. Jobs asking for more GPUs than the demo cluster has are
 submitted anyway: intake rejects them with a reason, which the summary shows.
 
-With cpu agents up, two real training jobs go first: a 2-node DDP run of
-``examples/train_cnn.py`` and a single-process ``examples/train_mlp.py``. They
-really train, on CPU, and the summary shows their final loss.
+With cpu agents up, three real training jobs go first: a 2-node DDP run of
+``examples/train_cnn.py``, a single-process ``examples/train_mlp.py``, and an
+elastic ``train_cnn.py`` that the elastic service grows into the idle cpu GPUs
+(and shrinks if a job waits). They really train, on CPU; the summary shows their
+final loss and every rescale with the time of each phase.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def demo_workload(path: Path, jobs: int, span_s: float) -> tuple[list[tuple[floa
     return out, factor, cap
 
 
-REAL_JOBS = ("examples/train_cnn_ddp.json", "examples/train_mlp.json")
+REAL_JOBS = ("examples/train_cnn_ddp.json", "examples/train_mlp.json", "examples/train_cnn_elastic.json")
 REAL_JOBS_ALLOWANCE_S = 240.0
 
 
@@ -218,12 +220,22 @@ async def run_demo(
         records = await log_.read_all()
     finally:
         await log_.close()
+    from gpuherd.rescales import rescale_rows, rescale_table
+
+    rows = rescale_rows(records)
+    if rows:
+        console.print(rescale_table(rows, "rescales of the elastic job (seconds)"))
     report = audit(records, load_decider("scheduler", args.policy))
     verdict = "[green]no mismatches[/green]" if report.ok else f"[red]{len(report.mismatches)} mismatches[/red]"
     console.print(
         f"audit: re-ran {report.decisions_checked} scheduler decisions over {report.events} events: {verdict}"
     )
+    elastic = audit(records, load_decider("elastic"))
+    console.print(
+        f"audit: re-ran {elastic.decisions_checked} elastic-service decisions: "
+        + ("[green]no mismatches[/green]" if elastic.ok else f"[red]{len(elastic.mismatches)} mismatches[/red]")
+    )
     unfinished = (
         summary["accepted"] - summary["by_status"].get("completed", 0) - summary["by_status"].get("cancelled", 0)
     )
-    return 0 if report.ok and unfinished == 0 else 1
+    return 0 if report.ok and elastic.ok and unfinished == 0 else 1

@@ -375,7 +375,14 @@ def _count_down(counts: dict, key: object, by: int) -> None:
 
 
 def _release(state: ClusterState, job: JobState) -> None:
-    for alloc in (*job.allocations, *job.releasing):
+    _free(state, job, (*job.allocations, *job.releasing))
+    job.allocations = ()
+    job.releasing = ()
+
+
+def _free(state: ClusterState, job: JobState, allocations: Iterable[ev.Allocation]) -> None:
+    """Give back the GPUs of ``allocations`` that ``job`` holds."""
+    for alloc in allocations:
         node = state.nodes.get(alloc.node)
         if node is None:
             continue
@@ -383,8 +390,6 @@ def _release(state: ClusterState, job: JobState) -> None:
             if index < len(node.gpus) and node.gpus[index].job == job.job:
                 node.gpus[index].job = None
         _touch(state, node)
-    job.allocations = ()
-    job.releasing = ()
 
 
 def _enqueue(state: ClusterState, job: JobState) -> None:
@@ -736,14 +741,7 @@ def _rescale_completed(state: ClusterState, seq: int, e: ev.RescaleCompleted) ->
         job.throughput[e.world_before] = e.samples_per_s_before
     if e.generation != job.generation or job.rescale is None:
         return
-    for alloc in job.releasing:
-        node = state.nodes.get(alloc.node)
-        if node is None:
-            continue
-        for index in alloc.gpus:
-            if index < len(node.gpus) and node.gpus[index].job == job.job:
-                node.gpus[index].job = None
-        _touch(state, node)
+    _free(state, job, job.releasing)
     _account(state, job, e.at)
     job.releasing = ()
     _hold(state, job, sum(len(a.gpus) for a in job.allocations))

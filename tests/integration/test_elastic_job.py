@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpuherd import events as ev
@@ -18,12 +19,27 @@ from gpuherd.decider import append_reliably
 from gpuherd.invariants import violations
 from gpuherd.log import open_log
 from gpuherd.state import ClusterState
+from services.elastic.decide import ElasticDecider
+from services.elastic.policy import ElasticParams
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def elastic_cnn(*, gpus: int, steps: int) -> dict:
+    """examples/train_cnn.py as an elastic job of 1 to 3 workers (a global batch of 24 in micro-batches of 4)."""
+    command = ["python", "examples/train_cnn.py", "--steps", str(steps), "--samples", "960", "--log-every", "25"]
+    return {
+        "name": "elastic-cnn",
+        "user": "test",
+        "gpus": gpus,
+        "command": [*command, "--global-batch", "24", "--micro-batch", "4"],
+        "elastic": {"min": 1, "max": 3, "global_batch": 24, "micro_batch": 4},
+        "workdir": str(ROOT),
+    }
 
 
 def _records(records, kind: type) -> list:
@@ -82,18 +98,7 @@ async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nat
     client = await Client.connect(local_nats.url, source="test")
     try:
         await wait_state(log, lambda s: len(s.nodes) == 2, 30)
-        command = ["python", "examples/train_cnn.py", "--steps", "400", "--samples", "960", "--log-every", "25"]
-        job_id = await client.submit(
-            {
-                "name": "elastic-cnn",
-                "user": "test",
-                "gpus": 2,
-                "command": [*command, "--global-batch", "24", "--micro-batch", "4"],
-                "elastic": {"min": 1, "max": 3, "global_batch": 24, "micro_batch": 4},
-                "workdir": str(ROOT),
-                "intake_id": "elastic-cnn",
-            }
-        )
+        job_id = await client.submit(elastic_cnn(gpus=2, steps=400))
         state = await _wait(log, services, lambda s: s.jobs[job_id].status == "running", 60)
         assert state.jobs[job_id].nodes == ["n1"] or state.jobs[job_id].nodes == ["n2"]
         home = state.jobs[job_id].nodes[0]
@@ -133,6 +138,44 @@ async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nat
         assert violations(records) == []
         report = audit(records, SchedulerDecider())
         assert report.ok, report.mismatches
+        assert not services.crashed(), services.logs()
+    finally:
+        await client.close()
+        await log.close()
+        services.stop_all()
+
+
+async def test_the_elastic_service_lends_idle_gpus_and_takes_them_back_for_a_waiting_job(local_nats, tmp_path) -> None:
+    services = Services(local_nats.url, tmp_path, agents=2, gpus=2, executor="cpu", lost_after=10.0)
+    params = '{"min_interval_s": 2, "hold_after_shrink_s": 600, "retry_s": 5}'
+    services.specs["elastic"] = ["-m", "services.elastic", "--nats-url", local_nats.url, "--params", params]
+    services.specs["elastic"] += ["--tick", "0.5"]
+    services.start_all()
+    log = await open_log(local_nats.url, name="test")
+    client = await Client.connect(local_nats.url, source="test")
+    try:
+        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+        elastic = await client.submit(elastic_cnn(gpus=1, steps=100_000))
+        # Nothing waits: the service grows it into idle GPUs, to 3 (the largest size that keeps the batch).
+        grown = lambda s: len(s.jobs[elastic].workers) == 3 and s.jobs[elastic].rescale is None  # noqa: E731
+        state = await _wait(log, services, grown, 120)
+        rigid = await client.submit(
+            {"name": "rigid", "user": "test", "gpus": 2, "command": ["python", "-c", "import time; time.sleep(2)"]}
+        )
+        # It waits for 2 GPUs (1 is free): the elastic job shrinks to 2 and the rigid job runs and ends.
+        state = await _wait(log, services, lambda s: s.jobs[rigid].status == "completed", 120)
+        records = await log.read_all()
+        proposals = [p for p in _records(records, ev.RescaleProposed) if p.job == elastic]
+        assert [p.gpus for p in proposals][:1] == [3] and 2 in [p.gpus for p in proposals]
+        assert "rigid" not in proposals[0].reason and rigid in next(p.reason for p in proposals if p.gpus == 2)
+        assert (
+            state.jobs[elastic].status == "running" and len(state.jobs[elastic].workers) == 2
+        )  # held after the shrink
+        assert violations(records) == []
+        assert audit(records, SchedulerDecider()).ok
+        assert audit(records, ElasticDecider(msgspec.json.decode(params, type=ElasticParams))).ok
+        await client.cancel(elastic)
+        await _wait(log, services, lambda s: s.jobs[elastic].status == "cancelled", 60)
         assert not services.crashed(), services.logs()
     finally:
         await client.close()

@@ -400,3 +400,40 @@ def test_a_worker_killed_during_re_formation_rolls_back_and_trains_bit_identical
         failed = [r for r in resized[worker][3] if r["event"] == "failed"]
         assert [(r["generation"], r["step"]) for r in failed] == [(1, 3)]  # rolled back to step 3, lost nothing
     assert [r["generation"] for r in resized["a"][3] if r["event"] == "completed"] == [2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=40))
+def test_with_linear_lr_scaling_the_batch_follows_the_world_and_no_sample_repeats(worlds: list[int]) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    sampler = ElasticSampler(100, 4, seed=1, fixed_batch=False)
+    state = ElasticState(model, optimizer, sampler=sampler, scheduler=scheduler, micro_batch=4, lr_scaling="linear")
+    used: dict[int, list[int]] = {}
+    before = 0
+    for world in worlds:
+        lr = optimizer.param_groups[0]["lr"]
+        state.adapt(world, before)
+        expected = lr if before in (0, world) else lr * world / before
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+        assert sampler.global_batch == 4 * world and state.accumulation == 1
+        epoch = sampler.epoch
+        for rank in range(world):
+            for micro in sampler.micro_batches(rank, world, 4):
+                used.setdefault(epoch, []).extend(int(i) for i in micro)
+        optimizer.step()
+        state.finish_step()
+        before = world
+    for indices in used.values():
+        assert len(indices) == len(set(indices))
+
+
+def test_an_lr_scaling_rule_needs_a_sampler_whose_batch_may_change() -> None:
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GlobalBatchError, match="fixed_batch=False"):
+        ElasticState(model, optimizer, sampler=ElasticSampler(10, 2), lr_scaling="linear")
+    with pytest.raises(GlobalBatchError, match="keeps its global batch"):
+        ElasticSampler(10, 2).resize(4)

@@ -67,11 +67,12 @@ def accumulation_steps(global_batch: int, world: int, micro_batch: int) -> int:
 class ElasticSampler:
     """The global sample order of each epoch and how far the job is through it."""
 
-    def __init__(self, dataset_size: int, global_batch: int, *, seed: int = 0) -> None:
+    def __init__(self, dataset_size: int, global_batch: int, *, seed: int = 0, fixed_batch: bool = True) -> None:
         if not 0 < global_batch <= dataset_size:
             raise GlobalBatchError(f"a global batch of {global_batch} does not fit a dataset of {dataset_size}")
         self.dataset_size = dataset_size
         self.global_batch = global_batch
+        self.fixed_batch = fixed_batch  # False: the batch follows the world size (an LR-scaling rule)
         self.seed = seed
         self.epoch = 0
         self.cursor = 0  # samples of this epoch's order already consumed, by all ranks together
@@ -109,6 +110,19 @@ class ElasticSampler:
             self.cursor = 0
             self._order = None
 
+    def resize(self, global_batch: int) -> None:
+        """A batch that follows the world size: the cursor stays (no sample skipped or repeated);
+        if the new batch no longer fits in what is left of the epoch, the next epoch starts."""
+        if self.fixed_batch and global_batch != self.global_batch:
+            raise GlobalBatchError(f"this sampler keeps its global batch of {self.global_batch}")
+        if not 0 < global_batch <= self.dataset_size:
+            raise GlobalBatchError(f"a global batch of {global_batch} does not fit a dataset of {self.dataset_size}")
+        self.global_batch = global_batch
+        if self.cursor + global_batch > self.dataset_size:
+            self.epoch += 1
+            self.cursor = 0
+            self._order = None
+
     def state_dict(self) -> dict[str, int]:
         return {
             "dataset_size": self.dataset_size,
@@ -119,6 +133,8 @@ class ElasticSampler:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if not self.fixed_batch and state["dataset_size"] == self.dataset_size:
+            self.global_batch = state["global_batch"]
         if (state["dataset_size"], state["global_batch"]) != (self.dataset_size, self.global_batch):
             raise GlobalBatchError(
                 f"sampler state is for {state['dataset_size']} samples in batches of {state['global_batch']}, "
@@ -175,7 +191,13 @@ class ElasticState:
         scaler: Any | None = None,
         micro_batch: int | None = None,
         membership: Membership | None = None,
+        lr_scaling: str | None = None,
     ) -> None:
+        if lr_scaling not in (None, "linear"):
+            raise GlobalBatchError(f"unknown LR-scaling rule {lr_scaling!r}; known: linear")
+        if lr_scaling is not None and sampler.fixed_batch:
+            raise GlobalBatchError("an LR-scaling rule needs ElasticSampler(..., fixed_batch=False)")
+        self.lr_scaling = lr_scaling
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
@@ -222,9 +244,26 @@ class ElasticState:
         for i, indices in enumerate(batches):
             yield indices, i == len(batches) - 1
 
+    def adapt(self, world: int, before: int) -> None:
+        """After a switch from ``before`` to ``world`` workers, under an LR-scaling rule: a step is
+        ``world x micro_batch`` samples and every learning rate scales by ``world / before``
+        (linear scaling; the LR scheduler's base rates too, so a chainable schedule keeps it)."""
+        if self.lr_scaling is None:
+            return
+        self.sampler.resize(world * self.micro_batch)
+        if before <= 0 or before == world:
+            return
+        factor = world / before
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
     @property
     def accumulation(self) -> int:
         """Micro-batches per rank per step; scale each micro-batch's loss by ``1 / accumulation``."""
+        if self.lr_scaling is not None:
+            return 1  # the batch follows the world: one micro-batch per worker
         return accumulation_steps(self.sampler.global_batch, self.world, self.micro_batch)
 
     def finish_step(self) -> None:
@@ -277,6 +316,7 @@ class ElasticState:
         """A deep, in-memory snapshot (tensors cloned: later training does not change it)."""
         snapshot = {
             "step": self.step,
+            "world": self.world if self.membership is not None and self.membership.current is not None else 0,
             "model": {k: v.detach().clone() for k, v in self._module().state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "sampler": self.sampler.state_dict(),
@@ -421,13 +461,18 @@ def is_collective_failure(exc: BaseException) -> bool:
     )
 
 
-def _wait_for_port(addr: str, port: int, timeout_s: float, poll_s: float) -> None:
+def _wait_for_port(
+    addr: str, port: int, timeout_s: float, poll_s: float, superseded: Callable[[], bool] = lambda: False
+) -> None:
+    """Until the generation's store listens (or a newer plan replaced this one, or time is up)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((addr, port), timeout=1.0):
                 return
         except OSError as exc:
+            if superseded():
+                raise ElasticError(f"a newer plan replaced the one served at {addr}:{port}") from exc
             if time.monotonic() > deadline:
                 raise ElasticError(f"no rendezvous store at {addr}:{port} after {timeout_s:.0f}s: {exc}") from exc
             time.sleep(poll_s)
@@ -479,6 +524,8 @@ class Membership:
         self._noticed: dict[int, float] = {}
         self._pending: RescalePhases | None = None
         self._step_times: list[float] = []
+        self._unhostable: set[int] = set()  # generations whose store this worker could not open
+        self._batch: int | None = None  # the global batch (for the throughput reported at a rescale)
 
     # -- what the training loop sees ---------------------------------------------------------------
 
@@ -562,8 +609,14 @@ class Membership:
         try:
             store = self._host(plan)
             return int(store.check([f"ready/{j}" for j in plan.joiners]))
-        except Exception:
-            return 0  # the store could not be opened (yet): the switch waits; a dead joiner is reported by its agent
+        except Exception as exc:
+            # No store, no switch: say so once, and the scheduler commits a rollback generation (a
+            # new port) that replaces this plan. Training goes on meanwhile.
+            if plan.generation not in self._unhostable:
+                self._unhostable.add(plan.generation)
+                reason = f"cannot open the store at {plan.addr}:{plan.port}: {_first_line(exc)}"
+                self.report({"event": "failed", "generation": plan.generation, "reason": reason})
+            return 0
 
     def _host(self, plan: ElasticPlan) -> dist.TCPStore:
         """The generation's rendezvous store, hosted by its rank 0 (opened early for a grow, so new
@@ -613,8 +666,6 @@ class Membership:
         median = gaps[len(gaps) // 2]
         return self._batch / median if median > 0 else None
 
-    _batch: int | None = None  # the global batch, set on the first sync
-
     def _enter(
         self, state: ElasticState, plan: ElasticPlan, snapshot: dict[str, Any] | None, phases: RescalePhases
     ) -> bool:
@@ -627,11 +678,13 @@ class Membership:
             source = plan.rank_of(plan.source)
             if source < 0:
                 raise ElasticError(f"generation {plan.generation}: its source {plan.source} is not one of its workers")
-            state.broadcast(snapshot if plan.source == self.worker else None, src=source)
+            held = state.broadcast(snapshot if plan.source == self.worker else None, src=source)
+            state.adapt(plan.world, int(held.get("world", 0)))
             phases.restored_at = time.time()
         except Exception as exc:
             return self._failed(state, plan, snapshot, phases, f"{type(exc).__name__}: {_first_line(exc)}")
         self.current = plan
+        self._step_times = []  # throughput is measured per generation
         self._store = None if self._store is not None and self._store[0] != plan.generation else self._store
         self.history.append(phases)
         if plan.rank_of(self.worker) == 0 and plan.generation > 0:
@@ -646,7 +699,7 @@ class Membership:
         else:
             # Poll for the host's port ourselves: the store client backs off for long between tries,
             # and a new worker must be ready the moment the host opens the store.
-            _wait_for_port(plan.addr, plan.port, timeout.total_seconds(), self.poll_s)
+            _wait_for_port(plan.addr, plan.port, timeout.total_seconds(), self.poll_s, lambda: self._superseded(plan))
             store = dist.TCPStore(plan.addr, plan.port, None, False, timeout=timeout)
             found = store.get("gpuherd/generation").decode()
             if found != str(plan.generation):
@@ -660,6 +713,10 @@ class Membership:
             world_size=plan.world,
             timeout=timeout,
         )
+
+    def _superseded(self, plan: ElasticPlan) -> bool:
+        newest = self.plans.latest()
+        return newest is not None and newest.generation > plan.generation
 
     def _failed(
         self,
