@@ -224,7 +224,9 @@ async def run_demo(
 
     rows = rescale_rows(records)
     if rows:
-        console.print(rescale_table(rows, "rescales of the elastic job (seconds)"))
+        console.print(
+            rescale_table(rows, "rescales of the elastic job (s; gpuherd rescales: every phase)", compact=True)
+        )
     report = audit(records, load_decider("scheduler", args.policy))
     verdict = "[green]no mismatches[/green]" if report.ok else f"[red]{len(report.mismatches)} mismatches[/red]"
     console.print(

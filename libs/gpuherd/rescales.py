@@ -47,24 +47,27 @@ def rescale_rows(records: Iterable[Record], job: str | None = None) -> list[dict
     return list(rows.values())
 
 
-def rescale_table(rows: list[dict[str, Any]], title: str) -> Any:
-    """A rich table of ``rescale_rows``."""
+def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = False) -> Any:
+    """A rich table of ``rescale_rows``; ``compact``: the pause and the total only (a narrow terminal)."""
     import time
 
     from rich.table import Table
 
+    phases = ("pause_s", "total_s") if compact else PHASES
     table = Table(title=title)
-    for col in ("job", "gen", "kind", "gpus", "decided", "outcome", *(p.removesuffix("_s") for p in PHASES), "why"):
+    for col in ("job", "gen", "kind", "gpus", "decided", "outcome", *(p.removesuffix("_s") for p in phases)):
         table.add_column(col)
+    if not compact:
+        table.add_column("why")
     for row in rows:
-        table.add_row(
+        cells = [
             row["job"],
             str(row["generation"]),
             row["kind"],
             row["gpus"],
             time.strftime("%H:%M:%S", time.localtime(row["decided_at"])),
             row["outcome"],
-            *(f"{row[p]:.3f}" if p in row else "" for p in PHASES),
-            row["reason"],
-        )
+            *(f"{row[p]:.3f}" if p in row else "" for p in phases),
+        ]
+        table.add_row(*cells, *(() if compact else (row["reason"],)))
     return table

@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd import jobenv
 from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
 from gpuherd.decider import append_reliably
 from gpuherd.log import EventLog, open_log
@@ -387,6 +388,8 @@ class Agent:
             if job.spec.elastic is not None:
                 self._hand_plan(job, key)
                 self._grow(job, key)
+                for death in self.executor.dead_workers(key):  # deaths while this agent was away
+                    self._on_worker_exit({"job": job.job, "attempt": job.attempt, **death})
             return
         if key in self._exited:
             return
@@ -479,6 +482,8 @@ class Agent:
         job = self.state.jobs.get(key.job)
         if job is None or job.attempt != key.attempt or job.stopping():
             return  # the whole attempt is ending: its parts report as usual
+        if jobenv.worker_id(self.node, gpu) not in job.workers or jobenv.worker_id(self.node, gpu) in job.lost_workers:
+            return  # not one of the current generation's workers, or already reported
         event = ev.WorkerLost(
             **self._stamp("worker-lost", key.job, str(key.attempt), str(gpu), str(job.generation)),
             job=key.job,

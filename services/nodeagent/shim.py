@@ -62,6 +62,7 @@ class Shim:
         self.agent_addr: str = spec.get("agent_addr") or ""
         self.job, self.attempt, self.node = spec.get("job", ""), int(spec.get("attempt", 0)), spec.get("node", "")
         self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
+        self.deaths: list[dict] = []
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
@@ -118,9 +119,10 @@ class Shim:
             if code not in (None, 0) and index not in self.reported:
                 self.reported.add(index)
                 gpu = self.procs_spec[index].get("gpu")
-                self.tell_agent(
-                    {"kind": "worker-exit", "gpu": gpu, "code": code, "reason": f"worker {describe_exit(code)}"}
-                )
+                death = {"gpu": gpu, "code": code, "reason": f"worker {describe_exit(code)}"}
+                self.deaths.append(death)
+                write_json(self.dir / "dead-workers.json", self.deaths)  # for an agent that missed the message
+                self.tell_agent({"kind": "worker-exit", **death})
 
     def tell_agent(self, message: dict) -> None:
         """One datagram to the agent's control socket (lost if no agent listens: the exit record

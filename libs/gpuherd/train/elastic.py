@@ -787,11 +787,23 @@ class Membership:
             time.sleep(self.poll_s)
 
     def _teardown(self, keep_store: ElasticPlan | None = None) -> None:
-        self._ddp = None
+        self._release_ddp()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._store is not None and (keep_store is None or self._store[0] != keep_store.generation):
             self._store = None
+
+    def _release_ddp(self) -> None:
+        """Let the DDP wrapper's reducer go while its process group is still registered. The training
+        loop may still hold the wrapper; if the reducer were the group's last owner, the group's
+        destructor would run under the GIL and wait for gloo's threads, which may need the GIL to
+        free the last collective's tensors: a deadlock (pytorch/pytorch#56297)."""
+        if self._ddp is not None:
+            ddp = self._ddp[1]
+            for attribute in ("logger", "reducer"):
+                if hasattr(ddp, attribute):
+                    setattr(ddp, attribute, None)
+        self._ddp = None
 
     def _complete(self, phases: RescalePhases) -> None:
         self.report(

@@ -121,6 +121,10 @@ class Executor(abc.ABC):
         """Start more workers in a running elastic task (``launch.gpus``: the new ones)."""
         return False
 
+    def dead_workers(self, key: TaskKey) -> list[dict]:
+        """The elastic task's workers that died (``{"gpu", "code", "reason"}``), as its shim recorded them."""
+        return []
+
     def launched(self, key: TaskKey) -> set[int]:
         """The GPUs of a running elastic task that have a worker started for them."""
         return set()

@@ -272,6 +272,10 @@ class ProcessExecutor(Executor):
         task.gpus = tuple(sorted({*task.gpus, *launch.gpus}))
         return True
 
+    def dead_workers(self, key: TaskKey) -> list[dict]:
+        data = _read_json_list(self.task_dir(key) / "dead-workers.json")
+        return [d for d in data if isinstance(d, dict)]
+
     def launched(self, key: TaskKey) -> set[int]:
         task_dir = self.task_dir(key)
         out: set[int] = set()
@@ -379,6 +383,14 @@ def _read_json(path: Path) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _read_json_list(path: Path) -> list:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    return data if isinstance(data, list) else []
 
 
 def _is_shim(pid: object, task_dir: Path) -> bool:
