@@ -385,7 +385,9 @@ class Agent:
             )
             return
         if key in self.executor.running():
-            if job.spec.elastic is not None:
+            if job.spec.elastic is not None and self.executor.kind == "sim":
+                await self._simulate_rescale(job)
+            elif job.spec.elastic is not None:
                 self._hand_plan(job, key)
                 self._grow(job, key)
                 for death in self.executor.dead_workers(key):  # deaths while this agent was away
@@ -394,7 +396,9 @@ class Agent:
         if key in self._exited:
             return
         resume = self.node in job.started_nodes
-        elapsed = max(0.0, self.clock() - job.started_at) if resume and job.started_at is not None else 0.0
+        joins_late = job.spec.elastic is not None and job.generation > 0  # a grow onto this node: same end
+        counts = (resume or joins_late) and job.started_at is not None
+        elapsed = max(0.0, self.clock() - job.started_at) if counts and job.started_at is not None else 0.0
         if not resume:
             with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
                 again = (str(job.generation),) if job.generation else ()  # an elastic job back on this node
@@ -424,6 +428,24 @@ class Agent:
         plan = job.plan()
         if plan is not None:
             self.executor.write_plan(key, plan)
+
+    async def _simulate_rescale(self, job: JobState) -> None:
+        """A sim job has no workers to switch: its leading node reports the rescale done at once
+        (so simulated elastic jobs resize, and their GPUs are given back, as real ones do)."""
+        if job.rescale is None or job.nodes[0] != self.node:
+            return
+        now = self.clock()
+        done = ev.RescaleCompleted(
+            **self._stamp("rescaled", job.job, str(job.attempt), str(job.generation)),
+            job=job.job,
+            attempt=job.attempt,
+            generation=job.generation,
+            node=self.node,
+            world=len(job.workers),
+            world_before=sum(len(a.gpus) for a in job.committed),
+            times={"decided": job.rescaled_at or now, "first_step": now},
+        )
+        await append_reliably(self.log, [done])
 
     def _grow(self, job: JobState, key: TaskKey) -> None:
         """Start the workers of this node's GPUs that a rescale added to a running task."""

@@ -181,3 +181,29 @@ async def test_the_elastic_service_lends_idle_gpus_and_takes_them_back_for_a_wai
         await client.close()
         await log.close()
         services.stop_all()
+
+
+async def test_an_elastic_sim_job_resizes_and_gives_gpus_back(local_nats, tmp_path) -> None:
+    """On sim agents there are no workers to switch: the leading agent reports each rescale done."""
+    services = Services(local_nats.url, tmp_path, agents=2, gpus=4, executor="sim", lost_after=10.0)
+    services.start_all()
+    log = await open_log(local_nats.url, name="test")
+    client = await Client.connect(local_nats.url, source="test")
+    try:
+        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+        spec = {"name": "sim-elastic", "user": "test", "gpus": 2, "duration_s": 30, "elastic": {"min": 1, "max": 6}}
+        job_id = await client.submit(spec)
+        state = await _wait(log, services, lambda s: s.jobs[job_id].status == "running", 30)
+        await _propose(log, state, job_id, 6)  # onto the second node too
+        state = await _wait(log, services, _settled(job_id, 1), 30)
+        assert len(state.jobs[job_id].nodes) == 2 and state.jobs[job_id].held == 6
+        await _propose(log, state, job_id, 1)
+        state = await _wait(log, services, _settled(job_id, 2), 30)
+        assert state.jobs[job_id].held == 1 and state.free_gpus() == 7
+        await client.cancel(job_id)
+        state = await _wait(log, services, lambda s: s.jobs[job_id].status == "cancelled", 30)
+        assert state.free_gpus() == 8 and violations(await log.read_all()) == []
+    finally:
+        await client.close()
+        await log.close()
+        services.stop_all()
