@@ -70,9 +70,14 @@ def write_plan(path: Path, plan: ElasticPlan) -> None:
     os.replace(tmp, path)
 
 
-def worker(worker_id: str, plan_path: str, ckpt: str, ckpt_every: int, setup: Setup, out: Any) -> None:
+def worker(worker_id: str, plan_path: str, ckpt: str, ckpt_every: int, setup: Setup, out: Any, go: Any = None) -> None:
     """One worker: builds the example CNN, optionally restores the checkpoint, trains until told
-    to leave (or killed). Reports every step and every rescale to ``out``."""
+    to leave (or killed). Reports every step and every rescale to ``out``. With ``go``, it is a warm
+    standby (``gpuherd.train.standby``): torch is imported (this module imports it), and it waits
+    to be handed its worker before it runs the training script's own part."""
+    if go is not None:
+        out.put(("standby", worker_id))
+        go.wait()
     from synthetic import elastic_steps, make_dataset
     from train_cnn import SmallResNet
 
@@ -124,10 +129,11 @@ class Run:
         self.steps: list[tuple[str, int, float, int]] = []  # (worker, step, at, world)
         self.checkpoints: list[int] = []
         self.reports: list[dict] = []
+        self.standbys: set[str] = set()
 
-    def start(self, worker_id: str, plan: Path, ckpt: str = "") -> None:
+    def start(self, worker_id: str, plan: Path, ckpt: str = "", go: Any = None) -> None:
         proc = self.context.Process(
-            target=worker, args=(worker_id, str(plan), ckpt, self.ckpt_every, self.setup, self.out), daemon=True
+            target=worker, args=(worker_id, str(plan), ckpt, self.ckpt_every, self.setup, self.out, go), daemon=True
         )
         proc.start()
         self.procs[worker_id] = proc
@@ -154,6 +160,8 @@ class Run:
                 self.checkpoints.append(rest[0])
             elif kind == "report":
                 self.reports.append(rest[0])
+            elif kind == "standby":
+                self.standbys.add(who)
 
     def step_now(self) -> int:
         return max((s for _, s, _, _ in self.steps), default=0)
@@ -186,8 +194,11 @@ class Rescale:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def measure_gpuherd(folder: Path, setup: Setup, repeats: int, warm_steps: int) -> list[Rescale]:
+def measure_gpuherd(folder: Path, setup: Setup, repeats: int, warm_steps: int, *, standby: bool) -> list[Rescale]:
+    """``standby``: the new worker is a warm standby the shim keeps (a grow within a node that
+    already runs the job); else a new process starts at the decision (a grow onto another node)."""
     run = Run(folder, setup)
+    way = "gpuherd, standby" if standby else "gpuherd"
     plan_path = folder / "plan.json"
     ports = iter(_free_port() for _ in range(1000))
     generation = 0
@@ -197,13 +208,18 @@ def measure_gpuherd(folder: Path, setup: Setup, repeats: int, warm_steps: int) -
     target = warm_steps
     run.pump(lambda: run.step_now() >= target)
     results = []
-    extra = 0
     for _ in range(repeats):
         for change, workers, joiners in (("2 -> 3", ("a", "b", "c"), ("c",)), ("3 -> 2", ("a", "b"), ())):
             generation += 1
+            go = run.context.Event() if standby and joiners else None
+            if go is not None:  # the shim's standby, started long before the decision
+                run.standbys.discard("c")
+                run.start("c", plan_path, go=go)
+                run.pump(lambda: "c" in run.standbys)
             decided = time.time()
-            if joiners:
-                extra += 1
+            if go is not None:
+                go.set()  # the shim hands the standby its worker
+            elif joiners:
                 run.start("c", plan_path)  # the agent starts the new worker as it writes the plan
             write_plan(
                 plan_path,
@@ -230,8 +246,8 @@ def measure_gpuherd(folder: Path, setup: Setup, repeats: int, warm_steps: int) -
             target = run.step_now() + 8
             run.pump(lambda t_=target: run.step_now() >= t_)
             still = first - last - run.step_time(world)  # less the one step it would have taken anyway
-            results.append(Rescale("gpuherd", change, first - decided, max(0.0, still), phases=phases))
-            print(f"gpuherd {change}: {results[-1].to_first_step_s:.2f}s to the first step", file=sys.stderr)
+            results.append(Rescale(way, change, first - decided, max(0.0, still), phases=phases))
+            print(f"{way} {change}: {results[-1].to_first_step_s:.2f}s to the first step", file=sys.stderr)
     run.kill_all()
     return results
 
@@ -292,47 +308,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         with console.status("gpuherd: in-process rescales"):
-            ours = measure_gpuherd(folder, setup, args.repeats, args.warm_steps)
+            ours = measure_gpuherd(folder, setup, args.repeats, args.warm_steps, standby=False)
+            warm = measure_gpuherd(folder, setup, args.repeats, args.warm_steps, standby=True)
         with console.status("baseline: kill, restart, restore from disk"):
             theirs = measure_baseline(folder, setup, args.repeats, args.warm_steps, args.ckpt_every)
 
-    table = Table(
-        title=f"Rescale of the example CNN ({setup.device}/{setup.backend}, global batch {GLOBAL_BATCH}), "
-        f"median of {args.repeats}"
-    )
-    for name in ("change", "way", "decision -> first step s", "stood still s", "lost work", "vs gpuherd"):
+    title = f"Rescale of the example CNN ({setup.device}/{setup.backend}, global batch {GLOBAL_BATCH}), "
+    table = Table(title=title + f"median of {args.repeats}")
+    columns = ("change", "way", "decision -> first step s", "stood still s", "lost work", "baseline / this")
+    for name in columns:
         table.add_column(name, justify="right")
     for change in ("2 -> 3", "3 -> 2"):
-        mine = [r for r in ours if r.change == change]
         base = [r for r in theirs if r.change == change]
-        ours_first = statistics.median(r.to_first_step_s for r in mine)
-        ours_still = statistics.median(r.stood_still_s for r in mine)
         base_first = statistics.median(r.to_first_step_s for r in base)
         base_still = statistics.median(r.stood_still_s for r in base)
-        lost_steps = statistics.median(r.lost_steps for r in base)
-        lost_s = statistics.median(r.lost_s for r in base)
-        table.add_row(change, "gpuherd", f"{ours_first:.2f}", f"{ours_still:.2f}", "0", "1.0x")
-        table.add_row(
-            change,
-            "baseline",
-            f"{base_first:.2f}",
-            f"{base_still:.2f}",
-            f"{lost_steps:.0f} steps ({lost_s:.1f} s)",
-            f"{base_first / ours_first:.1f}x / {base_still / max(ours_still, 1e-3):.0f}x",
-        )
+        for results in (ours, warm):
+            mine = [r for r in results if r.change == change]
+            first = statistics.median(r.to_first_step_s for r in mine)
+            still = statistics.median(r.stood_still_s for r in mine)
+            ratio = f"{base_first / first:.1f}x / {base_still / max(still, 1e-3):.0f}x"
+            table.add_row(change, mine[0].way, f"{first:.2f}", f"{still:.2f}", "0", ratio)
+        lost = f"{statistics.median(r.lost_steps for r in base):.0f} steps "
+        lost += f"({statistics.median(r.lost_s for r in base):.1f} s)"
+        table.add_row(change, "baseline", f"{base_first:.2f}", f"{base_still:.2f}", lost, "1.0x")
     console.print(table)
+    console.print("ratios: decision -> first step / stood still. 'stood still': no step at either size, less one step.")
     phases = Table(title="gpuherd rescale phases (medians, s): from RescaleCompleted's timestamps")
-    for name in ("change", "wait (new worker starts; training goes on)", "re-form", "restore", "first step"):
+    for name in ("change", "way", "wait (new worker starts; training goes on)", "re-form", "restore", "first step"):
         phases.add_column(name, justify="right")
+    keys = ("wait_s", "reform_s", "restore_s", "first_step_s")
     for change in ("2 -> 3", "3 -> 2"):
-        mine = [r.phases for r in ours if r.change == change]
-        phases.add_row(
-            change,
-            *(
-                f"{statistics.median(p[k] for p in mine):.3f}"
-                for k in ("wait_s", "reform_s", "restore_s", "first_step_s")
-            ),
-        )
+        for results in (ours, warm):
+            mine = [r for r in results if r.change == change]
+            phases.add_row(change, mine[0].way, *(f"{statistics.median(r.phases[k] for r in mine):.3f}" for k in keys))
     console.print(phases)
 
 

@@ -63,6 +63,7 @@ class Shim:
         self.job, self.attempt, self.node = spec.get("job", ""), int(spec.get("attempt", 0)), spec.get("node", "")
         self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
         self.deaths: list[dict] = []
+        self.standby: subprocess.Popen[bytes] | None = None  # elastic: the next worker, torch already imported
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
@@ -75,6 +76,8 @@ class Shim:
 
     def launch(self, specs: list[dict] | None = None) -> str | None:
         """Start every rank in one new process group; the reason if one could not start."""
+        if specs is not None and not specs:
+            return None
         for rank, proc in enumerate(self.procs_spec if specs is None else specs, len(self.procs) if specs else 0):
             with open(proc["log"], "ab", buffering=0) as log:
                 try:
@@ -107,10 +110,51 @@ class Shim:
                 specs = json.loads(taken.read_text())["procs"]
             except (OSError, ValueError, KeyError):
                 continue
-            failure = self.launch(specs)
+            failure = self.launch(self.hand_to_standby(specs))
             if failure is not None:
                 self.tell_agent({"kind": "worker-exit", "index": len(self.procs), "code": 127, "reason": failure})
         self.write_info()
+
+    def start_standby(self) -> None:
+        """Elastic: keep one interpreter with torch imported for the next worker a grow adds
+        (``gpuherd.train.standby``): a grow then skips the seconds a new process takes to start."""
+        template = self.procs_spec[0] if self.procs_spec else None
+        if template is None or not _python_script(template["argv"]) or self.stop_reason is not None:
+            return
+        with open(self.dir / "standby.log", "ab", buffering=0) as log:
+            try:
+                self.standby = subprocess.Popen(
+                    [template["argv"][0], "-m", "gpuherd.train.standby"],
+                    env=template["env"],
+                    cwd=self.cwd,
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    process_group=self.pgid,
+                )
+            except OSError:
+                self.standby = None
+
+    def hand_to_standby(self, specs: list[dict]) -> list[dict]:
+        """Give the first new worker to the standby (it becomes that worker); the rest start as new
+        processes. Returns the specs still to launch."""
+        standby, self.standby = self.standby, None
+        if standby is None or standby.poll() is not None or not specs or not _python_script(specs[0]["argv"]):
+            if standby is not None and standby.poll() is None:
+                self.standby = standby  # not used this time
+            return specs
+        first, rest = specs[0], specs[1:]
+        assert standby.stdin is not None
+        try:
+            launch = {"argv": first["argv"], "env": first["env"], "cwd": self.cwd, "log": first["log"]}
+            standby.stdin.write((json.dumps(launch) + "\n").encode())
+            standby.stdin.close()
+        except OSError:
+            return specs
+        self.procs.append(standby)
+        self.procs_spec.append(first)
+        self.start_standby()
+        return rest
 
     def report_dead_workers(self) -> None:
         """Elastic: tell the agent of each worker that died (exit code other than 0)."""
@@ -176,6 +220,8 @@ class Shim:
         self.started_at = started_at = time.time()
         write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": started_at})
         failure = self.launch() if self.stop_reason is None else None
+        if self.elastic and failure is None:
+            self.start_standby()
         self.write_info()
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
         if failure is not None:
@@ -227,6 +273,11 @@ class Shim:
             },
         )
         return 0
+
+
+def _python_script(argv: list[str]) -> bool:
+    """``python script.py ...``: what a standby (``gpuherd.train.standby``) can become."""
+    return len(argv) >= 2 and argv[1].endswith(".py") and not argv[1].startswith("-")
 
 
 def describe_exit(code: int | None) -> str:
