@@ -64,32 +64,20 @@ def launch_for(
     elastic job, one worker per GPU (``gpus``: only these, when a running task grows)."""
     procs = [job.spec.procs_per_node or len(a.gpus) for a in job.allocations]
     index = job.nodes.index(node)
-    if job.spec.elastic is not None:
-        mine = job.allocations[index].gpus if gpus is None else gpus
-        return TaskLaunch(
-            key=TaskKey(job.job, job.attempt),
-            spec=job.spec,
-            gpus=mine,
-            group_rank=index,
-            rank_offset=sum(procs[:index]),
-            world_size=sum(procs),
-            procs=len(mine),
-            rendezvous=job.rendezvous,
-            resume=resume,
-            elapsed_s=elapsed_s,
-            elastic=True,
-        )
+    elastic = job.spec.elastic is not None
+    mine = job.allocations[index].gpus if gpus is None else gpus
     return TaskLaunch(
         key=TaskKey(job.job, job.attempt),
         spec=job.spec,
-        gpus=job.allocations[index].gpus,
+        gpus=mine,
         group_rank=index,
         rank_offset=sum(procs[:index]),
         world_size=sum(procs),
-        procs=procs[index],
+        procs=len(mine) if elastic else procs[index],
         rendezvous=job.rendezvous,
         resume=resume,
         elapsed_s=elapsed_s,
+        elastic=elastic,
     )
 
 
@@ -396,9 +384,8 @@ class Agent:
         if key in self._exited:
             return
         resume = self.node in job.started_nodes
-        joins_late = job.spec.elastic is not None and job.generation > 0  # a grow onto this node: same end
-        counts = (resume or joins_late) and job.started_at is not None
-        elapsed = max(0.0, self.clock() - job.started_at) if counts and job.started_at is not None else 0.0
+        late = resume or (job.spec.elastic is not None and job.generation > 0)  # (a grow onto this node)
+        elapsed = max(0.0, self.clock() - job.started_at) if late and job.started_at is not None else 0.0
         if not resume:
             with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
                 again = (str(job.generation),) if job.generation else ()  # an elastic job back on this node

@@ -8,8 +8,9 @@ standby becomes that worker: it takes the environment, sends its output to the w
 runs the script as ``__main__``, as ``python script.py args`` would. Its exit code is the
 script's.
 
-Only ``python script.py ...`` commands run this way (the shim checks); anything else starts as
-a new process.
+Importing torch does not initialise CUDA, so the worker's ``CUDA_VISIBLE_DEVICES`` (set when it
+becomes the worker) still decides which GPU it sees. Only ``python script.py ...`` commands run
+this way (the shim checks); anything else starts as a new process.
 """
 
 from __future__ import annotations
