@@ -438,3 +438,21 @@ def test_an_lr_scaling_rule_needs_a_sampler_whose_batch_may_change() -> None:
         ElasticState(model, optimizer, sampler=ElasticSampler(10, 2), lr_scaling="linear")
     with pytest.raises(GlobalBatchError, match="keeps its global batch"):
         ElasticSampler(10, 2).resize(4)
+
+
+def test_a_plan_file_gives_the_newest_whole_plan_the_agent_wrote(tmp_path: Path) -> None:
+    from gpuherd.train.elastic import PlanFile
+
+    path = tmp_path / "elastic-plan.json"
+    plans = PlanFile(path)
+    assert plans.latest() is None  # nothing written yet
+    for generation in (0, 1):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(_plan(generation, "ab", 29500 + generation, "a").to_json())
+        os.replace(tmp, path)  # as the agent writes it: same size each time, a new inode
+        latest = plans.latest()
+        assert latest is not None and latest.generation == generation
+    path.write_text('{"generation": 2, "work')  # a torn write is never taken
+    assert plans.latest() is not None and plans.latest().generation == 1
+    path.write_text(_plan(0, "ab", 29500, "a").to_json())  # an older plan does not replace a newer one
+    assert plans.latest().generation == 1

@@ -395,7 +395,7 @@ class PlanFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[int, int, int] | None = None
         self._plan: ElasticPlan | None = None
 
     def latest(self) -> ElasticPlan | None:
@@ -403,12 +403,12 @@ class PlanFile:
             info = self.path.stat()
         except FileNotFoundError:
             return self._plan
-        if (info.st_mtime_ns, info.st_size) != self._seen:
+        if (info.st_ino, info.st_mtime_ns, info.st_size) != self._seen:  # the agent replaces the file: a new inode
             try:
                 plan = ElasticPlan.from_json(self.path.read_text())
             except (OSError, ValueError, KeyError):
                 return self._plan  # being replaced: the next call reads the whole new file
-            self._seen = (info.st_mtime_ns, info.st_size)
+            self._seen = (info.st_ino, info.st_mtime_ns, info.st_size)
             if self._plan is None or plan.generation >= self._plan.generation:
                 self._plan = plan
         return self._plan
