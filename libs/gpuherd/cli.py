@@ -200,13 +200,7 @@ def cmd_vc(args: argparse.Namespace) -> int:
 def cmd_policy(args: argparse.Namespace) -> int:
     policy_mod = importlib.import_module("services.scheduler.policy")
     if args.policy_command == "set":
-        params = {}
-        for item in args.param or []:
-            key, _, value = item.partition("=")
-            try:
-                params[key] = float(value)
-            except ValueError:
-                raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+        params = _name_values(args.param)
         from gpuherd.state import CLUSTER_PARAMS
 
         try:
@@ -223,6 +217,35 @@ def cmd_policy(args: argparse.Namespace) -> int:
         f"params {config.params or '{}'}; available: {', '.join(sorted(policy_mod.POLICIES))}"
     )
     return 0
+
+
+def cmd_elastic(args: argparse.Namespace) -> int:
+    policy = importlib.import_module("services.elastic.policy")
+    if args.elastic_command == "set":
+        params = _name_values(args.param)
+        try:
+            policy.params_from(params)
+        except ValueError as exc:
+            raise GpuherdError(str(exc)) from None
+        _client_call(args, lambda c: c.configure_elastic(params))
+        console.print(f"elastic service parameters: {params}")
+        return 0
+    _, records = asyncio.run(_state(args))
+    recorded = next((r.event.params for r in reversed(records) if isinstance(r.event, ev.ElasticConfigured)), {})
+    params = msgspec.to_builtins(policy.params_from(recorded))
+    _print_json(params) if args.json else console.print(f"elastic service parameters: {params}")
+    return 0
+
+
+def _name_values(items: list[str] | None) -> dict[str, float]:
+    params = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+    return params
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -561,6 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--bytes", type=int, default=65536, help="the last N bytes of each rank's log")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(func=cmd_logs)
+
+    el = sub.add_parser("elastic", help="the elastic service's parameters: show, or set them live")
+    el_sub = el.add_subparsers(dest="elastic_command", required=True)
+    el_set = el_sub.add_parser("set", help="record new parameters (ElasticConfigured)")
+    el_set.add_argument("--param", action="append", metavar="NAME=VALUE", help="e.g. min_interval_s=30")
+    el_show = el_sub.add_parser("show")
+    el_show.add_argument("--json", action="store_true")
+    el.set_defaults(func=cmd_elastic)
 
     rs = sub.add_parser("rescales", help="elastic jobs' rescales: kind, sizes, and each phase's duration")
     rs.add_argument("--job", default=None)

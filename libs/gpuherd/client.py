@@ -180,6 +180,12 @@ class Client:
         )
         await (await self._log()).append([event])
 
+    async def configure_elastic(self, params: Mapping[str, float]) -> None:
+        """The elastic service's parameters from now on (recorded as ElasticConfigured); validate
+        them with ``services.elastic.policy.params_from`` first."""
+        event = ev.ElasticConfigured(**self._stamp("elastic"), params=dict(params))
+        await (await self._log()).append([event])
+
     async def drain(self, node: str, reason: str = "", *, undrain: bool = False) -> None:
         """Stop (or resume) placing new work on a node; running jobs stay."""
         log_ = await self._log()

@@ -553,6 +553,17 @@ class RescaleFailed(Event, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+class ElasticConfigured(Event, kw_only=True, frozen=True):
+    """The elastic service's parameters from now on (``services/elastic/policy.py:ElasticParams``;
+    names not given keep their defaults). Recorded so that a replay audits with the parameters each
+    decision was made with."""
+
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return "herd.cluster.elastic"
+
+
 class WorkerLost(Event, kw_only=True, frozen=True):
     """A worker of a running elastic job died outside a planned rescale. The job shrinks to the
     survivors while they are at least its minimum."""
@@ -599,6 +610,7 @@ AnyEvent = (
     | RescaleCompleted
     | RescaleFailed
     | WorkerLost
+    | ElasticConfigured
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd.decider import Decider
 from gpuherd.state import ClusterState, apply
-from services.elastic.policy import ElasticParams, JobModel, decide
+from services.elastic.policy import ElasticParams, JobModel, decide, params_from
 
 TRIGGERS: tuple[type[ev.Event], ...] = (
     ev.JobSubmitted,
@@ -28,6 +28,7 @@ TRIGGERS: tuple[type[ev.Event], ...] = (
     ev.NodeUndrained,
     ev.ClockTicked,
     ev.JobCancelRequested,
+    ev.ElasticConfigured,
 )
 
 
@@ -38,6 +39,7 @@ class ElasticServiceState(msgspec.Struct, kw_only=True):
     models: dict[str, JobModel] = msgspec.field(default_factory=dict)
     shrunk_at: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its last shrink for waiting jobs
     proposed: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # job -> (generation, at)
+    params: dict[str, float] | None = None  # the latest ElasticConfigured (None: the decider's default)
 
 
 def job_model(profile: dict) -> JobModel | None:
@@ -57,7 +59,20 @@ class ElasticDecider(Decider[ElasticServiceState]):
     name = "elastic"
 
     def __init__(self, params: ElasticParams | None = None) -> None:
-        self.params = params or ElasticParams()
+        self.params = params or ElasticParams()  # until the log records ElasticConfigured
+        self._configured: tuple[tuple, ElasticParams] | None = None
+
+    def params_for(self, state: ElasticServiceState) -> ElasticParams:
+        """The parameters in force: the log's latest ElasticConfigured, else this decider's own."""
+        if state.params is None:
+            return self.params
+        key = tuple(sorted(state.params.items()))
+        if self._configured is None or self._configured[0] != key:
+            try:
+                self._configured = (key, params_from(state.params))
+            except ValueError:
+                self._configured = (key, self.params)  # refused by the CLI before it gets here
+        return self._configured[1]
 
     def initial_state(self) -> ElasticServiceState:
         return ElasticServiceState()
@@ -72,6 +87,8 @@ class ElasticDecider(Decider[ElasticServiceState]):
             state.proposed[event.job] = (event.generation, event.at)
         elif isinstance(event, ev.JobResized) and event.kind == "shrink":
             state.shrunk_at[event.job] = event.at
+        elif isinstance(event, ev.ElasticConfigured):
+            state.params = dict(event.params)
         elif isinstance(event, ev.JobFinished):
             for table in (state.models, state.shrunk_at, state.proposed):
                 table.pop(event.job, None)
@@ -82,9 +99,8 @@ class ElasticDecider(Decider[ElasticServiceState]):
     def decide(self, state: ElasticServiceState, event: ev.Event) -> list[ev.Event]:
         if not isinstance(event, TRIGGERS):
             return []
-        return list(
-            decide(state.cluster, state.models, self.params, shrunk_at=state.shrunk_at, proposed=state.proposed)
-        )
+        params = self.params_for(state)
+        return list(decide(state.cluster, state.models, params, shrunk_at=state.shrunk_at, proposed=state.proposed))
 
     def encode_state(self, state: ElasticServiceState) -> bytes:
         return msgspec.msgpack.encode(state)

@@ -39,6 +39,15 @@ class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     latency_s: float = 5e-5  # per ring hop
 
 
+def params_from(values: dict[str, float]) -> ElasticParams:
+    """ElasticParams from ``ElasticConfigured.params`` (or ``--params``): unknown names are refused."""
+    try:
+        return msgspec.convert(values, ElasticParams)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(ElasticParams.__struct_fields__)
+        raise ValueError(f"{exc}; known parameters: {known}") from None
+
+
 class JobModel(msgspec.Struct, kw_only=True, gc=False):
     """What the policy knows of a job beyond the cluster state: its profile's numbers."""
 

@@ -9,23 +9,29 @@ import asyncio
 import json
 import os
 import socket
+import time
 
-import msgspec
-
+from gpuherd import events as ev
 from gpuherd.aio import serve_until_signal
-from gpuherd.decider import DeciderRunner, clock_ticker
+from gpuherd.decider import DeciderRunner, append_reliably, clock_ticker
 from gpuherd.log import open_log
 from gpuherd.obs import configure
 from services.elastic.decide import ElasticDecider
-from services.elastic.policy import ElasticParams
+from services.elastic.policy import params_from
 
 
-async def serve(url: str, *, params: ElasticParams, tick_s: float, instance: str | None = None) -> None:
+async def serve(url: str, *, params: dict[str, float] | None, tick_s: float, instance: str | None = None) -> None:
+    """``params``: record them as the service's parameters (ElasticConfigured) before it starts;
+    None: keep what the log last recorded (or the defaults)."""
     instance = instance or f"{socket.gethostname()}-{os.getpid()}"
     log_ = await open_log(url, name=f"elastic-{instance}")
-    runner = DeciderRunner(
-        log_, ElasticDecider(params), instance=instance, extra_tasks=[clock_ticker("elastic", tick_s)]
-    )
+    if params is not None:
+        now = time.time()
+        configured = ev.ElasticConfigured(
+            id=f"elastic:config:{instance}:{now:.6f}", at=now, source="elastic", params=params
+        )
+        await append_reliably(log_, [configured])
+    runner = DeciderRunner(log_, ElasticDecider(), instance=instance, extra_tasks=[clock_ticker("elastic", tick_s)])
     try:
         await serve_until_signal(runner.run)
     finally:
@@ -35,13 +41,18 @@ async def serve(url: str, *, params: ElasticParams, tick_s: float, instance: str
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gpuherd-elastic", description="gpuherd elastic service")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--params", default="{}", help='ElasticParams as JSON, e.g. {"min_interval_s": 30}')
+    parser.add_argument(
+        "--params", default=None, help='record these ElasticParams (JSON, e.g. {"min_interval_s": 30}) before starting'
+    )
     parser.add_argument("--tick", type=float, default=10.0, help="seconds between clock ticks")
     parser.add_argument("--instance", default=None)
     args = parser.parse_args(argv)
     configure("elastic")
-    try:
-        params = msgspec.convert(json.loads(args.params), ElasticParams)
-    except (ValueError, msgspec.ValidationError) as exc:
-        parser.error(f"--params: {exc}")
+    params = None
+    if args.params is not None:
+        try:
+            params = {k: float(v) for k, v in json.loads(args.params).items()}
+            params_from(params)
+        except (ValueError, TypeError, AttributeError) as exc:
+            parser.error(f"--params: {exc}")
     asyncio.run(serve(args.nats_url, params=params, tick_s=args.tick, instance=args.instance))

@@ -187,6 +187,11 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
     cli(data, "policy", "set", "sjf")
     assert json.loads(cli(data, "policy", "show", "--json").stdout)["policy"] == "sjf"
 
+    bad = cli(data, "elastic", "set", "--param", "min_interval=5", check=False)
+    assert bad.returncode == 2 and "known parameters" in bad.stdout
+    cli(data, "elastic", "set", "--param", "min_interval_s=5")
+    assert json.loads(cli(data, "elastic", "show", "--json").stdout)["min_interval_s"] == 5.0
+
     cli(data, "drain", "node-1", "--reason", "maintenance")
     cli(data, "drain", "node-2")
     waiting = submit({"name": "waits", "user": "ana", "gpus": 1, "duration_s": 0.5})

@@ -4,11 +4,12 @@ throughput per GPU, hysteresis."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from gpuherd import events as ev
 from gpuherd.state import ClusterState, fold
 from services.elastic.decide import ElasticDecider, job_model
-from services.elastic.policy import ElasticParams, JobModel, allreduce_s, decide, predicted_throughput
+from services.elastic.policy import ElasticParams, JobModel, allreduce_s, decide, params_from, predicted_throughput
 from tests.unit.test_resize import ELASTIC, SPEC, _completed, _e, _propose, started
 from tests.unit.test_scheduler_decider import drive
 
@@ -102,3 +103,20 @@ def test_the_decider_proposes_on_triggers_and_folds_its_own_proposals() -> None:
     assert decider.decide(state, log[-1].event) == []  # answered by the scheduler, not proposed twice
     assert decider.decode_state(decider.encode_state(state)) == state
     assert SPEC.elastic == ELASTIC
+
+
+def test_the_parameters_in_force_are_the_log_s_latest_elastic_configured() -> None:
+    decider = ElasticDecider()  # defaults: min_interval_s 60
+    state = decider.initial_state()
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)
+    log = _completed(_propose(log, 1, generation=1), 2, 1, 3)
+    log = _at(log, 1010.0)  # 10 s after the last rescale
+    for record in log:
+        decider.evolve(state, record.seq, record.event)
+    assert decider.decide(state, log[-1].event) == []  # within the default interval and hold
+    configured = _e(ev.ElasticConfigured, params={"min_interval_s": 5.0, "hold_after_shrink_s": 0.0}, at=1010.0)
+    decider.evolve(state, log[-1].seq + 1, configured)
+    assert decider.params_for(state).min_interval_s == 5.0
+    assert [p.gpus for p in decider.decide(state, configured)] == [3]
+    with pytest.raises(ValueError, match="known parameters"):
+        params_from({"min_interval": 5.0})

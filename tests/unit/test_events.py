@@ -67,6 +67,7 @@ SAMPLES: list[ev.Event] = [
         samples_per_s_before=640.0,
     ),
     ev.RescaleFailed(id="z4", job="j1", attempt=0, generation=1, node="n1", reason="timeout", step=40),
+    ev.ElasticConfigured(id="z6", params={"min_interval_s": 30.0}),
     ev.WorkerLost(id="z5", job="j1", attempt=0, node="n2", gpu=4, exit_code=137, reason="killed by SIGKILL"),
 ]
 
