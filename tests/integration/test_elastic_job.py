@@ -4,9 +4,12 @@ to SIGKILL and goes on with the survivor, and ends with every rescale reported a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from gpuherd.audit import audit
 from gpuherd.client import Client
 from gpuherd.decider import append_reliably
 from gpuherd.invariants import violations
-from gpuherd.log import open_log
+from gpuherd.log import EventLog, open_log
 from gpuherd.state import ClusterState
 from services.elastic.decide import ElasticDecider
 from services.scheduler.decide import SchedulerDecider
@@ -25,6 +28,29 @@ from tests.integration.procs import Services, wait_state
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    url: str, tmp_path: Path, *, executor: str, gpus: int, elastic_params: str | None = None
+) -> AsyncIterator[tuple[Services, EventLog, Client]]:
+    """Scheduler and two agents (and the elastic service, given its parameters), a log reader and
+    a client; all stopped afterwards."""
+    services = Services(url, tmp_path, agents=2, gpus=gpus, executor=executor, lost_after=10.0)
+    if elastic_params is not None:
+        services.specs["elastic"] = ["-m", "services.elastic", "--nats-url", url, "--params", elastic_params]
+        services.specs["elastic"] += ["--tick", "0.5"]
+    services.start_all()
+    log = await open_log(url, name="test")
+    client = await Client.connect(url, source="test")
+    try:
+        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+        yield services, log, client
+        assert not services.crashed(), services.logs()
+    finally:
+        await client.close()
+        await log.close()
+        services.stop_all()
 
 
 def elastic_cnn(*, gpus: int, steps: int) -> dict:
@@ -73,29 +99,17 @@ def _settled(job_id: str, generation: int):
     return lambda s: s.jobs[job_id].generation == generation and s.jobs[job_id].rescale is None
 
 
-def _worker_pid(services_dir: Path, node: str, job_id: str, gpu: int) -> int:
-    """The pid of the worker of ``node/gpu`` (from /proc: the process with that worker's env)."""
-    needle = f"GPUHERD_ELASTIC_WORKER={node}/{gpu}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and f"GPUHERD_JOB_ID={job_id}".encode() in environ.split(b"\0"):
-            return int(entry.name)
-    raise AssertionError(f"no worker {node}/{gpu} of {job_id} running")
+def _worker_pid(tmp_path: Path, node: str, job_id: str, gpu: int) -> int:
+    """The pid of the worker of ``node/gpu`` that the task started with (from the shim's records)."""
+    task = tmp_path / "agents" / node / "jobs" / job_id / "attempt-0"
+    procs = json.loads((task / "task.json").read_text())["procs"]
+    pids = json.loads((task / "shim.json").read_text())["pids"]
+    return pids[next(i for i, proc in enumerate(procs) if proc["gpu"] == gpu)]
 
 
 async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nats, tmp_path) -> None:
     # 2 GPUs per node so that a grow to 3 must go to the other node.
-    services = Services(local_nats.url, tmp_path, agents=2, gpus=2, executor="cpu", lost_after=10.0)
-    services.start_all()
-    log = await open_log(local_nats.url, name="test")
-    client = await Client.connect(local_nats.url, source="test")
-    try:
-        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+    async with cluster(local_nats.url, tmp_path, executor="cpu", gpus=2) as (services, log, client):
         job_id = await client.submit(elastic_cnn(gpus=2, steps=400))
         state = await _wait(log, services, lambda s: s.jobs[job_id].status == "running", 60)
         assert state.jobs[job_id].nodes == ["n1"] or state.jobs[job_id].nodes == ["n2"]
@@ -136,23 +150,15 @@ async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nat
         assert violations(records) == []
         report = audit(records, SchedulerDecider())
         assert report.ok, report.mismatches
-        assert not services.crashed(), services.logs()
-    finally:
-        await client.close()
-        await log.close()
-        services.stop_all()
 
 
 async def test_the_elastic_service_lends_idle_gpus_and_takes_them_back_for_a_waiting_job(local_nats, tmp_path) -> None:
-    services = Services(local_nats.url, tmp_path, agents=2, gpus=2, executor="cpu", lost_after=10.0)
     params = '{"min_interval_s": 2, "hold_after_shrink_s": 600, "retry_s": 5}'
-    services.specs["elastic"] = ["-m", "services.elastic", "--nats-url", local_nats.url, "--params", params]
-    services.specs["elastic"] += ["--tick", "0.5"]
-    services.start_all()
-    log = await open_log(local_nats.url, name="test")
-    client = await Client.connect(local_nats.url, source="test")
-    try:
-        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+    async with cluster(local_nats.url, tmp_path, executor="cpu", gpus=2, elastic_params=params) as (
+        services,
+        log,
+        client,
+    ):
         elastic = await client.submit(elastic_cnn(gpus=1, steps=100_000))
         # Nothing waits: the service grows it into idle GPUs, to 3 (the largest size that keeps the batch).
         grown = lambda s: len(s.jobs[elastic].workers) == 3 and s.jobs[elastic].rescale is None  # noqa: E731
@@ -175,21 +181,11 @@ async def test_the_elastic_service_lends_idle_gpus_and_takes_them_back_for_a_wai
         assert audit(records, ElasticDecider()).ok  # audited with the parameters the log recorded
         await client.cancel(elastic)
         await _wait(log, services, lambda s: s.jobs[elastic].status == "cancelled", 60)
-        assert not services.crashed(), services.logs()
-    finally:
-        await client.close()
-        await log.close()
-        services.stop_all()
 
 
 async def test_an_elastic_sim_job_resizes_and_gives_gpus_back(local_nats, tmp_path) -> None:
     """On sim agents there are no workers to switch: the leading agent reports each rescale done."""
-    services = Services(local_nats.url, tmp_path, agents=2, gpus=4, executor="sim", lost_after=10.0)
-    services.start_all()
-    log = await open_log(local_nats.url, name="test")
-    client = await Client.connect(local_nats.url, source="test")
-    try:
-        await wait_state(log, lambda s: len(s.nodes) == 2, 30)
+    async with cluster(local_nats.url, tmp_path, executor="sim", gpus=4) as (services, log, client):
         spec = {"name": "sim-elastic", "user": "test", "gpus": 2, "duration_s": 30, "elastic": {"min": 1, "max": 6}}
         job_id = await client.submit(spec)
         state = await _wait(log, services, lambda s: s.jobs[job_id].status == "running", 30)
@@ -202,7 +198,3 @@ async def test_an_elastic_sim_job_resizes_and_gives_gpus_back(local_nats, tmp_pa
         await client.cancel(job_id)
         state = await _wait(log, services, lambda s: s.jobs[job_id].status == "cancelled", 30)
         assert state.free_gpus() == 8 and violations(await log.read_all()) == []
-    finally:
-        await client.close()
-        await log.close()
-        services.stop_all()
