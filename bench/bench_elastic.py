@@ -76,6 +76,9 @@ def worker(worker_id: str, plan_path: str, ckpt: str, ckpt_every: int, setup: Se
     standby (``gpuherd.train.standby``): torch is imported (this module imports it), and it waits
     to be handed its worker before it runs the training script's own part."""
     if go is not None:
+        from gpuherd.train.standby import warm
+
+        warm()
         out.put(("standby", worker_id))
         go.wait()
     from synthetic import elastic_steps, make_dataset

@@ -45,11 +45,20 @@ def become(launch: dict) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-def main() -> None:
-    # The point of a standby: the slow imports, done ahead.
+def warm() -> None:
+    """What a new worker would otherwise do first, slowly: import torch, and the lazy imports its
+    first optimizer and first backward pull in (torch._dynamo alone takes about a second)."""
+    import torch
     import torch.distributed
-    import torch.nn.parallel  # noqa: F401
+    import torch.nn.parallel
 
+    layer = torch.nn.Linear(2, 1)
+    torch.optim.SGD(layer.parameters(), lr=0.1).zero_grad()
+    layer(torch.zeros(1, 2)).sum().backward()
+
+
+def main() -> None:
+    warm()
     line = sys.stdin.readline()
     if not line.strip():
         return  # the task ended before a grow needed this standby
