@@ -1,14 +1,17 @@
 """Elastic rescale pause: gpuherd's in-process re-formation against kill, restart, restore.
 
 The example CNN (``examples/train_cnn.py``'s SmallResNet on its synthetic data, a constant
-global batch) trains in real worker processes over gloo on this machine's CPU. Both ways are
+global batch) trains in real worker processes over gloo on this machine's CPU. Every way is
 measured in the same run, on the same model, data and step:
 
 - **gpuherd**: the workers follow plan files as the node agent writes them
   (``gpuherd.train.elastic.Membership`` + ``PlanFile``). A scale-up starts the new worker, which
   imports and connects while the old ones keep training; then all switch at a step boundary,
   re-form the group through the generation's store and take the state of the oldest worker by
-  broadcast. A scale-down switches at the next step boundary.
+  broadcast. A scale-down switches at the next step boundary. The new worker is a cold process
+  (a grow onto a node the job does not run on yet)...
+- **gpuherd, standby**: ... or the warm standby the task's shim keeps on a node that runs the
+  job (``gpuherd.train.standby``: torch and a first step's lazy imports done before the decision).
 - **baseline** (what torchrun-style elastic agents do): stop every worker, start the new set
   at the new size, each loads the last checkpoint from disk and forms a new group. Rank 0
   checkpoints every ``--ckpt-every`` steps; the steps since then are lost and run again.
