@@ -117,6 +117,7 @@ class Agent:
         self._reported_unhealthy: set[int] = set()
         self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
         self._powering: asyncio.Task[None] | None = None
+        self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
         executor.node = node
 
     # -- life cycle ----------------------------------------------------------------------
@@ -313,6 +314,7 @@ class Agent:
             self._traces.pop(job_id, None)
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
         self._metrics = {k: v for k, v in self._metrics.items() if k.job != job_id or k.attempt == current}
+        self._planned = {k: v for k, v in self._planned.items() if k.job != job_id or k.attempt == current}
 
     # -- reconciliation --------------------------------------------------------------------
 
@@ -405,16 +407,19 @@ class Agent:
             )
             return
         if job.spec.elastic is not None:
-            self._hand_plan(job, key)
+            self._hand_plan(job, key, again=True)
         log.info("task started", job=job_id, attempt=job.attempt, resumed=resume)
 
     # -- elastic jobs ---------------------------------------------------------------------------
 
-    def _hand_plan(self, job: JobState, key: TaskKey) -> None:
-        """Give the task's workers the job's current generation (they switch at a step boundary)."""
+    def _hand_plan(self, job: JobState, key: TaskKey, *, again: bool = False) -> None:
+        """Give the task's workers the job's current generation (they switch at a step boundary);
+        once per generation, unless ``again`` (a task just started in a fresh folder)."""
         plan = job.plan()
-        if plan is not None:
-            self.executor.write_plan(key, plan)
+        if plan is None or (not again and self._planned.get(key) == plan.generation):
+            return
+        if self.executor.write_plan(key, plan):
+            self._planned[key] = plan.generation
 
     async def _simulate_rescale(self, job: JobState) -> None:
         """A sim job has no workers to switch: its leading node reports the rescale done at once
