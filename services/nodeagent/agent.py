@@ -496,7 +496,8 @@ class Agent:
         job = self.state.jobs.get(key.job)
         if job is None or job.attempt != key.attempt or job.stopping():
             return  # the whole attempt is ending: its parts report as usual
-        if jobenv.worker_id(self.node, gpu) not in job.workers or jobenv.worker_id(self.node, gpu) in job.lost_workers:
+        worker = jobenv.worker_id(self.node, gpu)
+        if worker not in job.workers or worker in job.lost_workers:
             return  # not one of the current generation's workers, or already reported
         event = ev.WorkerLost(
             **self._stamp("worker-lost", key.job, str(key.attempt), str(gpu), str(job.generation)),
