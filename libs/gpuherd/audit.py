@@ -26,7 +26,7 @@ _SHELL_EVENTS: dict[str, tuple[type[ev.Event], ...]] = {
     "rejected": (ev.JobRejected,),
     "tick": (ev.ClockTicked,),  # the service's timer: an observation, decided on like any input
     "policy": (ev.PolicyConfigured,),  # the scheduler's --policy at start, recorded as an input
-    "config": (ev.ElasticConfigured,),  # the elastic service's --params at start, recorded as an input
+    "config": (ev.ElasticConfigured, ev.MemoryBrokerConfigured),  # a service's --params at start, as an input
     "lost": (ev.NodeLost,),  # written by the shell before node loss became a decision (older logs)
 }
 _DECISION_ID = re.compile(r"^[^:]+:\d+:\d+$")

@@ -34,6 +34,7 @@ CLUSTER_FILE = "cluster.json"
 AUDITABLE = {
     "scheduler": "services.scheduler.decide:SchedulerDecider",
     "elastic": "services.elastic.decide:ElasticDecider",
+    "memory": "services.memory.decide:MemoryDecider",
 }
 
 

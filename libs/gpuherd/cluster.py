@@ -119,6 +119,7 @@ class LocalCluster:
             Supervised("scheduler", service_argv("services.scheduler", *scheduler), self.log_dir, env),
             Supervised("analytics", service_argv("services.analytics", *analytics), self.log_dir, env),
             Supervised("elastic", service_argv("services.elastic", "--nats-url", self.url), self.log_dir, env),
+            Supervised("memory", service_argv("services.memory", "--nats-url", self.url), self.log_dir, env),
         ]
         for i in range(1, lay.sim_agents + 1):
             self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))

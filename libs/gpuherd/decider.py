@@ -29,6 +29,9 @@ import abc
 import asyncio
 import collections
 import contextlib
+import json
+import os
+import socket
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -73,6 +76,31 @@ class Decider(abc.ABC, Generic[S]):
 
     @abc.abstractmethod
     def decode_state(self, data: bytes) -> S: ...
+
+
+P = TypeVar("P")
+
+
+class RecordedParams(Generic[P]):
+    """A service's parameters as the log last recorded them (a ``...Configured`` event's
+    ``params``), converted once per change; ``default`` while the log recorded none, and also for
+    values the service's own CLI would have refused (they never stop the decider)."""
+
+    def __init__(self, default: P, convert: Callable[[dict[str, float]], P]) -> None:
+        self.default = default
+        self._convert = convert
+        self._cached: tuple[tuple, P] | None = None
+
+    def get(self, recorded: dict[str, float] | None) -> P:
+        if recorded is None:
+            return self.default
+        key = tuple(sorted(recorded.items()))
+        if self._cached is None or self._cached[0] != key:
+            try:
+                self._cached = (key, self._convert(recorded))
+            except ValueError:
+                self._cached = (key, self.default)
+        return self._cached[1]
 
 
 def decision_id(service: str, cause_seq: int, n: int) -> str:
@@ -310,3 +338,41 @@ class DeciderRunner(Generic[S]):
         )
         if due:
             await self.save_snapshot()
+
+
+def params_argument(text: str | None, convert: Callable[[dict[str, float]], object]) -> dict[str, float] | None:
+    """A service's ``--params`` JSON as the dict its ``...Configured`` event records; ValueError
+    (with the known names) for what its parameters class refuses."""
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text)
+        params = {str(k): float(v) for k, v in raw.items()}
+    except (json.JSONDecodeError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f'not a JSON object of numbers ({exc}); e.g. {{"lease_term_s": 300}}') from None
+    convert(params)
+    return params
+
+
+async def serve_decider(
+    url: str,
+    decider: Decider[Any],
+    *,
+    tick_s: float,
+    configured: ev.Event | None = None,
+    instance: str | None = None,
+) -> None:
+    """Run a decider on the log at ``url`` until SIGTERM, with a clock tick every ``tick_s``; append
+    ``configured`` (the service's parameters) first when given."""
+    from gpuherd.aio import serve_until_signal
+    from gpuherd.log import open_log
+
+    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+    log_ = await open_log(url, name=f"{decider.name}-{instance}")
+    if configured is not None:
+        await append_reliably(log_, [configured])
+    runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=[clock_ticker(decider.name, tick_s)])
+    try:
+        await serve_until_signal(runner.run)
+    finally:
+        await log_.close()

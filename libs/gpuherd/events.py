@@ -78,6 +78,18 @@ def declared_gpus(node: str, count: int, *, island: int, model: str, memory_mb: 
 
 
 LrScaling = Literal["linear"]
+MemoryTier = Literal["nvlink", "pcie", "host"]  # fastest first: a neighbor over NVLink, over PCIe, pinned host RAM
+MEMORY_TIERS: tuple[MemoryTier, ...] = ("nvlink", "pcie", "host")
+
+
+class MemoryNeeds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Memory each of a job's workers wants beyond its own GPU: ``extra_mb`` MiB, leased from
+    neighbor GPUs of the same node (NVLink peers first, up to 3 of them) and pinned host memory.
+    A grant below ``min_mb`` is not made (the request waits); ``tiers`` are the kinds it accepts."""
+
+    extra_mb: int
+    min_mb: int = 0
+    tiers: tuple[MemoryTier, ...] = MEMORY_TIERS
 
 
 class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,6 +130,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     procs_per_node: int | None = None  # processes per node; default: one per GPU given on that node
     env: dict[str, str] | None = None  # extra environment of the job's processes
     workdir: str | None = None  # working directory of the job's processes (default: the agent's)
+    memory: MemoryNeeds | None = None  # lease memory beyond the job's GPUs (the memory broker's tiers)
 
 
 class Allocation(msgspec.Struct, frozen=True, gc=False):
@@ -158,6 +171,7 @@ class NodeRegistered(Event, kw_only=True, frozen=True):
     boot_id: str = ""
     address: str = ""  # where peers reach this node (a job's rendezvous, when it leads the gang)
     port_range: tuple[int, int] | None = None  # [first, last] ports the scheduler may give to rendezvous here
+    host_memory_mb: int = 0  # the node's RAM (0: not said); the memory broker lends part of it as pinned host tier
 
     def subject(self) -> str:
         return f"herd.node.{self.node}"
@@ -580,6 +594,138 @@ class WorkerLost(Event, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+# ---------------------------------------------------------------------------
+# memory leases: spare memory of neighbor GPUs and pinned host memory (services/memory)
+
+
+class GpuMemoryReported(Event, kw_only=True, frozen=True):
+    """A node's GPUs' memory in use (MiB, by GPU index), written by its agent when a GPU's use moved
+    by more than its reporting step. Folded into the view of spare memory the broker lends from:
+    a state change worth recording, unlike the telemetry stream's every sample."""
+
+    node: str
+    used_mb: tuple[int, ...]
+
+    def subject(self) -> str:
+        return f"herd.node.{self.node}"
+
+
+class MemoryShare(msgspec.Struct, frozen=True, gc=False):
+    """Part of a lease: ``mb`` MiB on lender GPU ``gpu`` (same node as the borrower), or of pinned
+    host memory (``tier`` "host", ``gpu`` None)."""
+
+    tier: MemoryTier
+    mb: int
+    gpu: int | None = None
+
+
+class MemoryLeaseRequested(Event, kw_only=True, frozen=True):
+    """The agent running a worker on GPU ``gpu`` of ``node`` asks for ``mb`` MiB beyond it (the job's
+    ``MemoryNeeds``). One lease per (job attempt, node, GPU); ``lease`` is derived from them."""
+
+    lease: str
+    job: str
+    attempt: int
+    node: str
+    gpu: int
+    mb: int
+    min_mb: int = 0
+    tiers: tuple[MemoryTier, ...] = MEMORY_TIERS
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryLeaseGranted(Decision, kw_only=True, frozen=True):
+    """The broker adds ``shares`` to the lease (a first grant, or a top-up after a revocation).
+    The lease holds until ``expires_at`` unless its agent renews it; the runtime must never use
+    more of a lender than its share."""
+
+    lease: str
+    job: str
+    attempt: int
+    node: str
+    gpu: int
+    shares: tuple[MemoryShare, ...]
+    expires_at: float
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryLeaseDenied(Decision, kw_only=True, frozen=True):
+    """A request the broker will never grant (the job does not run there, a size out of range)."""
+
+    lease: str
+    job: str
+    reason: str
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryLeaseRenewed(Event, kw_only=True, frozen=True):
+    """The borrower's agent says its task still runs: the lease holds for another term."""
+
+    lease: str
+    job: str
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryLeaseRevoked(Decision, kw_only=True, frozen=True):
+    """The borrower must give back its shares on lender ``gpus`` (empty: the whole lease, host
+    share included) by ``deadline``: the lender's own job needs the memory, a job was placed on the
+    lender, or the lease expired. The runtime moves the blocks to host and acknowledges."""
+
+    lease: str
+    job: str
+    gpus: tuple[int, ...] = ()
+    deadline: float
+    reason: str
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryLeaseReleased(Event, kw_only=True, frozen=True):
+    """The borrower no longer uses its shares on lender ``gpus`` (empty: the whole lease): its
+    runtime's acknowledgment of a revocation, relayed by the agent, or its task ended."""
+
+    lease: str
+    job: str
+    gpus: tuple[int, ...] = ()
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
+class MemoryBrokerConfigured(Event, kw_only=True, frozen=True):
+    """The memory broker's parameters (``services/memory/policy.BrokerParams``) from here on;
+    recorded in the log so that a replay lends and revokes as the live broker did."""
+
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return "herd.cluster.memory"
+
+
+class MemoryLeaseReclaimed(Decision, kw_only=True, frozen=True):
+    """The broker ends a lease whose borrower is gone (attempt ended, worker moved, node lost) or
+    missed a revocation's deadline (its agent then stops the task: the lender's owner comes first)."""
+
+    lease: str
+    job: str
+    reason: str
+    deadline_missed: bool = False
+
+    def subject(self) -> str:
+        return f"herd.lease.{self.lease}"
+
+
 AnyEvent = (
     NodeRegistered
     | NodeDrained
@@ -611,6 +757,15 @@ AnyEvent = (
     | RescaleFailed
     | WorkerLost
     | ElasticConfigured
+    | GpuMemoryReported
+    | MemoryLeaseRequested
+    | MemoryLeaseGranted
+    | MemoryLeaseDenied
+    | MemoryLeaseRenewed
+    | MemoryLeaseRevoked
+    | MemoryLeaseReleased
+    | MemoryLeaseReclaimed
+    | MemoryBrokerConfigured
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ class GpuSlot(msgspec.Struct, kw_only=True, gc=False):
     job: str | None = None  # the job holding this GPU, if any
     healthy: bool = True
     health_reason: str = ""  # why it is unhealthy (the agent's words)
+    used_mb: int | None = None  # memory in use, as its agent last reported it (GpuMemoryReported)
 
 
 class NodeState(msgspec.Struct, kw_only=True, gc=False):
@@ -45,6 +46,7 @@ class NodeState(msgspec.Struct, kw_only=True, gc=False):
     address: str = ""
     port_range: tuple[int, int] | None = None
     islands: list[list[int]] = msgspec.field(default_factory=list)  # NVLink islands, from the inventory
+    host_memory_mb: int = 0  # RAM (0: the agent did not say)
     power: PowerState = "on"
     power_changed_at: float = 0.0
     # The cluster's node clock at the fold that last changed this node's GPUs, status or power:
@@ -144,6 +146,9 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     lost_workers: list[str] = msgspec.field(default_factory=list)
     throughput: dict[int, float] = msgspec.field(default_factory=dict)
     service_from: float | None = None  # attained service is counted at ``held`` GPUs from here
+    # The most memory one of its GPUs held for the job itself (leases lent out of it not counted),
+    # over every report while it ran: the memory broker's forecast of what the job needs.
+    memory_peak_mb: int = 0
 
     @property
     def gpus(self) -> int:
@@ -204,6 +209,37 @@ class VcState(msgspec.Struct, kw_only=True, gc=False):
     gpu_quota: int | None = None
     can_borrow: bool = True
     weight: float = 1.0
+
+
+LeaseStatus = Literal["pending", "active"]
+
+
+class LeaseState(msgspec.Struct, kw_only=True, gc=False):
+    """A memory lease of one worker (the job's attempt on GPU ``gpu`` of ``node``): what it asked
+    for, the shares granted and not yet released, and the revocations it must answer."""
+
+    lease: str
+    job: str
+    attempt: int
+    node: str
+    gpu: int
+    mb: int
+    min_mb: int = 0
+    tiers: tuple[ev.MemoryTier, ...] = ev.MEMORY_TIERS
+    requested_at: float = 0.0
+    status: LeaseStatus = "pending"
+    shares: list[ev.MemoryShare] = msgspec.field(default_factory=list)
+    expires_at: float = 0.0
+    term_s: float = 0.0
+    revoking: dict[int, float] = msgspec.field(default_factory=dict)  # lender GPU -> deadline
+    ending_by: float | None = None  # the whole lease was revoked: the deadline to release it all
+
+    @property
+    def granted_mb(self) -> int:
+        return sum(s.mb for s in self.shares)
+
+    def lenders(self) -> list[int]:
+        return [s.gpu for s in self.shares if s.gpu is not None]
 
 
 def _default_vcs() -> dict[str, VcState]:
@@ -268,6 +304,7 @@ class ClusterState(msgspec.Struct, kw_only=True, gc=False):
     # oldest first, so a pass finds the nodes changed since the one before without a scan.
     node_clock: int = 0
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)
+    leases: dict[str, LeaseState] = msgspec.field(default_factory=dict)  # memory leases not ended
 
     # -- derived views (never stored separately, so they cannot drift) --------------
 
@@ -297,6 +334,20 @@ class ClusterState(msgspec.Struct, kw_only=True, gc=False):
                 break
             out.append(name)
         return out
+
+    def lent_mb(self, node: str) -> dict[int, int]:
+        """MiB lent out of each GPU of ``node`` by the leases that hold shares on it."""
+        out: dict[int, int] = {}
+        for lease in self.leases.values():
+            if lease.node != node:
+                continue
+            for share in lease.shares:
+                if share.gpu is not None:
+                    out[share.gpu] = out.get(share.gpu, 0) + share.mb
+        return out
+
+    def host_lent_mb(self, node: str) -> int:
+        return sum(s.mb for lease in self.leases.values() if lease.node == node for s in lease.shares if s.gpu is None)
 
     def past_usage(self, key: str) -> float:
         """Decayed GPU-seconds of ``user:<name>`` or ``vc:<name>`` as of the newest event."""
@@ -439,6 +490,7 @@ def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> Non
         address=e.address,
         port_range=e.port_range,
         islands=islands_of(e.gpus),
+        host_memory_mb=e.host_memory_mb,
         power="on" if old is None or old.power == "booting" else old.power,  # a booting node is up once it registers
         power_changed_at=old.power_changed_at if old is not None else e.at,
     )
@@ -767,6 +819,76 @@ def _worker_lost(state: ClusterState, seq: int, e: ev.WorkerLost) -> None:
         job.lost_workers.append(worker)
 
 
+def _gpu_memory_reported(state: ClusterState, seq: int, e: ev.GpuMemoryReported) -> None:
+    node = state.nodes.get(e.node)
+    if node is None:
+        return
+    lent = state.lent_mb(e.node)
+    for slot, used in zip(node.gpus, e.used_mb, strict=False):
+        slot.used_mb = used
+        job = state.jobs.get(slot.job) if slot.job is not None else None
+        if job is not None and job.status == "running":
+            job.memory_peak_mb = max(job.memory_peak_mb, used - lent.get(slot.info.index, 0))
+
+
+def _memory_lease_requested(state: ClusterState, seq: int, e: ev.MemoryLeaseRequested) -> None:
+    if e.lease in state.leases:
+        return  # asked again (an agent restart): the lease stands as it is
+    state.leases[e.lease] = LeaseState(
+        lease=e.lease,
+        job=e.job,
+        attempt=e.attempt,
+        node=e.node,
+        gpu=e.gpu,
+        mb=e.mb,
+        min_mb=e.min_mb,
+        tiers=e.tiers,
+        requested_at=e.at,
+    )
+
+
+def _memory_lease_granted(state: ClusterState, seq: int, e: ev.MemoryLeaseGranted) -> None:
+    lease = state.leases.get(e.lease)
+    if lease is None:
+        return
+    lease.shares.extend(e.shares)
+    lease.status = "active"
+    lease.term_s = max(0.0, e.expires_at - e.at)
+    lease.expires_at = e.expires_at
+
+
+def _memory_lease_renewed(state: ClusterState, seq: int, e: ev.MemoryLeaseRenewed) -> None:
+    lease = state.leases.get(e.lease)
+    if lease is not None and lease.status == "active" and lease.ending_by is None:
+        lease.expires_at = max(lease.expires_at, e.at + lease.term_s)
+
+
+def _memory_lease_revoked(state: ClusterState, seq: int, e: ev.MemoryLeaseRevoked) -> None:
+    lease = state.leases.get(e.lease)
+    if lease is None:
+        return
+    if not e.gpus:
+        lease.ending_by = e.deadline if lease.ending_by is None else min(lease.ending_by, e.deadline)
+    for gpu in e.gpus or lease.lenders():
+        lease.revoking[gpu] = min(lease.revoking.get(gpu, e.deadline), e.deadline)
+
+
+def _memory_lease_released(state: ClusterState, seq: int, e: ev.MemoryLeaseReleased) -> None:
+    lease = state.leases.get(e.lease)
+    if lease is None:
+        return
+    if not e.gpus:
+        del state.leases[e.lease]
+        return
+    lease.shares = [s for s in lease.shares if s.gpu not in e.gpus]
+    for gpu in e.gpus:
+        lease.revoking.pop(gpu, None)
+
+
+def _memory_lease_ended(state: ClusterState, seq: int, e: ev.MemoryLeaseDenied | ev.MemoryLeaseReclaimed) -> None:
+    state.leases.pop(e.lease, None)
+
+
 _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.NodeRegistered: _node_registered,
     ev.NodeDrained: _node_drained,
@@ -793,12 +915,20 @@ _HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.RescaleCompleted: _rescale_completed,
     ev.RescaleFailed: _rescale_failed,
     ev.WorkerLost: _worker_lost,
+    ev.GpuMemoryReported: _gpu_memory_reported,
+    ev.MemoryLeaseRequested: _memory_lease_requested,
+    ev.MemoryLeaseGranted: _memory_lease_granted,
+    ev.MemoryLeaseRenewed: _memory_lease_renewed,
+    ev.MemoryLeaseRevoked: _memory_lease_revoked,
+    ev.MemoryLeaseReleased: _memory_lease_released,
+    ev.MemoryLeaseDenied: _memory_lease_ended,
+    ev.MemoryLeaseReclaimed: _memory_lease_ended,
 }  # type: ignore[dict-item]
 
 # Bumped whenever the state's layout or an index kept by the fold changes meaning: a snapshot of
 # another format is not read (its indexes could be missing or stale) and the state is rebuilt
 # from the log, which is always possible.
-STATE_FORMAT = 5
+STATE_FORMAT = 6
 
 
 class _Stored(msgspec.Struct, array_like=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.decider import Decider
+from gpuherd.decider import Decider, RecordedParams
 from gpuherd.state import ClusterState, apply
 from services.elastic.policy import ElasticParams, JobModel, decide, params_from
 
@@ -59,20 +59,13 @@ class ElasticDecider(Decider[ElasticServiceState]):
     name = "elastic"
 
     def __init__(self, params: ElasticParams | None = None) -> None:
-        self.params = params or ElasticParams()  # until the log records ElasticConfigured
-        self._configured: tuple[tuple, ElasticParams] | None = None
+        self.params = RecordedParams(
+            params or ElasticParams(), params_from
+        )  # the default until the log records ElasticConfigured
 
     def params_for(self, state: ElasticServiceState) -> ElasticParams:
         """The parameters in force: the log's latest ElasticConfigured, else this decider's own."""
-        if state.params is None:
-            return self.params
-        key = tuple(sorted(state.params.items()))
-        if self._configured is None or self._configured[0] != key:
-            try:
-                self._configured = (key, params_from(state.params))
-            except ValueError:
-                self._configured = (key, self.params)  # refused by the CLI before it gets here
-        return self._configured[1]
+        return self.params.get(state.params)
 
     def initial_state(self) -> ElasticServiceState:
         return ElasticServiceState()

@@ -6,36 +6,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import socket
 import time
 
 from gpuherd import events as ev
-from gpuherd.aio import serve_until_signal
-from gpuherd.decider import DeciderRunner, append_reliably, clock_ticker
-from gpuherd.log import open_log
+from gpuherd.decider import params_argument, serve_decider
 from gpuherd.obs import configure
 from services.elastic.decide import ElasticDecider
 from services.elastic.policy import params_from
-
-
-async def serve(url: str, *, params: dict[str, float] | None, tick_s: float, instance: str | None = None) -> None:
-    """``params``: record them as the service's parameters (ElasticConfigured) before it starts;
-    None: keep what the log last recorded (or the defaults)."""
-    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-    log_ = await open_log(url, name=f"elastic-{instance}")
-    if params is not None:
-        now = time.time()
-        configured = ev.ElasticConfigured(
-            id=f"elastic:config:{instance}:{now:.6f}", at=now, source="elastic", params=params
-        )
-        await append_reliably(log_, [configured])
-    runner = DeciderRunner(log_, ElasticDecider(), instance=instance, extra_tasks=[clock_ticker("elastic", tick_s)])
-    try:
-        await serve_until_signal(runner.run)
-    finally:
-        await log_.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,11 +26,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--instance", default=None)
     args = parser.parse_args(argv)
     configure("elastic")
-    params = None
-    if args.params is not None:
-        try:
-            params = {k: float(v) for k, v in json.loads(args.params).items()}
-            params_from(params)
-        except (ValueError, TypeError, AttributeError) as exc:
-            parser.error(f"--params: {exc}")
-    asyncio.run(serve(args.nats_url, params=params, tick_s=args.tick, instance=args.instance))
+    try:
+        params = params_argument(args.params, params_from)
+    except ValueError as exc:
+        parser.error(f"--params: {exc}")
+    now = time.time()
+    configured = (
+        None
+        if params is None
+        else ev.ElasticConfigured(id=f"elastic:config:{os.getpid()}:{now:.6f}", at=now, source="elastic", params=params)
+    )
+    asyncio.run(
+        serve_decider(args.nats_url, ElasticDecider(), tick_s=args.tick, configured=configured, instance=args.instance)
+    )

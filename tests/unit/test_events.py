@@ -69,6 +69,26 @@ SAMPLES: list[ev.Event] = [
     ev.RescaleFailed(id="z4", job="j1", attempt=0, generation=1, node="n1", reason="timeout", step=40),
     ev.ElasticConfigured(id="z6", params={"min_interval_s": 30.0}),
     ev.WorkerLost(id="z5", job="j1", attempt=0, node="n2", gpu=4, exit_code=137, reason="killed by SIGKILL"),
+    ev.GpuMemoryReported(id="m1", node="n1", used_mb=(1024, 70000)),
+    ev.MemoryLeaseRequested(id="m2", lease="L1", job="j1", attempt=0, node="n1", gpu=0, mb=8192, min_mb=1024),
+    ev.MemoryLeaseGranted(
+        id="m3",
+        lease="L1",
+        job="j1",
+        attempt=0,
+        node="n1",
+        gpu=0,
+        shares=(ev.MemoryShare("nvlink", 4096, 1), ev.MemoryShare("host", 4096)),
+        expires_at=600.0,
+        based_on=7,
+        cause="m2",
+    ),
+    ev.MemoryLeaseDenied(id="m4", lease="L2", job="j1", reason="job j1 does not run on n1"),
+    ev.MemoryLeaseRenewed(id="m5", lease="L1", job="j1"),
+    ev.MemoryLeaseRevoked(id="m6", lease="L1", job="j1", gpus=(1,), deadline=30.0, reason="lender needs it"),
+    ev.MemoryLeaseReleased(id="m7", lease="L1", job="j1", gpus=(1,), reason="revoked"),
+    ev.MemoryLeaseReclaimed(id="m8", lease="L1", job="j1", reason="job finished"),
+    ev.MemoryBrokerConfigured(id="m9", params={"lease_term_s": 300.0}),
 ]
 
 

@@ -1,0 +1,3 @@
+from services.memory.service import main
+
+main()

@@ -1,0 +1,320 @@
+"""How the memory broker lends, as pure functions of the cluster state.
+
+**Spare memory of a lender GPU** (a GPU on the borrower's node that is not the borrower's job's):
+``total - reserve - need - lent``, where ``reserve`` is a safety margin (``margin_frac`` of the
+GPU, at least ``margin_min_mb``), ``lent`` is what leases already hold on it and ``need`` is the
+forecast of the GPU's own job: the larger of what it uses now and the most it ever used (its
+observed peak, ``JobState.memory_peak_mb``), plus ``owner_headroom``. A job that started less than
+``owner_warmup_s`` ago has no trustworthy peak yet: its GPUs lend nothing. A free GPU needs only
+what strays use on it. A GPU whose own job borrows memory never lends.
+
+**Grants** fill a request from the fastest tier first: NVLink peers, then PCIe neighbors (at most
+``max_neighbors`` lender GPUs per lease), spread evenly over the lenders of a tier (water-filling:
+more lenders, more copy bandwidth, less taken from each), then pinned host memory (up to
+``host_fraction`` of the node's RAM over all its leases). A request that cannot get ``min_mb`` now
+waits; a lease below its size is topped up when memory frees.
+
+**Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
+its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
+only gates new grants), when a job is placed on it (its need is unknown), or when a lease expired
+unrenewed. The newest leases on the lender go first. A revocation carries a deadline; a lease not
+released by then is reclaimed and its task stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.state import ACTIVE, ClusterState, GpuSlot, LeaseState, NodeState
+
+NO_GPU = frozenset[int]()
+
+
+class BrokerParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    margin_frac: float = 0.05  # of each lender GPU, never lent
+    margin_min_mb: int = 1024
+    owner_warmup_s: float = 60.0  # a GPU whose job started more recently lends nothing
+    owner_headroom: float = 0.10  # forecast of the owner's need = its peak x (1 + headroom)
+    max_neighbors: int = 3  # lender GPUs per lease
+    min_share_mb: int = 256  # smaller pieces are not worth a lender
+    host_fraction: float = 0.5  # of a node's RAM that leases may pin
+    lease_term_s: float = 600.0  # a lease its agent does not renew within this is revoked
+    revoke_deadline_s: float = 30.0  # time the borrower has to move its blocks off a revoked share
+
+
+def params_from(values: dict[str, float]) -> BrokerParams:
+    """BrokerParams from ``MemoryBrokerConfigured.params`` (or ``--params``): unknown names are refused."""
+    try:
+        return msgspec.convert(values, BrokerParams, strict=False)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(BrokerParams.__struct_fields__)
+        raise ValueError(f"{exc}; known parameters: {known}") from None
+
+
+# -- the view of spare memory -----------------------------------------------------------------------
+
+
+def reserve_mb(slot: GpuSlot, params: BrokerParams) -> int:
+    return max(params.margin_min_mb, int(params.margin_frac * slot.info.memory_mb))
+
+
+def owner_need_mb(state: ClusterState, slot: GpuSlot, lent: int, params: BrokerParams) -> int | None:
+    """The forecast of what the GPU's own job needs; None when it cannot be known yet (the job was
+    placed or started within ``owner_warmup_s``), which lends nothing and revokes what is lent."""
+    current = max(0, (slot.used_mb or 0) - lent)
+    owner = state.jobs.get(slot.job) if slot.job is not None else None
+    if owner is None:
+        return current  # a free GPU: only strays use it
+    if owner.status != "running" or owner.started_at is None or state.now - owner.started_at < params.owner_warmup_s:
+        return None
+    return int(max(current, owner.memory_peak_mb) * (1 + params.owner_headroom))
+
+
+def spare_mb(state: ClusterState, node: NodeState, slot: GpuSlot, lent: int, params: BrokerParams) -> int:
+    """What ``slot`` can lend beyond its current leases (0 for a GPU that does not lend)."""
+    if not slot.healthy or node.status != "up" or _borrows(state, slot):
+        return 0
+    need = owner_need_mb(state, slot, lent, params)
+    if need is None:
+        return 0
+    return max(0, slot.info.memory_mb - reserve_mb(slot, params) - need - lent)
+
+
+def _borrows(state: ClusterState, slot: GpuSlot) -> bool:
+    owner = state.jobs.get(slot.job) if slot.job is not None else None
+    return owner is not None and owner.spec.memory is not None
+
+
+# MiB granted earlier in the same pass, not yet folded: (node, lender GPU or None for host) -> MiB
+Granting = dict[tuple[str, int | None], int]
+
+
+def host_budget_mb(state: ClusterState, node: NodeState, params: BrokerParams, granting: Granting | None = None) -> int:
+    taken = state.host_lent_mb(node.node) + (granting or {}).get((node.node, None), 0)
+    return max(0, int(node.host_memory_mb * params.host_fraction) - taken)
+
+
+def tier_between(node: NodeState, borrower: int, lender: int) -> ev.MemoryTier:
+    peers = node.gpus[borrower].info.nvlink_peers if borrower < len(node.gpus) else ()
+    return "nvlink" if lender in peers else "pcie"
+
+
+# -- grants ----------------------------------------------------------------------------------------------
+
+
+def water_fill(want: int, caps: list[int], min_share: int) -> list[int]:
+    """Split ``want`` MiB over lenders with room ``caps`` as evenly as their room allows, using no
+    more lenders than pieces of ``min_share`` fit in ``want``; each piece at least ``min_share``."""
+    n = min(len(caps), max(1, want // max(1, min_share)))
+    order = sorted(range(n), key=lambda i: caps[i])
+    out = [0] * len(caps)
+    left = want
+    for k, i in enumerate(order):
+        take = min(caps[i], left // (n - k))
+        if take >= min_share:
+            out[i] = take
+            left -= take
+    return out
+
+
+def plan_shares(
+    state: ClusterState, lease: LeaseState, want: int, params: BrokerParams, granting: Granting | None = None
+) -> list[ev.MemoryShare]:
+    """Shares that give ``lease`` up to ``want`` MiB more, fastest tier first."""
+    node = state.nodes.get(lease.node)
+    if node is None or node.status != "up" or want < params.min_share_mb:
+        return []
+    lent = state.lent_mb(node.node)
+    for (name, gpu), mb in (granting or {}).items():
+        if name == node.node and gpu is not None:
+            lent[gpu] = lent.get(gpu, 0) + mb
+    mine = set(lease.lenders())
+    slots_left = params.max_neighbors - len(mine)
+    shares: list[ev.MemoryShare] = []
+    left = want
+    for tier in ("nvlink", "pcie"):
+        if tier not in lease.tiers or slots_left <= 0 or left < params.min_share_mb:
+            continue
+        candidates = [
+            (spare, slot.info.index)
+            for slot in node.gpus
+            if slot.info.index != lease.gpu
+            and slot.job != lease.job
+            and slot.info.index not in mine
+            and tier_between(node, lease.gpu, slot.info.index) == tier
+            and (spare := spare_mb(state, node, slot, lent.get(slot.info.index, 0), params)) >= params.min_share_mb
+        ]
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        candidates = candidates[:slots_left]
+        pieces = water_fill(left, [c[0] for c in candidates], params.min_share_mb)
+        for (_, gpu), mb in zip(candidates, pieces, strict=True):
+            if mb:
+                shares.append(ev.MemoryShare(tier=tier, mb=mb, gpu=gpu))  # type: ignore[arg-type]
+                left -= mb
+                slots_left -= 1
+    if "host" in lease.tiers and left >= params.min_share_mb:
+        host = min(left, host_budget_mb(state, node, params, granting))
+        if host >= params.min_share_mb:
+            shares.append(ev.MemoryShare(tier="host", mb=host))
+    return shares
+
+
+def most_a_node_lends(state: ClusterState, lease: LeaseState, params: BrokerParams) -> int:
+    """What the lease could get at best on its node, were every neighbor idle: a request for more
+    than this can never be met."""
+    node = state.nodes.get(lease.node)
+    if node is None:
+        return 0
+    rooms = sorted(
+        (
+            s.info.memory_mb - reserve_mb(s, params)
+            for s in node.gpus
+            if s.info.index != lease.gpu
+            and ("nvlink" if tier_between(node, lease.gpu, s.info.index) == "nvlink" else "pcie") in lease.tiers
+        ),
+        reverse=True,
+    )
+    host = int(node.host_memory_mb * params.host_fraction) if "host" in lease.tiers else 0
+    return sum(rooms[: params.max_neighbors]) + host
+
+
+def request_problem(state: ClusterState, e: ev.MemoryLeaseRequested, params: BrokerParams) -> str | None:
+    """Why a request can never be granted, or None."""
+    if e.mb <= 0 or e.min_mb < 0 or e.min_mb > e.mb:
+        return f"asked for {e.mb} MiB with a minimum of {e.min_mb} MiB: need 0 <= min_mb <= mb and mb > 0"
+    if not e.tiers:
+        return "no memory tier accepted: name at least one of nvlink, pcie, host"
+    gone = borrower_gone(state, state.leases.get(e.lease))
+    if gone is not None:
+        return gone
+    lease = state.leases[e.lease]
+    best = most_a_node_lends(state, lease, params)
+    if max(e.min_mb, params.min_share_mb) > best:
+        return f"node {e.node} can lend at most {best} MiB over tiers {', '.join(e.tiers)}; asked for {e.min_mb} MiB"
+    return None
+
+
+def borrower_gone(state: ClusterState, lease: LeaseState | None) -> str | None:
+    """Why a lease's borrower no longer holds its GPU (its attempt ended, it moved, its node was
+    lost), or None while it does."""
+    if lease is None:
+        return "no such lease"
+    job = state.jobs.get(lease.job)
+    if job is None:
+        return f"job {lease.job} is unknown"
+    if job.attempt != lease.attempt or job.status not in ACTIVE:
+        return f"attempt {lease.attempt} of job {lease.job} has ended"
+    if not any(a.node == lease.node and lease.gpu in a.gpus for a in job.allocations):
+        return f"job {lease.job} no longer runs on GPU {lease.gpu} of {lease.node}"
+    node = state.nodes.get(lease.node)
+    if node is None or node.status == "lost":
+        return f"node {lease.node} is lost"
+    return None
+
+
+# -- the pass --------------------------------------------------------------------------------------------
+
+
+def decide(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+    """Everything the broker should do now: reclaim leases whose borrower is gone or that missed a
+    deadline, revoke shares under pressure or expired, grant what pending leases lack."""
+    now = state.now
+    for lease in list(state.leases.values()):
+        gone = borrower_gone(state, lease)
+        if gone is not None:
+            yield ev.MemoryLeaseReclaimed(lease=lease.lease, job=lease.job, reason=gone)
+            continue
+        missed = [g for g, d in lease.revoking.items() if d <= now]
+        if missed or (lease.ending_by is not None and lease.ending_by <= now):
+            what = f"GPU {', '.join(map(str, sorted(missed)))}" if missed else "the lease"
+            yield ev.MemoryLeaseReclaimed(
+                lease=lease.lease,
+                job=lease.job,
+                reason=f"did not release its share of {what} on {lease.node} by the deadline",
+                deadline_missed=True,
+            )
+            continue
+        if lease.status == "active" and lease.ending_by is None and lease.expires_at <= now:
+            yield ev.MemoryLeaseRevoked(
+                lease=lease.lease,
+                job=lease.job,
+                deadline=now + params.revoke_deadline_s,
+                reason=f"expired at {lease.expires_at:.0f}: not renewed",
+            )
+    yield from _revocations(state, params)
+    yield from _grants(state, params)
+
+
+def _live(state: ClusterState, lease: LeaseState) -> bool:
+    return lease.ending_by is None and borrower_gone(state, lease) is None
+
+
+def _revocations(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+    by_lender: dict[tuple[str, int], list[LeaseState]] = {}
+    for lease in state.leases.values():
+        if not _live(state, lease):
+            continue
+        for gpu in lease.lenders():
+            if gpu not in lease.revoking:
+                by_lender.setdefault((lease.node, gpu), []).append(lease)
+    for (node_name, gpu), leases in sorted(by_lender.items()):
+        node = state.nodes[node_name]
+        if gpu >= len(node.gpus):
+            continue
+        slot = node.gpus[gpu]
+        lent = state.lent_mb(node_name).get(gpu, 0)
+        need = owner_need_mb(state, slot, lent, params)
+        if need is None:
+            over, why = lent, f"job {slot.job} was placed on GPU {gpu}: its need is not known yet"
+        elif not slot.healthy:
+            over, why = lent, f"GPU {gpu} is unhealthy"
+        else:
+            current = max(0, (slot.used_mb or 0) - lent)
+            over = current + lent - (slot.info.memory_mb - reserve_mb(slot, params) // 2)
+            why = f"GPU {gpu}'s own use rose to {current} MiB"
+        if over <= 0:
+            continue
+        # Shares already being revoked on it count as gone; the newest leases give back first.
+        over -= sum(
+            s.mb
+            for lease in state.leases.values()
+            if lease.node == node_name and gpu in lease.revoking
+            for s in lease.shares
+            if s.gpu == gpu
+        )
+        for lease in sorted(leases, key=lambda x: x.requested_at, reverse=True):
+            if over <= 0:
+                break
+            yield ev.MemoryLeaseRevoked(
+                lease=lease.lease, job=lease.job, gpus=(gpu,), deadline=state.now + params.revoke_deadline_s, reason=why
+            )
+            over -= sum(s.mb for s in lease.shares if s.gpu == gpu)
+
+
+def _grants(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+    granting: Granting = {}  # so the next lease of this pass sees what the ones before took
+    for lease in sorted(state.leases.values(), key=lambda x: x.requested_at):
+        if not _live(state, lease) or lease.revoking:
+            continue  # a top-up waits until revoked shares are given back
+        want = lease.mb - lease.granted_mb
+        shares = plan_shares(state, lease, want, params, granting)
+        got = sum(s.mb for s in shares)
+        if not shares or (lease.status == "pending" and got < lease.min_mb):
+            continue
+        for share in shares:
+            key = (lease.node, share.gpu)
+            granting[key] = granting.get(key, 0) + share.mb
+        what = ", ".join(f"{s.mb} MiB {s.tier}" + (f" GPU {s.gpu}" if s.gpu is not None else "") for s in shares)
+        yield ev.MemoryLeaseGranted(
+            lease=lease.lease,
+            job=lease.job,
+            attempt=lease.attempt,
+            node=lease.node,
+            gpu=lease.gpu,
+            shares=tuple(shares),
+            expires_at=state.now + params.lease_term_s,
+            reason=f"{got} of {want} MiB: {what}",
+        )

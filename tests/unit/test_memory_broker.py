@@ -1,0 +1,303 @@
+"""The memory broker's decisions, as a pure decider: grant, spread, prefer NVLink, revoke on
+pressure, top up, reclaim when the borrower is gone, expiry and deadlines, denials."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuherd import events as ev
+from gpuherd.decider import decide_stamped
+from gpuherd.log.base import Record
+from gpuherd.state import ClusterState
+from services.memory.decide import MemoryBrokerState, MemoryDecider
+from services.memory.policy import BrokerParams, reserve_mb, spare_mb, water_fill
+
+GB = 1024
+TOTAL = 80 * GB  # MiB of each GPU
+PARAMS = BrokerParams()
+_ids = itertools.count()
+
+
+def _e(cls: type[ev.Event], at: float = 0.0, **fields: object) -> ev.Event:
+    return cls(id=f"t{next(_ids)}", at=at, source="test", **fields)  # type: ignore[call-arg]
+
+
+def gpus(island: int) -> tuple[ev.GpuInfo, ...]:
+    return tuple(ev.declared_gpus("n1", 4, island=island, model="H100", memory_mb=TOTAL))
+
+
+def run(events: list[ev.Event], log: list[Record] | None = None, params: BrokerParams = PARAMS) -> list[Record]:
+    """Append ``events`` the way the runner does: fold, decide, append and fold the decisions first."""
+    decider = MemoryDecider(params)
+    log = list(log or [])
+    state = MemoryBrokerState()
+    for r in log:
+        decider.evolve(state, r.seq, r.event)
+    inbox = collections.deque(events)
+    pending: collections.deque[Record] = collections.deque()
+    while inbox or pending:
+        record = pending.popleft() if pending else None
+        if record is not None:
+            for out in decide_stamped(decider, state, record):
+                pending.append(_append(log, decider, state, out))
+        else:
+            pending.append(_append(log, decider, state, inbox.popleft()))
+    return log
+
+
+def _append(log: list[Record], decider: MemoryDecider, state: MemoryBrokerState, event: ev.Event) -> Record:
+    record = Record(len(log) + 1, event)
+    log.append(record)
+    decider.evolve(state, record.seq, event)
+    return record
+
+
+def job(name: str, gpu: int, *, at: float = 0.0, memory: ev.MemoryNeeds | None = None) -> list[ev.Event]:
+    """``name`` submitted, placed on GPU ``gpu`` of n1 and started at ``at``."""
+    spec = ev.JobSpec(name=name, user="ana", gpus=1, command=("python", "t.py"), memory=memory)
+    return [
+        _e(ev.JobSubmitted, at=at, job=name, spec=spec, intake_source="t"),
+        _e(ev.JobPlaced, at=at, job=name, attempt=0, allocations=(ev.Allocation("n1", (gpu,)),)),
+        _e(ev.JobStarted, at=at, job=name, attempt=0, node="n1"),
+    ]
+
+
+def cluster(*, island: int = 2, host_mb: int = 512 * GB, small_peak_mb: int = 20 * GB) -> list[Record]:
+    """n1: 4 GPUs in NVLink pairs (0-1, 2-3) by default. ``big`` (a borrower) runs on GPU 0,
+    ``small`` on GPU 1 since t=0; at t=100 their use is reported; GPUs 2 and 3 are free."""
+    events: list[ev.Event] = [_e(ev.NodeRegistered, node="n1", gpus=gpus(island), executor="cpu", host_memory_mb=host_mb)]
+    events += job("big", 0, memory=ev.MemoryNeeds(extra_mb=30 * GB))
+    events += job("small", 1)
+    events.append(_e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=(78 * GB, small_peak_mb, 0, 0)))
+    return run(events)
+
+
+def request(mb: int, *, lease: str = "L", gpu: int = 0, at: float = 100.0, job_: str = "big", **kw) -> ev.Event:
+    return _e(ev.MemoryLeaseRequested, at=at, lease=lease, job=job_, attempt=0, node="n1", gpu=gpu, mb=mb, **kw)
+
+
+def of(log: list[Record], kind: type) -> list:
+    return [r.event for r in log if isinstance(r.event, kind)]
+
+
+def state_of(log: list[Record]) -> ClusterState:
+    return run([], log) and _fold(log)
+
+
+def _fold(log: list[Record]) -> ClusterState:
+    state = MemoryBrokerState()
+    decider = MemoryDecider()
+    for r in log:
+        decider.evolve(state, r.seq, r.event)
+    return state.cluster
+
+
+def shares(grant: ev.MemoryLeaseGranted) -> list[tuple[str, int | None, int]]:
+    return [(s.tier, s.gpu, s.mb) for s in grant.shares]
+
+
+# -- grants -----------------------------------------------------------------------------------------------
+
+
+def test_a_request_the_nvlink_peer_can_cover_is_granted_there_alone() -> None:
+    log = run([request(30 * GB)], cluster())
+    (grant,) = of(log, ev.MemoryLeaseGranted)
+    assert shares(grant) == [("nvlink", 1, 30 * GB)]
+    assert grant.expires_at == 100.0 + PARAMS.lease_term_s
+    assert grant.cause == log[-2].event.id and grant.based_on == len(log) - 1
+    assert _fold(log).lent_mb("n1") == {1: 30 * GB}
+
+
+def test_what_the_nvlink_peer_lacks_is_spread_over_pcie_neighbors_then_host() -> None:
+    log = cluster()
+    slot = _fold(log).nodes["n1"].gpus[1]
+    peer_room = TOTAL - reserve_mb(slot, PARAMS) - int(20 * GB * 1.1)
+    free_room = TOTAL - reserve_mb(slot, PARAMS)
+    want = peer_room + 2 * free_room + 5 * GB
+    (grant,) = of(run([request(want)], log), ev.MemoryLeaseGranted)
+    assert shares(grant) == [
+        ("nvlink", 1, peer_room),
+        ("pcie", 2, free_room),
+        ("pcie", 3, free_room),
+        ("host", None, 5 * GB),
+    ]
+    # Less than the PCIe pair can give: split evenly over both (two links' bandwidth).
+    (grant,) = of(run([request(peer_room + 10 * GB)], log), ev.MemoryLeaseGranted)
+    assert shares(grant) == [("nvlink", 1, peer_room), ("pcie", 2, 5 * GB), ("pcie", 3, 5 * GB)]
+
+
+def test_nvlink_peers_share_a_request_evenly_at_most_three_of_them() -> None:
+    log = run([request(30 * GB)], cluster(island=4))  # all four GPUs are NVLink peers
+    (grant,) = of(log, ev.MemoryLeaseGranted)
+    assert [(t, mb) for t, _, mb in shares(grant)] == [("nvlink", 10 * GB)] * 3
+    assert {g for _, g, _ in shares(grant)} == {1, 2, 3}
+    # A small request is not cut into pieces below min_share_mb.
+    (grant,) = of(run([request(300)], cluster(island=4)), ev.MemoryLeaseGranted)
+    assert len(grant.shares) == 1
+
+
+def test_water_fill_gives_lenders_with_little_room_all_they_have_and_the_rest_evenly() -> None:
+    assert water_fill(900, [100, 1000, 1000], 50) == [100, 400, 400]
+    assert water_fill(600, [1000, 1000, 1000], 256) == [300, 300, 0]
+    assert water_fill(10, [1000], 256) == [0]
+
+
+def test_a_gpu_whose_job_just_started_or_borrows_itself_lends_nothing() -> None:
+    log = cluster(island=4)
+    log = run(job("fresh", 2, at=90.0) + [_e(ev.JobStarted, at=95.0, job="fresh", attempt=0, node="n1")], log)
+    log = run(job("hungry", 3, memory=ev.MemoryNeeds(extra_mb=GB)), log)
+    (grant,) = of(run([request(30 * GB)], log), ev.MemoryLeaseGranted)
+    assert {g for _, g, _ in shares(grant)} == {1}  # 2 warms up (started 5 s ago), 3 borrows itself
+
+
+def test_a_request_waits_until_its_minimum_can_be_met_and_is_granted_when_memory_frees() -> None:
+    log = cluster(island=4, host_mb=0)
+    busy = [_e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=(78 * GB, 75 * GB, 75 * GB, 75 * GB))]
+    log = run(busy + job("a", 2) + job("b", 3), log)
+    log = run([_e(ev.GpuMemoryReported, at=200.0, node="n1", used_mb=(78 * GB, 75 * GB, 75 * GB, 75 * GB))], log)
+    log = run([request(30 * GB, at=200.0, min_mb=10 * GB)], log)
+    assert of(log, ev.MemoryLeaseGranted) == [] and of(log, ev.MemoryLeaseDenied) == []
+    assert _fold(log).leases["L"].status == "pending"
+    log = run([_e(ev.JobFinished, at=300.0, job="a", attempt=0, outcome="completed")], log)
+    assert of(log, ev.MemoryLeaseGranted) == []  # its memory is in use until a report says otherwise
+    log = run([_e(ev.GpuMemoryReported, at=310.0, node="n1", used_mb=(78 * GB, 75 * GB, 0, 75 * GB))], log)
+    (grant,) = of(log, ev.MemoryLeaseGranted)
+    assert shares(grant) == [("nvlink", 2, 30 * GB)]
+
+
+def test_requests_that_can_never_be_granted_are_denied_with_the_reason() -> None:
+    log = cluster()
+    for bad, words in (
+        (request(0), "mb > 0"),
+        (request(GB, gpu=2), "no longer runs on GPU 2"),
+        (request(GB, job_="ghost"), "unknown"),
+        (request(10_000 * GB, min_mb=10_000 * GB), "can lend at most"),
+        (request(GB, tiers=()), "no memory tier"),
+    ):
+        (denied,) = of(run([bad], log), ev.MemoryLeaseDenied)
+        assert words in denied.reason, denied.reason
+        assert "L" not in _fold(run([bad], log)).leases
+
+
+# -- revocation and top-up ------------------------------------------------------------------------------------
+
+
+def test_the_lenders_own_rising_use_revokes_its_share_and_the_lease_is_topped_up_elsewhere() -> None:
+    log = run([request(30 * GB)], cluster())
+    # small now uses 60 GiB of its own: 60 + 30 lent > 80 - half the reserve.
+    log = run([_e(ev.GpuMemoryReported, at=150.0, node="n1", used_mb=(78 * GB, 90 * GB, 0, 0))], log)
+    (revoked,) = of(log, ev.MemoryLeaseRevoked)
+    assert (revoked.lease, revoked.gpus, revoked.deadline) == ("L", (1,), 150.0 + PARAMS.revoke_deadline_s)
+    assert "own use rose" in revoked.reason
+    assert len(of(log, ev.MemoryLeaseGranted)) == 1  # no top-up while the revoked share is in use
+    log = run([_e(ev.MemoryLeaseReleased, at=160.0, lease="L", job="big", gpus=(1,), reason="revoked")], log)
+    top_up = of(log, ev.MemoryLeaseGranted)[-1]
+    assert shares(top_up) == [("pcie", 2, 15 * GB), ("pcie", 3, 15 * GB)]
+    assert _fold(log).leases["L"].granted_mb == 30 * GB
+
+
+def test_use_within_the_forecast_revokes_nothing_hysteresis() -> None:
+    log = run([request(30 * GB)], cluster())
+    log = run([_e(ev.GpuMemoryReported, at=150.0, node="n1", used_mb=(78 * GB, 30 * GB + 30 * GB, 0, 0))], log)
+    assert of(log, ev.MemoryLeaseRevoked) == []
+
+
+def test_a_job_placed_on_a_lender_revokes_the_shares_on_it() -> None:
+    log = run([request(70 * GB)], cluster())
+    (grant,) = of(log, ev.MemoryLeaseGranted)
+    assert 2 in {g for _, g, _ in shares(grant)}
+    spec = ev.JobSpec(name="new", user="bo", gpus=1, command=("python", "t.py"))
+    log = run(
+        [
+            _e(ev.JobSubmitted, at=200.0, job="new", spec=spec, intake_source="t"),
+            _e(ev.JobPlaced, at=201.0, job="new", attempt=0, allocations=(ev.Allocation("n1", (2,)),)),
+        ],
+        log,
+    )
+    (revoked,) = of(log, ev.MemoryLeaseRevoked)
+    assert revoked.gpus == (2,) and "was placed" in revoked.reason
+
+
+def test_the_newest_lease_on_a_lender_gives_back_first_and_only_as_much_as_needed() -> None:
+    log = cluster(island=4)
+    log = run(job("big2", 2, memory=ev.MemoryNeeds(extra_mb=GB)), log)
+    log = run([request(20 * GB, at=100.0)], log)
+    log = run([request(20 * GB, lease="M", gpu=2, job_="big2", at=110.0)], log)
+    assert all(1 in lease.lenders() for lease in _fold(log).leases.values())  # both borrow of GPU 1
+    # small's own use rises by a bit beyond the margin on GPU 1: one lease gives back, the newest.
+    on_1 = _fold(log).lent_mb("n1")[1]
+    used = TOTAL - reserve_mb(_fold(log).nodes["n1"].gpus[1], PARAMS) // 2 - on_1 + GB
+    log = run([_e(ev.GpuMemoryReported, at=120.0, node="n1", used_mb=(78 * GB, used + on_1, 0, 0))], log)
+    revoked = of(log, ev.MemoryLeaseRevoked)
+    assert [r.lease for r in revoked] == ["M"]
+
+
+# -- lifetimes -------------------------------------------------------------------------------------------
+
+
+def test_leases_of_a_finished_or_requeued_job_are_reclaimed() -> None:
+    log = run([request(30 * GB)], cluster())
+    done = run([_e(ev.JobFinished, at=500.0, job="big", attempt=0, outcome="completed")], log)
+    (reclaimed,) = of(done, ev.MemoryLeaseReclaimed)
+    assert "ended" in reclaimed.reason and not reclaimed.deadline_missed
+    assert _fold(done).leases == {}
+    lost = run([_e(ev.NodeLost, at=500.0, node="n1", reason="silent")], log)
+    assert len(of(lost, ev.MemoryLeaseReclaimed)) == 1
+
+
+def test_an_unrenewed_lease_is_revoked_at_expiry_and_reclaimed_after_the_deadline() -> None:
+    log = run([request(30 * GB)], cluster())
+
+    def tick(at: float) -> ev.Event:
+        return _e(ev.ClockTicked, at=at, last_heard={}, lost_after_s=ev.TICK_ONLY_TIMEOUT_S)
+
+    renewed = run([_e(ev.MemoryLeaseRenewed, at=400.0, lease="L", job="big"), tick(100.0 + PARAMS.lease_term_s)], log)
+    assert of(renewed, ev.MemoryLeaseRevoked) == []
+    log = run([tick(100.0 + PARAMS.lease_term_s)], log)
+    (revoked,) = of(log, ev.MemoryLeaseRevoked)
+    assert revoked.gpus == () and "expired" in revoked.reason
+    released = run([_e(ev.MemoryLeaseReleased, at=710.0, lease="L", job="big", reason="revoked")], log)
+    assert _fold(released).leases == {} and of(released, ev.MemoryLeaseReclaimed) == []
+    log = run([tick(revoked.deadline + 1)], log)
+    (reclaimed,) = of(log, ev.MemoryLeaseReclaimed)
+    assert reclaimed.deadline_missed and "by the deadline" in reclaimed.reason
+
+
+def test_replaying_the_log_decides_the_same() -> None:
+    log = run([request(30 * GB)], cluster())
+    log = run([_e(ev.GpuMemoryReported, at=150.0, node="n1", used_mb=(78 * GB, 90 * GB, 0, 0))], log)
+    inputs = [r.event for r in log if r.event.source == "test"]
+    again = run(inputs)
+    assert [type(r.event).__name__ for r in again] == [type(r.event).__name__ for r in log]
+    assert [r.event for r in again if r.event.source == "memory"] == [r.event for r in log if r.event.source == "memory"]
+
+
+# -- the invariant -------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    used=st.lists(st.integers(0, TOTAL), min_size=4, max_size=4),
+    asks=st.lists(st.integers(1, 200 * GB), min_size=1, max_size=3),
+)
+def test_grants_never_lend_more_than_a_gpu_can_spare(used: list[int], asks: list[int]) -> None:
+    log = cluster(island=4)
+    log = run(job("b2", 2, memory=ev.MemoryNeeds(extra_mb=GB)) + job("b3", 3, memory=ev.MemoryNeeds(extra_mb=GB)), log)
+    log = run([_e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=tuple(used))], log)
+    borrowers = [("big", 0), ("b2", 2), ("b3", 3)]
+    for i, mb in enumerate(asks):
+        name, gpu = borrowers[i]
+        log = run([request(mb, lease=f"L{i}", gpu=gpu, job_=name)], log)
+    state = _fold(log)
+    lent = state.lent_mb("n1")
+    before = _fold([r for r in log if not isinstance(r.event, ev.MemoryLeaseGranted)])
+    for gpu, mb in lent.items():
+        node = before.nodes["n1"]
+        assert mb <= spare_mb(before, node, node.gpus[gpu], 0, PARAMS)
+    for lease in state.leases.values():
+        assert lease.granted_mb <= lease.mb
+        assert len(lease.lenders()) <= PARAMS.max_neighbors
