@@ -51,6 +51,16 @@ def node_sizes(state: ClusterState) -> NodeSizes:
     return sizes
 
 
+def _memory_problem(memory: ev.MemoryNeeds) -> str | None:
+    if memory.extra_mb <= 0:
+        return f"`memory.extra_mb` must be positive (MiB per worker beyond its GPU), got {memory.extra_mb}"
+    if not 0 <= memory.min_mb <= memory.extra_mb:
+        return f"`memory.min_mb` must lie within 0..extra_mb ({memory.extra_mb}), got {memory.min_mb}"
+    if not memory.tiers or len(set(memory.tiers)) != len(memory.tiers):
+        return f"`memory.tiers` must name each accepted tier once, of {', '.join(ev.MEMORY_TIERS)}"
+    return None
+
+
 def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | None = None) -> str | None:
     if not spec.name.strip():
         return "`name` must not be empty"
@@ -76,6 +86,8 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | No
             return f"`gpus` ({spec.gpus}) must lie within elastic min..max ({lo}..{hi})"
         if problem := _elastic_problem(spec, spec.elastic):
             return problem
+    if spec.memory is not None and (problem := _memory_problem(spec.memory)):
+        return problem
     if not 0 <= spec.max_retries <= 100:
         return f"`max_retries` must be between 0 and 100, got {spec.max_retries}"
     if spec.procs_per_node is not None:
