@@ -110,3 +110,16 @@ class ElasticPlan:
             decided_at=float(raw.get("decided_at", 0.0)),
             attempt=int(raw.get("attempt", 0)),
         )
+
+
+# -- memory leases -----------------------------------------------------------------------------------
+# A job that declares ``memory`` needs runs with its node's other GPUs visible after its own (so a
+# neighbor leased later is reachable without a restart); GPU_INDEX says which node GPU the process
+# drives. The agent keeps MEMORY_LEASES_FILE in the task folder up to date with every lease of the
+# task: per borrower GPU, its shares (tier, lender GPU, CUDA ordinal in this process, MiB) and the
+# revocation deadlines. ``gpuherd.train.memory.MemoryTiers`` reads it at step boundaries, never
+# uses more of a lender than its share, and answers a revocation with a "lease-released" report.
+GPU_INDEX = "GPUHERD_GPU"
+MEMORY_LEASES_FILE = "memory-leases.json"
+
+RESERVED = RESERVED | {GPU_INDEX}

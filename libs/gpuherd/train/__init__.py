@@ -36,6 +36,7 @@ __all__ = [
     "ElasticState",
     "JobContext",
     "Membership",
+    "MemoryTiers",
     "accumulation_steps",
     "init",
     "profile_layers",
@@ -48,6 +49,7 @@ _LAZY = {  # torch-heavy: imported when used, not by every script
     "ElasticState": "gpuherd.train.elastic",
     "accumulation_steps": "gpuherd.train.elastic",
     "Membership": "gpuherd.train.elastic",
+    "MemoryTiers": "gpuherd.train.memory",
 }
 
 

@@ -1,0 +1,482 @@
+"""Memory tiers: keep saved activations and optimizer state in leased memory off the GPU.
+
+A job whose working set does not fit its GPU offloads what backward needs later, and what the
+optimizer only touches once a step, to memory the broker leased it (``services/memory``):
+
+- **neighbor GPU** (``nvlink`` or ``pcie`` tier): a buffer of exactly the leased size, allocated
+  once on the lender (a CUDA device visible to the process: the agent makes the node's GPUs
+  visible to jobs that lease memory), filled by device-to-device copies. A peer is trusted only
+  after a sentinel pattern copied there and back comes back intact.
+- **pinned host memory** (``host`` tier): a pre-allocated page-locked buffer, so copies are
+  asynchronous DMA; the slower fallback.
+
+Use::
+
+    tiers = MemoryTiers.from_job(device)          # the leases the agent wrote (none: no pools)
+    tiers.offload_optimizer(optimizer)           # optional
+    for batch in data:
+        tiers.poll()                             # answer revocations, take top-ups
+        with tiers.saved_tensors(model):
+            loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+
+Saved tensors go to the fastest pool with room (neighbors first, then host; none: they stay);
+tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream; in backward,
+reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
+layer's compute. Each pool hands out activation blocks from its front (all given back when the
+step's saved tensors die) and persistent blocks (optimizer state) from its back.
+
+On a revocation the runtime moves every block off the revoked neighbor into host memory (the
+host pool, else plain RAM) and reports ``lease-released`` to its agent, which records
+``MemoryLeaseReleased``. On CPU (the ``cpu`` executor's virtual GPUs) every pool is host memory:
+the same bookkeeping, tested bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpuherd import jobenv
+from gpuherd.errors import GpuherdError
+from gpuherd.train.report import send
+
+ALIGN = 512  # bytes: block offsets stay aligned for any dtype and for fast DMA
+MiB = 1 << 20
+TIER_ORDER = {"nvlink": 0, "pcie": 1, "host": 2, "spill": 3}
+
+
+class PeerCheckFailed(GpuherdError):
+    """A copy to a neighbor GPU and back did not return the data sent: the peer is not used."""
+
+
+class Pool:
+    """A buffer of ``nbytes`` on one device, allocated once: the most this runtime will ever use
+    there. Activation blocks come off the front (reset when none is alive), persistent ones off
+    the back (freed one by one: first fit)."""
+
+    def __init__(self, name: str, tier: str, device: torch.device, nbytes: int, *, pin: bool = False) -> None:
+        self.name = name
+        self.tier = tier
+        self.device = device
+        self.nbytes = nbytes - nbytes % ALIGN
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.front = 0
+        self.back = self.nbytes  # persistent blocks live in [back, nbytes)
+        self.live_front = 0
+        self.persistent: dict[int, int] = {}  # offset -> size
+        self.blocks: weakref.WeakSet[Block] = weakref.WeakSet()
+        self.revoked = False
+
+    def take(self, nbytes: int, *, persistent: bool) -> int | None:
+        size = -(-nbytes // ALIGN) * ALIGN
+        if self.revoked:
+            return None
+        if not persistent:
+            if self.front + size > self.back:
+                return None
+            offset, self.front = self.front, self.front + size
+            self.live_front += 1
+            return offset
+        # first fit in the gaps between persistent blocks, else grow the back region down
+        edge = self.back
+        for offset in sorted(self.persistent):
+            if offset - edge >= size:
+                break
+            edge = offset + self.persistent[offset]
+        else:
+            if self.nbytes - edge < size:
+                if self.back - size < self.front:
+                    return None
+                self.back -= size
+                self.persistent[self.back] = size
+                return self.back
+        self.persistent[edge] = size
+        return edge
+
+    def give_back(self, offset: int, *, persistent: bool) -> None:
+        if persistent:
+            self.persistent.pop(offset, None)
+            self.back = min(self.persistent, default=self.nbytes)
+            return
+        self.live_front -= 1
+        if self.live_front == 0:
+            self.front = 0  # the step's saved tensors are all gone: the front is free again
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.buffer[offset : offset + nbytes]
+
+    @property
+    def used(self) -> int:
+        return self.front + (self.nbytes - self.back)
+
+
+class Block:
+    """One tensor's bytes in a pool (or in plain RAM once spilled)."""
+
+    def __init__(self, tiers: MemoryTiers, pool: Pool, offset: int, like: torch.Tensor, persistent: bool) -> None:
+        self.tiers = tiers
+        self.pool: Pool | None = pool
+        self.offset = offset
+        self.dtype = like.dtype
+        self.shape = like.shape
+        self.nbytes = like.numel() * like.element_size()
+        self.channels_last = (
+            like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last)
+        )
+        self.persistent = persistent
+        self.spilled: torch.Tensor | None = None  # plain RAM after its pool was revoked
+        pool.blocks.add(self)
+
+    def raw(self) -> torch.Tensor:
+        if self.spilled is not None:
+            return self.spilled
+        assert self.pool is not None
+        return self.pool.view(self.offset, self.nbytes)
+
+    def typed(self) -> torch.Tensor:
+        """The stored values as a tensor in its original shape (and memory format)."""
+        flat = self.raw().view(self.dtype)
+        if self.channels_last:
+            n, c, h, w = self.shape
+            return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+        return flat.view(self.shape)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.give_back(self.offset, persistent=self.persistent)
+            self.pool.blocks.discard(self)
+            self.pool = None
+        self.spilled = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+@dataclass
+class _Saved:
+    """What autograd keeps for one offloaded saved tensor."""
+
+    block: Block
+    layer: int
+    device: torch.device
+    requires_grad: bool
+    reloaded: torch.Tensor | None = None
+    ready: Any = None  # a CUDA event: the reload copy is done
+
+
+@dataclass
+class TierStats:
+    offloaded_bytes: int = 0  # saved-tensor bytes moved off the device, this step
+    kept_bytes: int = 0  # saved-tensor bytes that stayed (small, parameters, no room)
+    prefetched: int = 0
+    reloaded_on_demand: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def peer_round_trips(local: torch.device, peer: torch.device, nbytes: int = MiB) -> bool:
+    """Copy a sentinel pattern to ``peer`` and back: True if it returns unchanged."""
+    pattern = (torch.arange(nbytes, device=local, dtype=torch.int64) * 2654435761 % 251).to(torch.uint8)
+    there = torch.empty(nbytes, dtype=torch.uint8, device=peer)
+    there.copy_(pattern)
+    back = torch.empty_like(pattern)
+    back.copy_(there)
+    if local.type == "cuda":
+        torch.cuda.synchronize(local)
+        torch.cuda.synchronize(peer)
+    return bool(torch.equal(back, pattern))
+
+
+class MemoryTiers:
+    """Pools of leased memory and the hooks that use them (see the module doc)."""
+
+    def __init__(self, device: torch.device | str | None = None, *, min_bytes: int = MiB) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.min_bytes = min_bytes
+        self.pools: list[Pool] = []
+        self.stats = TierStats()
+        self.cuda = self.device.type == "cuda"
+        self.side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._layer = 0
+        self._by_layer: dict[int, list[weakref.ref[_Saved]]] = {}
+        self._optimizer_state: list[tuple[dict, str, Block]] = []
+        self._lease_file: Path | None = None
+        self._lease_mtime = 0.0
+        self._lease: str | None = None
+        self._gpu: int | None = None
+        self._released: set[tuple[str, int | None]] = set()
+        self._pending_src: list[tuple[torch.Tensor, Any]] = []
+
+    # -- pools ---------------------------------------------------------------------------------
+
+    def add_host(self, mb: float, *, name: str = "host") -> Pool:
+        """A pinned host pool of ``mb`` MiB (pageable on a machine without CUDA)."""
+        pool = Pool(name, "host", torch.device("cpu"), int(mb * MiB), pin=torch.cuda.is_available())
+        return self._add(pool)
+
+    def add_peer(self, device: torch.device | str | int, mb: float, *, tier: str = "nvlink", name: str = "") -> Pool:
+        """A pool of ``mb`` MiB on neighbor GPU ``device``, after checking that a copy there round-trips."""
+        peer = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if self.cuda and peer.type == "cuda" and not peer_round_trips(self.device, peer):
+            raise PeerCheckFailed(f"a copy from {self.device} to {peer} and back came back corrupted")
+        return self._add(Pool(name or f"{tier}:{peer}", tier, peer, int(mb * MiB)))
+
+    def _add(self, pool: Pool) -> Pool:
+        self.pools.append(pool)
+        self.pools.sort(key=lambda p: TIER_ORDER[p.tier])
+        return pool
+
+    def _store(self, t: torch.Tensor, *, persistent: bool) -> Block | None:
+        nbytes = t.numel() * t.element_size()
+        for pool in self.pools:
+            offset = pool.take(nbytes, persistent=persistent)
+            if offset is not None:
+                block = Block(self, pool, offset, t, persistent)
+                self._copy_into(block, t)
+                self.stats.by_tier[pool.tier] = self.stats.by_tier.get(pool.tier, 0) + nbytes
+                return block
+        return None
+
+    def _copy_into(self, block: Block, t: torch.Tensor) -> None:
+        dst = block.typed()
+        if self.side is None:
+            dst.copy_(t)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            dst.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        self._pending_src.append((t, done))  # the source must live until the copy has read it
+        self._pending_src = [(s, e) for s, e in self._pending_src if not e.query()]
+
+    # -- saved activations -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def saved_tensors(self, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Offload the tensors autograd saves inside this block; ``model``'s leaf modules number
+        the layers so backward brings back one layer ahead."""
+        handles = []
+        if model is not None:
+            for module in model.modules():
+                if next(module.children(), None) is None:
+                    handles.append(module.register_forward_pre_hook(self._next_layer))
+        self._layer = 0
+        self._by_layer.clear()
+        self.stats.offloaded_bytes = self.stats.kept_bytes = 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _next_layer(self, module: torch.nn.Module, args: Any) -> None:
+        self._layer += 1
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+        if nbytes < self.min_bytes or (t.is_leaf and t.requires_grad) or t.device != self.device or not dense:
+            self.stats.kept_bytes += nbytes
+            return t
+        block = self._store(t, persistent=False)
+        if block is None:
+            self.stats.kept_bytes += nbytes
+            return t
+        self.stats.offloaded_bytes += nbytes
+        saved = _Saved(block=block, layer=self._layer, device=t.device, requires_grad=t.requires_grad)
+        self._by_layer.setdefault(self._layer, []).append(weakref.ref(saved))
+        return saved
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return packed
+        if packed.reloaded is None:
+            self._reload(packed)
+            self.stats.reloaded_on_demand += 1
+        self._prefetch(packed.layer - 1)
+        out, ready = packed.reloaded, packed.ready
+        packed.reloaded = packed.ready = None  # autograd holds it now; a second unpack reloads
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        assert out is not None
+        return out
+
+    def _reload(self, saved: _Saved) -> None:
+        src = saved.block.typed()
+        memory_format = torch.channels_last if saved.block.channels_last else torch.contiguous_format
+        out = torch.empty(saved.block.shape, dtype=saved.block.dtype, device=saved.device, memory_format=memory_format)
+        if self.side is None:
+            out.copy_(src)
+        else:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                out.copy_(src, non_blocking=True)
+                saved.ready = torch.cuda.Event()
+                saved.ready.record(self.side)
+            out.record_stream(self.side)  # not reused while the side stream may still write it
+        saved.reloaded = out
+
+    def _prefetch(self, layer: int) -> None:
+        for ref in self._by_layer.pop(layer, ()) if layer > 0 else ():
+            saved = ref()
+            if saved is not None and saved.reloaded is None:
+                self._reload(saved)
+                self.stats.prefetched += 1
+
+    # -- optimizer state ---------------------------------------------------------------------------
+
+    def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep ``optimizer``'s state tensors in the tiers between steps: brought to the device
+        for ``step()``, written back after (persistent blocks)."""
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._optimizer_in(opt))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._optimizer_out(opt))
+
+    def _optimizer_in(self, optimizer: torch.optim.Optimizer) -> None:
+        for state, key, block in self._optimizer_state:
+            state[key] = block.typed().to(self.device, non_blocking=True)  # ordered before step() on this stream
+
+    def _optimizer_out(self, optimizer: torch.optim.Optimizer) -> None:
+        known = {(id(s), k): b for s, k, b in self._optimizer_state}
+        kept: list[tuple[dict, str, Block]] = []
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if not torch.is_tensor(value) or value.device != self.device:
+                    continue
+                block = known.get((id(state), key))
+                if block is None:
+                    if value.numel() * value.element_size() < self.min_bytes:
+                        continue
+                    block = self._store(value, persistent=True)
+                    if block is None:
+                        continue
+                else:
+                    self._copy_into(block, value)
+                kept.append((state, key, block))
+        if self.side is not None:
+            self.side.synchronize()  # the device copies may go once the tier holds them
+        for state, key, block in kept:
+            state[key] = block.typed()
+        self._optimizer_state = kept
+
+    # -- leases --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_job(cls, device: torch.device | str | None = None, *, min_bytes: int = MiB) -> MemoryTiers:
+        """Tiers for this process's leases (the agent's lease file in the task folder); with no
+        agent or no lease, tiers without pools (nothing is offloaded) until a grant arrives."""
+        tiers = cls(device, min_bytes=min_bytes)
+        task_dir = os.environ.get(jobenv.TASK_DIR)
+        gpu = os.environ.get(jobenv.GPU_INDEX)
+        if task_dir and gpu is not None:
+            tiers._lease_file = Path(task_dir) / jobenv.MEMORY_LEASES_FILE
+            tiers._gpu = int(gpu)
+            tiers.poll()
+        return tiers
+
+    def follow_leases(self, path: Path | str, gpu: int) -> None:
+        """Read leases from ``path`` (the agent's lease file) for the borrower GPU ``gpu``."""
+        self._lease_file, self._gpu = Path(path), gpu
+        self.poll()
+
+    def poll(self) -> list[str]:
+        """At a step boundary: open pools for new shares, answer revocations (move the blocks to
+        host, free the neighbor's buffer, report ``lease-released``). Returns what it did."""
+        if self._lease_file is None:
+            return []
+        try:
+            mtime = self._lease_file.stat().st_mtime
+        except FileNotFoundError:
+            return []
+        if mtime == self._lease_mtime:
+            return []
+        self._lease_mtime = mtime
+        try:
+            leases = json.loads(self._lease_file.read_text()).get("leases", {})
+        except (OSError, ValueError):
+            self._lease_mtime = 0.0  # caught mid-write: read again next time
+            return []
+        done: list[str] = []
+        for lease_id, lease in leases.items():
+            if lease.get("gpu") != self._gpu:
+                continue
+            self._lease = lease_id
+            done += self._apply_lease(lease_id, lease)
+        return done
+
+    def _apply_lease(self, lease_id: str, lease: dict) -> list[str]:
+        done = []
+        ending = lease.get("ending_by") is not None
+        have = {p.name for p in self.pools}
+        released: list[int | None] = []
+        seen: dict[tuple[str, int | None], int] = {}
+        for share in lease.get("shares", []):
+            gpu, tier, mb = share.get("gpu"), share["tier"], share["mb"]
+            k = seen[(tier, gpu)] = seen.get((tier, gpu), -1) + 1  # the k-th share of this lender
+            name = f"lease:{tier}:{gpu}:{k}"
+            if ending or share.get("revoke_by") is not None:
+                if (lease_id, gpu) not in self._released:
+                    for pool in [p for p in self.pools if p.name.startswith(f"lease:{tier}:{gpu}:")]:
+                        self._evacuate(pool.name)
+                        done.append(f"released {pool.name}")
+                    self._released.add((lease_id, gpu))
+                    released.append(gpu)
+                continue
+            self._released.discard((lease_id, gpu))
+            if name in have:
+                continue
+            try:
+                if tier == "host" or share.get("device") is None or not self.cuda:
+                    self._add(Pool(name, tier, torch.device("cpu"), int(mb * MiB), pin=torch.cuda.is_available()))
+                else:
+                    self.add_peer(int(share["device"]), mb, tier=tier, name=name)
+                done.append(f"opened {name} ({mb} MiB)")
+            except (PeerCheckFailed, RuntimeError) as exc:
+                done.append(f"refused {name}: {exc}")
+        if released:
+            gpus = [] if ending else [g for g in released if g is not None]
+            send({"kind": "lease-released", "lease": lease_id, "gpus": gpus, "reason": "revoked"})
+        return done
+
+    def _evacuate(self, name: str) -> None:
+        """Move every block out of pool ``name`` (to a host pool with room, else plain RAM) and free it."""
+        pool = next((p for p in self.pools if p.name == name), None)
+        if pool is None:
+            return
+        pool.revoked = True
+        self.pools.remove(pool)
+        if self.side is not None:
+            self.side.synchronize()
+        for block in list(pool.blocks):
+            data = block.raw()
+            target = next((p for p in self.pools if p.tier == "host" and not p.revoked), None)
+            offset = target.take(block.nbytes, persistent=block.persistent) if target is not None else None
+            if target is not None and offset is not None:
+                target.view(offset, block.nbytes).copy_(data)
+                pool.blocks.discard(block)
+                block.pool, block.offset = target, offset
+                target.blocks.add(block)
+            else:
+                block.spilled = data.to("cpu", copy=True)
+                pool.blocks.discard(block)
+                block.pool = None
+        for i, (state, key, block) in enumerate(self._optimizer_state):
+            state[key] = block.typed()
+            self._optimizer_state[i] = (state, key, block)
+        pool.buffer = torch.empty(0, dtype=torch.uint8, device=pool.device)
+        if pool.device.type == "cuda":
+            with torch.cuda.device(pool.device):
+                torch.cuda.empty_cache()  # give the lender its memory back, not to our cache
