@@ -120,6 +120,7 @@ class ElasticPlan:
 # revocation deadlines. ``gpuherd.train.memory.MemoryTiers`` reads it at step boundaries, never
 # uses more of a lender than its share, and answers a revocation with a "lease-released" report.
 GPU_INDEX = "GPUHERD_GPU"
+GPU_ORDER = "GPUHERD_GPU_ORDER"  # the node GPU index of each CUDA ordinal the process sees, in order
 MEMORY_LEASES_FILE = "memory-leases.json"
 
-RESERVED = RESERVED | {GPU_INDEX}
+RESERVED = RESERVED | {GPU_INDEX, GPU_ORDER}

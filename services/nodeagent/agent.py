@@ -36,6 +36,7 @@ from gpuherd.decider import append_reliably
 from gpuherd.log import EventLog, open_log
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ACTIVE, TERMINAL, ClusterState, JobState, apply
+from services.nodeagent import leases
 from services.nodeagent.control import ControlSocket, control_address
 from services.nodeagent.executors import Executor, TaskExit, TaskKey, TaskLaunch, make_executor
 
@@ -118,6 +119,10 @@ class Agent:
         self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
         self._powering: asyncio.Task[None] | None = None
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
+        self._memory = leases.MemoryReporter()
+        self._memory_reports = 0
+        self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
+        self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
         executor.node = node
 
     # -- life cycle ----------------------------------------------------------------------
@@ -162,6 +167,7 @@ class Agent:
             boot_id=self.boot_id,
             address=self.address,
             port_range=self.port_range,
+            host_memory_mb=leases.host_memory_mb() if self.executor.kind != "sim" else 0,
         )
         await append_reliably(self.log, [event])
         log.info("registered", node=self.node, gpus=len(event.gpus), executor=self.executor.kind)
@@ -200,6 +206,8 @@ class Agent:
             me = self.state.nodes.get(self.node)
             holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
             await self._report_health(samples)
+            await self._report_memory(samples)
+            await self._renew_leases()
             payload = {
                 "node": self.node,
                 "at": self.clock(),
@@ -207,6 +215,61 @@ class Agent:
             }
             with contextlib.suppress(Exception):
                 await self.log.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
+
+    async def _report_memory(self, samples: list) -> None:
+        used = self._memory.changed(self.state, self.node, [s.memory_used_mb for s in samples])
+        if used is None:
+            return
+        self._memory_reports += 1
+        event = ev.GpuMemoryReported(
+            **self._stamp("memory", self.boot_id, str(self._memory_reports)), node=self.node, used_mb=used
+        )
+        await append_reliably(self.log, [event])
+
+    async def _renew_leases(self) -> None:
+        running = {(k.job, k.attempt) for k in self.executor.running()}
+        for lease_id, job in leases.renewals_due(self.state, self.node, running, self.clock()):
+            expires = self.state.leases[lease_id].expires_at
+            renewed = ev.MemoryLeaseRenewed(**self._stamp("renew", lease_id, f"{expires:.0f}"), lease=lease_id, job=job)
+            await append_reliably(self.log, [renewed])
+
+    def _sync_leases(self, job: JobState, key: TaskKey) -> None:
+        """Ask for the leases the task's workers need; hand the task its leases as the log has them."""
+        if job.spec.memory is None:
+            return
+        if job.spec.elastic is not None:
+            gpus = self.executor.launched(key)  # a worker asks once its process is there
+        else:
+            gpus = {g for a in job.allocations if a.node == self.node for g in a.gpus}
+        for lease_id, gpu in leases.wanted_requests(job, self.node, gpus):
+            if lease_id in self.state.leases:
+                continue
+            needs = job.spec.memory
+            request = ev.MemoryLeaseRequested(
+                **self._stamp("lease", lease_id),  # the same id every time: asked for once
+                lease=lease_id,
+                job=job.job,
+                attempt=job.attempt,
+                node=self.node,
+                gpu=gpu,
+                mb=needs.extra_mb,
+                min_mb=needs.min_mb,
+                tiers=needs.tiers,
+            )
+            self._append_soon(request)
+        text = leases.lease_file(self.state, job, self.node)
+        if self._lease_files.get(key) != text and self.executor.write_task_file(key, jobenv.MEMORY_LEASES_FILE, text):
+            self._lease_files[key] = text
+
+    def _on_lease_released(self, report: dict) -> None:
+        fields = leases.released_event_fields(report)
+        if fields is None or fields["lease"] not in self.state.leases:
+            log.warning("ignored a lease release for no lease of this node", lease=report.get("lease"))
+            return
+        at = str(report.get("at", ""))
+        event = ev.MemoryLeaseReleased(**self._stamp("released", str(fields["lease"]), at), **fields)  # type: ignore[arg-type]
+        log.info("lease released", lease=fields["lease"], gpus=fields["gpus"])
+        self._append_soon(event)
 
     async def _report_health(self, samples: list) -> None:
         """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
@@ -234,6 +297,7 @@ class Agent:
             self.caught_up.set()
         async for record in self.log.read(1, follow=True):
             event = record.event
+            reclaimed = self.state.leases.get(event.lease) if isinstance(event, ev.MemoryLeaseReclaimed) else None
             apply(self.state, record.seq, event)
             job_id = getattr(event, "job", None)
             if isinstance(event, ev.JobPlaced) and record.trace:
@@ -242,6 +306,9 @@ class Agent:
                 self._forget(event.job)
             elif isinstance(event, ev.JobResized) and any(a.node == self.node for a in event.allocations):
                 self._exited.discard(TaskKey(event.job, event.attempt))  # back on this node: start it again
+            elif reclaimed is not None and reclaimed.node == self.node and getattr(event, "deadline_missed", False):
+                key = TaskKey(reclaimed.job, reclaimed.attempt)
+                self._deadline_missed[key] = f"stopped: it kept leased memory past its deadline ({event.reason})"
             if not self.caught_up.is_set():
                 if record.seq >= head:
                     self.caught_up.set()
@@ -315,6 +382,7 @@ class Agent:
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
         self._metrics = {k: v for k, v in self._metrics.items() if k.job != job_id or k.attempt == current}
         self._planned = {k: v for k, v in self._planned.items() if k.job != job_id or k.attempt == current}
+        self._lease_files = {k: v for k, v in self._lease_files.items() if k.job != job_id or k.attempt == current}
 
     # -- reconciliation --------------------------------------------------------------------
 
@@ -374,7 +442,15 @@ class Agent:
                 TaskExit(key=key, outcome="stopped", reason=reason, output_tail=exit_.output_tail if exit_ else "")
             )
             return
+        if key in self.executor.running() and key in self._deadline_missed:
+            reason = self._deadline_missed.pop(key)
+            exit_ = await self.executor.stop(key, reason)
+            await self._report(
+                TaskExit(key=key, outcome="failed", reason=reason, output_tail=exit_.output_tail if exit_ else "")
+            )
+            return
         if key in self.executor.running():
+            self._sync_leases(job, key)
             if job.spec.elastic is not None and self.executor.kind == "sim":
                 await self._simulate_rescale(job)
             elif job.spec.elastic is not None:
@@ -408,6 +484,8 @@ class Agent:
             return
         if job.spec.elastic is not None:
             self._hand_plan(job, key, again=True)
+        self._lease_files.pop(key, None)  # a fresh folder: write the lease file again
+        self._sync_leases(job, key)
         log.info("task started", job=job_id, attempt=job.attempt, resumed=resume)
 
     # -- elastic jobs ---------------------------------------------------------------------------
@@ -570,6 +648,9 @@ class Agent:
         self._append_soon(event)
 
     def _on_report(self, report: dict) -> None:
+        if report.get("kind") == "lease-released":
+            self._on_lease_released(report)
+            return
         if report.get("kind") == "rescale":
             self._on_rescale_report(report)
             return

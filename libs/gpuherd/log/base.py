@@ -29,7 +29,15 @@ HERD_TELEMETRY = "HERD_TELEMETRY"
 
 # Subjects of the HERD stream: one prefix per aggregate kind. The intake and
 # telemetry prefixes are separate streams, so HERD cannot simply take herd.>.
-HERD_SUBJECTS = ("herd.job.>", "herd.node.>", "herd.vc.>", "herd.rejected.>", "herd.cluster.>", "herd.clock.>")
+HERD_SUBJECTS = (
+    "herd.job.>",
+    "herd.node.>",
+    "herd.vc.>",
+    "herd.rejected.>",
+    "herd.cluster.>",
+    "herd.clock.>",
+    "herd.lease.>",
+)
 INTAKE_PREFIX = "herd.intake"
 TELEMETRY_PREFIX = "herd.telemetry"
 CONTROL_PREFIX = "herd.ctl"

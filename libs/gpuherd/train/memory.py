@@ -217,6 +217,8 @@ class MemoryTiers:
         self._lease: str | None = None
         self._gpu: int | None = None
         self._released: set[tuple[str, int | None]] = set()
+        # the node GPU behind each CUDA ordinal of this process (the agent's GPU_ORDER)
+        self._order = [int(g) for g in os.environ.get(jobenv.GPU_ORDER, "").split(",") if g.strip()]
         self._pending_src: list[tuple[torch.Tensor, Any]] = []
 
     # -- pools ---------------------------------------------------------------------------------
@@ -376,15 +378,15 @@ class MemoryTiers:
 
     @classmethod
     def from_job(cls, device: torch.device | str | None = None, *, min_bytes: int = MiB) -> MemoryTiers:
-        """Tiers for this process's leases (the agent's lease file in the task folder); with no
-        agent or no lease, tiers without pools (nothing is offloaded) until a grant arrives."""
+        """Tiers for this process's leases (the agent's lease file in the task folder): the pools
+        open at the first ``poll()``. With no agent or no lease, no pools (nothing is offloaded)
+        until a grant arrives."""
         tiers = cls(device, min_bytes=min_bytes)
         task_dir = os.environ.get(jobenv.TASK_DIR)
         gpu = os.environ.get(jobenv.GPU_INDEX)
         if task_dir and gpu is not None:
             tiers._lease_file = Path(task_dir) / jobenv.MEMORY_LEASES_FILE
             tiers._gpu = int(gpu)
-            tiers.poll()
         return tiers
 
     def follow_leases(self, path: Path | str, gpu: int) -> None:
@@ -439,10 +441,10 @@ class MemoryTiers:
             if name in have:
                 continue
             try:
-                if tier == "host" or share.get("device") is None or not self.cuda:
+                if tier == "host" or gpu not in self._order or not self.cuda:
                     self._add(Pool(name, tier, torch.device("cpu"), int(mb * MiB), pin=torch.cuda.is_available()))
                 else:
-                    self.add_peer(int(share["device"]), mb, tier=tier, name=name)
+                    self.add_peer(self._order.index(gpu), mb, tier=tier, name=name)
                 done.append(f"opened {name} ({mb} MiB)")
             except (PeerCheckFailed, RuntimeError) as exc:
                 done.append(f"refused {name}: {exc}")

@@ -117,6 +117,11 @@ class Executor(abc.ABC):
         runs no processes (or the task is not here)."""
         return False
 
+    def write_task_file(self, key: TaskKey, name: str, text: str) -> bool:
+        """Replace file ``name`` in the task's folder at once (the job's processes read it); False if
+        this executor runs no processes (or the task is not here)."""
+        return False
+
     def grow(self, key: TaskKey, launch: TaskLaunch) -> bool:
         """Start more workers in a running elastic task (``launch.gpus``: the new ones)."""
         return False

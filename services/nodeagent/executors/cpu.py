@@ -75,5 +75,6 @@ class CpuExecutor(ProcessExecutor):
         self._cpu_seen = seen
         return samples
 
-    def device_env(self, gpus: tuple[int, ...], local_rank: int) -> dict[str, str]:
+    def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
+        # No CUDA devices here: a lease's neighbor shares are host memory to the runtime.
         return {jobenv.CUDA_VISIBLE_DEVICES: "", jobenv.VIRTUAL_GPUS: ",".join(map(str, gpus))}

@@ -171,8 +171,8 @@ class NvmlExecutor(ProcessExecutor):
 
     # -- processes ---------------------------------------------------------------------------
 
-    def device_env(self, gpus: tuple[int, ...], local_rank: int) -> dict[str, str]:
-        return {jobenv.CUDA_VISIBLE_DEVICES: ",".join(self.uuids[i] for i in gpus)}
+    def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
+        return {jobenv.CUDA_VISIBLE_DEVICES: ",".join(self.uuids[i] for i in gpus + neighbors)}
 
 
 def _float(value: Any) -> float | None:

@@ -64,12 +64,14 @@ class ProcessExecutor(Executor):
         self.fence_after_s = fence_after_s
         self.kill_grace_s = kill_grace_s
         self._tasks: dict[TaskKey, _Task] = {}
+        self._node_gpus: list[int] | None = None
 
     # -- what differs between cpu and nvml ---------------------------------------------------
 
     @abc.abstractmethod
-    def device_env(self, gpus: tuple[int, ...], local_rank: int) -> dict[str, str]:
-        """Environment that binds one process to the task's GPUs."""
+    def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
+        """Environment that binds one process to the task's GPUs; ``neighbors`` (GPUs it may lease
+        memory of) are visible after them, so the process's own devices keep their ordinals."""
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -238,13 +240,20 @@ class ProcessExecutor(Executor):
                 env[jobenv.MASTER_ADDR] = launch.rendezvous.addr
                 env[jobenv.MASTER_PORT] = str(launch.rendezvous.port)
             log_name = f"rank-{rank}.log"
+            own = (launch.gpus[local_rank],) if launch.elastic else launch.gpus
+            # A job that leases memory sees its node's other GPUs too (leases come while it runs).
+            neighbors = tuple(g for g in self.node_gpus() if g not in own) if spec.memory is not None else ()
+            if launch.gpus:
+                gpu = launch.gpus[local_rank % len(launch.gpus)]
+                env[jobenv.GPU_INDEX] = str(gpu)
+                env[jobenv.GPU_ORDER] = ",".join(map(str, own + neighbors))
             if launch.elastic:  # a worker owns one GPU; its rank changes with every rescale
                 gpu = launch.gpus[local_rank]
                 env.update({jobenv.ELASTIC_WORKER: jobenv.worker_id(self.node, gpu), jobenv.LOCAL_RANK: "0"})
-                env.update(self.device_env((gpu,), 0))
+                env.update(self.device_env((gpu,), 0, neighbors))
                 log_name = f"worker-{gpu}.log"
             else:
-                env.update(self.device_env(launch.gpus, local_rank))
+                env.update(self.device_env(launch.gpus, local_rank, neighbors))
             proc = {"argv": argv, "env": env, "log": str(task_dir / log_name)}
             if launch.elastic:
                 proc["gpu"] = launch.gpus[local_rank]
@@ -254,13 +263,21 @@ class ProcessExecutor(Executor):
     # -- elastic tasks ----------------------------------------------------------------------------
 
     def write_plan(self, key: TaskKey, plan: ElasticPlan) -> bool:
+        return self.write_task_file(key, jobenv.ELASTIC_PLAN_FILE, plan.to_json())
+
+    def write_task_file(self, key: TaskKey, name: str, text: str) -> bool:
         task_dir = self.task_dir(key)
         if not task_dir.is_dir():
             return False
-        tmp = task_dir / f".{jobenv.ELASTIC_PLAN_FILE}.tmp"
-        tmp.write_text(plan.to_json())
-        os.replace(tmp, task_dir / jobenv.ELASTIC_PLAN_FILE)  # a worker reads the old plan or the whole new one
+        tmp = task_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, task_dir / name)  # a process reads the old file or the whole new one
         return True
+
+    def node_gpus(self) -> list[int]:
+        if self._node_gpus is None:
+            self._node_gpus = [g.index for g in self.inventory(self.node)]
+        return self._node_gpus
 
     def grow(self, key: TaskKey, launch: TaskLaunch) -> bool:
         task = self._tasks.get(key)
