@@ -45,6 +45,7 @@ bench: install
 	$(PY) bench/bench_sim.py --scales 1.0,0.5 --determinism
 	$(PY) bench/bench_profile.py
 	$(PY) bench/bench_elastic.py
+	$(PY) bench/bench_memory.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache
