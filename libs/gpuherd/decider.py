@@ -376,3 +376,42 @@ async def serve_decider(
         await serve_until_signal(runner.run)
     finally:
         await log_.close()
+
+
+def decider_service_main(
+    argv: list[str] | None,
+    decider: Decider[Any],
+    *,
+    description: str,
+    configured: Callable[..., ev.Event],
+    convert: Callable[[dict[str, float]], object],
+    example: str,
+    tick_s: float,
+) -> None:
+    """The command line of a service that is one decider with a clock: ``--nats-url``, ``--params``
+    (recorded as ``configured(params=...)`` before it starts), ``--tick``, ``--instance``."""
+    import argparse
+    import asyncio
+
+    from gpuherd.obs import configure
+
+    parser = argparse.ArgumentParser(prog=f"gpuherd-{decider.name}", description=description)
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument(
+        "--params", default=None, help=f"record these parameters (JSON, e.g. {example}) before starting"
+    )
+    parser.add_argument("--tick", type=float, default=tick_s, help="seconds between clock ticks")
+    parser.add_argument("--instance", default=None)
+    args = parser.parse_args(argv)
+    configure(decider.name)
+    try:
+        params = params_argument(args.params, convert)
+    except ValueError as exc:
+        parser.error(f"--params: {exc}")
+    now = time.time()
+    event = (
+        None
+        if params is None
+        else configured(id=f"{decider.name}:config:{os.getpid()}:{now:.6f}", at=now, source=decider.name, params=params)
+    )
+    asyncio.run(serve_decider(args.nats_url, decider, tick_s=args.tick, configured=event, instance=args.instance))
