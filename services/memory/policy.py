@@ -172,8 +172,7 @@ def most_a_node_lends(state: ClusterState, lease: LeaseState, params: BrokerPara
         (
             s.info.memory_mb - reserve_mb(s, params)
             for s in node.gpus
-            if s.info.index != lease.gpu
-            and ("nvlink" if tier_between(node, lease.gpu, s.info.index) == "nvlink" else "pcie") in lease.tiers
+            if s.info.index != lease.gpu and tier_between(node, lease.gpu, s.info.index) in lease.tiers
         ),
         reverse=True,
     )
@@ -260,12 +259,13 @@ def _revocations(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event
         for gpu in lease.lenders():
             if gpu not in lease.revoking:
                 by_lender.setdefault((lease.node, gpu), []).append(lease)
+    lent_by_node = {name: state.lent_mb(name) for name in {name for name, _ in by_lender}}
     for (node_name, gpu), leases in sorted(by_lender.items()):
         node = state.nodes[node_name]
         if gpu >= len(node.gpus):
             continue
         slot = node.gpus[gpu]
-        lent = state.lent_mb(node_name).get(gpu, 0)
+        lent = lent_by_node[node_name].get(gpu, 0)
         need = owner_need_mb(state, slot, lent, params)
         if need is None:
             over, why = lent, f"job {slot.job} was placed on GPU {gpu}: its need is not known yet"

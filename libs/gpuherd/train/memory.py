@@ -475,9 +475,8 @@ class MemoryTiers:
                 block.spilled = data.to("cpu", copy=True)
                 pool.blocks.discard(block)
                 block.pool = None
-        for i, (state, key, block) in enumerate(self._optimizer_state):
-            state[key] = block.typed()
-            self._optimizer_state[i] = (state, key, block)
+        for state, key, block in self._optimizer_state:
+            state[key] = block.typed()  # the moved blocks' new homes
         pool.buffer = torch.empty(0, dtype=torch.uint8, device=pool.device)
         if pool.device.type == "cuda":
             with torch.cuda.device(pool.device):
