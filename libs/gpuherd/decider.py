@@ -42,7 +42,8 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd.aio import acquire_lease, run_until_stopped
 from gpuherd.errors import LeaseLost, LogError
-from gpuherd.log.base import SNAPSHOT_BUCKET, AppendResult, EventLog, Record
+from gpuherd.log.base import HERD, SNAPSHOT_BUCKET, AppendResult, DeadLetter, EventLog, Record
+from gpuherd.metrics import ServiceMetrics, metrics_port_from_env, serve_http, server_port, status_reporter
 from gpuherd.obs import current_traceparent, get_logger, span_from
 
 log = get_logger("gpuherd.decider")
@@ -209,6 +210,7 @@ class DeciderRunner(Generic[S]):
         snapshot_every: int = 1000,
         snapshot_interval_s: float = 10.0,
         extra_tasks: Sequence[ExtraTask] = (),
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.log = log_
         self.decider = decider
@@ -220,7 +222,9 @@ class DeciderRunner(Generic[S]):
         self.is_leader = False
         self.caught_up = asyncio.Event()
         self.decisions_appended = 0
-        self._pending: collections.deque[Record] = collections.deque()
+        self.metrics = metrics or ServiceMetrics(decider.name)
+        self.metrics_port: int | None = None  # where serve_runner serves /metrics, once it does
+        self._pending: collections.deque[tuple[Record, float]] = collections.deque()  # with arrival time
         self._wait_until = 0  # decide nothing before our own outputs up to here are folded
         self._snapshot_seq = 0
         self._snapshot_time = time.monotonic()
@@ -277,21 +281,56 @@ class DeciderRunner(Generic[S]):
 
     # -- main loop -----------------------------------------------------------------------------
 
+    def role(self) -> str:
+        if not self.is_leader:
+            return "standby"
+        return "leader" if self.caught_up.is_set() else "catching up"
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Alive: connected to NATS and no loop found itself broken (standbys are healthy too)."""
+        connected = self.log.is_connected()
+        self.metrics.nats_connected.set(1 if connected else 0)
+        ok = connected and self.metrics.healthy
+        return ok, {"service": self.name, "nats_connected": connected, "role": self.role(), "seq": self.state.seq}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: leads and has caught up with the log."""
+        ok, detail = self.health()
+        return ok and self.role() == "leader", detail
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        if not await self.acquire_leadership(stop):
-            return
-        await self.load_snapshot()
-        coroutines = {"lease": self._keep_lease(), "consume": self._consume()}
-        for extra in self.extra_tasks:
-            coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
+        reporter = asyncio.create_task(
+            status_reporter(
+                self.log,
+                self.metrics,
+                instance=self.instance,
+                role=self.role,
+                folded=lambda: self.state.seq,
+                decisions=lambda: self.decisions_appended,
+                metrics_port=self.metrics_port,
+            )
+        )
         try:
-            await run_until_stopped(coroutines, stop)
+            if not await self.acquire_leadership(stop):
+                return
+            self.metrics.leader.set(1)
+            await self.load_snapshot()
+            coroutines = {"lease": self._keep_lease(), "consume": self._consume()}
+            for extra in self.extra_tasks:
+                coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
+            try:
+                await run_until_stopped(coroutines, stop)
+            finally:
+                if stop.is_set():
+                    with contextlib.suppress(Exception):
+                        await self._lease.release()
+                self.is_leader = False
+                self.metrics.leader.set(0)
         finally:
-            if stop.is_set():
-                with contextlib.suppress(Exception):
-                    await self._lease.release()
-            self.is_leader = False
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
 
     async def _consume(self) -> None:
         head = await self.log.last_seq()
@@ -301,15 +340,19 @@ class DeciderRunner(Generic[S]):
             self.caught_up.set()
         log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
         async for record in self.log.read(self.state.seq + 1, follow=True):
+            arrived = time.perf_counter()
+            if isinstance(record.event, ev.Unreadable):
+                await report_unreadable(self.log, record, self.name, self.metrics)
             self.state = self.decider.evolve(self.state, record.seq, record.event)
+            self.metrics.events_consumed.inc()
             if catching_up:
                 cause = cause_seq_of(record.event, self.name)
                 if cause is not None:
                     decided.add(cause)
-            self._pending.append(record)
+            self._pending.append((record, arrived))
             if catching_up and record.seq >= head:
                 catching_up = False
-                self._pending = collections.deque(r for r in self._pending if r.seq not in decided)
+                self._pending = collections.deque(p for p in self._pending if p[0].seq not in decided)
                 decided.clear()
                 log.info("caught up", decider=self.name, seq=record.seq, to_decide=len(self._pending))
                 self.caught_up.set()
@@ -319,7 +362,7 @@ class DeciderRunner(Generic[S]):
 
     async def _decide_pending(self) -> None:
         while self._pending and self.state.seq >= self._wait_until:
-            record = self._pending.popleft()
+            record, arrived = self._pending.popleft()
             outputs = decide_stamped(self.decider, self.state, record)
             if not outputs:
                 continue
@@ -327,6 +370,9 @@ class DeciderRunner(Generic[S]):
                 trace = current_traceparent() if span.get_span_context().is_valid else record.trace
                 result = await append_reliably(self.log, outputs, trace=trace)
             self.decisions_appended += len(outputs)
+            self.metrics.decision_latency.observe(time.perf_counter() - arrived)
+            for output in outputs:
+                self.metrics.decisions.labels(type(output).__name__).inc()
             if result.seqs:
                 self._wait_until = max(result.seqs)
 
@@ -338,6 +384,59 @@ class DeciderRunner(Generic[S]):
         )
         if due:
             await self.save_snapshot()
+
+
+async def report_unreadable(log_: EventLog, record: Record, consumer: str, metrics: ServiceMetrics | None) -> None:
+    """Keep an event that does not decode as a dead letter (one per stored message, whoever finds it);
+    the reader folds it as nothing and goes on."""
+    event = record.event
+    assert isinstance(event, ev.Unreadable)
+    log.error("unreadable event in the log; kept as a dead letter", seq=record.seq, reason=event.reason)
+    if metrics is not None:
+        metrics.dead_letters.inc()
+    letter = DeadLetter(
+        stream=HERD,
+        seq=record.seq,
+        subject=event.stored_subject,
+        consumer=consumer,
+        reason=event.reason,
+        at=time.time(),
+        data=event.data,
+    )
+    await keep_dead_letter(log_, letter, give_up_after=10.0)
+
+
+async def keep_dead_letter(log_: EventLog, letter: DeadLetter, *, give_up_after: float = 3600.0) -> bool:
+    """Store a dead letter, retrying through NATS outages; False if it could not be stored (a role
+    without the right, a long outage: the error log still says it)."""
+    deadline = time.monotonic() + give_up_after
+    delay = 0.1
+    while True:
+        try:
+            await asyncio.wait_for(log_.dead_letter(letter), 10.0)
+            return True
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                log.warning("dead letter not stored", seq=letter.seq, stream=letter.stream, error=repr(exc))
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def serve_runner(runner: DeciderRunner[Any], metrics_port: int | None) -> None:
+    """Run ``runner`` until SIGTERM, serving its /metrics, /healthz and /readyz on ``metrics_port``
+    (0: any free port; None: none)."""
+    from gpuherd.aio import serve_until_signal
+
+    server = None
+    if metrics_port is not None:
+        server = await serve_http(runner.metrics, runner.health, runner.readiness, port=metrics_port)
+        runner.metrics_port = server_port(server)
+    try:
+        await serve_until_signal(runner.run)
+    finally:
+        if server is not None:
+            server.close()
 
 
 def params_argument(text: str | None, convert: Callable[[dict[str, float]], object]) -> dict[str, float] | None:
@@ -361,10 +460,10 @@ async def serve_decider(
     tick_s: float,
     configured: ev.Event | None = None,
     instance: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Run a decider on the log at ``url`` until SIGTERM, with a clock tick every ``tick_s``; append
     ``configured`` (the service's parameters) first when given."""
-    from gpuherd.aio import serve_until_signal
     from gpuherd.log import open_log
 
     instance = instance or f"{socket.gethostname()}-{os.getpid()}"
@@ -373,7 +472,7 @@ async def serve_decider(
         await append_reliably(log_, [configured])
     runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=[clock_ticker(decider.name, tick_s)])
     try:
-        await serve_until_signal(runner.run)
+        await serve_runner(runner, metrics_port)
     finally:
         await log_.close()
 
@@ -402,6 +501,7 @@ def decider_service_main(
     )
     parser.add_argument("--tick", type=float, default=tick_s, help="seconds between clock ticks")
     parser.add_argument("--instance", default=None)
+    add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure(decider.name)
     try:
@@ -414,4 +514,23 @@ def decider_service_main(
         if params is None
         else configured(id=f"{decider.name}:config:{os.getpid()}:{now:.6f}", at=now, source=decider.name, params=params)
     )
-    asyncio.run(serve_decider(args.nats_url, decider, tick_s=args.tick, configured=event, instance=args.instance))
+    asyncio.run(
+        serve_decider(
+            args.nats_url,
+            decider,
+            tick_s=args.tick,
+            configured=event,
+            instance=args.instance,
+            metrics_port=args.metrics_port,
+        )
+    )
+
+
+def add_metrics_argument(parser: Any) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=metrics_port_from_env(),
+        help="serve /metrics, /healthz and /readyz on this port (0: any free one; default $GPUHERD_METRICS_PORT, "
+        "else none)",
+    )

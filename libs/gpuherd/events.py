@@ -51,6 +51,12 @@ class Decision(Event, kw_only=True, frozen=True):
     cause: str = ""
 
 
+def reported_by(aggregate: str, node: str) -> str:
+    """The subject of an event a node's agent writes: its aggregate's subject tagged with the node
+    (``herd.job.<id>.by.<node>``), so NATS permissions can hold each agent to its own node."""
+    return f"{aggregate}.by.{node}" if node else aggregate
+
+
 # ---------------------------------------------------------------------------
 # value types
 
@@ -365,7 +371,7 @@ class JobStarted(Decision, kw_only=True, frozen=True):
     node: str
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
 
 class JobFinished(Decision, kw_only=True, frozen=True):
@@ -401,7 +407,7 @@ class TaskEnded(Event, kw_only=True, frozen=True):
     metrics: dict[str, float] | None = None
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
 
 class JobCancelRequested(Event, kw_only=True, frozen=True):
@@ -473,7 +479,7 @@ class ProfileReported(Event, kw_only=True, frozen=True):
     profile: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
 
 # ---------------------------------------------------------------------------
@@ -536,7 +542,7 @@ class RescaleCompleted(Event, kw_only=True, frozen=True):
     samples_per_s_before: float | None = None  # measured throughput at the old size
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
     def durations(self) -> dict[str, float]:
         t = self.times
@@ -564,7 +570,7 @@ class RescaleFailed(Event, kw_only=True, frozen=True):
     step: int = 0  # the step the job rolled back to
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
 
 class ElasticConfigured(Event, kw_only=True, frozen=True):
@@ -591,7 +597,7 @@ class WorkerLost(Event, kw_only=True, frozen=True):
     output_tail: str = ""
 
     def subject(self) -> str:
-        return f"herd.job.{self.job}"
+        return reported_by(f"herd.job.{self.job}", self.node)
 
 
 # ---------------------------------------------------------------------------
@@ -633,7 +639,7 @@ class MemoryLeaseRequested(Event, kw_only=True, frozen=True):
     tiers: tuple[MemoryTier, ...] = MEMORY_TIERS
 
     def subject(self) -> str:
-        return f"herd.lease.{self.lease}"
+        return reported_by(f"herd.lease.{self.lease}", self.node)
 
 
 class MemoryLeaseGranted(Decision, kw_only=True, frozen=True):
@@ -670,9 +676,10 @@ class MemoryLeaseRenewed(Event, kw_only=True, frozen=True):
 
     lease: str
     job: str
+    node: str = ""  # the borrower's node (its agent writes this); empty in logs before permissions
 
     def subject(self) -> str:
-        return f"herd.lease.{self.lease}"
+        return reported_by(f"herd.lease.{self.lease}", self.node)
 
 
 class MemoryLeaseRevoked(Decision, kw_only=True, frozen=True):
@@ -698,9 +705,10 @@ class MemoryLeaseReleased(Event, kw_only=True, frozen=True):
     job: str
     gpus: tuple[int, ...] = ()
     reason: str = ""
+    node: str = ""  # the borrower's node (its agent writes this); empty in logs before permissions
 
     def subject(self) -> str:
-        return f"herd.lease.{self.lease}"
+        return reported_by(f"herd.lease.{self.lease}", self.node)
 
 
 class MemoryBrokerConfigured(Event, kw_only=True, frozen=True):
@@ -823,6 +831,19 @@ _decoder = msgspec.json.Decoder(AnyEvent)
 _raw_decoder = msgspec.json.Decoder(dict[str, Any])
 
 
+class Unreadable(Event, kw_only=True, frozen=True):
+    """A stored message that does not decode as an event. Readers make it (it is never written):
+    deciders fold it as nothing, and their shell reports it as a dead letter, so one bad message
+    neither stops every reader of the log nor vanishes."""
+
+    stored_subject: str
+    reason: str
+    data: bytes = b""
+
+    def subject(self) -> str:
+        return self.stored_subject
+
+
 def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
@@ -842,6 +863,8 @@ def decode(data: bytes) -> Event:
         return msgspec.convert(upcast(raw), AnyEvent)
     except msgspec.ValidationError as exc:
         raise EventDecodeError(f"invalid event: {exc}") from exc
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a field an upcaster needs is unusable
+        raise EventDecodeError(f"invalid event: {type(exc).__name__}: {exc}") from exc
 
 
 def workers_of(allocations: tuple[Allocation, ...]) -> tuple[str, ...]:

@@ -18,8 +18,7 @@ import socket
 from pathlib import Path
 
 from gpuherd import events as ev
-from gpuherd.aio import serve_until_signal
-from gpuherd.decider import DeciderRunner, ExtraTask, clock_ticker
+from gpuherd.decider import DeciderRunner, ExtraTask, add_metrics_argument, clock_ticker, serve_runner
 from gpuherd.log import open_log
 from gpuherd.log.base import Record
 from gpuherd.obs import configure, get_logger
@@ -79,6 +78,7 @@ async def serve(
     report_dir: Path | None,
     report_every_s: float,
     instance: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     instance = instance or f"{socket.gethostname()}-{os.getpid()}"
     log_ = await open_log(url, name=f"analytics-{instance}")
@@ -89,8 +89,9 @@ async def serve(
         report_dir.mkdir(parents=True, exist_ok=True)
         extra.append(reporter(report_dir, report_every_s))
     runner = DeciderRunner(log_, AnalyticsDecider(ces=ces), instance=instance, extra_tasks=extra)
+    runner.metrics.watch_cluster(lambda: runner.state.cluster)
     try:
-        await serve_until_signal(runner.run)
+        await serve_runner(runner, metrics_port)
     finally:
         await log_.close()
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-dir", help="keep the characterization report current in this folder")
     parser.add_argument("--report-every", type=float, default=300.0)
     parser.add_argument("--instance", default=None)
+    add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure("analytics")
     ces = CesParams(**json.loads(args.ces)) if args.ces is not None else None
@@ -115,5 +117,6 @@ def main(argv: list[str] | None = None) -> None:
             report_dir=report_dir,
             report_every_s=args.report_every,
             instance=args.instance,
+            metrics_port=args.metrics_port,
         )
     )

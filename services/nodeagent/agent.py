@@ -26,14 +26,17 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import msgspec
+from prometheus_client import Gauge
 
 from gpuherd import events as ev
 from gpuherd import jobenv
 from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
-from gpuherd.decider import append_reliably
+from gpuherd.decider import add_metrics_argument, append_reliably, report_unreadable
 from gpuherd.log import EventLog, open_log
+from gpuherd.metrics import ServiceMetrics, serve_http, server_port, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ACTIVE, TERMINAL, ClusterState, JobState, apply
 from services.nodeagent import leases
@@ -124,6 +127,21 @@ class Agent:
         self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
         executor.node = node
+        self.metrics = ServiceMetrics(f"agent-{node}")
+        self.metrics_port: int | None = None
+        self._tasks_running = Gauge(
+            "gpuherd_agent_tasks_running", "Tasks this agent runs now", registry=self.metrics.registry
+        )
+        self._tasks_running.set_function(lambda: len(self.executor.running()))
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        connected = self.log.is_connected()
+        self.metrics.nats_connected.set(1 if connected else 0)
+        return connected, {"service": self.metrics.service, "nats_connected": connected, "seq": self.state.seq}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        ok, detail = self.health()
+        return ok and self.caught_up.is_set(), detail
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -141,8 +159,23 @@ class Agent:
         try:
             await self.executor.recover(self._on_exit)
             await self.register()
+            status = status_reporter(
+                self.log,
+                self.metrics,
+                instance=self.boot_id,
+                role=lambda: "agent",
+                folded=lambda: self.state.seq,
+                decisions=lambda: 0,
+                metrics_port=self.metrics_port,
+            )
             await run_until_stopped(
-                {"heartbeat": self._heartbeat(lease), "telemetry": self._telemetry(), "follow": self._follow()}, stop
+                {
+                    "heartbeat": self._heartbeat(lease),
+                    "telemetry": self._telemetry(),
+                    "follow": self._follow(),
+                    "status": status,
+                },
+                stop,
             )
         finally:
             for task in list(self._reconciling.values()):
@@ -230,7 +263,8 @@ class Agent:
         running = {(k.job, k.attempt) for k in self.executor.running()}
         for lease_id, job in leases.renewals_due(self.state, self.node, running, self.clock()):
             expires = self.state.leases[lease_id].expires_at
-            renewed = ev.MemoryLeaseRenewed(**self._stamp("renew", lease_id, f"{expires:.0f}"), lease=lease_id, job=job)
+            stamp = self._stamp("renew", lease_id, f"{expires:.0f}")
+            renewed = ev.MemoryLeaseRenewed(**stamp, lease=lease_id, job=job, node=self.node)
             await append_reliably(self.log, [renewed])
 
     def _sync_leases(self, job: JobState, key: TaskKey) -> None:
@@ -267,7 +301,8 @@ class Agent:
             log.warning("ignored a lease release for no lease of this node", lease=report.get("lease"))
             return
         at = str(report.get("at", ""))
-        event = ev.MemoryLeaseReleased(**self._stamp("released", str(fields["lease"]), at), **fields)  # type: ignore[arg-type]
+        stamp = self._stamp("released", str(fields["lease"]), at)
+        event = ev.MemoryLeaseReleased(**stamp, **fields, node=self.node)  # type: ignore[arg-type]
         log.info("lease released", lease=fields["lease"], gpus=fields["gpus"])
         self._append_soon(event)
 
@@ -297,6 +332,9 @@ class Agent:
             self.caught_up.set()
         async for record in self.log.read(1, follow=True):
             event = record.event
+            self.metrics.events_consumed.inc()
+            if isinstance(event, ev.Unreadable):
+                await report_unreadable(self.log, record, f"agent-{self.node}", self.metrics)
             reclaimed = self.state.leases.get(event.lease) if isinstance(event, ev.MemoryLeaseReclaimed) else None
             apply(self.state, record.seq, event)
             job_id = getattr(event, "job", None)
@@ -740,9 +778,15 @@ async def serve(args: argparse.Namespace) -> None:
         telemetry_s=args.telemetry,
         power_hook=args.power_hook,
     )
+    server = None
+    if args.metrics_port is not None:
+        server = await serve_http(agent.metrics, agent.health, agent.readiness, port=args.metrics_port)
+        agent.metrics_port = server_port(server)
     try:
         await serve_until_signal(agent.run)
     finally:
+        if server is not None:
+            server.close()
         await log_.close()
 
 
@@ -772,6 +816,7 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("GPUHERD_POWER_HOOK"),
         help="command run as `HOOK down|up NODE` when energy saving powers this node down or up",
     )
+    add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure(f"agent.{args.node}")
     asyncio.run(serve(args))

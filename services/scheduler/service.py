@@ -22,11 +22,17 @@ import uuid
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.aio import serve_until_signal
-from gpuherd.decider import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.decider import (
+    DeciderRunner,
+    ExtraTask,
+    add_metrics_argument,
+    append_reliably,
+    keep_dead_letter,
+    serve_runner,
+)
 from gpuherd.errors import ConcurrencyError
-from gpuherd.log import Delivery, EventLog, open_log
-from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
+from gpuherd.log import Delivery, DurableConsumer, EventLog, open_log
+from gpuherd.log.base import HERD_INTAKE, INTAKE_PREFIX, MAX_DELIVERIES, REPLY_HEADER, DeadLetter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
 from services.scheduler.decide import SchedulerDecider
@@ -95,7 +101,16 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
             sizes = node_sizes(runner.state)  # once per batch, not per submission
 
             async def handle(delivery: Delivery, sizes: NodeSizes = sizes) -> None:
-                await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
+                try:
+                    verdict = await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
+                except Exception as exc:  # not acked: it comes back, and goes to the dead letters if it keeps failing
+                    log.exception("intake message not handled", intake_seq=delivery.seq, deliveries=delivery.deliveries)
+                    if delivery.deliveries >= MAX_DELIVERIES:
+                        await give_up(runner, consumer, delivery, f"{type(exc).__name__}: {exc}")
+                    return
+                runner.metrics.intake.labels(
+                    "rejected" if isinstance(verdict.event, ev.JobRejected) else "accepted"
+                ).inc()
                 await consumer.ack(delivery)
 
             # A fetched batch is judged and recorded concurrently (each job has a subject of its own).
@@ -105,6 +120,30 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     finally:
         with contextlib.suppress(Exception):
             await stop_ready()
+
+
+async def give_up(runner: DeciderRunner[ClusterState], consumer: DurableConsumer, delivery: Delivery, why: str) -> None:
+    """A submission whose handling failed ``MAX_DELIVERIES`` times: keep it as a dead letter, tell the
+    submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
+    reason = f"could not be handled after {delivery.deliveries} deliveries: {why}"
+    letter = DeadLetter(
+        stream=HERD_INTAKE,
+        seq=delivery.seq,
+        subject=delivery.subject,
+        consumer="scheduler",
+        reason=reason,
+        deliveries=delivery.deliveries,
+        at=time.time(),
+        data=delivery.data,
+    )
+    await keep_dead_letter(runner.log, letter)
+    runner.metrics.dead_letters.inc()
+    reply_to = delivery.headers.get(REPLY_HEADER)
+    if reply_to:
+        with contextlib.suppress(Exception):
+            await runner.log.reply(reply_to, msgspec.json.encode({"ok": False, "error": reason}))
+    await consumer.ack(delivery)
+    log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)
 
 
 def _ready(runner: DeciderRunner[ClusterState]):
@@ -195,7 +234,12 @@ def policy_recorder(policy: str) -> ExtraTask:
 
 
 async def serve(
-    url: str, *, policy: str | None = None, lost_after_s: float = 10.0, instance: str | None = None
+    url: str,
+    *,
+    policy: str | None = None,
+    lost_after_s: float = 10.0,
+    instance: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     if policy is not None:
         make_policy(policy)  # fail at start on a name that does not exist
@@ -203,8 +247,9 @@ async def serve(
     log_ = await open_log(url, name=f"scheduler-{instance}")
     extra = [intake_loop, liveness_loop(lost_after_s)] + ([policy_recorder(policy)] if policy else [])
     runner = DeciderRunner(log_, SchedulerDecider(), instance=instance, extra_tasks=extra)
+    runner.metrics.watch_cluster(lambda: runner.state)
     try:
-        await serve_until_signal(runner.run)
+        await serve_runner(runner, metrics_port)
     finally:
         await log_.close()
 
@@ -221,6 +266,15 @@ def main(argv: list[str] | None = None) -> None:
         "--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost"
     )
     parser.add_argument("--instance", default=None, help="instance id for the leader lease")
+    add_metrics_argument(parser)
     args = parser.parse_args(argv)
     configure("scheduler")
-    asyncio.run(serve(args.nats_url, policy=args.policy, lost_after_s=args.lost_after, instance=args.instance))
+    asyncio.run(
+        serve(
+            args.nats_url,
+            policy=args.policy,
+            lost_after_s=args.lost_after,
+            instance=args.instance,
+            metrics_port=args.metrics_port,
+        )
+    )

@@ -43,6 +43,7 @@ async def open_log(url: str, *, name: str = "gpuherd", persistent: bool = True, 
 
     settings.setdefault("lease_ttl_s", float(os.environ.get("GPUHERD_LEASE_TTL", "6")))
     settings.setdefault("replicas", int(os.environ.get("GPUHERD_REPLICAS", "1")))
+    settings.setdefault("streams", os.environ.get("GPUHERD_STREAMS", "create"))
     return await JetStreamLog.open(
         url,
         name=name,

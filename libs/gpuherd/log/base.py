@@ -1,6 +1,6 @@
 """The EventLog interface, shared by the JetStream and the in-memory implementation.
 
-Three streams (names as in JetStream):
+Four streams (names as in JetStream):
 - ``HERD``: state changes, one subject per aggregate (``herd.job.<id>``, ...).
   Appends are idempotent by event id (``Nats-Msg-Id``), may require the
   aggregate to be unchanged since it was read (expected last subject
@@ -8,7 +8,11 @@ Three streams (names as in JetStream):
 - ``HERD_INTAKE`` (``herd.intake.<source>``): raw submissions from other systems.
 - ``HERD_TELEMETRY`` (``herd.telemetry.>``): heartbeats and samples, limited retention.
 
-Plus two small key-value uses: decider snapshots, and leader leases; and
+- ``HERD_DEAD`` (``herd.dead.<consumer>``): dead letters, messages a consumer
+  could not handle, with the reason.
+
+Plus three small key-value uses: decider snapshots, leader leases, and what
+each running service says about itself (``gpuherd status``); and
 core request-reply on ``herd.ctl.>`` for questions to a live service (an
 agent's job logs), which are answers, not history.
 """
@@ -26,6 +30,7 @@ from gpuherd.events import Event
 HERD = "HERD"
 HERD_INTAKE = "HERD_INTAKE"
 HERD_TELEMETRY = "HERD_TELEMETRY"
+HERD_DEAD = "HERD_DEAD"
 
 # Subjects of the HERD stream: one prefix per aggregate kind. The intake and
 # telemetry prefixes are separate streams, so HERD cannot simply take herd.>.
@@ -41,9 +46,11 @@ HERD_SUBJECTS = (
 INTAKE_PREFIX = "herd.intake"
 TELEMETRY_PREFIX = "herd.telemetry"
 CONTROL_PREFIX = "herd.ctl"
+DEAD_LETTER_PREFIX = "herd.dead"  # HERD_DEAD: messages no consumer could handle, with the reason
 
 SNAPSHOT_BUCKET = "herd_snapshots"
 LEASE_BUCKET = "herd_leases"
+STATUS_BUCKET = "herd_services"
 
 TRACEPARENT = "traceparent"
 REPLY_HEADER = "Gpuherd-Reply-To"
@@ -75,6 +82,29 @@ class Delivery(msgspec.Struct, frozen=True):
     at: float
     deliveries: int
     token: object = None  # the implementation's handle for ack
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    """A message a consumer could not handle, kept with the reason instead of being dropped or
+    retried forever: an event in HERD that does not decode, or an intake message whose handling
+    failed ``deliveries`` times. ``data`` is the message as it was stored."""
+
+    stream: str
+    seq: int
+    subject: str
+    consumer: str  # who gave up on it (a service, ``agent-<node>``)
+    reason: str
+    deliveries: int = 1
+    at: float = 0.0
+    data: bytes = b""
+
+    @property
+    def id(self) -> str:
+        # One letter per stored message, however many consumers find it bad.
+        return f"dead:{self.stream}:{self.seq}"
+
+
+MAX_DELIVERIES = 5  # an intake message whose handling failed this often goes to the dead letters
 
 
 class DurableConsumer(abc.ABC):
@@ -170,6 +200,15 @@ class EventLog(abc.ABC):
     @abc.abstractmethod
     async def reply(self, inbox: str, data: bytes) -> None: ...
 
+    # -- dead letters (HERD_DEAD) --------------------------------------------------------
+
+    @abc.abstractmethod
+    async def dead_letter(self, letter: DeadLetter) -> None:
+        """Keep ``letter`` (idempotent per stored message)."""
+
+    @abc.abstractmethod
+    async def dead_letters(self) -> list[DeadLetter]: ...
+
     # -- requests to a service (core request-reply on herd.ctl.>, not stored) ----------
 
     @abc.abstractmethod
@@ -189,8 +228,15 @@ class EventLog(abc.ABC):
     async def kv_put(self, bucket: str, key: str, value: bytes) -> None: ...
 
     @abc.abstractmethod
+    async def kv_entries(self, bucket: str) -> dict[str, bytes]:
+        """Every live key of ``bucket`` and its value."""
+
+    @abc.abstractmethod
     def lease(self, name: str, holder: str) -> Lease:
         """The leader lease ``name`` as seen by ``holder``; it lasts ``lease_ttl`` seconds unless renewed."""
+
+    def is_connected(self) -> bool:
+        return True
 
     def connected_since(self) -> float:
         """When this process last (re)connected to the log; silence before it says nothing about others."""

@@ -19,8 +19,11 @@ import collections
 import contextlib
 import hashlib
 import itertools
+import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -42,10 +45,12 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
+from gpuherd.errors import ConcurrencyError, EventDecodeError, LeaseLost, LogError, LogUnavailable
 from gpuherd.log.base import (
     CONTROL_PREFIX,
+    DEAD_LETTER_PREFIX,
     HERD,
+    HERD_DEAD,
     HERD_INTAKE,
     HERD_SUBJECTS,
     HERD_TELEMETRY,
@@ -53,9 +58,11 @@ from gpuherd.log.base import (
     LEASE_BUCKET,
     REPLY_HEADER,
     SNAPSHOT_BUCKET,
+    STATUS_BUCKET,
     TELEMETRY_PREFIX,
     TRACEPARENT,
     AppendResult,
+    DeadLetter,
     Delivery,
     DurableConsumer,
     EventLog,
@@ -82,10 +89,51 @@ class JetStreamSettings(msgspec.Struct, kw_only=True):
     lease_ttl_s: float = 6.0
     snapshot_max_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 5.0
+    # "create": create or update the streams and buckets on open (the local default, and the
+    # deployment's one-shot ``gpuherd log init`` as admin). "require": only wait for them to exist,
+    # for roles whose permissions do not cover stream management (every service and agent in compose).
+    streams: str = "create"
+    dead_letter_max_age_s: float = 30 * 86400.0
+    status_ttl_s: float = 15.0
+
+
+def credentials_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Connection options from the environment, so no secret is baked into an image or a command line:
+
+    - ``NATS_USER`` and ``NATS_PASSWORD`` (or ``NATS_PASSWORD_FILE``, e.g. a Docker secret); the
+      user's inbox prefix becomes ``_INBOX.<user>``, the only inboxes its permissions let it read;
+    - ``NATS_CREDS``: a credentials file (NATS operator/JWT deployments);
+    - ``NATS_CA``, ``NATS_CERT``, ``NATS_KEY``: TLS (the server's CA; a client certificate for mutual TLS).
+    """
+    env = os.environ if env is None else env
+    options: dict[str, Any] = {}
+    user = env.get("NATS_USER")
+    if user:
+        options["user"] = user
+        options["inbox_prefix"] = f"_INBOX.{user}"
+        password = env.get("NATS_PASSWORD")
+        if password is None and env.get("NATS_PASSWORD_FILE"):
+            try:
+                password = Path(env["NATS_PASSWORD_FILE"]).read_text().strip()
+            except OSError as exc:
+                raise LogError(f"NATS_PASSWORD_FILE: cannot read {env['NATS_PASSWORD_FILE']}: {exc}") from None
+        if password is None:
+            raise LogError(f"NATS_USER={user} is set but neither NATS_PASSWORD nor NATS_PASSWORD_FILE is")
+        options["password"] = password
+    if env.get("NATS_CREDS"):
+        options["user_credentials"] = env["NATS_CREDS"]
+    if env.get("NATS_CA") or env.get("NATS_CERT"):
+        context = ssl.create_default_context(cafile=env.get("NATS_CA") or None)
+        if env.get("NATS_CERT"):
+            context.load_cert_chain(env["NATS_CERT"], env.get("NATS_KEY") or None)
+        options["tls"] = context
+        options["tls_hostname"] = env.get("NATS_TLS_HOSTNAME") or None
+    return options
 
 
 async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
-    """Connect with endless reconnects: a restarting server must not end a service."""
+    """Connect with endless reconnects: a restarting server must not end a service. Credentials and
+    TLS come from the environment (``credentials_from_env``)."""
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats error", error=str(exc))
@@ -107,6 +155,7 @@ async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
     }
+    options.update(credentials_from_env())
     options.update(kwargs)
     return await nats.connect(**options)
 
@@ -137,7 +186,14 @@ class JetStreamLog(EventLog):
         nc = await connect(url, name=name) if persistent else await connect(url, name=name, max_reconnect_attempts=3)
         self = cls(nc, settings)
         self._owns_connection = True
-        await self.ensure_streams()
+        try:
+            if self.settings.streams == "require":
+                await self.require_streams()
+            else:
+                await self.ensure_streams()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def close(self) -> None:
@@ -147,9 +203,9 @@ class JetStreamLog(EventLog):
 
     # -- setup -----------------------------------------------------------------------
 
-    async def ensure_streams(self) -> None:
+    def stream_configs(self) -> list[StreamConfig]:
         s = self.settings
-        configs = [
+        return [
             StreamConfig(
                 name=HERD,
                 subjects=list(HERD_SUBJECTS),
@@ -183,27 +239,78 @@ class JetStreamLog(EventLog):
                 max_msgs_per_subject=2000,
                 discard=DiscardPolicy.OLD,
             ),
+            StreamConfig(
+                name=HERD_DEAD,
+                subjects=[f"{DEAD_LETTER_PREFIX}.>"],
+                storage=StorageType.FILE,
+                num_replicas=s.replicas,
+                max_age=s.dead_letter_max_age_s,
+                duplicate_window=s.duplicate_window_s,  # every reader of a bad event reports it; one is kept
+                deny_delete=True,
+            ),
         ]
-        for config in configs:
-            await self._ensure_stream(config)
-        self._kv[SNAPSHOT_BUCKET] = await self._ensure_kv(
+
+    def kv_configs(self) -> list[KeyValueConfig]:
+        s = self.settings
+        return [
             KeyValueConfig(
                 bucket=SNAPSHOT_BUCKET,
                 history=1,
                 storage=StorageType.FILE,
                 replicas=s.replicas,
                 max_value_size=s.snapshot_max_bytes,
-            )
-        )
-        self._kv[LEASE_BUCKET] = await self._ensure_kv(
+            ),
             KeyValueConfig(
-                bucket=LEASE_BUCKET,
-                history=1,
-                ttl=s.lease_ttl_s,
-                storage=StorageType.FILE,
-                replicas=s.replicas,
-            )
-        )
+                bucket=LEASE_BUCKET, history=1, ttl=s.lease_ttl_s, storage=StorageType.FILE, replicas=s.replicas
+            ),
+            # What each running service says about itself (``gpuherd status``); gone when it stops saying.
+            KeyValueConfig(
+                bucket=STATUS_BUCKET, history=1, ttl=s.status_ttl_s, storage=StorageType.MEMORY, replicas=s.replicas
+            ),
+        ]
+
+    async def ensure_streams(self) -> None:
+        """Create the streams and buckets, or update them to this version's configuration."""
+        for config in self.stream_configs():
+            await self._ensure_stream(config)
+        for kv in self.kv_configs():
+            self._kv[kv.bucket] = await self._ensure_kv(kv)
+
+    async def require_streams(self, timeout: float = 300.0) -> None:
+        """Wait until the streams and buckets exist (created by a role that may: ``gpuherd log init``)."""
+        deadline = time.monotonic() + timeout
+        names = [c.name for c in self.stream_configs()]
+        buckets = [kv.bucket for kv in self.kv_configs()]
+        warned = False
+        while True:
+            missing: list[str] = []
+            for name in names:
+                try:
+                    await self.js.stream_info(name)
+                except nats.js.errors.NotFoundError:
+                    missing.append(name)
+                except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                    missing.append(name)
+            for bucket in buckets:
+                if bucket in self._kv:
+                    continue
+                try:
+                    self._kv[bucket] = await self.js.key_value(bucket)
+                except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError, TimeoutError):
+                    missing.append(f"KV {bucket}")
+                except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                    missing.append(f"KV {bucket}")
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise LogError(
+                    f"streams missing after {timeout:.0f}s: {', '.join(missing)}; create them with "
+                    "`gpuherd log init` as a user allowed to manage streams"
+                )
+            if not warned:
+                log.warning("waiting for the streams to be created (gpuherd log init)", missing=missing)
+                warned = True
+            await asyncio.sleep(1.0)
 
     async def _ensure_stream(self, config: StreamConfig) -> None:
         for attempt in range(40):
@@ -344,7 +451,11 @@ class JetStreamLog(EventLog):
             return
         async for seq, msg in ordered_messages(self.nc, self.js, HERD, start, stop=stop, follow=follow):
             headers = msg.headers
-            yield Record(seq, ev.decode(msg.data), headers.get(TRACEPARENT) if headers else None)
+            try:
+                event = ev.decode(msg.data)
+            except EventDecodeError as exc:
+                event = ev.Unreadable(stored_subject=msg.subject, reason=str(exc), data=msg.data)
+            yield Record(seq, event, headers.get(TRACEPARENT) if headers else None)
 
     async def last_seq(self) -> int:
         info = await self.js.stream_info(HERD)
@@ -388,6 +499,9 @@ class JetStreamLog(EventLog):
                 seq=seq, subject=msg.subject, data=msg.data, headers=dict(msg.headers or {}), at=at, deliveries=1
             )
 
+    def is_connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
     def connected_since(self) -> float:
         return self._connected_since
 
@@ -415,6 +529,23 @@ class JetStreamLog(EventLog):
         sub = await self.nc.subscribe(f"{CONTROL_PREFIX}.{subject}", cb=on_request)
         return sub.unsubscribe
 
+    # -- HERD_DEAD ---------------------------------------------------------------------------
+
+    async def dead_letter(self, letter: DeadLetter) -> None:
+        subject = f"{DEAD_LETTER_PREFIX}.{letter.consumer}"
+        await self.js.publish(subject, msgspec.json.encode(letter), headers={"Nats-Msg-Id": letter.id})
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        info = await self.js.stream_info(HERD_DEAD)
+        last = int(info.state.last_seq)
+        first = int(info.state.first_seq) or 1
+        if last < first:
+            return []
+        return [
+            msgspec.json.decode(msg.data, type=DeadLetter)
+            async for _, msg in ordered_messages(self.nc, self.js, HERD_DEAD, first, stop=last, follow=False)
+        ]
+
     # -- key-value -------------------------------------------------------------------------
 
     async def kv_get(self, bucket: str, key: str) -> bytes | None:
@@ -430,6 +561,20 @@ class JetStreamLog(EventLog):
                 f"value for {bucket}/{key} is {len(value)} bytes, over the {self.settings.snapshot_max_bytes} limit"
             )
         await self._kv[bucket].put(key, value)
+
+    async def kv_entries(self, bucket: str) -> dict[str, bytes]:
+        kv = self._kv[bucket]
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for key in keys:
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                entry = await kv.get(key)
+                if entry.value is not None:
+                    out[key] = entry.value
+        return out
 
     def lease(self, name: str, holder: str) -> Lease:
         return _JetStreamLease(self, name, holder)

@@ -18,6 +18,7 @@ from gpuherd.errors import ConcurrencyError, LeaseLost, LogUnavailable
 from gpuherd.events import Event
 from gpuherd.log.base import (
     AppendResult,
+    DeadLetter,
     Delivery,
     DurableConsumer,
     EventLog,
@@ -47,6 +48,7 @@ class MemoryLog(EventLog):
         self._kv: dict[tuple[str, str], bytes] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, expires at)
         self.replies: list[tuple[str, bytes]] = []  # what reply() sent, for tests
+        self._dead: dict[str, DeadLetter] = {}
 
     # -- HERD ---------------------------------------------------------------------
 
@@ -203,6 +205,14 @@ class MemoryLog(EventLog):
 
         return stop
 
+    # -- dead letters ------------------------------------------------------------------
+
+    async def dead_letter(self, letter: DeadLetter) -> None:
+        self._dead.setdefault(letter.id, letter)
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        return list(self._dead.values())
+
     # -- key-value -------------------------------------------------------------------
 
     async def kv_get(self, bucket: str, key: str) -> bytes | None:
@@ -210,6 +220,9 @@ class MemoryLog(EventLog):
 
     async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
         self._kv[(bucket, key)] = value
+
+    async def kv_entries(self, bucket: str) -> dict[str, bytes]:
+        return {key: value for (b, key), value in self._kv.items() if b == bucket}
 
     def lease(self, name: str, holder: str) -> Lease:
         return _MemoryLease(self, name, holder)

@@ -1,0 +1,221 @@
+"""Operability of a running service: Prometheus metrics, health over HTTP, and its status in the log.
+
+Each process builds one ``ServiceMetrics`` (its own registry, no process-global metric state) and
+may serve it with ``serve_http`` on ``--metrics-port``:
+
+- ``GET /metrics``: Prometheus text format;
+- ``GET /healthz``: 200 while the process is connected to NATS and its loops run, else 503 (what
+  a container health check and a restart policy want);
+- ``GET /readyz``: 200 once it leads and has caught up with the log (standbys answer 503).
+
+``status_reporter`` writes what the service says about itself (role, folded sequence, lag, decisions,
+metrics address) to the ``herd_services`` KV bucket every few seconds; the entry expires when the
+service stops saying it, and ``gpuherd status`` reads them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpuherd.log.base import STATUS_BUCKET, EventLog
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.metrics")
+
+# Decision latency: from an event reaching the decider to its decisions being stored in the log.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+STATUS_EVERY_S = 5.0
+
+
+class ServiceMetrics:
+    """The metrics every gpuherd service exposes; the cluster gauges come from ``watch_cluster``."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.events_consumed = Counter("gpuherd_events_consumed", "Events folded from the log", registry=r)
+        self.decisions = Counter("gpuherd_decisions", "Decisions appended to the log", ["type"], registry=r)
+        self.decision_latency = Histogram(
+            "gpuherd_decision_latency_seconds",
+            "From an event reaching the decider to its decisions stored in the log",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.consumer_lag = Gauge("gpuherd_consumer_lag_events", "Events in the log not yet folded", registry=r)
+        self.folded_seq = Gauge("gpuherd_folded_sequence", "Last log sequence folded", registry=r)
+        self.leader = Gauge("gpuherd_leader", "1 while this instance holds its service's lease", registry=r)
+        self.dead_letters = Counter(
+            "gpuherd_dead_letters", "Messages this service gave up on (kept in HERD_DEAD)", registry=r
+        )
+        self.intake = Counter("gpuherd_intake_submissions", "Intake submissions judged", ["verdict"], registry=r)
+        self.nats_connected = Gauge("gpuherd_nats_connected", "1 while connected to NATS", registry=r)
+        self.healthy = True  # set False by a loop that found itself broken
+
+    def watch_cluster(self, get_state: Callable[[], Any]) -> None:
+        """Expose jobs and GPUs by state from a ``ClusterState`` read at scrape time (never on the hot path)."""
+        self.registry.register(_ClusterCollector(get_state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def gpu_state(node: Any, slot: Any) -> str:
+    """One word for a GPU: what ``gpuherd_gpus{state}`` counts."""
+    if node.status == "lost":
+        return "lost"
+    if node.power != "on":
+        return "powered_off"
+    if not slot.healthy:
+        return "unhealthy"
+    if slot.job is not None:
+        return "busy"
+    return "drained" if node.status == "drained" else "free"
+
+
+class _ClusterCollector(Collector):
+    def __init__(self, get_state: Callable[[], Any]) -> None:
+        self._get_state = get_state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self._get_state()
+        if state is None:
+            return
+        jobs = GaugeMetricFamily("gpuherd_jobs", "Jobs by state, as this service folded them", labels=["state"])
+        counts: dict[str, int] = {}
+        for job in state.jobs.values():
+            counts[job.status] = counts.get(job.status, 0) + 1
+        for name in ("pending", "placed", "running", "completed", "failed", "cancelled"):
+            jobs.add_metric([name], counts.get(name, 0))
+        yield jobs
+        gpus = GaugeMetricFamily("gpuherd_gpus", "GPUs by state", labels=["state"])
+        by_state: dict[str, int] = {}
+        for node in state.nodes.values():
+            for slot in node.gpus:
+                word = gpu_state(node, slot)
+                by_state[word] = by_state.get(word, 0) + 1
+        for name in ("free", "busy", "unhealthy", "drained", "powered_off", "lost"):
+            gpus.add_metric([name], by_state.get(name, 0))
+        yield gpus
+
+
+Health = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+async def serve_http(
+    metrics: ServiceMetrics, health: Health, ready: Health, *, host: str = "0.0.0.0", port: int = 0
+) -> asyncio.AbstractServer:
+    """Serve /metrics, /healthz and /readyz. Plain asyncio: three read-only routes need no framework."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 5.0)
+            while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
+                pass  # headers: nothing in them matters here
+            parts = request.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) >= 2 else "/"
+            if path == "/metrics":
+                status, body, kind = 200, metrics.render(), "text/plain; version=0.0.4; charset=utf-8"
+            elif path in ("/healthz", "/readyz"):
+                ok, detail = (health if path == "/healthz" else ready)()
+                status, body, kind = (200 if ok else 503), msgspec.json.encode(detail), "application/json"
+            else:
+                status, body, kind = 404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain"
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+            head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            writer.write(head.encode() + b"Connection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, host, port)
+    bound = server.sockets[0].getsockname()[1]
+    log.info("serving metrics and health", port=bound, service=metrics.service)
+    return server
+
+
+def server_port(server: asyncio.AbstractServer) -> int:
+    return int(server.sockets[0].getsockname()[1])
+
+
+def metrics_port_from_env(default: int | None = None) -> int | None:
+    """``GPUHERD_METRICS_PORT`` (0: any free port), else ``default`` (None: no HTTP server)."""
+    value = os.environ.get("GPUHERD_METRICS_PORT")
+    return int(value) if value not in (None, "") else default
+
+
+class ServiceStatus(msgspec.Struct, kw_only=True):
+    """What a running service says about itself in ``herd_services`` (key ``<service>.<instance>``)."""
+
+    service: str
+    instance: str
+    role: str  # "leader", "standby", "starting", or "agent"
+    seq: int = 0
+    head: int = 0
+    lag: int = 0
+    decisions: int = 0
+    dead_letters: int = 0
+    host: str = ""
+    pid: int = 0
+    metrics_url: str = ""
+    started_at: float = 0.0
+    updated_at: float = 0.0
+
+
+async def status_reporter(
+    log_: EventLog,
+    metrics: ServiceMetrics,
+    *,
+    instance: str,
+    role: Callable[[], str],
+    folded: Callable[[], int],
+    decisions: Callable[[], int],
+    metrics_port: int | None,
+    every_s: float = STATUS_EVERY_S,
+) -> None:
+    """Every ``every_s``: measure the lag against the log's head, update the gauges, and say it in the KV."""
+    started = time.time()
+    host = socket.gethostname()
+    key = f"{metrics.service}.{instance}".replace(" ", "_")
+    url = f"http://{host}:{metrics_port}/metrics" if metrics_port else ""
+    while True:
+        try:
+            head = await log_.last_seq()
+            seq = folded()
+            lag = max(0, head - seq)
+            metrics.consumer_lag.set(lag)
+            metrics.folded_seq.set(seq)
+            status = ServiceStatus(
+                service=metrics.service,
+                instance=instance,
+                role=role(),
+                seq=seq,
+                head=head,
+                lag=lag,
+                decisions=decisions(),
+                dead_letters=int(metrics.dead_letters._value.get()),
+                host=host,
+                pid=os.getpid(),
+                metrics_url=url,
+                started_at=started,
+                updated_at=time.time(),
+            )
+            await log_.kv_put(STATUS_BUCKET, key, msgspec.json.encode(status))
+        except Exception as exc:  # NATS away: the gauges keep their last value, the KV entry expires
+            log.debug("status not reported", error=repr(exc))
+        await asyncio.sleep(every_s)
