@@ -367,6 +367,11 @@ def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
+    if args.dead_letter:
+        from gpuherd.cli_ops import cmd_dead_letters
+
+        return cmd_dead_letters(args)
+
     async def run() -> int:
         log_ = await open_cli_log(args)
         try:
@@ -607,6 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--last", type=int, default=0, help="only the last N events")
     e.add_argument("--follow", "-f", action="store_true")
     e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "--dead-letter",
+        action="store_true",
+        help="the dead letters instead: messages no consumer could handle, and why",
+    )
     e.set_defaults(func=cmd_events)
 
     r = sub.add_parser("replay", help="re-fold the log; with --audit, re-run the decider at every decision")
@@ -617,10 +627,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     r.set_defaults(func=cmd_replay)
 
-    from gpuherd import cli_analytics, cli_profile
+    from gpuherd import cli_analytics, cli_ops, cli_profile
 
     cli_analytics.add_commands(sub)
     cli_profile.add_commands(sub)
+    cli_ops.add_commands(sub)
     return parser
 
 

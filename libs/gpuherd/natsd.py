@@ -63,12 +63,16 @@ class NatsServer:
         host: str = "127.0.0.1",
         log_file: str | os.PathLike[str] | None = None,
         server_name: str = "gpuherd-local",
+        extra_config: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
         self.log_file = Path(log_file) if log_file else self.data_dir / "nats-server.log"
         self.server_name = server_name
+        self.extra_config = extra_config  # appended to the generated config (accounts, cluster, TLS)
+        self.env = env  # added to the server's environment (the passwords its accounts name)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -82,7 +86,7 @@ class NatsServer:
             f'server_name: "{self.server_name}"\n'
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {MAX_PAYLOAD}\n"
-            f'jetstream {{ store_dir: "{store}" }}\n'
+            f'jetstream {{ store_dir: "{store}" }}\n' + self.extra_config
         )
         return config
 
@@ -93,6 +97,7 @@ class NatsServer:
             [find_binary(), "-c", str(self._config())],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env} if self.env else None,
             start_new_session=True,  # a Ctrl-C in the terminal is ours to forward, not the child's
         )
         log.close()

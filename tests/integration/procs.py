@@ -54,6 +54,7 @@ class Services:
             ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.env = dict(os.environ, **FAST_ENV)
+        self.env_of: dict[str, dict[str, str]] = {}  # per process, over ``env`` (e.g. its NATS user)
 
     def start(self, name: str) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
@@ -61,7 +62,7 @@ class Services:
             [sys.executable, *self.specs[name]],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env={**self.env, **self.env_of.get(name, {})},
             start_new_session=True,
         )
         log.close()

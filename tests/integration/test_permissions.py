@@ -1,0 +1,247 @@
+"""The per-role NATS permissions of ``gpuherd.security``, on a real nats-server started with them:
+every forbidden publish is refused (and nothing is stored), every allowed one works."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
+from gpuherd.natsd import NatsServer
+from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, password_env, render_accounts, users
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n1", "n2")
+SOURCES = ("ci",)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    passwords = {u.name: secrets.token_hex(8) for u in users(NODES, SOURCES)} | {"sys": secrets.token_hex(8)}
+    env = {password_env(name): pw for name, pw in passwords.items()}
+    server = NatsServer(
+        tmp_path_factory.mktemp("nats-secured"), extra_config=render_accounts(NODES, SOURCES), env=env
+    ).start()
+    yield server, passwords
+    server.stop()
+
+
+class Conn:
+    """A connection as ``user``, collecting the permission errors the server sends back."""
+
+    def __init__(self, nc: Any, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+        self.js = nc.jetstream(timeout=1.5)
+
+    async def refused(self, subject: str, data: bytes = b"{}") -> bool:
+        """Publish to ``subject``; True if the server answered with a permissions violation. The
+        server handles a connection's messages in order, so the error arrives before the flush's PONG."""
+        before = len(self.errors)
+        await self.nc.publish(subject, data)
+        await self.nc.flush()
+        for _ in range(20):
+            if any("permissions violation" in e.lower() for e in self.errors[before:]):
+                return True
+            await asyncio.sleep(0.025)
+        return False
+
+
+@pytest.fixture
+async def connect(secured: Any) -> AsyncIterator[Any]:
+    server, passwords = secured
+    opened: list[Any] = []
+
+    async def as_user(user: str) -> Conn:
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        options = credentials_from_env({"NATS_USER": user, "NATS_PASSWORD": passwords[user]})
+        nc = await nats.connect(server.url, error_cb=on_error, allow_reconnect=False, **options)
+        opened.append(nc)
+        return Conn(nc, errors)
+
+    yield as_user
+    for nc in opened:
+        await nc.close()
+
+
+async def _admin_log(secured: Any) -> JetStreamLog:
+    server, passwords = secured
+    options = credentials_from_env({"NATS_USER": "admin", "NATS_PASSWORD": passwords["admin"]})
+    nc = await nats.connect(server.url, **options)
+    log_ = JetStreamLog(nc)
+    await log_.ensure_streams()
+    return log_
+
+
+async def _count(log_: JetStreamLog, stream: str) -> int:
+    return int((await log_.js.stream_info(stream)).state.messages)
+
+
+def _event(job: str, node: str = "n1") -> bytes:
+    return ev.encode(ev.JobStarted(id=f"t-{secrets.token_hex(4)}", job=job, attempt=1, node=node))
+
+
+async def test_wrong_password_is_refused(secured: Any) -> None:
+    server, _ = secured
+    with pytest.raises(Exception, match="(?i)authorization"):
+        await nats.connect(server.url, user="scheduler", password="wrong", allow_reconnect=False, connect_timeout=2)
+
+
+async def test_admin_creates_the_streams_and_a_service_only_requires_them(secured: Any, connect: Any) -> None:
+    admin = await _admin_log(secured)
+    scheduler = await connect("scheduler")
+    log_ = JetStreamLog(scheduler.nc, JetStreamSettings(streams="require"))
+    await log_.require_streams(timeout=10)
+    # ...and may not create or change a stream itself.
+    assert await scheduler.refused("$JS.API.STREAM.CREATE.EVIL", msgspec.json.encode({"name": "EVIL"}))
+    assert await scheduler.refused("$JS.API.STREAM.DELETE.HERD")
+    await admin.nc.close()
+
+
+async def test_each_agent_appends_only_its_own_nodes_events(secured: Any, connect: Any) -> None:
+    admin = await _admin_log(secured)
+    agent = await connect("agent-n1")
+    before = await _count(admin, "HERD")
+    ack = await agent.js.publish("herd.job.j1.by.n1", _event("j1"))
+    assert ack.stream == "HERD"
+    ack = await agent.js.publish("herd.node.n1", b"{}")
+    assert ack.stream == "HERD"
+    await agent.nc.publish("herd.telemetry.n1.heartbeat", b"{}")
+    for subject in (
+        "herd.job.j1.by.n2",  # another node's report
+        "herd.job.j1",  # a scheduler decision
+        "herd.node.n2",
+        "herd.lease.l1",  # a broker decision
+        "herd.lease.l1.by.n2",
+        "herd.intake.ci",
+        "$KV.herd_snapshots.scheduler",
+        "$KV.herd_leases.agent.n2",
+    ):
+        assert await agent.refused(subject), subject
+    assert await agent.refused("herd.telemetry.n2.heartbeat")
+    assert await _count(admin, "HERD") == before + 2
+    # Its own lease and inbox work (request-reply through JetStream).
+    ack = await agent.js.publish("$KV.herd_leases.agent.n1", b"me")
+    assert ack.seq > 0
+    await admin.nc.close()
+
+
+async def test_each_service_appends_only_its_decisions(secured: Any, connect: Any) -> None:
+    admin = await _admin_log(secured)
+    allowed = {
+        "scheduler": ["herd.job.j2", "herd.node.n1", "herd.rejected.ci", "herd.clock.scheduler"],
+        "elastic": ["herd.job.j2", "herd.clock.elastic", "herd.cluster.elastic"],
+        "memory": ["herd.lease.l2", "herd.clock.memory", "herd.cluster.memory"],
+        "analytics": ["herd.job.j2", "herd.node.n1", "herd.clock.analytics"],
+    }
+    forbidden = {
+        "scheduler": ["herd.lease.l2", "herd.job.j2.by.n1", "herd.clock.memory", "$KV.herd_snapshots.memory"],
+        "elastic": ["herd.node.n1", "herd.lease.l2", "herd.rejected.ci", "$KV.herd_leases.decider.scheduler"],
+        "memory": ["herd.job.j2", "herd.node.n1", "herd.cluster.policy"],
+        "analytics": ["herd.lease.l2", "herd.cluster.policy", "herd.job.j2.by.n1"],
+    }
+    for service, subjects in allowed.items():
+        conn = await connect(service)
+        for subject in subjects:
+            ack = await conn.js.publish(subject, _event("j2"))
+            assert ack.seq > 0, (service, subject)
+        for subject in forbidden[service]:
+            assert await conn.refused(subject), (service, subject)
+        ack = await conn.js.publish(f"$KV.herd_snapshots.{service}", b"snap")
+        assert ack.seq > 0
+    await admin.nc.close()
+
+
+async def test_a_submitter_only_submits_under_its_source_and_gets_its_verdicts(secured: Any, connect: Any) -> None:
+    admin = await _admin_log(secured)
+    submitter = await connect("submit-ci")
+    before = await _count(admin, "HERD_INTAKE")
+    await submitter.nc.publish("herd.intake.ci", b'{"name": "x"}')
+    await submitter.nc.flush()
+    await asyncio.sleep(0.2)
+    assert await _count(admin, "HERD_INTAKE") == before + 1
+    for subject in ("herd.intake.other", "herd.job.j3", "$JS.API.STREAM.INFO.HERD", "herd.ctl.n1.logs"):
+        assert await submitter.refused(subject), subject
+    assert await _count(admin, "HERD_INTAKE") == before + 1
+    # Its inboxes are its own: another user cannot listen to them.
+    other = await connect("submit-ci")
+    inbox = submitter.nc.new_inbox()
+    assert inbox.startswith("_INBOX.submit-ci.")
+    reader = await connect("reader")
+    await reader.nc.subscribe(inbox)
+    await reader.nc.flush()
+    await asyncio.sleep(0.1)
+    assert any("permissions violation" in e.lower() for e in reader.errors)
+    del other
+    await admin.nc.close()
+
+
+async def test_the_read_only_role_reads_and_cannot_append(secured: Any, connect: Any) -> None:
+    admin = await _admin_log(secured)
+    await admin.append([ev.JobCancelRequested(id="c-ro", job="j4")])
+    reader = await connect("reader")
+    log_ = JetStreamLog(reader.nc, JetStreamSettings(streams="require"))
+    await log_.require_streams(timeout=10)
+    records = await log_.read_all()
+    assert any(r.event.id == "c-ro" for r in records)
+    before = await _count(admin, "HERD")
+    for subject in ("herd.job.j4", "herd.node.n1", "herd.intake.ci", "$KV.herd_snapshots.scheduler", "herd.dead.x"):
+        assert await reader.refused(subject), subject
+    assert await _count(admin, "HERD") == before
+    await admin.nc.close()
+
+
+def test_the_committed_compose_accounts_match_the_generator() -> None:
+    committed = Path(__file__).resolve().parents[2] / "infra" / "nats" / "accounts.conf"
+    assert committed.read_text() == render_accounts(COMPOSE_NODES, COMPOSE_SOURCES), (
+        "infra/nats/accounts.conf is stale: run `gpuherd security nats-accounts > infra/nats/accounts.conf`"
+    )
+
+
+async def test_every_service_and_agent_works_under_its_own_role(
+    secured: Any, tmp_path: Path, connect: Any
+) -> None:
+    """The real processes, each as its user, with streams created by admin only: a submission from
+    ``submit-ci`` is judged, placed, run and finished, and the server refused nothing on the way."""
+    from gpuherd.client import Client
+    from tests.integration.procs import Services, wait_scheduler_ready, wait_state
+
+    server, passwords = secured
+    log_start = server.log_file.stat().st_size  # the other tests' refusals are before this
+    admin = await _admin_log(secured)
+    services = Services(server.url, tmp_path, agents=2, gpus=2)
+    for name in SERVICES:
+        services.specs[name] = ["-m", f"services.{name}", "--nats-url", server.url]
+    for name in services.specs:
+        user = name.replace("agent-", "agent-n") if name.startswith("agent-") else name
+        services.env_of[name] = {"NATS_USER": user, "NATS_PASSWORD": passwords[user], "GPUHERD_STREAMS": "require"}
+    services.start_all()
+    try:
+        await wait_scheduler_ready(admin, timeout=60)
+        await wait_state(admin, lambda s: len(s.nodes) == 2, timeout=30)
+        submitter = await connect("submit-ci")
+        client = Client(submitter.nc, "ci")
+        job = await client.submit({"name": "roles", "user": "u", "gpus": 2, "duration_s": 1.0})
+        state = await wait_state(admin, lambda s: s.jobs.get(job) and s.jobs[job].status == "completed", timeout=60)
+        assert state.jobs[job].status == "completed"
+        assert not services.crashed(), services.logs()
+        with open(server.log_file, "rb") as f:
+            f.seek(log_start)
+            refused = [line for line in f.read().decode().splitlines() if "Violation" in line]
+        assert not refused, "\n".join(refused[:10])
+    finally:
+        services.stop_all()
+        await admin.nc.close()
