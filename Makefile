@@ -6,7 +6,10 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: install run up test test-fast lint bench clean
+.PHONY: install run local up down test test-fast chaos lint bench clean
+
+COMPOSE  := docker compose --project-directory infra -f infra/docker-compose.yml
+PROFILES ?= sim,cpu
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,15 +27,30 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --cpu-agents 2 --cpu-gpus 4 --demo philly
 
-## up: a cluster that stays up (Ctrl-C stops it); NATS_URL selects an existing NATS
-up: install
+## local: a cluster on this machine that stays up (Ctrl-C stops it); NATS_URL selects an existing NATS
+local: install
 	$(VENV)/bin/gpuherd up --agents 2 --gpus-per-node 8
+
+## up: the compose deployment (3-node JetStream cluster, services, agents of PROFILES=sim,cpu[,gpu])
+up: infra/secrets.env
+	COMPOSE_PROFILES=$(PROFILES) $(COMPOSE) up --detach --build --wait
+
+## down: stop it; VOLUMES=1 also drops the log and the agents' data
+down:
+	COMPOSE_PROFILES=sim,cpu,gpu $(COMPOSE) down $(if $(VOLUMES),--volumes)
+
+infra/secrets.env:
+	infra/make-secrets.sh
 
 test: install lint
 	$(VENV)/bin/pytest -q
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
+
+## chaos: the chaos suite, longer (CHAOS_ROUNDS faults of each kind; make test runs it with 1)
+chaos: install
+	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(VENV)/bin/pytest -q -s tests/chaos
 
 lint: install
 	$(VENV)/bin/ruff check libs services tests bench examples

@@ -501,6 +501,27 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# The processes `gpuherd serve` runs (the image's commands in infra/docker-compose.yml).
+SERVICE_MODULES = {
+    "scheduler": "services.scheduler.service",
+    "elastic": "services.elastic.service",
+    "memory": "services.memory.service",
+    "analytics": "services.analytics.service",
+    "agent": "services.nodeagent.agent",
+}
+
+
+def service_module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(SERVICE_MODULES[name])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    service_module(args.service).main(args.args)
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from gpuherd.cluster import run_cluster
 
@@ -528,6 +549,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")
     up.add_argument("--fresh", action="store_true", help="start from an empty data folder")
     up.set_defaults(func=cmd_up)
+
+    sv = sub.add_parser(
+        "serve",
+        help="run one service or a node agent in the foreground (what each container of the deployment runs)",
+        description="Run one gpuherd process; the arguments after the name are its own (see `gpuherd serve NAME -h`).",
+    )
+    sv.add_argument("service", choices=sorted(SERVICE_MODULES))
+    sv.add_argument("args", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("submit", help="submit a job spec (JSON or YAML) through intake")
     s.add_argument("file")

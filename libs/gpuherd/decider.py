@@ -489,19 +489,11 @@ def decider_service_main(
 ) -> None:
     """The command line of a service that is one decider with a clock: ``--nats-url``, ``--params``
     (recorded as ``configured(params=...)`` before it starts), ``--tick``, ``--instance``."""
-    import argparse
     import asyncio
 
     from gpuherd.obs import configure
 
-    parser = argparse.ArgumentParser(prog=f"gpuherd-{decider.name}", description=description)
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument(
-        "--params", default=None, help=f"record these parameters (JSON, e.g. {example}) before starting"
-    )
-    parser.add_argument("--tick", type=float, default=tick_s, help="seconds between clock ticks")
-    parser.add_argument("--instance", default=None)
-    add_metrics_argument(parser)
+    parser = decider_service_parser(decider.name, description=description, example=example, tick_s=tick_s)
     args = parser.parse_args(argv)
     configure(decider.name)
     try:
@@ -524,6 +516,20 @@ def decider_service_main(
             metrics_port=args.metrics_port,
         )
     )
+
+
+def decider_service_parser(name: str, *, description: str, example: str, tick_s: float) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"gpuherd-{name}", description=description)
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument(
+        "--params", default=None, help=f"record these parameters (JSON, e.g. {example}) before starting"
+    )
+    parser.add_argument("--tick", type=float, default=tick_s, help="seconds between clock ticks")
+    parser.add_argument("--instance", default=None)
+    add_metrics_argument(parser)
+    return parser
 
 
 def add_metrics_argument(parser: Any) -> None:

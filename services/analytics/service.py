@@ -96,7 +96,7 @@ async def serve(
         await log_.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuherd-analytics", description="gpuherd analytics service")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--ces", help='turn on energy saving with these CesParams (JSON; "{}" for defaults)')
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-every", type=float, default=300.0)
     parser.add_argument("--instance", default=None)
     add_metrics_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     configure("analytics")
     ces = CesParams(**json.loads(args.ces)) if args.ces is not None else None
     report_dir = Path(args.report_dir) if args.report_dir else None

@@ -4,19 +4,29 @@ happens. It only proposes; the scheduler commits, the agents and the jobs' worke
 
 from __future__ import annotations
 
+import argparse
+
 from gpuherd import events as ev
-from gpuherd.decider import decider_service_main
+from gpuherd.decider import decider_service_main, decider_service_parser
 from services.elastic.decide import ElasticDecider
 from services.elastic.policy import params_from
+
+DESCRIPTION = "gpuherd elastic service"
+EXAMPLE = '{"min_interval_s": 30}'
+TICK_S = 10.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return decider_service_parser("elastic", description=DESCRIPTION, example=EXAMPLE, tick_s=TICK_S)
 
 
 def main(argv: list[str] | None = None) -> None:
     decider_service_main(
         argv,
         ElasticDecider(),
-        description="gpuherd elastic service",
+        description=DESCRIPTION,
         configured=ev.ElasticConfigured,
         convert=params_from,
-        example='{"min_interval_s": 30}',
-        tick_s=10.0,
+        example=EXAMPLE,
+        tick_s=TICK_S,
     )

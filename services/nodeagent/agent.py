@@ -790,7 +790,7 @@ async def serve(args: argparse.Namespace) -> None:
         await log_.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuherd-nodeagent", description="gpuherd node agent")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--node", required=True, help="node name (a NATS subject token)")
@@ -817,6 +817,10 @@ def main(argv: list[str] | None = None) -> None:
         help="command run as `HOOK down|up NODE` when energy saving powers this node down or up",
     )
     add_metrics_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     configure(f"agent.{args.node}")
     asyncio.run(serve(args))

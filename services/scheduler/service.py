@@ -254,7 +254,7 @@ async def serve(
         await log_.close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuherd-scheduler", description="gpuherd scheduler service")
     parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument(
@@ -267,7 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--instance", default=None, help="instance id for the leader lease")
     add_metrics_argument(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     configure("scheduler")
     asyncio.run(
         serve(

@@ -16,7 +16,7 @@ import pytest
 from gpuherd import events as ev
 from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
 from gpuherd.natsd import NatsServer
-from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, password_env, render_accounts, users
+from gpuherd.security import SERVICES, password_env, render_accounts, users
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def _event(job: str, node: str = "n1") -> bytes:
 
 async def test_wrong_password_is_refused(secured: Any) -> None:
     server, _ = secured
-    with pytest.raises(Exception, match="(?i)authorization"):
+    with pytest.raises(Exception, match=r"(?i)authorization"):
         await nats.connect(server.url, user="scheduler", password="wrong", allow_reconnect=False, connect_timeout=2)
 
 
@@ -204,16 +204,7 @@ async def test_the_read_only_role_reads_and_cannot_append(secured: Any, connect:
     await admin.nc.close()
 
 
-def test_the_committed_compose_accounts_match_the_generator() -> None:
-    committed = Path(__file__).resolve().parents[2] / "infra" / "nats" / "accounts.conf"
-    assert committed.read_text() == render_accounts(COMPOSE_NODES, COMPOSE_SOURCES), (
-        "infra/nats/accounts.conf is stale: run `gpuherd security nats-accounts > infra/nats/accounts.conf`"
-    )
-
-
-async def test_every_service_and_agent_works_under_its_own_role(
-    secured: Any, tmp_path: Path, connect: Any
-) -> None:
+async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tmp_path: Path, connect: Any) -> None:
     """The real processes, each as its user, with streams created by admin only: a submission from
     ``submit-ci`` is judged, placed, run and finished, and the server refused nothing on the way."""
     from gpuherd.client import Client
@@ -245,3 +236,26 @@ async def test_every_service_and_agent_works_under_its_own_role(
     finally:
         services.stop_all()
         await admin.nc.close()
+
+
+async def test_tls_with_the_dev_ca(tmp_path: Path) -> None:
+    """infra/nats/make-dev-ca.sh's certificates on a real server: a client that trusts the CA
+    (NATS_CA) connects over TLS; one that does not is refused."""
+    import subprocess
+
+    certs = tmp_path / "certs"
+    script = Path(__file__).resolve().parents[2] / "infra" / "nats" / "make-dev-ca.sh"
+    subprocess.run([str(script), str(certs)], check=True, capture_output=True)
+    tls = f'tls {{ cert_file: "{certs}/server.pem", key_file: "{certs}/server-key.pem", ca_file: "{certs}/ca.pem" }}\n'
+    server = NatsServer(tmp_path / "nats", extra_config=tls).start()
+    try:
+        url = f"tls://127.0.0.1:{server.port}"
+        nc = await nats.connect(url, allow_reconnect=False, **credentials_from_env({"NATS_CA": str(certs / "ca.pem")}))
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(Exception, match=r"(?i)certificate"):
+            await nats.connect(
+                url, allow_reconnect=False, connect_timeout=2, tls=__import__("ssl").create_default_context()
+            )
+    finally:
+        server.stop()

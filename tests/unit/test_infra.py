@@ -1,0 +1,139 @@
+"""The compose deployment, checked without a Docker engine: the file against the Compose
+specification's JSON schema, every command against the CLI, every NATS user against the accounts,
+and the NATS configs with ``nats-server -t``."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from gpuherd.cli import SERVICE_MODULES, build_parser, service_module
+from gpuherd.natsd import find_binary
+from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, password_env, render_accounts, users
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?::?-([^}]*))?\}")
+
+
+def _dotenv() -> dict[str, str]:
+    values = {}
+    for line in (INFRA / ".env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ``${VAR:-default}`` interpolation, as `docker compose` does it with infra/.env."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _interpolate(yaml.safe_load((INFRA / "docker-compose.yml").read_text()), _dotenv())
+
+
+def _gpuherd_services(compose: dict[str, Any]) -> dict[str, Any]:
+    return {name: s for name, s in compose["services"].items() if "gpuherd" in str(s.get("image", ""))}
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    schema_file = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    document = yaml.safe_load((INFRA / "docker-compose.yml").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(document), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:10])
+
+
+def test_every_command_exists_in_the_cli(compose: dict[str, Any]) -> None:
+    services = _gpuherd_services(compose)
+    assert {"init", "scheduler", "elastic", "memory", "analytics", "sim-1", "gpu-1"} <= set(services)
+    for name, service in services.items():
+        argv = service["command"]
+        assert build_parser().parse_args(argv).func, name  # exits (SystemExit) on an unknown command or option
+        if argv[0] == "serve":
+            assert argv[1] in SERVICE_MODULES, name
+            service_module(argv[1]).build_parser().parse_args(argv[2:])
+
+
+def test_three_nats_servers_with_health_checks_and_volumes(compose: dict[str, Any]) -> None:
+    servers = {n: s for n, s in compose["services"].items() if n.startswith("nats-")}
+    assert sorted(servers) == ["nats-1", "nats-2", "nats-3"]
+    for name, server in servers.items():
+        assert "healthz?js-enabled-only=true" in " ".join(server["healthcheck"]["test"]), name
+        assert any(v.endswith(":/data") and v.split(":")[0] in compose["volumes"] for v in server["volumes"]), name
+        assert server["environment"]["NATS_SERVER_NAME"] == name
+    routes = (INFRA / "nats" / "server.conf").read_text()
+    assert all(f"nats-route://{n}:6222" in routes for n in servers)
+
+
+def test_every_process_runs_as_its_own_user_with_its_secret(compose: dict[str, Any]) -> None:
+    known = {u.name for u in users(COMPOSE_NODES, COMPOSE_SOURCES)}
+    made = shlex.split(re.search(r'USERS="([^"]+)"', (INFRA / "make-secrets.sh").read_text()).group(1))
+    assert known | {"sys"} == set(made), "make-secrets.sh and the accounts must name the same users"
+    seen_users = set()
+    for name, service in _gpuherd_services(compose).items():
+        env = service["environment"]
+        user = env["NATS_USER"]
+        assert user in known, (name, user)
+        assert user not in seen_users or name == "init", f"{user} used twice"
+        seen_users.add(user)
+        assert env["NATS_PASSWORD_FILE"] == f"/run/secrets/{user}" and service["secrets"] == [user], name
+        assert compose["secrets"][user]["file"] == f"./secrets/{user}"
+        assert "NATS_PASSWORD" not in env, "no password in the compose file"
+        if name != "init":
+            assert env["GPUHERD_STREAMS"] == "require", name
+            port = env["GPUHERD_METRICS_PORT"]
+            assert f"localhost:{port}/healthz" in " ".join(service["healthcheck"]["test"]), name
+        if service["command"][:2] == ["serve", "agent"]:
+            node = service["command"][service["command"].index("--node") + 1]
+            assert user == f"agent-{node}", name
+    assert compose["services"]["init"]["environment"]["GPUHERD_STREAMS"] == "create"
+
+
+def test_gpu_agent_gets_the_gpus_and_the_dockerfile_runs_as_non_root(compose: dict[str, Any]) -> None:
+    gpu = compose["services"]["gpu-1"]
+    assert gpu["gpus"] == "all" and "--executor" in gpu["command"] and "nvml" in gpu["command"]
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    assert re.search(r"^USER herd$", dockerfile, re.M) and 'ENTRYPOINT ["gpuherd"]' in dockerfile
+    assert "PASSWORD" not in dockerfile.replace("NATS_PASSWORD_FILE", "").replace("NATS_PASSWORD ", "")
+
+
+@pytest.mark.parametrize("config", ["server.conf", "server-tls.conf"])
+def test_nats_configs_parse(config: str, tmp_path: Path) -> None:
+    env = dict(os.environ, NATS_SERVER_NAME="nats-1")
+    env.update({password_env(u.name): "x" for u in users(COMPOSE_NODES, COMPOSE_SOURCES)} | {"GPUHERD_PW_SYS": "x"})
+    text = (INFRA / "nats" / config).read_text()
+    if "certs" in text:  # the TLS files must exist for the test to pass: make a dev CA for it
+        certs = tmp_path / "certs"
+        subprocess.run([str(INFRA / "nats" / "make-dev-ca.sh"), str(certs)], check=True, capture_output=True)
+        text = text.replace("/etc/nats/certs", str(certs))
+    conf = tmp_path / config
+    conf.write_text(text)
+    (tmp_path / "accounts.conf").write_text((INFRA / "nats" / "accounts.conf").read_text())  # includes are relative
+    result = subprocess.run([find_binary(), "-t", "-c", str(conf)], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_committed_accounts_match_the_generator() -> None:
+    assert (INFRA / "nats" / "accounts.conf").read_text() == render_accounts(COMPOSE_NODES, COMPOSE_SOURCES), (
+        "infra/nats/accounts.conf is stale: run `gpuherd security nats-accounts > infra/nats/accounts.conf`"
+    )
