@@ -44,7 +44,12 @@ async def acquire_lease(lease: Lease, stop: asyncio.Event, what: str) -> bool:
     """Wait as a standby until ``lease`` is ours (True) or ``stop`` is set (False)."""
     announced = False
     while not stop.is_set():
-        if await lease.try_acquire():
+        try:
+            acquired = await lease.try_acquire()
+        except Exception as exc:  # NATS away or a stream electing its leader: try again, as a standby would
+            log.warning("lease not acquirable yet; retrying", lease=lease.name, error=repr(exc))
+            acquired = False
+        if acquired:
             log.info("lease acquired", lease=lease.name, holder=lease.holder)
             return True
         if not announced:

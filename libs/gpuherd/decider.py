@@ -104,6 +104,15 @@ class RecordedParams(Generic[P]):
         return self._cached[1]
 
 
+async def _try(call: Callable[[], Awaitable[bool]]) -> bool:
+    """``call()``, with a NATS error counting as False."""
+    try:
+        return await call()
+    except Exception as exc:
+        log.warning("lease not acquirable now", error=repr(exc))
+        return False
+
+
 def decision_id(service: str, cause_seq: int, n: int) -> str:
     return f"{service}:{cause_seq}:{n}"
 
@@ -236,7 +245,15 @@ class DeciderRunner(Generic[S]):
     # -- snapshots ------------------------------------------------------------------------
 
     async def load_snapshot(self) -> None:
-        data = await self.log.kv_get(SNAPSHOT_BUCKET, self.name)
+        for attempt in range(60):
+            try:
+                data = await self.log.kv_get(SNAPSHOT_BUCKET, self.name)
+                break
+            except Exception as exc:  # the bucket's stream electing a leader, NATS away: wait, it is only a cache
+                log.warning("snapshot not readable yet; retrying", error=repr(exc), attempt=attempt)
+                await asyncio.sleep(1.0)
+        else:
+            data = None  # rebuilt from the log instead
         if data is None:
             return
         try:
@@ -275,7 +292,11 @@ class DeciderRunner(Generic[S]):
             try:
                 await self._lease.renew()
             except LeaseLost:
-                raise
+                # It expired while NATS could not renew it (a server failing over). If nobody took
+                # it meanwhile, nobody decided meanwhile: it is ours again. Otherwise we are a standby.
+                if not await _try(self._lease.try_acquire):
+                    raise
+                log.warning("lease expired during an outage and was taken again", lease=self._lease.name)
             except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
                 log.warning("lease renewal failed; retrying", error=repr(exc))
 
@@ -312,25 +333,37 @@ class DeciderRunner(Generic[S]):
             )
         )
         try:
-            if not await self.acquire_leadership(stop):
-                return
-            self.metrics.leader.set(1)
-            await self.load_snapshot()
-            coroutines = {"lease": self._keep_lease(), "consume": self._consume()}
-            for extra in self.extra_tasks:
-                coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
-            try:
-                await run_until_stopped(coroutines, stop)
-            finally:
-                if stop.is_set():
-                    with contextlib.suppress(Exception):
-                        await self._lease.release()
-                self.is_leader = False
-                self.metrics.leader.set(0)
+            while not stop.is_set():
+                if not await self.acquire_leadership(stop):
+                    return
+                self.metrics.leader.set(1)
+                await self.load_snapshot()
+                coroutines = {"lease": self._keep_lease(), "consume": self._consume()}
+                for extra in self.extra_tasks:
+                    coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
+                try:
+                    await run_until_stopped(coroutines, stop)
+                except LeaseLost as exc:
+                    log.warning("another instance leads now; back to standby", error=str(exc))
+                    self._reset()
+                finally:
+                    if stop.is_set():
+                        with contextlib.suppress(Exception):
+                            await self._lease.release()
+                    self.is_leader = False
+                    self.metrics.leader.set(0)
         finally:
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
+
+    def _reset(self) -> None:
+        """Forget everything folded: a standby that leads again starts from the snapshot and the log."""
+        self.state = self.decider.initial_state()
+        self.caught_up = asyncio.Event()
+        self._pending.clear()
+        self._wait_until = 0
+        self._snapshot_seq = 0
 
     async def _consume(self) -> None:
         head = await self.log.last_seq()

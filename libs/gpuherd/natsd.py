@@ -125,3 +125,44 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """``size`` nats-servers on one host forming one JetStream cluster (chaos tests, benchmarks):
+    each with its own store and ports; any of them can be killed and started again."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, size: int = 3, host: str = "127.0.0.1") -> None:
+        root = Path(data_dir)
+        client_ports = [free_port(host) for _ in range(size)]
+        route_ports = [free_port(host) for _ in range(size)]
+        routes = ", ".join(f"nats-route://{host}:{p}" for p in route_ports)
+        self.servers = [
+            NatsServer(
+                root / f"nats-{i + 1}",
+                port=client_ports[i],
+                host=host,
+                server_name=f"nats-{i + 1}",
+                extra_config=f'cluster {{ name: "gpuherd", listen: "{host}:{route_ports[i]}", routes: [{routes}] }}\n',
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every server, comma-separated: clients fail over between them."""
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, timeout: float = 15.0) -> NatsCluster:
+        for server in self.servers:
+            server.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -35,6 +35,7 @@ from gpuherd import events as ev
 from gpuherd import jobenv
 from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
 from gpuherd.decider import add_metrics_argument, append_reliably, report_unreadable
+from gpuherd.errors import LeaseLost
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_http, server_port, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
@@ -224,8 +225,17 @@ class Agent:
             )
             try:
                 await self.log.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
-                await lease.renew()
+                try:
+                    await lease.renew()
+                except LeaseLost:
+                    # Expired while NATS failed over. Free again: still ours. Taken: another agent
+                    # runs this node now, and this one must stop (its tasks fence themselves).
+                    if not await lease.try_acquire():
+                        raise
+                    log.warning("node lease expired during an outage and was taken again")
                 self._touch_alive()
+            except LeaseLost:
+                raise
             except Exception as exc:  # the shims fence themselves if this goes on for long
                 log.warning("heartbeat failed", error=repr(exc))
             await asyncio.sleep(self.heartbeat_s)
