@@ -111,7 +111,13 @@ async def test_chaos(tmp_path: Path) -> None:
             await until(lambda name=name: http_ok(ports[name]), 60)
         submitter = asyncio.create_task(workload(cluster.url, rng, JOBS_PER_ROUND * ROUNDS))
 
+        locks = {name: asyncio.Lock() for name in [*services.specs, *(srv.server_name for srv in cluster.servers)]}
+
         async def kill_process(name: str, down_s: float) -> None:
+            async with locks[name]:  # one fault at a time per process: a second start would be a twin
+                await _kill_process(name, down_s)
+
+        async def _kill_process(name: str, down_s: float) -> None:
             killed = time.monotonic()
             services.kill(name)
             await asyncio.sleep(down_s)
@@ -120,6 +126,10 @@ async def test_chaos(tmp_path: Path) -> None:
             recoveries.append((f"SIGKILL {name} (down {down_s:.1f}s)", time.monotonic() - killed))
 
         async def kill_nats(index: int, down_s: float) -> None:
+            async with locks[cluster.servers[index].server_name]:
+                await _kill_nats(index, down_s)
+
+        async def _kill_nats(index: int, down_s: float) -> None:
             server = cluster.servers[index]
             killed = time.monotonic()
             server.kill()
@@ -143,10 +153,14 @@ async def test_chaos(tmp_path: Path) -> None:
         for fault in faults:
             await asyncio.sleep(rng.uniform(0.5, 3.0))
             if fault == "nats":
+                # One NATS server down at a time: the cluster keeps a quorum (2 of 3), as it is built to.
+                while any(locks[srv.server_name].locked() for srv in cluster.servers):
+                    await asyncio.sleep(0.1)
                 pending.append(asyncio.create_task(kill_nats(rng.randrange(3), rng.uniform(0.5, 3.0))))
             elif fault == "agent":
                 # Sometimes back within the scheduler's patience, sometimes declared lost (jobs requeued).
-                pending.append(asyncio.create_task(kill_process(rng.choice(AGENTS), rng.uniform(0.2, 9.0))))
+                up = [a for a in AGENTS if not locks[a].locked()] or list(AGENTS)
+                pending.append(asyncio.create_task(kill_process(rng.choice(up), rng.uniform(0.2, 9.0))))
             else:
                 pending.append(asyncio.create_task(kill_process(fault, 0.0)))
             await asyncio.sleep(0)
