@@ -343,6 +343,7 @@ class DeciderRunner(Generic[S]):
                     coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
                 try:
                     await run_until_stopped(coroutines, stop)
+                    return  # stopped, or a loop died (cancelled from inside): the process ends
                 except LeaseLost as exc:
                     log.warning("another instance leads now; back to standby", error=str(exc))
                     self._reset()

@@ -468,6 +468,8 @@ def _dequeue(state: ClusterState, job_id: str) -> None:
 
 
 def _node_registered(state: ClusterState, seq: int, e: ev.NodeRegistered) -> None:
+    if [g.index for g in e.gpus] != list(range(len(e.gpus))):
+        return  # agents number GPUs 0..n-1 and everything indexes them so: not a registration to apply
     old = state.nodes.get(e.node)
     slots = [GpuSlot(info=g) for g in e.gpus]
     if old is not None:
@@ -560,8 +562,8 @@ def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
 
 
 def _job_submitted(state: ClusterState, seq: int, e: ev.JobSubmitted) -> None:
-    if e.job in state.jobs:
-        return
+    if e.job in state.jobs or e.spec.gpus < 1 or (e.spec.nodes is not None and e.spec.nodes < 1):
+        return  # the second submission of an id, or a spec intake would have refused (written by hand)
     job = JobState(job=e.job, spec=e.spec, order=seq, submitted_at=e.at, waiting_since=e.at)
     state.jobs[e.job] = job
     if e.spec.intake_id is not None:

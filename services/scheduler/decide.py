@@ -133,7 +133,13 @@ class SchedulerDecider(Decider[ClusterState]):
             return self.policy
         key = (config.policy, tuple(sorted(config.params.items())))
         if self._policy_cache is None or self._policy_cache[0] != key:
-            self._policy_cache = (key, make_policy(config.policy, _policy_params(config.policy, config.params)))
+            try:
+                policy = make_policy(config.policy, _policy_params(config.policy, config.params))
+            except (ValueError, TypeError):
+                # A name or parameter the CLI would have refused (appended by hand): it must not stop
+                # the scheduler on every restart. The decider's default stays in force, as before it.
+                policy = self.policy
+            self._policy_cache = (key, policy)
         return self._policy_cache[1]
 
     def plan(self, state: ClusterState, skip: frozenset[str] | set[str] = frozenset()) -> Plan:
@@ -175,7 +181,8 @@ def power_up(state: ClusterState, result: Plan, candidates: Iterable[str] | None
 
 def _policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
     """The params the policy takes (PolicyConfigured also carries cluster-wide ones: CLUSTER_PARAMS)."""
-    return {k: v for k, v in params.items() if k in POLICIES[name].PARAMS}
+    known = POLICIES[name].PARAMS if name in POLICIES else ()
+    return {k: v for k, v in params.items() if k in known}
 
 
 def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:

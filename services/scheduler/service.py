@@ -100,26 +100,29 @@ async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
             deliveries = await consumer.fetch(512, timeout=1.0)
             sizes = node_sizes(runner.state)  # once per batch, not per submission
 
-            async def handle(delivery: Delivery, sizes: NodeSizes = sizes) -> None:
-                try:
-                    verdict = await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
-                except Exception as exc:  # not acked: it comes back, and goes to the dead letters if it keeps failing
-                    log.exception("intake message not handled", intake_seq=delivery.seq, deliveries=delivery.deliveries)
-                    if delivery.deliveries >= MAX_DELIVERIES:
-                        await give_up(runner, consumer, delivery, f"{type(exc).__name__}: {exc}")
-                    return
-                runner.metrics.intake.labels(
-                    "rejected" if isinstance(verdict.event, ev.JobRejected) else "accepted"
-                ).inc()
-                await consumer.ack(delivery)
-
             # A fetched batch is judged and recorded concurrently (each job has a subject of its own).
             # The appends are pipelined on one connection, so they reach the log in about fetch order;
             # submissions that arrived within one fetch carry no order a user could rely on anyway.
-            await asyncio.gather(*(handle(d) for d in deliveries))
+            await asyncio.gather(*(handle_delivery(runner, consumer, d, sizes) for d in deliveries))
     finally:
         with contextlib.suppress(Exception):
             await stop_ready()
+
+
+async def handle_delivery(
+    runner: DeciderRunner[ClusterState], consumer: DurableConsumer, delivery: Delivery, sizes: NodeSizes
+) -> None:
+    """Handle one intake message and acknowledge it. A failure leaves it unacknowledged, so it comes
+    back; after ``MAX_DELIVERIES`` it goes to the dead letters instead of blocking or retrying forever."""
+    try:
+        verdict = await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
+    except Exception as exc:
+        log.exception("intake message not handled", intake_seq=delivery.seq, deliveries=delivery.deliveries)
+        if delivery.deliveries >= MAX_DELIVERIES:
+            await give_up(runner, consumer, delivery, f"{type(exc).__name__}: {exc}")
+        return
+    runner.metrics.intake.labels("rejected" if isinstance(verdict.event, ev.JobRejected) else "accepted").inc()
+    await consumer.ack(delivery)
 
 
 async def give_up(runner: DeciderRunner[ClusterState], consumer: DurableConsumer, delivery: Delivery, why: str) -> None:

@@ -134,3 +134,30 @@ async def test_standby_waits_for_the_lease() -> None:
     stop_b.set()
     await task_b
     assert violations(log._records) == []
+
+
+async def test_a_lease_lost_to_another_instance_makes_a_standby_that_leads_again_later() -> None:
+    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    a, stop, task = await start(log, "a")
+    await log.append([node("n1", 2), submit("x", 1)])
+    await until(lambda: len(placements(log)) == 1)
+    log._leases["decider.scheduler"] = ("b", log.clock() + 0.6)  # b took over while a could not renew
+    await until(lambda: not a.is_leader)
+    assert not task.done(), "a lost lease makes a standby, not a dead process"
+    await until(lambda: a.is_leader, timeout=3)  # b went away: its lease expired
+    await log.append([submit("y", 1)])
+    await until(lambda: len(placements(log)) == 2)
+    stop.set()
+    await task
+    assert violations(log._records) == []
+
+
+async def test_a_lease_that_expired_unclaimed_during_an_outage_is_taken_again() -> None:
+    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    a, stop, task = await start(log, "a")
+    await until(lambda: a.is_leader)
+    del log._leases["decider.scheduler"]  # expired while NATS was away; nobody else took it
+    await asyncio.sleep(0.3)
+    assert a.is_leader and log._leases["decider.scheduler"][0] == "a"
+    stop.set()
+    await task
