@@ -48,18 +48,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = _console()
     now = time.time()
     table = Table(title="services", title_justify="left")
-    for col in ("service", "instance", "role", "folded", "lag", "decisions", "dead letters", "seen", "metrics"):
-        table.add_column(col, justify="right" if col in ("folded", "lag", "decisions", "dead letters") else "left")
+    for col in ("service", "role", "folded", "lag", "decisions", "dead", "seen", "metrics"):
+        table.add_column(col, justify="right" if col in ("folded", "lag", "decisions", "dead", "seen") else "left")
     running = {s.service for s in view["services"]}
     for s in view["services"]:
         lag = f"[red]{s.lag}[/red]" if s.lag > 1000 else str(s.lag)
-        seen = f"{now - s.updated_at:.0f}s ago"
+        where = s.metrics_url.removeprefix("http://").removesuffix("/metrics")
         table.add_row(
-            s.service, s.instance, s.role, str(s.seq), lag, str(s.decisions), str(s.dead_letters), seen, s.metrics_url
+            s.service,
+            s.role,
+            str(s.seq),
+            lag,
+            str(s.decisions),
+            str(s.dead_letters),
+            f"{now - s.updated_at:.0f}s",
+            where,
         )
     for missing in EXPECTED:
         if missing not in running:
-            table.add_row(missing, "-", "[red]not running[/red]", "", "", "", "", "", "")
+            table.add_row(missing, "[red]not running[/red]", "", "", "", "", "", "")
     console.print(table)
     nats_view = view["nats"]
     console.print(

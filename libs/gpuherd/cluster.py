@@ -110,7 +110,8 @@ class LocalCluster:
             self.server = NatsServer(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log").start()
             self.url = self.server.url
         (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
-        env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1")
+        # Every process serves /metrics and /healthz on a free port of its own; `gpuherd status` lists them.
+        env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1", GPUHERD_METRICS_PORT="0")
         lay = self.layout
         scheduler = ("--nats-url", self.url, "--lost-after", str(lay.lost_after_s))
         scheduler += ("--policy", lay.policy) if lay.policy else ()
