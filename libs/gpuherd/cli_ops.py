@@ -42,15 +42,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             await log_.close()
 
     view = asyncio.run(run())
+    running = {s.service for s in view["services"]}
+    view["degraded"] = [f"{m} is not running" for m in EXPECTED if m not in running] + [
+        f"{st['name']} has a replica behind"
+        for st in view["nats"]["streams"]
+        if any(not p["current"] or p["offline"] for p in st["peers"])
+    ]
     if args.json:
         print(msgspec.json.encode(view).decode())
-        return 0
+        return 1 if view["degraded"] else 0
     console = _console()
     now = time.time()
     table = Table(title="services", title_justify="left")
     for col in ("service", "role", "folded", "lag", "decisions", "dead", "seen", "metrics"):
         table.add_column(col, justify="right" if col in ("folded", "lag", "decisions", "dead", "seen") else "left")
-    running = {s.service for s in view["services"]}
     for s in view["services"]:
         lag = f"[red]{s.lag}[/red]" if s.lag > 1000 else str(s.lag)
         where = s.metrics_url.removeprefix("http://").removesuffix("/metrics")
@@ -86,10 +91,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             st["name"], str(st["messages"]), _size(st["bytes"]), str(st["replicas"]), st["leader"] or "-", peers
         )
     console.print(streams)
-    degraded = [m for m in EXPECTED if m not in running] or [
-        st["name"] for st in nats_view["streams"] if any(not p["current"] or p["offline"] for p in st["peers"])
-    ]
-    return 1 if degraded else 0
+    for problem in view["degraded"]:
+        console.print(f"[red]degraded:[/red] {problem}", highlight=False)
+    return 1 if view["degraded"] else 0
 
 
 async def _nats_view(log_: Any) -> dict[str, Any]:
