@@ -72,6 +72,12 @@ class Decider(abc.ABC, Generic[S]):
     def decide(self, state: S, event: ev.Event) -> list[ev.Event]:
         """Drafts of the decisions to append; ids and provenance are stamped by ``stamp``."""
 
+    def coalescible(self, event: ev.Event) -> bool:
+        """True when all ``decide`` does for ``event`` is a pass over the whole state (nothing about
+        the event itself). Of several such events waiting to be decided, the runner decides only the
+        last: it sees the same state, so it makes the same pass, once."""
+        return False
+
     @abc.abstractmethod
     def encode_state(self, state: S) -> bytes: ...
 
@@ -234,6 +240,7 @@ class DeciderRunner(Generic[S]):
         self.metrics = metrics or ServiceMetrics(decider.name)
         self.metrics_port: int | None = None  # where serve_runner serves /metrics, once it does
         self._pending: collections.deque[tuple[Record, float]] = collections.deque()  # with arrival time
+        self._pending_passes = 0  # records in _pending the decider calls coalescible
         self._wait_until = 0  # decide nothing before our own outputs up to here are folded
         self._snapshot_seq = 0
         self._snapshot_time = time.monotonic()
@@ -363,6 +370,7 @@ class DeciderRunner(Generic[S]):
         self.state = self.decider.initial_state()
         self.caught_up = asyncio.Event()
         self._pending.clear()
+        self._pending_passes = 0
         self._wait_until = 0
         self._snapshot_seq = 0
 
@@ -379,14 +387,17 @@ class DeciderRunner(Generic[S]):
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.state = self.decider.evolve(self.state, record.seq, record.event)
             self.metrics.events_consumed.inc()
+            self.metrics.folded_seq.set(record.seq)
             if catching_up:
                 cause = cause_seq_of(record.event, self.name)
                 if cause is not None:
                     decided.add(cause)
             self._pending.append((record, arrived))
+            self._pending_passes += self.decider.coalescible(record.event)
             if catching_up and record.seq >= head:
                 catching_up = False
                 self._pending = collections.deque(p for p in self._pending if p[0].seq not in decided)
+                self._pending_passes = sum(self.decider.coalescible(p[0].event) for p in self._pending)
                 decided.clear()
                 log.info("caught up", decider=self.name, seq=record.seq, to_decide=len(self._pending))
                 self.caught_up.set()
@@ -397,6 +408,11 @@ class DeciderRunner(Generic[S]):
     async def _decide_pending(self) -> None:
         while self._pending and self.state.seq >= self._wait_until:
             record, arrived = self._pending.popleft()
+            if self.decider.coalescible(record.event):
+                self._pending_passes -= 1
+                if self._pending_passes > 0:
+                    self.metrics.coalesced.inc()
+                    continue  # a later waiting event makes this same pass
             outputs = decide_stamped(self.decider, self.state, record)
             if not outputs:
                 continue

@@ -53,6 +53,9 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.coalesced = Counter(
+            "gpuherd_passes_coalesced", "Waiting events whose pass a later waiting event made", registry=r
+        )
         self.consumer_lag = Gauge("gpuherd_consumer_lag_events", "Events in the log not yet folded", registry=r)
         self.folded_seq = Gauge("gpuherd_folded_sequence", "Last log sequence folded", registry=r)
         self.leader = Gauge("gpuherd_leader", "1 while this instance holds its service's lease", registry=r)

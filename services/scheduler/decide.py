@@ -53,6 +53,21 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 )
 
 
+# Events whose only decisions are a scheduling pass (no branch of ``decide`` looks at them): of
+# several waiting at once, the runner lets the last one make the pass (``coalescible``).
+PASS_ONLY: frozenset[type[ev.Event]] = frozenset(
+    {
+        ev.JobSubmitted,
+        ev.JobFinished,
+        ev.JobRequeued,
+        ev.NodeRegistered,
+        ev.NodeUndrained,
+        ev.VcConfigured,
+        ev.PolicyConfigured,
+    }
+)
+
+
 # Of those, the ones it still reacts to (settling an attempt, committing an elastic job's new generation).
 REACTS_TO: frozenset[type[ev.Event]] = frozenset({ev.TaskEnded, ev.RescaleFailed, ev.WorkerLost})
 
@@ -70,6 +85,9 @@ class SchedulerDecider(Decider[ClusterState]):
 
     def evolve(self, state: ClusterState, seq: int, event: ev.Event) -> ClusterState:
         return apply(state, seq, event)
+
+    def coalescible(self, event: ev.Event) -> bool:
+        return type(event) in PASS_ONLY
 
     def encode_state(self, state: ClusterState) -> bytes:
         return encode_state(state)

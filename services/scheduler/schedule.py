@@ -124,6 +124,9 @@ def _plan(
     # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
     # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
     failed: set[tuple] = set()
+    # Shapes that fit the free GPUs as they are now (forgotten at each placement, which takes GPUs):
+    # a job behind the head that would delay it needs no placement computed to be told so.
+    fits: set[tuple] = set()
     why_not: dict[tuple, tuple[PendingKind, str]] = {}
     any_free = any(free_total.values())
     quota_heads: dict[str, tuple[int, JobState]] = {}  # VC -> its first job its quota stops, before the head
@@ -143,10 +146,15 @@ def _plan(
                 out.pending[job.job] = Pending("quota", _quota_detail(state, job, vc_used), position)
             continue
         shape = _shape(job)
+        if shape in fits and out.head is not None and not _may_backfill(state, job, out, backfill, extra):
+            _delays_head(state, job, out, backfill, position, explain)
+            continue
         available = sum(n for flag, n in free_total.items() if can_run(job.spec, flag))
         placement = None
         if shape not in failed and _could_fit(job, free, available):
             placement = place(job.spec, free, index)
+        if placement is not None:
+            fits.add(shape)
         if placement is None:
             failed.add(shape)
             if shape not in why_not:
@@ -160,24 +168,12 @@ def _plan(
                 out.reserved_at, extra = _reservation(state, job, free)
             continue
         if out.head is not None:
-            duration = expected_duration(job)
-            ends_in_time = (
-                backfill
-                and out.reserved_at is not None
-                and duration is not None
-                and state.now + duration <= out.reserved_at
-            )
-            spare = backfill and out.reserved_at is not None and job.spec.gpus <= extra
-            if not (ends_in_time or spare):
-                head = state.jobs[out.head]
-                when = "" if out.reserved_at is None else f" (reserved from t={out.reserved_at:.0f})"
-                kind_ = "reserved" if backfill else "order"
-                out.pending[job.job] = Pending(
-                    kind_, f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}", position
-                )
+            if not _may_backfill(state, job, out, backfill, extra):
+                _delays_head(state, job, out, backfill, position, explain)
                 continue
-            if not ends_in_time:
+            if not _ends_in_time(state, job, out, backfill):
                 extra -= job.spec.gpus
+        fits.clear()
         for alloc in placement.allocations:
             used = set(alloc.gpus)
             view = free[alloc.node]
@@ -245,6 +241,37 @@ def _could_fit(job: JobState, free: dict[str, NodeView], available: int) -> bool
         return False
     sizes = (v.free for v in free.values() if can_run(job.spec, v.runs_processes))
     return job.spec.nodes is None or fits_by_count(job.spec, sizes)
+
+
+def _ends_in_time(state: ClusterState, job: JobState, out: Plan, backfill: bool) -> bool:
+    """Backfill: the job is expected to end before the head's reserved start."""
+    if not backfill or out.reserved_at is None:
+        return False
+    duration = expected_duration(job)
+    return duration is not None and state.now + duration <= out.reserved_at
+
+
+def _may_backfill(state: ClusterState, job: JobState, out: Plan, backfill: bool, extra: int) -> bool:
+    """Behind the head, a job starts only if it ends in time or takes GPUs the head will not need."""
+    spare = backfill and out.reserved_at is not None and job.spec.gpus <= extra
+    return spare or _ends_in_time(state, job, out, backfill)
+
+
+def _delays_head(
+    state: ClusterState, job: JobState, out: Plan, backfill: bool, position: int, explain: bool
+) -> None:
+    """Record why ``job`` waits behind the head. Only explaining passes keep it: the decider's own
+    passes read nothing but the jobs that wait for GPUs (``power_up``), and a deep queue has many."""
+    if not explain:
+        return
+    assert out.head is not None
+    head = state.jobs[out.head]
+    when = "" if out.reserved_at is None else f" (reserved from t={out.reserved_at:.0f})"
+    out.pending[job.job] = Pending(
+        "reserved" if backfill else "order",
+        f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}",
+        position,
+    )
 
 
 def _shape(job: JobState) -> tuple:
