@@ -64,6 +64,7 @@ bench: install
 	$(PY) bench/bench_profile.py
 	$(PY) bench/bench_elastic.py
 	$(PY) bench/bench_memory.py
+	$(PY) bench/bench_load.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache
