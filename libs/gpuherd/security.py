@@ -100,7 +100,8 @@ def _read_log() -> tuple[str, ...]:
             f"$JS.API.CONSUMER.INFO.{stream}.>",
             f"$JS.API.CONSUMER.DELETE.{stream}.>",
         ]
-    subjects += ["$JS.API.DIRECT.GET.>", "$JS.API.STREAM.MSG.GET.*"]
+    # Direct gets (KV reads, last event of a subject); flow-control replies of push consumers (KV listings).
+    subjects += ["$JS.API.DIRECT.GET.>", "$JS.API.STREAM.MSG.GET.*", "$JS.FC.>"]
     return tuple(subjects)
 
 

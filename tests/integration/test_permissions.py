@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -229,6 +232,19 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
         state = await wait_state(admin, lambda s: s.jobs.get(job) and s.jobs[job].status == "completed", timeout=60)
         assert state.jobs[job].status == "completed"
         assert not services.crashed(), services.logs()
+        # The read-only role's view of it all: status and dead letters.
+        reader_env = {
+            **services.env,
+            "NATS_URL": server.url,
+            "NATS_USER": "reader",
+            "NATS_PASSWORD": passwords["reader"],
+        }
+        for argv in (["status", "--json"], ["events", "--dead-letter", "--json"], ["jobs", "--json"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "gpuherd", *argv], env=reader_env, capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode in (0, 1), out.stderr  # status: 1 = degraded (no agent of its own, say)
+            assert "Traceback" not in out.stderr, out.stderr
         with open(server.log_file, "rb") as f:
             f.seek(log_start)
             refused = [line for line in f.read().decode().splitlines() if "Violation" in line]
@@ -241,8 +257,6 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
 async def test_tls_with_the_dev_ca(tmp_path: Path) -> None:
     """infra/nats/make-dev-ca.sh's certificates on a real server: a client that trusts the CA
     (NATS_CA) connects over TLS; one that does not is refused."""
-    import subprocess
-
     certs = tmp_path / "certs"
     script = Path(__file__).resolve().parents[2] / "infra" / "nats" / "make-dev-ca.sh"
     subprocess.run([str(script), str(certs)], check=True, capture_output=True)
@@ -254,8 +268,6 @@ async def test_tls_with_the_dev_ca(tmp_path: Path) -> None:
         assert nc.is_connected
         await nc.close()
         with pytest.raises(Exception, match=r"(?i)certificate"):
-            await nats.connect(
-                url, allow_reconnect=False, connect_timeout=2, tls=__import__("ssl").create_default_context()
-            )
+            await nats.connect(url, allow_reconnect=False, connect_timeout=2, tls=ssl.create_default_context())
     finally:
         server.stop()
