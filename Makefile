@@ -19,6 +19,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q "atheris>=2.3" || echo "atheris did not install here; tests/fuzz/test_atheris.py will skip"
 	@touch $(STAMP)
 
 install: $(STAMP)

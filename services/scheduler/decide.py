@@ -113,7 +113,9 @@ class SchedulerDecider(Decider[ClusterState]):
         elif isinstance(event, ev.GpuHealthChanged) and not event.healthy:
             decisions += _off_unhealthy_gpu(state, event)
         elif isinstance(event, ev.TaskEnded):
-            decisions += self._settle_all(state, [event.job])
+            # Settling frees no GPU until its JobFinished or JobRequeued is folded: the pass that
+            # can use them is that event's (of several waiting at once, the last one's), not this one.
+            return self._settle_all(state, [event.job])
         elif isinstance(event, ev.JobCancelRequested):
             job = state.jobs.get(event.job)
             if job is not None and job.status == "pending":

@@ -80,6 +80,14 @@ class Fifo(Policy):
     def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
         return ()
 
+    def order(self, state: ClusterState, queue: Iterable[str] | None = None) -> list[JobState]:
+        if queue is None and len(state.queued_priorities) <= 1:
+            # One priority: the fold keeps the queue in arrival order, which is this order (no sort
+            # of a deep queue at every pass).
+            jobs = state.jobs
+            return [jobs[j] for j in state.queue]
+        return super().order(state, queue)
+
 
 class Sjf(Policy):
     """Shortest job first, by expected duration; jobs of unknown duration go last."""

@@ -48,8 +48,13 @@ from services.scheduler.policy import Policy, expected_duration
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
 
 PendingKind = Literal[
-    "quota", "gang", "powered-down", "drained", "no-node", "order", "reserved", "preempting", "cancelling"
+    "quota", "gang", "powered-down", "drained", "no-node", "order", "reserved", "depth", "preempting", "cancelling"
 ]
+
+# How many waiting jobs behind the head (the first that does not fit) a pass looks at for
+# backfill; the rest wait for a later pass, when the queue has moved (Slurm's bf_max_job_test).
+# It bounds a pass over a deep queue: without it every freed GPU costs a walk of the whole queue.
+BACKFILL_DEPTH = 1000
 
 
 class Pending(msgspec.Struct, frozen=True):
@@ -130,9 +135,21 @@ def _plan(
     why_not: dict[tuple, tuple[PendingKind, str]] = {}
     any_free = any(free_total.values())
     quota_heads: dict[str, tuple[int, JobState]] = {}  # VC -> its first job its quota stops, before the head
+    behind_head = 0
     for position, job in enumerate(order, 1):
         if not (explain or any_free) and out.head is not None:
             break  # nothing more can start in this pass; the head (the one to preempt for) is known
+        if out.head is not None:
+            behind_head += 1
+            if behind_head > BACKFILL_DEPTH:
+                if not explain:
+                    break
+                out.pending[job.job] = Pending(
+                    "depth",
+                    f"more than {BACKFILL_DEPTH} jobs wait between it and {out.head}; later passes reach it",
+                    position,
+                )
+                continue
         if job.job in skip:
             continue
         if job.cancel_requested:
@@ -257,9 +274,7 @@ def _may_backfill(state: ClusterState, job: JobState, out: Plan, backfill: bool,
     return spare or _ends_in_time(state, job, out, backfill)
 
 
-def _delays_head(
-    state: ClusterState, job: JobState, out: Plan, backfill: bool, position: int, explain: bool
-) -> None:
+def _delays_head(state: ClusterState, job: JobState, out: Plan, backfill: bool, position: int, explain: bool) -> None:
     """Record why ``job`` waits behind the head. Only explaining passes keep it: the decider's own
     passes read nothing but the jobs that wait for GPUs (``power_up``), and a deep queue has many."""
     if not explain:

@@ -1,0 +1,47 @@
+"""Coverage-guided fuzzing (atheris/libFuzzer) of what comes from outside: intake payloads judged by
+the scheduler, and stored bytes decoded as events. Run directly for as long as you like:
+
+    python tests/fuzz/atheris_intake.py -runs=1000000 [corpus_dir]
+
+``tests/fuzz/test_atheris.py`` runs it briefly in ``make test`` when atheris is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import atheris
+
+with atheris.instrument_imports():
+    from gpuherd import events as ev
+    from gpuherd.errors import EventDecodeError
+    from gpuherd.state import ClusterState, apply
+    from services.scheduler.intake import Submission, judge, node_sizes
+
+STATE = apply(
+    ClusterState(),
+    1,
+    ev.NodeRegistered(
+        id="r",
+        node="n1",
+        gpus=tuple(ev.GpuInfo(index=i, uuid=f"u{i}", model="SIM", memory_mb=81920) for i in range(8)),
+        executor="sim",
+    ),
+)
+SIZES = node_sizes(STATE)
+
+
+def one_input(data: bytes) -> None:
+    verdict = judge(STATE, Submission(source="fuzz", seq=1, data=data, at=1.0, msg_id=None), sizes=SIZES)
+    if not isinstance(verdict.event, ev.JobSubmitted | ev.JobRejected):
+        raise AssertionError(f"intake answered {verdict.event!r}")
+    if isinstance(verdict.event, ev.JobRejected) and not verdict.event.reason:
+        raise AssertionError("a rejection without a reason")
+    with contextlib.suppress(EventDecodeError):
+        ev.decode(data)
+
+
+if __name__ == "__main__":
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
