@@ -316,6 +316,13 @@ class JetStreamLog(EventLog):
         for attempt in range(40):
             try:
                 try:
+                    # Looking first means a user without the right to manage streams (a reader, a
+                    # service) never asks to: on a set-up cluster there is nothing to change.
+                    if _same_config(await self.js.stream_info(config.name), config):
+                        return
+                except nats.js.errors.NotFoundError:
+                    pass
+                try:
                     await self.js.add_stream(config)
                 except nats.js.errors.BadRequestError as exc:
                     if exc.err_code != 10058:  # exists with another config
@@ -578,6 +585,26 @@ class JetStreamLog(EventLog):
 
     def lease(self, name: str, holder: str) -> Lease:
         return _JetStreamLease(self, name, holder)
+
+
+_COMPARED = (
+    "num_replicas", "max_age", "duplicate_window", "no_ack", "deny_delete", "deny_purge", "allow_direct",
+    "allow_atomic", "max_msgs_per_subject", "discard", "storage", "retention",
+)  # fmt: skip
+
+
+def _same_config(info: Any, wanted: StreamConfig) -> bool:
+    """Whether the stream already has every setting we ask for (the server fills in the rest)."""
+    have = info.config
+    if set(have.subjects or ()) != set(wanted.subjects or ()):
+        return False
+    for field in _COMPARED:
+        value = getattr(wanted, field, None)
+        if value in (None, 0):  # not asked for (the client's defaults are None or 0): the server's stands
+            continue
+        if getattr(have, field, None) != value:
+            return False
+    return True
 
 
 def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
