@@ -78,6 +78,12 @@ class Decider(abc.ABC, Generic[S]):
         last: it sees the same state, so it makes the same pass, once."""
         return False
 
+    def independent(self, event: ev.Event) -> str | None:
+        """A key (e.g. the job) when what ``decide`` makes of ``event`` depends on nothing this decider
+        decides about other keys: waiting events with different keys are then decided on one state
+        and appended together, in one round trip. None: decided alone, after all before it are folded."""
+        return None
+
     @abc.abstractmethod
     def encode_state(self, state: S) -> bytes: ...
 
@@ -117,6 +123,9 @@ async def _try(call: Callable[[], Awaitable[bool]]) -> bool:
     except Exception as exc:
         log.warning("lease not acquirable now", error=repr(exc))
         return False
+
+
+MAX_BATCH_DECISIONS = 500  # decisions appended at once (one atomic batch holds up to 1,000 events)
 
 
 def decision_id(service: str, cause_seq: int, n: int) -> str:
@@ -407,24 +416,51 @@ class DeciderRunner(Generic[S]):
 
     async def _decide_pending(self) -> None:
         while self._pending and self.state.seq >= self._wait_until:
-            record, arrived = self._pending.popleft()
+            batch = self._next_batch()
+            if not batch:
+                continue
+            outputs = [out for _, _, decided in batch for out in decided]
+            record = batch[0][0]
+            with span_from(record.trace, f"{self.name}.decide", cause=record.event.id) as span:
+                trace = current_traceparent() if span.get_span_context().is_valid else record.trace
+                result = await append_reliably(self.log, outputs, trace=trace)
+            self.decisions_appended += len(outputs)
+            now = time.perf_counter()
+            for _, arrived, _ in batch:
+                self.metrics.decision_latency.observe(now - arrived)
+            for output in outputs:
+                self.metrics.decisions.labels(type(output).__name__).inc()
+            if result.seqs:
+                self._wait_until = max(result.seqs)
+
+    def _next_batch(self) -> list[tuple[Record, float, list[ev.Event]]]:
+        """The next waiting events that have decisions, decided on the current state: one event, or
+        a run of independent ones with distinct keys (``Decider.independent``). Events decided to
+        nothing, and passes a later waiting event makes too, are consumed on the way."""
+        batch: list[tuple[Record, float, list[ev.Event]]] = []
+        keys: set[str] = set()
+        size = 0
+        while self._pending:
+            record, arrived = self._pending[0]
+            key = self.decider.independent(record.event)
+            if batch and (key is None or key in keys or size >= MAX_BATCH_DECISIONS):
+                break  # decided once the batch is folded
+            self._pending.popleft()
             if self.decider.coalescible(record.event):
                 self._pending_passes -= 1
                 if self._pending_passes > 0:
                     self.metrics.coalesced.inc()
                     continue  # a later waiting event makes this same pass
             outputs = decide_stamped(self.decider, self.state, record)
-            if not outputs:
+            if outputs:
+                batch.append((record, arrived, outputs))
+                size += len(outputs)
+            if key is None:
+                if batch:
+                    break
                 continue
-            with span_from(record.trace, f"{self.name}.decide", cause=record.event.id) as span:
-                trace = current_traceparent() if span.get_span_context().is_valid else record.trace
-                result = await append_reliably(self.log, outputs, trace=trace)
-            self.decisions_appended += len(outputs)
-            self.metrics.decision_latency.observe(time.perf_counter() - arrived)
-            for output in outputs:
-                self.metrics.decisions.labels(type(output).__name__).inc()
-            if result.seqs:
-                self._wait_until = max(result.seqs)
+            keys.add(key)
+        return batch
 
     async def _maybe_snapshot(self) -> None:
         if self._pending or self.state.seq < self._wait_until:

@@ -89,6 +89,10 @@ class SchedulerDecider(Decider[ClusterState]):
     def coalescible(self, event: ev.Event) -> bool:
         return type(event) in PASS_ONLY
 
+    def independent(self, event: ev.Event) -> str | None:
+        # Settling a task's attempt reads and decides about that job alone (and makes no pass).
+        return event.job if type(event) is ev.TaskEnded else None
+
     def encode_state(self, state: ClusterState) -> bytes:
         return encode_state(state)
 
