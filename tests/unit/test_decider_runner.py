@@ -10,11 +10,12 @@ import asyncio
 from collections import Counter
 
 from gpuherd import events as ev
+from gpuherd.audit import audit
 from gpuherd.decider import DeciderRunner, cause_seq_of
 from gpuherd.invariants import violations
 from gpuherd.log import MemoryLog
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import finish, node, submit
+from tests.helpers import ended, finish, node, submit
 
 
 async def until(predicate, timeout: float = 5.0) -> None:
@@ -161,3 +162,29 @@ async def test_a_lease_that_expired_unclaimed_during_an_outage_is_taken_again() 
     assert a.is_leader and log._leases["decider.scheduler"][0] == "a"
     stop.set()
     await task
+
+
+async def test_waiting_settlements_of_different_jobs_are_decided_together_and_of_one_job_once() -> None:
+    """Task ends waiting at once are settled in one append, on one state; the two task ends of a
+    2-node job still settle it once; the audit re-makes every one of those decisions."""
+    log = MemoryLog(duplicate_window=0)
+    await log.append([node("n1", 4), node("n2", 4)])
+    await log.append([submit("a", 1), submit("b", 1), submit("g", 2, nodes=2)])
+    _, stop, task = await start(log)
+    await until(lambda: len(placements(log)) == 3)
+    stop.set()
+    await task
+    nodes_of = {p.job: [a.node for a in p.allocations] for p in placements(log)}
+    await log.append([ended("a", nodes_of["a"][0]), ended("b", nodes_of["b"][0])])
+    await log.append([ended("g", "n1"), ended("g", "n2")])
+    _, stop2, task2 = await start(log, instance="b")  # all four wait at once when it catches up
+    await until(lambda: sum(isinstance(r.event, ev.JobFinished) for r in log._records) == 3)
+    await asyncio.sleep(0.1)
+    stop2.set()
+    await task2
+    finished = [r for r in log._records if isinstance(r.event, ev.JobFinished)]
+    assert sorted(r.event.job for r in finished) == ["a", "b", "g"]
+    assert len({r.event.based_on for r in finished[:2]}) == 1, "a and b were decided on one state"
+    assert finished[1].seq == finished[0].seq + 1, "...and appended together"
+    assert violations(log._records) == []
+    assert audit(log._records, SchedulerDecider()).ok
