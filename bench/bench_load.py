@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -276,6 +277,7 @@ async def run(args: argparse.Namespace) -> None:
         for proc in procs.values():
             proc.wait(10)
         server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
     place = sorted(fleet.place_times)
     place_rate = (len(place) - 1) / (place[-1] - place[0]) if len(place) > 1 else float("nan")

@@ -35,6 +35,7 @@ is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Literal
 
@@ -338,27 +339,29 @@ def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView])
     """When enough GPUs free up for the head (by GPU count, from running jobs' expected ends), and
     how many GPUs are spare then. None when an end it depends on is unknown."""
     available = sum(v.free for v in free.values())
-    ends: list[tuple[float, int]] = []
+    if available >= head.spec.gpus:
+        return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
+    ends: list[tuple[float, JobState]] = []
     for job in state.active_jobs():
         duration = expected_duration(job)
         start = job.started_at if job.started_at is not None else state.now
         end = math.inf if duration is None else start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
-        healthy = sum(
-            1 for a in job.allocations for i in a.gpus if a.node in free and state.nodes[a.node].gpus[i].healthy
-        )
-        ends.append((end, healthy))
-    for end, gpus in sorted(ends):
-        if available >= head.spec.gpus:
-            break
+        ends.append((end, job))
+    ends.sort(key=lambda e: e[0])
+    # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
+    # are counted only when its end is reached (the head usually needs the first few ends, of thousands).
+    for end, group in itertools.groupby(ends, key=lambda e: e[0]):
         if math.isinf(end):
             return None, 0
-        available += gpus
-        reserved_at = max(end, state.now)
-        if available >= head.spec.gpus:
-            return reserved_at, available - head.spec.gpus
-    if available >= head.spec.gpus:
-        return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
+        for gpus in sorted(_healthy_gpus(state, job, free) for _, job in group):
+            available += gpus
+            if available >= head.spec.gpus:
+                return max(end, state.now), available - head.spec.gpus
     return None, 0
+
+
+def _healthy_gpus(state: ClusterState, job: JobState, free: dict[str, NodeView]) -> int:
+    return sum(1 for a in job.allocations for i in a.gpus if a.node in free and state.nodes[a.node].gpus[i].healthy)
 
 
 # -- preemption ----------------------------------------------------------------------------------------
