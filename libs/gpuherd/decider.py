@@ -43,7 +43,7 @@ from gpuherd import events as ev
 from gpuherd.aio import acquire_lease, run_until_stopped
 from gpuherd.errors import LeaseLost, LogError
 from gpuherd.log.base import HERD, SNAPSHOT_BUCKET, AppendResult, DeadLetter, EventLog, Record
-from gpuherd.metrics import ServiceMetrics, metrics_port_from_env, serve_http, server_port, status_reporter
+from gpuherd.metrics import ServiceMetrics, metrics_port_from_env, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import current_traceparent, get_logger, span_from
 
 log = get_logger("gpuherd.decider")
@@ -247,7 +247,7 @@ class DeciderRunner(Generic[S]):
         self.caught_up = asyncio.Event()
         self.decisions_appended = 0
         self.metrics = metrics or ServiceMetrics(decider.name)
-        self.metrics_port: int | None = None  # where serve_runner serves /metrics, once it does
+        self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self._pending: collections.deque[tuple[Record, float]] = collections.deque()  # with arrival time
         self._pending_passes = 0  # records in _pending the decider calls coalescible
         self._wait_until = 0  # decide nothing before our own outputs up to here are folded
@@ -423,7 +423,7 @@ class DeciderRunner(Generic[S]):
             record = batch[0][0]
             with span_from(record.trace, f"{self.name}.decide", cause=record.event.id) as span:
                 trace = current_traceparent() if span.get_span_context().is_valid else record.trace
-                result = await append_reliably(self.log, outputs, trace=trace)
+                result = await self._append(outputs, trace)
             self.decisions_appended += len(outputs)
             now = time.perf_counter()
             for _, arrived, _ in batch:
@@ -432,6 +432,19 @@ class DeciderRunner(Generic[S]):
                 self.metrics.decisions.labels(type(output).__name__).inc()
             if result.seqs:
                 self._wait_until = max(result.seqs)
+
+    async def _append(self, outputs: list[ev.Event], trace: str | None) -> AppendResult:
+        """All-or-nothing when they fit one atomic append. A pass that places more jobs than that is
+        appended in consecutive atomic parts: a crash between parts leaves the rest of that pass to
+        the next one (the jobs still wait in the folded state), and the audit reports them missing."""
+        step = self.log.max_batch
+        if len(outputs) <= step:
+            return await append_reliably(self.log, outputs, trace=trace)
+        seqs: list[int] = []
+        for start in range(0, len(outputs), step):
+            part = await append_reliably(self.log, outputs[start : start + step], trace=trace)
+            seqs.extend(part.seqs)
+        return AppendResult(seqs=tuple(seqs))
 
     def _next_batch(self) -> list[tuple[Record, float, list[ev.Event]]]:
         """The next waiting events that have decisions, decided on the current state: one event, or
@@ -509,22 +522,6 @@ async def keep_dead_letter(log_: EventLog, letter: DeadLetter, *, give_up_after:
             delay = min(delay * 2, 2.0)
 
 
-async def serve_runner(runner: DeciderRunner[Any], metrics_port: int | None) -> None:
-    """Run ``runner`` until SIGTERM, serving its /metrics, /healthz and /readyz on ``metrics_port``
-    (0: any free port; None: none)."""
-    from gpuherd.aio import serve_until_signal
-
-    server = None
-    if metrics_port is not None:
-        server = await serve_http(runner.metrics, runner.health, runner.readiness, port=metrics_port)
-        runner.metrics_port = server_port(server)
-    try:
-        await serve_until_signal(runner.run)
-    finally:
-        if server is not None:
-            server.close()
-
-
 def params_argument(text: str | None, convert: Callable[[dict[str, float]], object]) -> dict[str, float] | None:
     """A service's ``--params`` JSON as the dict its ``...Configured`` event records; ValueError
     (with the known names) for what its parameters class refuses."""
@@ -558,7 +555,7 @@ async def serve_decider(
         await append_reliably(log_, [configured])
     runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=[clock_ticker(decider.name, tick_s)])
     try:
-        await serve_runner(runner, metrics_port)
+        await serve_until_signal_with_http(runner, metrics_port)
     finally:
         await log_.close()
 

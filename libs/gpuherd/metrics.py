@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -154,6 +154,35 @@ async def serve_http(
 
 def server_port(server: asyncio.AbstractServer) -> int:
     return int(server.sockets[0].getsockname()[1])
+
+
+class Served(Protocol):
+    """A long-running process with endpoints: a decider runner, a node agent."""
+
+    metrics: ServiceMetrics
+    metrics_port: int | None
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+async def serve_until_signal_with_http(process: Served, metrics_port: int | None) -> None:
+    """Run ``process`` until SIGTERM, serving its /metrics, /healthz and /readyz on ``metrics_port``
+    (0: any free port; None: none)."""
+    from gpuherd.aio import serve_until_signal
+
+    server = None
+    if metrics_port is not None:
+        server = await serve_http(process.metrics, process.health, process.readiness, port=metrics_port)
+        process.metrics_port = server_port(server)
+    try:
+        await serve_until_signal(process.run)
+    finally:
+        if server is not None:
+            server.close()
 
 
 def metrics_port_from_env(default: int | None = None) -> int | None:

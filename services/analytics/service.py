@@ -18,9 +18,10 @@ import socket
 from pathlib import Path
 
 from gpuherd import events as ev
-from gpuherd.decider import DeciderRunner, ExtraTask, add_metrics_argument, clock_ticker, serve_runner
+from gpuherd.decider import DeciderRunner, ExtraTask, add_metrics_argument, clock_ticker
 from gpuherd.log import open_log
 from gpuherd.log.base import Record
+from gpuherd.metrics import serve_until_signal_with_http
 from gpuherd.obs import configure, get_logger
 from services.analytics.ces import CesParams
 from services.analytics.decide import AnalyticsDecider, AnalyticsState
@@ -91,7 +92,7 @@ async def serve(
     runner = DeciderRunner(log_, AnalyticsDecider(ces=ces), instance=instance, extra_tasks=extra)
     runner.metrics.watch_cluster(lambda: runner.state.cluster)
     try:
-        await serve_runner(runner, metrics_port)
+        await serve_until_signal_with_http(runner, metrics_port)
     finally:
         await log_.close()
 

@@ -33,11 +33,11 @@ from prometheus_client import Gauge
 
 from gpuherd import events as ev
 from gpuherd import jobenv
-from gpuherd.aio import acquire_lease, run_until_stopped, serve_until_signal
+from gpuherd.aio import acquire_lease, run_until_stopped
 from gpuherd.decider import add_metrics_argument, append_reliably, report_unreadable
 from gpuherd.errors import LeaseLost
 from gpuherd.log import EventLog, open_log
-from gpuherd.metrics import ServiceMetrics, serve_http, server_port, status_reporter
+from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ACTIVE, TERMINAL, ClusterState, JobState, apply
 from services.nodeagent import leases
@@ -788,15 +788,9 @@ async def serve(args: argparse.Namespace) -> None:
         telemetry_s=args.telemetry,
         power_hook=args.power_hook,
     )
-    server = None
-    if args.metrics_port is not None:
-        server = await serve_http(agent.metrics, agent.health, agent.readiness, port=args.metrics_port)
-        agent.metrics_port = server_port(server)
     try:
-        await serve_until_signal(agent.run)
+        await serve_until_signal_with_http(agent, args.metrics_port)
     finally:
-        if server is not None:
-            server.close()
         await log_.close()
 
 

@@ -28,11 +28,11 @@ from gpuherd.decider import (
     add_metrics_argument,
     append_reliably,
     keep_dead_letter,
-    serve_runner,
 )
 from gpuherd.errors import ConcurrencyError
 from gpuherd.log import Delivery, DurableConsumer, EventLog, open_log
 from gpuherd.log.base import HERD_INTAKE, INTAKE_PREFIX, MAX_DELIVERIES, REPLY_HEADER, DeadLetter
+from gpuherd.metrics import serve_until_signal_with_http
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.state import ClusterState
 from services.scheduler.decide import SchedulerDecider
@@ -252,7 +252,7 @@ async def serve(
     runner = DeciderRunner(log_, SchedulerDecider(), instance=instance, extra_tasks=extra)
     runner.metrics.watch_cluster(lambda: runner.state)
     try:
-        await serve_runner(runner, metrics_port)
+        await serve_until_signal_with_http(runner, metrics_port)
     finally:
         await log_.close()
 

@@ -188,3 +188,17 @@ async def test_waiting_settlements_of_different_jobs_are_decided_together_and_of
     assert finished[1].seq == finished[0].seq + 1, "...and appended together"
     assert violations(log._records) == []
     assert audit(log._records, SchedulerDecider()).ok
+
+
+async def test_a_pass_larger_than_one_atomic_append_is_appended_in_parts() -> None:
+    log = MemoryLog(duplicate_window=0)
+    log.max_batch = 2  # JetStream's is 1,000: a pass on a big cluster can place more jobs than that
+    await log.append([node("n1", 8)])
+    for j in "abcde":
+        await log.append([submit(j, 1)])
+    _, stop, task = await start(log)  # all five wait when it catches up: one pass places them
+    await until(lambda: len(placements(log)) == 5)
+    stop.set()
+    await task
+    assert len({p.based_on for p in placements(log)}) == 1, "one pass"
+    assert violations(log._records) == [] and audit(log._records, SchedulerDecider()).ok

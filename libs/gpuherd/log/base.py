@@ -142,6 +142,7 @@ class EventLog(abc.ABC):
     """One interface for the JetStream log and the in-memory log."""
 
     lease_ttl: float = 6.0
+    max_batch: int = 1000  # events one atomic append may hold (JetStream's limit for atomic batches)
 
     # -- HERD ---------------------------------------------------------------------
 

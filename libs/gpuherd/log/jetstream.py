@@ -77,7 +77,6 @@ log = get_logger("gpuherd.log")
 
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_BATCH_DUPLICATE_ID = 10201
-MAX_BATCH = 1000
 _batch_numbers = itertools.count(1)  # batch ids: unique per process, with the client id and clock
 
 
@@ -367,8 +366,8 @@ class JetStreamLog(EventLog):
     ) -> AppendResult:
         if not events:
             return AppendResult(seqs=())
-        if len(events) > MAX_BATCH:
-            raise LogError(f"an atomic append holds at most {MAX_BATCH} events, got {len(events)}")
+        if len(events) > self.max_batch:
+            raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
         if len(events) == 1:
             event = events[0]
             try:

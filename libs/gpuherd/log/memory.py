@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from gpuherd.errors import ConcurrencyError, LeaseLost, LogUnavailable
+from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
 from gpuherd.events import Event
 from gpuherd.log.base import (
     AppendResult,
@@ -63,6 +63,8 @@ class MemoryLog(EventLog):
         expect: Mapping[str, int] | None = None,
         trace: str | None = None,
     ) -> AppendResult:
+        if len(events) > self.max_batch:
+            raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
         result = self.append_now(events, expect=expect, trace=trace)
         if result.seqs and not result.duplicate:
             async with self._changed:
