@@ -34,6 +34,7 @@ local: install
 
 ## up: the compose deployment (3-node JetStream cluster, services, agents of PROFILES=sim,cpu[,gpu])
 up: infra/secrets.env
+	@command -v docker >/dev/null || { echo "make up needs Docker Engine with Compose v2.24+; make local runs it all on this machine"; exit 1; }
 	COMPOSE_PROFILES=$(PROFILES) $(COMPOSE) up --detach --build --wait
 
 ## down: stop it; VOLUMES=1 also drops the log and the agents' data
