@@ -94,6 +94,7 @@ class JetStreamSettings(msgspec.Struct, kw_only=True):
     streams: str = "create"
     dead_letter_max_age_s: float = 30 * 86400.0
     status_ttl_s: float = 15.0
+    outage_patience_s: float = 120.0  # how long a read waits through a NATS outage before it gives up
 
 
 def credentials_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -464,8 +465,21 @@ class JetStreamLog(EventLog):
             yield Record(seq, event, headers.get(TRACEPARENT) if headers else None)
 
     async def last_seq(self) -> int:
-        info = await self.js.stream_info(HERD)
-        return int(info.state.last_seq)
+        # A server failing over or a stream electing its leader answers late: wait for it (what
+        # asks is about to read the log, which waits through the same outage anyway).
+        delay = 0.1
+        deadline = time.monotonic() + self.settings.outage_patience_s
+        while True:
+            try:
+                info = await self.js.stream_info(HERD)
+                return int(info.state.last_seq)
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as exc:  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise LogUnavailable(f"the log's stream did not answer: {exc!r}") from exc
+                log.warning("stream info failed; retrying", error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     async def subject_last_seq(self, subject: str) -> int:
         try:
