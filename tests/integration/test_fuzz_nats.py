@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from gpuherd import events as ev
 from gpuherd.audit import audit
 from gpuherd.client import Client
+from gpuherd.errors import EventDecodeError
 from gpuherd.log import open_log
 from gpuherd.log.base import HERD
 from gpuherd.natsd import NatsServer
@@ -94,7 +95,10 @@ def test_bad_bytes_on_every_consumed_subject(running: dict[str, Any], payload: b
     async def one() -> None:
         for subject in HERD_SUBJECTS:
             ack = await log_.js.publish(subject, payload)
-            running["stored"].append(ack.seq)
+            try:
+                ev.decode(payload)  # a few draws are valid events (every field has a default): not dead letters
+            except EventDecodeError:
+                running["stored"].append(ack.seq)
         verdict = await client.submit_raw(payload, timeout=30)
         assert verdict.ok is False and verdict.error, verdict
         await log_.nc.publish("herd.telemetry.n1.heartbeat", payload)
@@ -125,7 +129,7 @@ def test_after_the_fuzz_everything_still_works(running: dict[str, Any]) -> None:
         assert set(stored) <= set(dead), f"{len(set(stored) - set(dead))} bad events without a dead letter"
         assert all(d.reason and d.consumer for d in dead.values())
         records = await log_.read_all()
-        assert sum(isinstance(r.event, ev.Unreadable) for r in records) == len(stored)
+        assert {r.seq for r in records if isinstance(r.event, ev.Unreadable)} == set(stored)
         report = audit(records, SchedulerDecider())
         assert report.ok, report.mismatches[:3]
 
