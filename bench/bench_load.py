@@ -45,6 +45,7 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
 from gpuherd.log.ordered import ordered_messages, stream_time
+from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import NatsServer, free_port
 
 console = Console()
@@ -126,17 +127,7 @@ class Fleet:
 
 
 async def scrape(port: int) -> dict[str, float]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-    await writer.drain()
-    body = (await reader.read()).decode().partition("\r\n\r\n")[2]
-    writer.close()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return parse_metrics((await http_get(port, "/metrics"))[1])
 
 
 async def baseline(url: str, n: int) -> float:

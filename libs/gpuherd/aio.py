@@ -5,13 +5,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
+from gpuherd.errors import LogUnavailable
 from gpuherd.log.base import Lease
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.aio")
+
+
+T = TypeVar("T")
+
+
+async def patiently(
+    call: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    patience_s: float,
+    transient: tuple[type[BaseException], ...] = (Exception,),
+) -> T:
+    """``call()``, tried again after ``transient`` failures (NATS failing over, a stream electing
+    its leader) with a growing pause, for ``patience_s``; then LogUnavailable naming ``what``."""
+    deadline = time.monotonic() + patience_s
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except transient as exc:
+            if time.monotonic() > deadline:
+                raise LogUnavailable(f"{what}: no success within {patience_s:.0f}s ({exc!r})") from exc
+            log.warning(f"{what}: failed; retrying", error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:

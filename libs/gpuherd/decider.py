@@ -40,8 +40,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.errors import LeaseLost, LogError
+from gpuherd.aio import acquire_lease, patiently, run_until_stopped
+from gpuherd.errors import LeaseLost, LogError, LogUnavailable
 from gpuherd.log.base import HERD, SNAPSHOT_BUCKET, AppendResult, DeadLetter, EventLog, Record
 from gpuherd.metrics import ServiceMetrics, metrics_port_from_env, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import current_traceparent, get_logger, span_from
@@ -114,15 +114,6 @@ class RecordedParams(Generic[P]):
             except ValueError:
                 self._cached = (key, self.default)
         return self._cached[1]
-
-
-async def _try(call: Callable[[], Awaitable[bool]]) -> bool:
-    """``call()``, with a NATS error counting as False."""
-    try:
-        return await call()
-    except Exception as exc:
-        log.warning("lease not acquirable now", error=repr(exc))
-        return False
 
 
 MAX_BATCH_DECISIONS = 500  # decisions appended at once (one atomic batch holds up to 1,000 events)
@@ -261,15 +252,10 @@ class DeciderRunner(Generic[S]):
     # -- snapshots ------------------------------------------------------------------------
 
     async def load_snapshot(self) -> None:
-        for attempt in range(60):
-            try:
-                data = await self.log.kv_get(SNAPSHOT_BUCKET, self.name)
-                break
-            except Exception as exc:  # the bucket's stream electing a leader, NATS away: wait, it is only a cache
-                log.warning("snapshot not readable yet; retrying", error=repr(exc), attempt=attempt)
-                await asyncio.sleep(1.0)
-        else:
-            data = None  # rebuilt from the log instead
+        try:
+            data = await patiently(lambda: self.log.kv_get(SNAPSHOT_BUCKET, self.name), what="snapshot", patience_s=60)
+        except LogUnavailable:
+            data = None  # only a cache: rebuilt from the log instead
         if data is None:
             return
         try:
@@ -306,13 +292,9 @@ class DeciderRunner(Generic[S]):
         while True:
             await asyncio.sleep(self._lease.ttl / 3)
             try:
-                await self._lease.renew()
+                await self._lease.renew()  # taken again if it expired unclaimed during an outage
             except LeaseLost:
-                # It expired while NATS could not renew it (a server failing over). If nobody took
-                # it meanwhile, nobody decided meanwhile: it is ours again. Otherwise we are a standby.
-                if not await _try(self._lease.try_acquire):
-                    raise
-                log.warning("lease expired during an outage and was taken again", lease=self._lease.name)
+                raise  # another instance leads: run() turns this one into a standby
             except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
                 log.warning("lease renewal failed; retrying", error=repr(exc))
 
@@ -508,18 +490,14 @@ async def report_unreadable(log_: EventLog, record: Record, consumer: str, metri
 async def keep_dead_letter(log_: EventLog, letter: DeadLetter, *, give_up_after: float = 3600.0) -> bool:
     """Store a dead letter, retrying through NATS outages; False if it could not be stored (a role
     without the right, a long outage: the error log still says it)."""
-    deadline = time.monotonic() + give_up_after
-    delay = 0.1
-    while True:
-        try:
-            await asyncio.wait_for(log_.dead_letter(letter), 10.0)
-            return True
-        except Exception as exc:
-            if time.monotonic() > deadline:
-                log.warning("dead letter not stored", seq=letter.seq, stream=letter.stream, error=repr(exc))
-                return False
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    try:
+        await patiently(
+            lambda: asyncio.wait_for(log_.dead_letter(letter), 10.0), what="dead letter", patience_s=give_up_after
+        )
+    except LogUnavailable as exc:
+        log.warning("dead letter not stored", seq=letter.seq, stream=letter.stream, error=str(exc))
+        return False
+    return True
 
 
 def params_argument(text: str | None, convert: Callable[[dict[str, float]], object]) -> dict[str, float] | None:

@@ -152,6 +152,29 @@ async def serve_http(
     return server
 
 
+async def http_get(port: int, path: str, *, host: str = "127.0.0.1", timeout: float = 5.0) -> tuple[int, str]:
+    """GET ``path`` from a process's endpoints: (status, body). Raises OSError or TimeoutError."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {sample with its labels, as printed: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def server_port(server: asyncio.AbstractServer) -> int:
     return int(server.sockets[0].getsockname()[1])
 

@@ -225,14 +225,9 @@ class Agent:
             )
             try:
                 await self.log.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
-                try:
-                    await lease.renew()
-                except LeaseLost:
-                    # Expired while NATS failed over. Free again: still ours. Taken: another agent
-                    # runs this node now, and this one must stop (its tasks fence themselves).
-                    if not await lease.try_acquire():
-                        raise
-                    log.warning("node lease expired during an outage and was taken again")
+                # Taken again if it expired unclaimed while NATS failed over. LeaseLost: another agent
+                # runs this node now, and this one must stop (its tasks fence themselves).
+                await lease.renew()
                 self._touch_alive()
             except LeaseLost:
                 raise

@@ -22,6 +22,7 @@ import uuid
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.aio import patiently
 from gpuherd.decider import (
     DeciderRunner,
     ExtraTask,
@@ -29,7 +30,7 @@ from gpuherd.decider import (
     append_reliably,
     keep_dead_letter,
 )
-from gpuherd.errors import ConcurrencyError, LogUnavailable
+from gpuherd.errors import ConcurrencyError
 from gpuherd.log import Delivery, DurableConsumer, EventLog, open_log
 from gpuherd.log.base import HERD_INTAKE, INTAKE_PREFIX, MAX_DELIVERIES, REPLY_HEADER, DeadLetter
 from gpuherd.metrics import serve_until_signal_with_http
@@ -92,16 +93,8 @@ async def handle_submission(
 async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
     await runner.caught_up.wait()
     consumer = runner.log.intake_consumer(INTAKE_CONSUMER)
-    for attempt in range(600):
-        try:
-            await consumer.open()
-            break
-        except Exception as exc:  # the intake stream electing its leader, NATS failing over: wait
-            if attempt % 10 == 0:
-                log.warning("intake consumer not open yet; retrying", error=repr(exc))
-            await asyncio.sleep(0.5)
-    else:
-        raise LogUnavailable("the intake consumer could not be opened for 5 minutes")
+    # The intake stream may be electing its leader, or NATS failing over: wait for it.
+    await patiently(consumer.open, what="intake consumer", patience_s=300)
     # Intake listens from here on: a plain NATS request sent from now gets its reply.
     stop_ready = await runner.log.serve_requests("scheduler.ready", _ready(runner))
     try:

@@ -23,6 +23,7 @@ from gpuherd.audit import audit
 from gpuherd.client import Client
 from gpuherd.invariants import unfinished, violations
 from gpuherd.log import open_log
+from gpuherd.metrics import http_get
 from gpuherd.natsd import NatsCluster, free_port
 from services.elastic.decide import ElasticDecider
 from services.memory.decide import MemoryDecider
@@ -41,18 +42,9 @@ LOST_AFTER_S = 6.0
 
 async def http_ok(port: int, path: str = "/readyz") -> bool:
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-    except (OSError, TimeoutError):
+        return (await http_get(port, path, timeout=2.0))[0] == 200
+    except (OSError, TimeoutError, ValueError, IndexError):
         return False
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        await writer.drain()
-        status = await asyncio.wait_for(reader.readline(), 2.0)
-        return status.split()[1:2] == [b"200"]
-    except (OSError, TimeoutError, IndexError):
-        return False
-    finally:
-        writer.close()
 
 
 async def until(check, timeout: float) -> None:

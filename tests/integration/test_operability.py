@@ -11,28 +11,18 @@ import pytest
 
 from gpuherd.client import Client
 from gpuherd.log import open_log
+from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import free_port
 from tests.integration.procs import Services, wait_scheduler_ready, wait_state
 
 pytestmark = pytest.mark.slow
 
 
-async def http_get(port: int, path: str) -> tuple[int, str]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
-    head, _, body = raw.decode().partition("\r\n\r\n")
-    return int(head.split()[1]), body
-
-
 def metric(text: str, name: str) -> float:
     """The value of the sample ``name`` (with its labels, as printed) in Prometheus text."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not in the metrics:\n{text[:2000]}")
+    samples = parse_metrics(text)
+    assert name in samples, f"{name} not in the metrics:\n{text[:2000]}"
+    return samples[name]
 
 
 async def test_metrics_health_and_status(local_nats, tmp_path) -> None:

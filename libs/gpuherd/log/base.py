@@ -132,7 +132,9 @@ class Lease(abc.ABC):
 
     @abc.abstractmethod
     async def renew(self) -> None:
-        """Extend the lease; raises LeaseLost if another holder has it now."""
+        """Extend the lease. One that expired unclaimed (NATS away for longer than the TTL, a server
+        failing over) is taken again: nobody held it meanwhile, so nobody acted on it. Raises
+        LeaseLost if another holder has it now, or it was never acquired or was released."""
 
     @abc.abstractmethod
     async def release(self) -> None: ...

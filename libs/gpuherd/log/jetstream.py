@@ -467,19 +467,20 @@ class JetStreamLog(EventLog):
     async def last_seq(self) -> int:
         # A server failing over or a stream electing its leader answers late: wait for it (what
         # asks is about to read the log, which waits through the same outage anyway).
-        delay = 0.1
-        deadline = time.monotonic() + self.settings.outage_patience_s
-        while True:
-            try:
-                info = await self.js.stream_info(HERD)
-                return int(info.state.last_seq)
-            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                    nats.js.errors.ServiceUnavailableError) as exc:  # fmt: skip
-                if time.monotonic() > deadline:
-                    raise LogUnavailable(f"the log's stream did not answer: {exc!r}") from exc
-                log.warning("stream info failed; retrying", error=repr(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        from gpuherd.aio import patiently
+
+        async def head() -> int:
+            return int((await self.js.stream_info(HERD)).state.last_seq)
+
+        transient = (
+            TimeoutError,
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        )
+        return await patiently(
+            head, what="the log's head", patience_s=self.settings.outage_patience_s, transient=transient
+        )
 
     async def subject_last_seq(self, subject: str) -> int:
         try:
@@ -760,6 +761,9 @@ class _JetStreamLease(Lease):
         try:
             self._revision = await self._kv.update(self.name, self.holder.encode(), last=self._revision)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
+            if await self.try_acquire():  # it expired unclaimed: ours again
+                log.warning("lease expired during an outage and was taken again", lease=self.name)
+                return
             raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}") from exc
 
     async def release(self) -> None:

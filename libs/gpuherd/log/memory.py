@@ -294,23 +294,23 @@ class _MemoryLease(Lease):
         self.name = name
         self.holder = holder
         self.ttl = log.lease_ttl
+        self._held = False
 
     async def try_acquire(self) -> bool:
         now = self._log.clock()
         current = self._log._leases.get(self.name)
         if current is None or current[1] <= now or current[0] == self.holder:
             self._log._leases[self.name] = (self.holder, now + self.ttl)
+            self._held = True
             return True
         return False
 
     async def renew(self) -> None:
-        now = self._log.clock()
-        current = self._log._leases.get(self.name)
-        if current is None or current[0] != self.holder or current[1] <= now:
+        if not self._held or not await self.try_acquire():  # try_acquire: ours, or expired unclaimed
             raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}")
-        self._log._leases[self.name] = (self.holder, now + self.ttl)
 
     async def release(self) -> None:
         current = self._log._leases.get(self.name)
+        self._held = False
         if current is not None and current[0] == self.holder:
             del self._log._leases[self.name]
