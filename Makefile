@@ -55,8 +55,8 @@ chaos: install
 	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(VENV)/bin/pytest -q -s tests/chaos
 
 lint: install
-	$(VENV)/bin/ruff check libs services tests bench examples
-	$(VENV)/bin/ruff format --check libs services tests bench examples
+	$(VENV)/bin/ruff check apps libs services tests bench examples
+	$(VENV)/bin/ruff format --check apps libs services tests bench examples
 
 bench: install
 	$(PY) bench/bench_log.py

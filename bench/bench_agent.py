@@ -36,9 +36,9 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from apps.cluster.local import ClusterLayout, LocalCluster
 from gpuherd import events as ev
 from gpuherd.client import Client
-from gpuherd.cluster import ClusterLayout, LocalCluster
 from gpuherd.log import open_log
 
 console = Console()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from train_cnn import SmallResNet  # noqa: E402
 from transformer import SmallTransformerBlock, TransformerBlock  # noqa: E402
 
-from gpuherd.cli_profile import profile_table, scaling_tables  # noqa: E402
+from apps.cli.profile import profile_table, scaling_tables  # noqa: E402
 from gpuherd.train.dataparallel import measure_allreduce, measure_core_sharing, predict_scaling  # noqa: E402
 from gpuherd.train.profile import profile_layers  # noqa: E402
 

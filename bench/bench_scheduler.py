@@ -34,10 +34,10 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
 from gpuherd.natsd import NatsServer
-from gpuherd.state import ClusterState, apply
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import POLICIES, make_policy
 from services.scheduler.schedule import plan
+from services.scheduler.state import SchedulerState
 
 console = Console()
 NODES, GPUS = 1000, 8
@@ -65,17 +65,17 @@ def registrations() -> list[ev.NodeRegistered]:
     ]
 
 
-def loaded_state(seed: int = 1) -> ClusterState:
+def loaded_state(seed: int = 1) -> SchedulerState:
     """A busy cluster with 1,000 jobs waiting, built by the scheduler's own decisions."""
     rng = random.Random(seed)
     decider = SchedulerDecider()
-    state = ClusterState()
+    state = decider.initial_state()
     seq = 0
 
     def fold(event: ev.Event) -> None:
         nonlocal seq
         seq += 1
-        apply(state, seq, event)
+        decider.evolve(state, seq, event)
 
     for event in [
         ev.VcConfigured(id="vc-a", vc="a", gpu_quota=3000, can_borrow=True),
@@ -117,7 +117,7 @@ def loaded_state(seed: int = 1) -> ClusterState:
     return state
 
 
-def time_passes(state: ClusterState, repeats: int) -> list[tuple[str, float, float, int, int]]:
+def time_passes(state: SchedulerState, repeats: int) -> list[tuple[str, float, float, int, int]]:
     rows = []
     for name in sorted(POLICIES, key=lambda p: (p != "fifo", p)):
         policy = make_policy(name)

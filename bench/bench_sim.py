@@ -21,9 +21,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from apps.sim.cluster import ClusterSpec
+from apps.sim.run import simulate
 from gpuherd import events as ev
-from gpuherd.sim.cluster import ClusterSpec
-from gpuherd.sim.run import simulate
 from services.analytics.jobs import job_table, summarize
 from services.analytics.traces import load_trace, submissions, vc_peak_demand
 

@@ -26,9 +26,9 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from apps.cluster.local import ClusterLayout, LocalCluster
 from gpuherd import events as ev
 from gpuherd.client import Client
-from gpuherd.cluster import ClusterLayout, LocalCluster
 from gpuherd.log import open_log
 
 console = Console()
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def inventory_and_telemetry() -> None:
-    from gpuherd.state import islands_of
+    from gpuherd.fold import islands_of
     from services.nodeagent.executors.nvml import NvmlExecutor
 
     with tempfile.TemporaryDirectory() as tmp:

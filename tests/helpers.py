@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from gpuherd import events as ev
-from gpuherd.log.base import Record
+from gpuherd.log import Record
 
 _ids = itertools.count(1)
 
@@ -66,9 +66,7 @@ def submit(
         command=command,
         max_retries=max_retries,
     )
-    return ev.JobSubmitted(
-        id=f"scheduler:intake:test:{job}", at=at, source="scheduler", job=job, spec=spec, intake_source="test"
-    )
+    return ev.JobSubmitted(id=f"test:intake:{job}", at=at, source="test", job=job, spec=spec, intake_source="test")
 
 
 def finish(job: str, attempt: int = 0, *, at: float = 0.0, outcome: str = "completed") -> ev.JobFinished:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from gpuherd.errors import LogUnavailable
-from gpuherd.log.base import Lease
+from gpuherd.log import Lease
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.aio")

@@ -24,7 +24,7 @@ import yaml
 
 from gpuherd import events as ev
 from gpuherd.errors import SubmissionError
-from gpuherd.log.base import INTAKE_PREFIX, REPLY_HEADER
+from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import current_traceparent, tracer
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpuherd.log.base import STATUS_BUCKET, EventLog
+from gpuherd.log import STATUS_BUCKET, EventLog
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.metrics")
@@ -96,8 +96,9 @@ class _ClusterCollector(Collector):
         if state is None:
             return
         jobs = GaugeMetricFamily("gpuherd_jobs", "Jobs by state, as this service folded them", labels=["state"])
-        counts: dict[str, int] = {}
-        for job in state.jobs.values():
+        counts: dict[str, int] = dict(state.ended)  # jobs that ended (a service's state drops them)
+        counts["pending"] = len(state.queue)
+        for job in state.active_jobs():
             counts[job.status] = counts.get(job.status, 0) + 1
         for name in ("pending", "placed", "running", "completed", "failed", "cancelled"):
             jobs.add_metric([name], counts.get(name, 0))

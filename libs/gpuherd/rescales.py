@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuherd import events as ev
-from gpuherd.log.base import Record
+from gpuherd.log import Record
 
 PHASES = ("notice_s", "wait_s", "reform_s", "restore_s", "first_step_s", "pause_s", "total_s")
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from gpuherd.log.base import (
+from gpuherd.log import (
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
     HERD,
@@ -50,9 +50,16 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 # The HERD subjects each service's decider appends to (see each event's ``subject()``).
 SERVICE_APPENDS: dict[str, tuple[str, ...]] = {
-    "scheduler": ("herd.job.*", "herd.rejected.*", "herd.node.*", "herd.clock.scheduler", "herd.cluster.policy"),
-    "elastic": ("herd.job.*", "herd.clock.elastic", "herd.cluster.elastic"),
-    "memory": ("herd.lease.*", "herd.clock.memory", "herd.cluster.memory"),
+    "scheduler": (
+        "herd.job.*",
+        "herd.rejected.*",
+        "herd.node.*",
+        "herd.clock.scheduler",
+        "herd.cluster.policy",
+        "herd.cluster.refused.scheduler",
+    ),
+    "elastic": ("herd.job.*", "herd.clock.elastic", "herd.cluster.elastic", "herd.cluster.refused.elastic"),
+    "memory": ("herd.lease.*", "herd.clock.memory", "herd.cluster.memory", "herd.cluster.refused.memory"),
     "analytics": ("herd.job.*", "herd.node.*", "herd.clock.analytics"),
 }
 

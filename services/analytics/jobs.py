@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from gpuherd import events as ev
-from gpuherd.log.base import Record
+from gpuherd.log import Record
 from services.analytics.traces import COLUMNS, Trace
 
 

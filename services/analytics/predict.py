@@ -35,6 +35,10 @@ import pandas as pd
 MODEL_NAME = "backoff-median"
 
 
+# What a trace records for a user or a job name it does not have (intake needs both to be given).
+UNKNOWN = "-"
+
+
 class Features(msgspec.Struct, frozen=True):
     vc: str
     gpus: int
@@ -42,12 +46,14 @@ class Features(msgspec.Struct, frozen=True):
     name: str = ""
 
     def ladder(self) -> list[tuple[str, str]]:
-        """(ladder level, history key), most specific first; levels whose features are absent are
-        skipped."""
+        """(ladder level, history key), most specific first; levels whose features are absent (or
+        ``UNKNOWN``) are skipped."""
         out = []
-        if self.user and self.name:
+        user = self.user if self.user != UNKNOWN else ""
+        name = self.name if self.name != UNKNOWN else ""
+        if user and name:
             out.append(("user+name", f"un|{self.user}|{self.name}"))
-        if self.user:
+        if user:
             out.append(("user+gpus", f"ug|{self.user}|{self.gpus}"))
         out.append(("vc+gpus", f"vg|{self.vc}|{self.gpus}"))
         out.append(("vc", f"v|{self.vc}"))

@@ -1,9 +1,8 @@
 """The live analytics service: the analytics decider on the log, plus two timers.
 
-- ``ClockTicked`` every ``--tick`` seconds while energy saving is on (``--ces``): the decider
+- ``AnalyticsTicked`` every ``--tick`` seconds while energy saving is on (``--ces``): the decider
   samples demand and decides power on ticks, so time reaches it as an event and a replay
-  decides the same. (The tick names no node as heard, and a timeout nothing reaches, so the
-  scheduler declares no node lost because of it.)
+  decides the same.
 - Every ``--report-every`` seconds, when ``--report-dir`` is set, the characterization report
   of the jobs seen so far is rewritten there (HTML, PNGs, CSVs).
 """
@@ -13,20 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 from pathlib import Path
 
 from gpuherd import events as ev
-from gpuherd.decider import DeciderRunner, ExtraTask, add_metrics_argument, clock_ticker
-from gpuherd.log import open_log
-from gpuherd.log.base import Record
-from gpuherd.metrics import serve_until_signal_with_http
+from gpuherd.log import Record
 from gpuherd.obs import configure, get_logger
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
+from gpuherd.runtime.serve import serve_decider
+from gpuherd.runtime.timers import clock_ticker
+from gpuherd.service_args import service_parser
 from services.analytics.ces import CesParams
-from services.analytics.decide import AnalyticsDecider, AnalyticsState
+from services.analytics.decide import AnalyticsDecider
 from services.analytics.jobs import job_table, summarize
 from services.analytics.report import write_report
+from services.analytics.state import AnalyticsState
 
 log = get_logger("gpuherd.analytics")
 
@@ -81,31 +80,32 @@ async def serve(
     instance: str | None = None,
     metrics_port: int | None = None,
 ) -> None:
-    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-    log_ = await open_log(url, name=f"analytics-{instance}")
     extra: list[ExtraTask] = []
     if ces is not None:
-        extra.append(clock_ticker("analytics", tick_s))
+        extra.append(clock_ticker(ev.AnalyticsTicked, tick_s))
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
         extra.append(reporter(report_dir, report_every_s))
-    runner = DeciderRunner(log_, AnalyticsDecider(ces=ces), instance=instance, extra_tasks=extra)
-    runner.metrics.watch_cluster(lambda: runner.state.cluster)
-    try:
-        await serve_until_signal_with_http(runner, metrics_port)
-    finally:
-        await log_.close()
+
+    def setup(runner: DeciderRunner[AnalyticsState]) -> None:
+        runner.metrics.watch_cluster(lambda: runner.state)
+
+    await serve_decider(
+        url,
+        AnalyticsDecider(ces=ces),
+        extra_tasks=extra,
+        instance=instance,
+        metrics_port=metrics_port,
+        setup=setup,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuherd-analytics", description="gpuherd analytics service")
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser = service_parser("analytics", "gpuherd analytics: duration predictions, energy saving, reports")
     parser.add_argument("--ces", help='turn on energy saving with these CesParams (JSON; "{}" for defaults)')
     parser.add_argument("--tick", type=float, default=60.0, help="seconds between clock ticks (with --ces)")
     parser.add_argument("--report-dir", help="keep the characterization report current in this folder")
     parser.add_argument("--report-every", type=float, default=300.0)
-    parser.add_argument("--instance", default=None)
-    add_metrics_argument(parser)
     return parser
 
 

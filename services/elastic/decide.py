@@ -1,102 +1,83 @@
 """The elastic decider: proposes resizes of running elastic jobs, from the log alone.
 
-State: the cluster (the same fold as every service), each job's profile numbers (from
-``ProfileReported``), when each job last shrank for waiting jobs (hysteresis), and its last
-proposal (so a proposal is not repeated before the scheduler answered it). It decides on the
-events that change demand or supply (submissions, ends, placements, rescales, nodes) and on its
-own clock ticks, so time-based rules (minimum interval, hold after a shrink) fire when due and a
-replay decides the same.
+It decides on the events that change demand or supply (submissions, ends, placements, rescales,
+nodes) and on its own timer, so time-based rules (minimum interval, hold after a shrink) fire when
+due and a replay decides the same. Its parameters are the log's latest ``ElasticConfigured``; one
+it cannot apply is refused (``CommandRefused``) and the parameters before it stay in force.
 """
 
 from __future__ import annotations
 
-import msgspec
-
 from gpuherd import events as ev
-from gpuherd.decider import Decider, RecordedParams
-from gpuherd.state import ClusterState, apply
-from services.elastic.policy import ElasticParams, JobModel, decide, params_from
+from gpuherd.runtime.decider import Decider, RecordedParams, params_problem, refused
+from services.elastic.policy import ElasticParams, decide, params_from
+from services.elastic.state import ElasticState, evolve
 
-TRIGGERS: tuple[type[ev.Event], ...] = (
-    ev.JobSubmitted,
-    ev.JobStarted,
-    ev.JobFinished,
-    ev.JobRequeued,
-    ev.JobPlaced,
-    ev.RescaleCompleted,
-    ev.NodeRegistered,
-    ev.NodeUndrained,
-    ev.ClockTicked,
-    ev.JobCancelRequested,
-    ev.ElasticConfigured,
+TRIGGERS: frozenset[type[ev.Event]] = frozenset(
+    {
+        ev.JobSubmitted,
+        ev.JobStarted,
+        ev.JobFinished,
+        ev.JobRequeued,
+        ev.JobPlaced,
+        ev.RescaleCompleted,
+        ev.NodeRegistered,
+        ev.NodeUndrained,
+        ev.ElasticTicked,
+        ev.JobCancelRequested,
+        ev.ElasticConfigured,
+    }
 )
 
 
-class ElasticServiceState(msgspec.Struct, kw_only=True):
-    seq: int = 0
-    now: float = 0.0
-    cluster: ClusterState = msgspec.field(default_factory=ClusterState)
-    models: dict[str, JobModel] = msgspec.field(default_factory=dict)
-    shrunk_at: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its last shrink for waiting jobs
-    proposed: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # job -> (generation, at)
-    params: dict[str, float] | None = None  # the latest ElasticConfigured (None: the decider's default)
-
-
-def job_model(profile: dict) -> JobModel | None:
-    """A job's compute time per sample and gradient bytes, from its per-layer profile."""
-    try:
-        batch = int(profile["batch_size"])
-        step_s = float(profile["step_s"])
-        grad_bytes = sum(int(layer.get("grad_bytes", 0)) for layer in profile["layers"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if batch <= 0 or step_s <= 0:
-        return None
-    return JobModel(compute_per_sample_s=step_s / batch, grad_bytes=grad_bytes)
-
-
-class ElasticDecider(Decider[ElasticServiceState]):
+class ElasticDecider(Decider[ElasticState]):
     name = "elastic"
+    STATE_FORMAT = 2
+    FOLLOWS = TRIGGERS
+    EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})
 
     def __init__(self, params: ElasticParams | None = None) -> None:
-        self.params = RecordedParams(
-            params or ElasticParams(), params_from
-        )  # the default until the log records ElasticConfigured
+        # The default until the log records ElasticConfigured.
+        self.params = RecordedParams(params or ElasticParams(), _lenient(params or ElasticParams()))
 
-    def params_for(self, state: ElasticServiceState) -> ElasticParams:
-        """The parameters in force: the log's latest ElasticConfigured, else this decider's own."""
+    def params_for(self, state: ElasticState) -> ElasticParams:
+        """The parameters in force: the log's latest applied ElasticConfigured, else this decider's own."""
         return self.params.get(state.params)
 
-    def initial_state(self) -> ElasticServiceState:
-        return ElasticServiceState()
+    def initial_state(self) -> ElasticState:
+        return ElasticState(retain_finished=False)
 
-    def evolve(self, state: ElasticServiceState, seq: int, event: ev.Event) -> ElasticServiceState:
-        apply(state.cluster, seq, event)
-        if isinstance(event, ev.ProfileReported) and event.rank == 0:
-            model = job_model(event.profile)
-            if model is not None:
-                state.models[event.job] = model
-        elif isinstance(event, ev.RescaleProposed):
-            state.proposed[event.job] = (event.generation, event.at)
-        elif isinstance(event, ev.JobResized) and event.kind == "shrink":
-            state.shrunk_at[event.job] = event.at
-        elif isinstance(event, ev.ElasticConfigured):
-            state.params = dict(event.params)
-        elif isinstance(event, ev.JobFinished):
-            for table in (state.models, state.shrunk_at, state.proposed):
-                table.pop(event.job, None)
-        state.seq = seq
-        state.now = state.cluster.now
-        return state
+    def state_type(self) -> type[ElasticState]:
+        return ElasticState
 
-    def decide(self, state: ElasticServiceState, event: ev.Event) -> list[ev.Event]:
-        if not isinstance(event, TRIGGERS):
+    def evolve(self, state: ElasticState, seq: int, event: ev.Event) -> ElasticState:
+        ok = isinstance(event, ev.ElasticConfigured) and (
+            event.unchecked or params_problem(event.params, params_from) is None
+        )
+        return evolve(state, seq, event, params_ok=ok)
+
+    def decide(self, state: ElasticState, event: ev.Event) -> list[ev.Event]:
+        # (Any tick: logs of older versions had one tick type for every service, and it triggered this.)
+        if type(event) not in TRIGGERS and not isinstance(event, ev.Tick):
             return []
-        params = self.params_for(state)
-        return list(decide(state.cluster, state.models, params, shrunk_at=state.shrunk_at, proposed=state.proposed))
+        out: list[ev.Event] = []
+        if isinstance(event, ev.ElasticConfigured) and not event.unchecked:
+            problem = params_problem(event.params, params_from)
+            if problem is not None:
+                out.append(refused(event, problem))
+        if state.elastic_running or isinstance(event, ev.ElasticTicked | ev.ElasticConfigured):
+            out += decide(state, self.params_for(state))
+        return out
 
-    def encode_state(self, state: ElasticServiceState) -> bytes:
-        return msgspec.msgpack.encode(state)
 
-    def decode_state(self, data: bytes) -> ElasticServiceState:
-        return msgspec.msgpack.decode(data, type=ElasticServiceState)
+def _lenient(default: ElasticParams):
+    """Parameters recorded unchecked (before commands were checked) that do not convert meant the
+    default, as they did then."""
+
+    def convert(values: dict[str, float]) -> ElasticParams:
+        try:
+            return params_from(values)
+        except ValueError:
+            return default
+
+    return convert

@@ -27,7 +27,8 @@ from __future__ import annotations
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, JobState
+from gpuherd.fold import JobState
+from services.elastic.state import ElasticState, JobModel
 
 
 class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,13 +49,6 @@ def params_from(values: dict[str, float]) -> ElasticParams:
         raise ValueError(f"{exc}; known parameters: {known}") from None
 
 
-class JobModel(msgspec.Struct, kw_only=True, gc=False):
-    """What the policy knows of a job beyond the cluster state: its profile's numbers."""
-
-    compute_per_sample_s: float | None = None  # from its per-layer profile
-    grad_bytes: int = 0
-
-
 def allreduce_s(grad_bytes: int, workers: int, params: ElasticParams) -> float:
     if workers <= 1 or grad_bytes <= 0:
         return 0.0
@@ -69,24 +63,27 @@ def global_batch(job: JobState, workers: int) -> int:
     return workers * (elastic.micro_batch or 1)  # the batch grows with the workers (an LR-scaling rule)
 
 
-def predicted_throughput(job: JobState, workers: int, model: JobModel | None, params: ElasticParams) -> float:
-    """Samples per second at ``workers`` (relative units when nothing was measured or profiled)."""
-    if workers in job.throughput:
-        return job.throughput[workers]
+def predicted_throughput(
+    job: JobState, workers: int, model: JobModel | None, params: ElasticParams, measured: dict[int, float]
+) -> float:
+    """Samples per second at ``workers`` (relative units when nothing was measured or profiled);
+    ``measured``: the job's throughput at the sizes it ran at."""
+    if workers in measured:
+        return measured[workers]
     grad_bytes = model.grad_bytes if model is not None else 0
     per_sample = model.compute_per_sample_s if model is not None else None
-    if job.throughput:
-        measured = min(job.throughput, key=lambda w: (abs(w - workers), w))
-        batch = global_batch(job, measured)
-        compute = batch / job.throughput[measured] - allreduce_s(grad_bytes, measured, params)
-        per_sample = max(compute, 1e-12) * measured / batch
+    if measured:
+        nearest = min(measured, key=lambda w: (abs(w - workers), w))
+        batch = global_batch(job, nearest)
+        compute = batch / measured[nearest] - allreduce_s(grad_bytes, nearest, params)
+        per_sample = max(compute, 1e-12) * nearest / batch
     if per_sample is None:
         return float(workers)  # nothing known: linear
     batch = global_batch(job, workers)
     return batch / (per_sample * batch / workers + allreduce_s(grad_bytes, workers, params))
 
 
-def _free(state: ClusterState, job: JobState) -> int:
+def _free(state: ElasticState, job: JobState) -> int:
     """Free GPUs on nodes that take work and can run the job (processes for a command)."""
     wants_processes = job.spec.command is not None
     return sum(
@@ -98,7 +95,7 @@ def _may_rescale(job: JobState, now: float, params: ElasticParams) -> bool:
     return job.rescaled_at is None or now - job.rescaled_at >= params.min_interval_s
 
 
-def resizable(state: ClusterState) -> list[JobState]:
+def resizable(state: ElasticState) -> list[JobState]:
     """Running elastic jobs with no rescale in flight and no dead worker to recover from."""
     return [
         j
@@ -107,16 +104,9 @@ def resizable(state: ClusterState) -> list[JobState]:
     ]
 
 
-def decide(
-    state: ClusterState,
-    models: dict[str, JobModel],
-    params: ElasticParams,
-    *,
-    shrunk_at: dict[str, float],
-    proposed: dict[str, tuple[int, float]],
-) -> list[ev.RescaleProposed]:
+def decide(state: ElasticState, params: ElasticParams) -> list[ev.RescaleProposed]:
     """The proposals for this state (at most one per job)."""
-    now = state.now
+    now, proposed = state.now, state.proposed
     jobs = [
         j
         for j in resizable(state)
@@ -129,12 +119,12 @@ def decide(
         state.jobs[j] for j in state.queue if state.jobs[j].spec.elastic is None and not state.jobs[j].cancel_requested
     ]
     if waiting:
-        return _shrink_for(state, waiting[0], jobs, models, params)
-    return _grow_into_idle(state, jobs, models, params, shrunk_at)
+        return _shrink_for(state, waiting[0], jobs, params)
+    return _grow_into_idle(state, jobs, params)
 
 
 def _shrink_for(
-    state: ClusterState, head: JobState, jobs: list[JobState], models: dict[str, JobModel], params: ElasticParams
+    state: ElasticState, head: JobState, jobs: list[JobState], params: ElasticParams
 ) -> list[ev.RescaleProposed]:
     wants_processes = head.spec.command is not None
     need = head.spec.gpus - _free(state, head)
@@ -152,9 +142,10 @@ def _shrink_for(
             continue
         enough = [s for s in smaller if s <= size - need]
         target = max(enough) if enough else min(smaller)  # all it can give, if it cannot give all that is needed
-        model = models.get(job.job)
-        lost = predicted_throughput(job, size, model, params) - predicted_throughput(job, target, model, params)
-        per_gpu_now = predicted_throughput(job, size, model, params) / size
+        model, measured = state.models.get(job.job), state.throughput.get(job.job, {})
+        rate_now = predicted_throughput(job, size, model, params, measured)
+        lost = rate_now - predicted_throughput(job, target, model, params, measured)
+        per_gpu_now = rate_now / size
         options.append((lost / (size - target) / max(per_gpu_now, 1e-12), job.job, job, target))
     out = []
     for _, _, job, target in sorted(options):
@@ -166,25 +157,19 @@ def _shrink_for(
     return out
 
 
-def _grow_into_idle(
-    state: ClusterState,
-    jobs: list[JobState],
-    models: dict[str, JobModel],
-    params: ElasticParams,
-    shrunk_at: dict[str, float],
-) -> list[ev.RescaleProposed]:
+def _grow_into_idle(state: ElasticState, jobs: list[JobState], params: ElasticParams) -> list[ev.RescaleProposed]:
     options = []
     for job in jobs:
-        if state.now - shrunk_at.get(job.job, -1e18) < params.hold_after_shrink_s:
+        if state.now - state.shrunk_at.get(job.job, -1e18) < params.hold_after_shrink_s:
             continue
         size = len(job.workers)
         free = _free(state, job)
         larger = [s for s in job.spec.elastic.sizes() if size < s <= size + free]  # type: ignore[union-attr]
-        model = models.get(job.job)
-        now_rate = predicted_throughput(job, size, model, params)
+        model, measured = state.models.get(job.job), state.throughput.get(job.job, {})
+        now_rate = predicted_throughput(job, size, model, params, measured)
         best = None
         for target in sorted(larger, reverse=True):
-            rate = predicted_throughput(job, target, model, params)
+            rate = predicted_throughput(job, target, model, params, measured)
             if rate / target >= params.grow_efficiency * now_rate / size and rate > now_rate:
                 best = (target, rate)
                 break

@@ -1,83 +1,96 @@
 """The memory broker's decider: memory leases from the log alone.
 
-State: the cluster (the same fold as every service: GPUs' reported memory, jobs' peaks, leases)
-and the parameters the log last recorded. Every event that can change spare memory, a lease or
-a borrower's life runs one pass of ``policy.decide``; its own clock ticks make expiries and
-deadlines fire when due, so a replay decides the same.
+Every event that can change spare memory, a lease or a borrower's life runs one pass of
+``policy.decide``; its own timer (``MemoryTicked``, while leases exist) makes expiries and
+deadlines fire when due, so a replay decides the same. Its parameters are the log's latest
+``MemoryBrokerConfigured``; one it cannot apply is refused (``CommandRefused``).
 """
 
 from __future__ import annotations
 
-import msgspec
-
 from gpuherd import events as ev
-from gpuherd.decider import Decider, RecordedParams
-from gpuherd.state import ClusterState, apply
+from gpuherd.runtime.decider import Decider, RecordedParams, params_problem, refused
 from services.memory.policy import BrokerParams, decide, params_from, request_problem
+from services.memory.state import MemoryState, evolve
 
-TRIGGERS: tuple[type[ev.Event], ...] = (
-    ev.MemoryLeaseRequested,
-    ev.MemoryLeaseReleased,
-    ev.MemoryLeaseRenewed,
-    ev.GpuMemoryReported,
-    ev.JobPlaced,
-    ev.JobStarted,
-    ev.JobResized,
-    ev.JobFinished,
-    ev.JobRequeued,
-    ev.NodeLost,
-    ev.NodeRegistered,
-    ev.GpuHealthChanged,
-    ev.ClockTicked,
-    ev.MemoryBrokerConfigured,
+TRIGGERS: frozenset[type[ev.Event]] = frozenset(
+    {
+        ev.MemoryLeaseRequested,
+        ev.MemoryLeaseReleased,
+        ev.MemoryLeaseRenewed,
+        ev.GpuMemoryReported,
+        ev.JobPlaced,
+        ev.JobStarted,
+        ev.JobResized,
+        ev.JobFinished,
+        ev.JobRequeued,
+        ev.NodeLost,
+        ev.NodeRegistered,
+        ev.GpuHealthChanged,
+        ev.MemoryTicked,
+        ev.MemoryBrokerConfigured,
+    }
 )
 
 
-class MemoryBrokerState(msgspec.Struct, kw_only=True):
-    seq: int = 0
-    now: float = 0.0
-    cluster: ClusterState = msgspec.field(default_factory=ClusterState)
-    params: dict[str, float] | None = None  # the latest MemoryBrokerConfigured (None: the decider's default)
-
-
-class MemoryDecider(Decider[MemoryBrokerState]):
+class MemoryDecider(Decider[MemoryState]):
     name = "memory"
+    STATE_FORMAT = 2
+    FOLLOWS = TRIGGERS
+    EMITS = frozenset(
+        {
+            ev.MemoryLeaseGranted,
+            ev.MemoryLeaseDenied,
+            ev.MemoryLeaseRevoked,
+            ev.MemoryLeaseReclaimed,
+            ev.CommandRefused,
+            ev.MemoryTicked,
+        }
+    )
 
     def __init__(self, params: BrokerParams | None = None) -> None:
-        self.params = RecordedParams(
-            params or BrokerParams(), params_from
-        )  # the default until the log records MemoryBrokerConfigured
+        default = params or BrokerParams()
 
-    def params_for(self, state: MemoryBrokerState) -> BrokerParams:
-        """The parameters in force: the log's latest MemoryBrokerConfigured, else this decider's own."""
+        def lenient(values: dict[str, float]) -> BrokerParams:
+            try:
+                return params_from(values)
+            except ValueError:
+                return default  # recorded unchecked, before commands were checked: the default, as then
+
+        self.params = RecordedParams(default, lenient)  # the default until the log records MemoryBrokerConfigured
+
+    def params_for(self, state: MemoryState) -> BrokerParams:
+        """The parameters in force: the log's latest applied MemoryBrokerConfigured, else this decider's own."""
         return self.params.get(state.params)
 
-    def initial_state(self) -> MemoryBrokerState:
-        return MemoryBrokerState()
+    def initial_state(self) -> MemoryState:
+        return MemoryState(retain_finished=False)
 
-    def evolve(self, state: MemoryBrokerState, seq: int, event: ev.Event) -> MemoryBrokerState:
-        apply(state.cluster, seq, event)
-        if isinstance(event, ev.MemoryBrokerConfigured):
-            state.params = dict(event.params)
-        state.seq = seq
-        state.now = state.cluster.now
-        return state
+    def state_type(self) -> type[MemoryState]:
+        return MemoryState
 
-    def decide(self, state: MemoryBrokerState, event: ev.Event) -> list[ev.Event]:
-        if not isinstance(event, TRIGGERS):
+    def evolve(self, state: MemoryState, seq: int, event: ev.Event) -> MemoryState:
+        ok = isinstance(event, ev.MemoryBrokerConfigured) and (
+            event.unchecked or params_problem(event.params, params_from) is None
+        )
+        return evolve(state, seq, event, params_ok=ok)
+
+    def decide(self, state: MemoryState, event: ev.Event) -> list[ev.Event]:
+        # (Any tick: logs of older versions had one tick type for every service, and it triggered this.)
+        if type(event) not in TRIGGERS and not isinstance(event, ev.Tick):
             return []
         params = self.params_for(state)
-        if isinstance(event, ev.MemoryLeaseRequested) and event.lease in state.cluster.leases:
-            lease = state.cluster.leases[event.lease]
-            problem = request_problem(state.cluster, event, params) if lease.status == "pending" else None
+        if isinstance(event, ev.MemoryBrokerConfigured) and not event.unchecked:
+            problem = params_problem(event.params, params_from)
+            if problem is not None:
+                return [refused(event, problem)]
+        if isinstance(event, ev.MemoryLeaseRequested) and event.lease in state.leases:
+            lease = state.leases[event.lease]
+            problem = request_problem(state, event, params) if lease.status == "pending" else None
             if problem is not None:
                 denied = ev.MemoryLeaseDenied(lease=event.lease, job=event.job, reason=problem)
-                others = [e for e in decide(state.cluster, params) if getattr(e, "lease", None) != event.lease]
+                others = [e for e in decide(state, params) if getattr(e, "lease", None) != event.lease]
                 return [denied, *others]
-        return list(decide(state.cluster, params))
-
-    def encode_state(self, state: MemoryBrokerState) -> bytes:
-        return msgspec.msgpack.encode(state)
-
-    def decode_state(self, data: bytes) -> MemoryBrokerState:
-        return msgspec.msgpack.decode(data, type=MemoryBrokerState)
+        if not state.leases:
+            return []  # nothing to lend, revoke or reclaim
+        return list(decide(state, params))

@@ -4,7 +4,7 @@
 ``total - reserve - need - lent``, where ``reserve`` is a safety margin (``margin_frac`` of the
 GPU, at least ``margin_min_mb``), ``lent`` is what leases already hold on it and ``need`` is the
 forecast of the GPU's own job: the larger of what it uses now and the most it ever used (its
-observed peak, ``JobState.memory_peak_mb``), plus ``owner_headroom``. A job that started less than
+observed peak, ``MemoryState.peak_mb``), plus ``owner_headroom``. A job that started less than
 ``owner_warmup_s`` ago has no trustworthy peak yet: its GPUs lend nothing. A free GPU needs only
 what strays use on it. A GPU whose own job borrows memory never lends.
 
@@ -28,9 +28,9 @@ from collections.abc import Iterator
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.state import ACTIVE, ClusterState, GpuSlot, LeaseState, NodeState
-
-NO_GPU = frozenset[int]()
+from gpuherd.fold import ACTIVE, GpuSlot, NodeState
+from gpuherd.fold.leases import LeaseState
+from services.memory.state import MemoryState
 
 
 class BrokerParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,29 +61,29 @@ def reserve_mb(slot: GpuSlot, params: BrokerParams) -> int:
     return max(params.margin_min_mb, int(params.margin_frac * slot.info.memory_mb))
 
 
-def owner_need_mb(state: ClusterState, slot: GpuSlot, lent: int, params: BrokerParams) -> int | None:
+def owner_need_mb(state: MemoryState, node: NodeState, slot: GpuSlot, lent: int, params: BrokerParams) -> int | None:
     """The forecast of what the GPU's own job needs; None when it cannot be known yet (the job was
     placed or started within ``owner_warmup_s``), which lends nothing and revokes what is lent."""
-    current = max(0, (slot.used_mb or 0) - lent)
+    current = max(0, (state.gpu_used_mb(node.node, slot.info.index) or 0) - lent)
     owner = state.jobs.get(slot.job) if slot.job is not None else None
     if owner is None:
         return current  # a free GPU: only strays use it
     if owner.status != "running" or owner.started_at is None or state.now - owner.started_at < params.owner_warmup_s:
         return None
-    return int(max(current, owner.memory_peak_mb) * (1 + params.owner_headroom))
+    return int(max(current, state.peak_mb.get(owner.job, 0)) * (1 + params.owner_headroom))
 
 
-def spare_mb(state: ClusterState, node: NodeState, slot: GpuSlot, lent: int, params: BrokerParams) -> int:
+def spare_mb(state: MemoryState, node: NodeState, slot: GpuSlot, lent: int, params: BrokerParams) -> int:
     """What ``slot`` can lend beyond its current leases (0 for a GPU that does not lend)."""
     if not slot.healthy or node.status != "up" or _borrows(state, slot):
         return 0
-    need = owner_need_mb(state, slot, lent, params)
+    need = owner_need_mb(state, node, slot, lent, params)
     if need is None:
         return 0
     return max(0, slot.info.memory_mb - reserve_mb(slot, params) - need - lent)
 
 
-def _borrows(state: ClusterState, slot: GpuSlot) -> bool:
+def _borrows(state: MemoryState, slot: GpuSlot) -> bool:
     owner = state.jobs.get(slot.job) if slot.job is not None else None
     return owner is not None and owner.spec.memory is not None
 
@@ -92,7 +92,7 @@ def _borrows(state: ClusterState, slot: GpuSlot) -> bool:
 Granting = dict[tuple[str, int | None], int]
 
 
-def host_budget_mb(state: ClusterState, node: NodeState, params: BrokerParams, granting: Granting | None = None) -> int:
+def host_budget_mb(state: MemoryState, node: NodeState, params: BrokerParams, granting: Granting | None = None) -> int:
     taken = state.host_lent_mb(node.node) + (granting or {}).get((node.node, None), 0)
     return max(0, int(node.host_memory_mb * params.host_fraction) - taken)
 
@@ -121,7 +121,7 @@ def water_fill(want: int, caps: list[int], min_share: int) -> list[int]:
 
 
 def plan_shares(
-    state: ClusterState, lease: LeaseState, want: int, params: BrokerParams, granting: Granting | None = None
+    state: MemoryState, lease: LeaseState, want: int, params: BrokerParams, granting: Granting | None = None
 ) -> list[ev.MemoryShare]:
     """Shares that give ``lease`` up to ``want`` MiB more, fastest tier first."""
     node = state.nodes.get(lease.node)
@@ -162,7 +162,7 @@ def plan_shares(
     return shares
 
 
-def most_a_node_lends(state: ClusterState, lease: LeaseState, params: BrokerParams) -> int:
+def most_a_node_lends(state: MemoryState, lease: LeaseState, params: BrokerParams) -> int:
     """What the lease could get at best on its node, were every neighbor idle: a request for more
     than this can never be met."""
     node = state.nodes.get(lease.node)
@@ -180,7 +180,7 @@ def most_a_node_lends(state: ClusterState, lease: LeaseState, params: BrokerPara
     return sum(rooms[: params.max_neighbors]) + host
 
 
-def request_problem(state: ClusterState, e: ev.MemoryLeaseRequested, params: BrokerParams) -> str | None:
+def request_problem(state: MemoryState, e: ev.MemoryLeaseRequested, params: BrokerParams) -> str | None:
     """Why a request can never be granted, or None."""
     if e.mb <= 0 or e.min_mb < 0 or e.min_mb > e.mb:
         return f"asked for {e.mb} MiB with a minimum of {e.min_mb} MiB: need 0 <= min_mb <= mb and mb > 0"
@@ -196,14 +196,14 @@ def request_problem(state: ClusterState, e: ev.MemoryLeaseRequested, params: Bro
     return None
 
 
-def borrower_gone(state: ClusterState, lease: LeaseState | None) -> str | None:
+def borrower_gone(state: MemoryState, lease: LeaseState | None) -> str | None:
     """Why a lease's borrower no longer holds its GPU (its attempt ended, it moved, its node was
     lost), or None while it does."""
     if lease is None:
         return "no such lease"
     job = state.jobs.get(lease.job)
     if job is None:
-        return f"job {lease.job} is unknown"
+        return f"job {lease.job} has ended (or never existed)"
     if job.attempt != lease.attempt or job.status not in ACTIVE:
         return f"attempt {lease.attempt} of job {lease.job} has ended"
     if not any(a.node == lease.node and lease.gpu in a.gpus for a in job.allocations):
@@ -217,7 +217,7 @@ def borrower_gone(state: ClusterState, lease: LeaseState | None) -> str | None:
 # -- the pass --------------------------------------------------------------------------------------------
 
 
-def decide(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+def decide(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
     """Everything the broker should do now: reclaim leases whose borrower is gone or that missed a
     deadline, revoke shares under pressure or expired, grant what pending leases lack."""
     now = state.now
@@ -247,11 +247,11 @@ def decide(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
     yield from _grants(state, params)
 
 
-def _live(state: ClusterState, lease: LeaseState) -> bool:
+def _live(state: MemoryState, lease: LeaseState) -> bool:
     return lease.ending_by is None and borrower_gone(state, lease) is None
 
 
-def _revocations(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+def _revocations(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
     by_lender: dict[tuple[str, int], list[LeaseState]] = {}
     for lease in state.leases.values():
         if not _live(state, lease):
@@ -266,13 +266,13 @@ def _revocations(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event
             continue
         slot = node.gpus[gpu]
         lent = lent_by_node[node_name].get(gpu, 0)
-        need = owner_need_mb(state, slot, lent, params)
+        need = owner_need_mb(state, node, slot, lent, params)
         if need is None:
             over, why = lent, f"job {slot.job} was placed on GPU {gpu}: its need is not known yet"
         elif not slot.healthy:
             over, why = lent, f"GPU {gpu} is unhealthy"
         else:
-            current = max(0, (slot.used_mb or 0) - lent)
+            current = max(0, (state.gpu_used_mb(node_name, gpu) or 0) - lent)
             over = current + lent - (slot.info.memory_mb - reserve_mb(slot, params) // 2)
             why = f"GPU {gpu}'s own use rose to {current} MiB"
         if over <= 0:
@@ -294,7 +294,7 @@ def _revocations(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event
             over -= sum(s.mb for s in lease.shares if s.gpu == gpu)
 
 
-def _grants(state: ClusterState, params: BrokerParams) -> Iterator[ev.Event]:
+def _grants(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
     granting: Granting = {}  # so the next lease of this pass sees what the ones before took
     for lease in sorted(state.leases.values(), key=lambda x: x.requested_at):
         if not _live(state, lease) or lease.revoking:

@@ -1,16 +1,17 @@
 """The node agent: register, heartbeat, sample, and reconcile this node's tasks with the log.
 
-The agent folds the same ClusterState as every service and *reconciles*:
-what the log says should run on this node (its part of each job attempt
-placed here) against what its executor runs. Reconciling rather than
-reacting to single events makes a restart safe: after folding the log again,
-the agent adopts the tasks that still run (their shims outlived it) and stops
-those whose attempt ended meanwhile.
+The agent folds what concerns its node (``state.py``) and, for every job an event touches, runs the
+pure reconcile step (``reconcile.py``) and carries out its actions with the executor. Its loops:
 
-What it writes: ``JobStarted`` when it starts its part, ``TaskEnded`` when
-its part ends (completed, failed with the output's tail, or stopped because
-the attempt is ending elsewhere). The scheduler turns the parts' ends into
-the job's outcome. Every id is derived from (node, job, attempt), so a repeat
+- ``follow``: fold the log; after each job event, reconcile that job (each job in a task of its
+  own, so one job's slow stop never holds up another's start); carry out power requests;
+- ``heartbeat``: telemetry heartbeats and the node's lease (one agent per node);
+- ``telemetry``: GPU samples; unhealthy GPUs, memory in use and lease renewals go to the log.
+
+What it writes: ``JobStarted`` when it starts its part, ``TaskEnded`` when its part ends
+(completed, failed with the output's tail, or stopped because the attempt is ending elsewhere),
+and what the job's processes report over the control socket (``gpuherd.control``: rescales, dead
+workers, lease releases, profiles). Every id is derived from what the event is about, so a repeat
 after a crash is a no-op.
 """
 
@@ -25,24 +26,43 @@ import shlex
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from prometheus_client import Gauge
 
+from gpuherd import control
 from gpuherd import events as ev
-from gpuherd import jobenv
 from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.decider import add_metrics_argument, append_reliably, report_unreadable
 from gpuherd.errors import LeaseLost
-from gpuherd.log import EventLog, open_log
+from gpuherd.fold import ACTIVE, JobState
+from gpuherd.log import EventLog, Lease, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
-from gpuherd.state import ACTIVE, TERMINAL, ClusterState, JobState, apply
+from gpuherd.runtime.deadletters import report_unreadable
+from gpuherd.runtime.runner import append_reliably
+from gpuherd.service_args import service_parser
 from services.nodeagent import leases
 from services.nodeagent.control import ControlSocket, control_address
-from services.nodeagent.executors import Executor, TaskExit, TaskKey, TaskLaunch, make_executor
+from services.nodeagent.executors import Executor, TaskExit, TaskKey, make_executor
+from services.nodeagent.reconcile import (
+    Action,
+    AgentEvents,
+    CollectDeaths,
+    Grow,
+    HandPlan,
+    Record,
+    StartTask,
+    StopTask,
+    SyncLeases,
+    Tasks,
+    launch_for,
+    power,
+    reconcile,
+)
+from services.nodeagent.state import AgentState, evolve, new_state
 
 log = get_logger("gpuherd.nodeagent")
 
@@ -62,30 +82,6 @@ class LogsRequest(msgspec.Struct, frozen=True):
     max_bytes: int = 65536
 
 
-def launch_for(
-    job: JobState, node: str, *, resume: bool, elapsed_s: float, gpus: tuple[int, ...] | None = None
-) -> TaskLaunch:
-    """This node's part of the job's current attempt: its GPUs, ranks and rendezvous. For an
-    elastic job, one worker per GPU (``gpus``: only these, when a running task grows)."""
-    procs = [job.spec.procs_per_node or len(a.gpus) for a in job.allocations]
-    index = job.nodes.index(node)
-    elastic = job.spec.elastic is not None
-    mine = job.allocations[index].gpus if gpus is None else gpus
-    return TaskLaunch(
-        key=TaskKey(job.job, job.attempt),
-        spec=job.spec,
-        gpus=mine,
-        group_rank=index,
-        rank_offset=sum(procs[:index]),
-        world_size=sum(procs),
-        procs=len(mine) if elastic else procs[index],
-        rendezvous=job.rendezvous,
-        resume=resume,
-        elapsed_s=elapsed_s,
-        elastic=elastic,
-    )
-
-
 class Agent:
     def __init__(
         self,
@@ -99,7 +95,7 @@ class Agent:
         heartbeat_s: float = 1.0,
         telemetry_s: float = 5.0,
         power_hook: str | None = None,
-        clock=time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.log = log_
         self.node = node
@@ -109,10 +105,12 @@ class Agent:
         self.port_range = port_range
         self.heartbeat_s = heartbeat_s
         self.telemetry_s = telemetry_s
+        self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
         self.clock = clock
-        self.source = f"agent.{node}"
+        self.events = AgentEvents(node)
+        self.source = self.events.source
         self.boot_id = uuid.uuid4().hex[:12]
-        self.state = ClusterState()
+        self.state: AgentState = new_state(node)
         self.caught_up = asyncio.Event()
         self._exited: set[TaskKey] = set()
         self._traces: dict[str, str] = {}  # job -> traceparent of its placement
@@ -120,20 +118,20 @@ class Agent:
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._reported_unhealthy: set[int] = set()
-        self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
         self._powering: asyncio.Task[None] | None = None
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
         self._memory = leases.MemoryReporter()
         self._memory_reports = 0
         self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
+        self._background: set[asyncio.Task[Any]] = set()
         executor.node = node
         self.metrics = ServiceMetrics(f"agent-{node}")
         self.metrics_port: int | None = None
-        self._tasks_running = Gauge(
+        tasks_running = Gauge(
             "gpuherd_agent_tasks_running", "Tasks this agent runs now", registry=self.metrics.registry
         )
-        self._tasks_running.set_function(lambda: len(self.executor.running()))
+        tasks_running.set_function(lambda: len(self.executor.running()))
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         connected = self.log.is_connected()
@@ -152,10 +150,10 @@ class Agent:
         if not await acquire_lease(lease, stop, f"node {self.node}"):
             return
         self._touch_alive()
-        control = None
+        socket_ = None
         if self.executor.agent_addr:
-            control = ControlSocket(self.executor.agent_addr, self._on_report)
-            await control.start()
+            socket_ = ControlSocket(self.executor.agent_addr, self.on_message)
+            await socket_.start()
         stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
             await self.executor.recover(self._on_exit)
@@ -169,25 +167,18 @@ class Agent:
                 decisions=lambda: 0,
                 metrics_port=self.metrics_port,
             )
-            await run_until_stopped(
-                {
-                    "heartbeat": self._heartbeat(lease),
-                    "telemetry": self._telemetry(),
-                    "follow": self._follow(),
-                    "status": status,
-                },
-                stop,
-            )
+            loops = {"heartbeat": self._heartbeat(lease), "telemetry": self._telemetry(), "follow": self._follow()}
+            await run_until_stopped({**loops, "status": status}, stop)
         finally:
-            for task in list(self._reconciling.values()):
+            for task in [*self._reconciling.values(), *self._background]:
                 task.cancel()
             await self.executor.shutdown()
             with contextlib.suppress(Exception):
                 await stop_serving()
-            if control is not None:
-                control.close()
+            if socket_ is not None:
+                socket_.close()
             with contextlib.suppress(Exception):
-                await lease.release()
+                await asyncio.wait_for(lease.release(), 2.0)
 
     async def register(self, after_seq: int = 0) -> None:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
@@ -206,10 +197,9 @@ class Agent:
         await append_reliably(self.log, [event])
         log.info("registered", node=self.node, gpus=len(event.gpus), executor=self.executor.kind)
 
-    def _stamp(self, kind: str, *parts: str) -> dict[str, object]:
-        """id, at and source of an event this agent writes. The id is derived from what the event
-        is about (never random), so writing it again after a crash is a no-op."""
-        return {"id": ":".join((self.source, kind, *parts)), "at": self.clock(), "source": self.source}
+    def _stamp(self, kind: str, *parts: str) -> dict[str, Any]:
+        """id, at and source of an event this agent writes (see ``AgentEvents``)."""
+        return self.events.stamp(kind, *parts, at=self.clock())
 
     def _touch_alive(self) -> None:
         """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
@@ -218,7 +208,14 @@ class Agent:
             alive.parent.mkdir(parents=True, exist_ok=True)
             alive.touch()
 
-    async def _heartbeat(self, lease) -> None:
+    def _append_soon(self, event: ev.Event) -> None:
+        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- loops ---------------------------------------------------------------------------------
+
+    async def _heartbeat(self, lease: Lease) -> None:
         while True:
             beat = Heartbeat(
                 node=self.node, boot_id=self.boot_id, at=self.clock(), running=len(self.executor.running())
@@ -241,7 +238,7 @@ class Agent:
             samples = await asyncio.to_thread(self.executor.sample)
             if not samples:
                 continue
-            me = self.state.nodes.get(self.node)
+            me = self.state.me
             holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
             await self._report_health(samples)
             await self._report_memory(samples)
@@ -254,83 +251,6 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self.log.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
 
-    async def _report_memory(self, samples: list) -> None:
-        used = self._memory.changed(self.state, self.node, [s.memory_used_mb for s in samples])
-        if used is None:
-            return
-        self._memory_reports += 1
-        event = ev.GpuMemoryReported(
-            **self._stamp("memory", self.boot_id, str(self._memory_reports)), node=self.node, used_mb=used
-        )
-        await append_reliably(self.log, [event])
-
-    async def _renew_leases(self) -> None:
-        running = {(k.job, k.attempt) for k in self.executor.running()}
-        for lease_id, job in leases.renewals_due(self.state, self.node, running, self.clock()):
-            expires = self.state.leases[lease_id].expires_at
-            stamp = self._stamp("renew", lease_id, f"{expires:.0f}")
-            renewed = ev.MemoryLeaseRenewed(**stamp, lease=lease_id, job=job, node=self.node)
-            await append_reliably(self.log, [renewed])
-
-    def _sync_leases(self, job: JobState, key: TaskKey) -> None:
-        """Ask for the leases the task's workers need; hand the task its leases as the log has them."""
-        if job.spec.memory is None:
-            return
-        if job.spec.elastic is not None:
-            gpus = self.executor.launched(key)  # a worker asks once its process is there
-        else:
-            gpus = {g for a in job.allocations if a.node == self.node for g in a.gpus}
-        for lease_id, gpu in leases.wanted_requests(job, self.node, gpus):
-            if lease_id in self.state.leases:
-                continue
-            needs = job.spec.memory
-            request = ev.MemoryLeaseRequested(
-                **self._stamp("lease", lease_id),  # the same id every time: asked for once
-                lease=lease_id,
-                job=job.job,
-                attempt=job.attempt,
-                node=self.node,
-                gpu=gpu,
-                mb=needs.extra_mb,
-                min_mb=needs.min_mb,
-                tiers=needs.tiers,
-            )
-            self._append_soon(request)
-        text = leases.lease_file(self.state, job, self.node)
-        if self._lease_files.get(key) != text and self.executor.write_task_file(key, jobenv.MEMORY_LEASES_FILE, text):
-            self._lease_files[key] = text
-
-    def _on_lease_released(self, report: dict) -> None:
-        fields = leases.released_event_fields(report)
-        if fields is None or fields["lease"] not in self.state.leases:
-            log.warning("ignored a lease release for no lease of this node", lease=report.get("lease"))
-            return
-        at = str(report.get("at", ""))
-        stamp = self._stamp("released", str(fields["lease"]), at)
-        event = ev.MemoryLeaseReleased(**stamp, **fields, node=self.node)  # type: ignore[arg-type]
-        log.info("lease released", lease=fields["lease"], gpus=fields["gpus"])
-        self._append_soon(event)
-
-    async def _report_health(self, samples: list) -> None:
-        """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
-        operator undrains its node (XID errors and ECC counts do not heal by themselves)."""
-        me = self.state.nodes.get(self.node)
-        for sample in samples:
-            if sample.healthy or me is None or sample.index >= len(me.gpus):
-                continue
-            if not me.gpus[sample.index].healthy or sample.index in self._reported_unhealthy:
-                continue
-            self._reported_unhealthy.add(sample.index)
-            event = ev.GpuHealthChanged(
-                **self._stamp("health", self.boot_id, str(sample.index)),
-                node=self.node,
-                index=sample.index,
-                healthy=False,
-                reason=sample.problem or "unhealthy",
-            )
-            await append_reliably(self.log, [event])
-            log.warning("GPU unhealthy", index=sample.index, reason=event.reason)
-
     async def _follow(self) -> None:
         head = await self.log.last_seq()
         if head == 0:
@@ -341,85 +261,52 @@ class Agent:
             if isinstance(event, ev.Unreadable):
                 await report_unreadable(self.log, record, f"agent-{self.node}", self.metrics)
             reclaimed = self.state.leases.get(event.lease) if isinstance(event, ev.MemoryLeaseReclaimed) else None
-            apply(self.state, record.seq, event)
-            job_id = getattr(event, "job", None)
-            if isinstance(event, ev.JobPlaced) and record.trace:
-                self._traces[event.job] = record.trace
-            elif isinstance(event, ev.JobFinished | ev.JobRequeued):
-                self._forget(event.job)
-            elif isinstance(event, ev.JobResized) and any(a.node == self.node for a in event.allocations):
-                self._exited.discard(TaskKey(event.job, event.attempt))  # back on this node: start it again
-            elif reclaimed is not None and reclaimed.node == self.node and getattr(event, "deadline_missed", False):
-                key = TaskKey(reclaimed.job, reclaimed.attempt)
-                self._deadline_missed[key] = f"stopped: it kept leased memory past its deadline ({event.reason})"
+            evolve(self.state, record.seq, event)
+            self._remember(event, record.trace, reclaimed)
             if not self.caught_up.is_set():
                 if record.seq >= head:
                     self.caught_up.set()
                     self.reconcile_all()
-                    me = self.state.nodes.get(self.node)
+                    me = self.state.me
                     if me is not None and me.status == "lost":
                         await self.register(after_seq=record.seq)
                 continue
-            if isinstance(event, ev.ProfileRequested):
-                self._pass_profile_request(event)
-            elif job_id is not None:
-                self.kick(job_id)
-                if isinstance(event, ev.JobFinished | ev.JobRequeued):
-                    self.kick_power()  # a draining node may now be empty
-            elif isinstance(event, ev.NodePowerDownRequested | ev.NodePowerUpRequested) and event.node == self.node:
+            await self._react(event, record.seq)
+
+    def _remember(self, event: ev.Event, trace: str | None, reclaimed: Any) -> None:
+        """What the agent keeps beside the fold, about its own tasks."""
+        if isinstance(event, ev.JobPlaced) and trace:
+            self._traces[event.job] = trace
+        elif isinstance(event, ev.JobFinished | ev.JobRequeued):
+            self._forget(event.job)
+        elif isinstance(event, ev.JobResized) and any(a.node == self.node for a in event.allocations):
+            self._exited.discard(TaskKey(event.job, event.attempt))  # back on this node: start it again
+        elif reclaimed is not None and reclaimed.node == self.node and getattr(event, "deadline_missed", False):
+            key = TaskKey(reclaimed.job, reclaimed.attempt)
+            self._deadline_missed[key] = f"stopped: it kept leased memory past its deadline ({event.reason})"
+
+    async def _react(self, event: ev.Event, seq: int) -> None:
+        job_id = getattr(event, "job", None)
+        if isinstance(event, ev.ProfileRequested):
+            self._pass_profile_request(event)
+        elif job_id is not None:
+            self.kick(job_id)
+            if isinstance(event, ev.JobFinished | ev.JobRequeued):
+                self.kick_power()  # a draining node may now be empty
+        elif isinstance(event, ev.NodePowerDownRequested | ev.NodePowerUpRequested | ev.NodeWakeRequested):
+            if event.node == self.node:
                 self.kick_power()
-            elif isinstance(event, ev.NodeLost) and event.node == self.node:
-                # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
-                # requeues stand, and the node comes back for new work.
-                log.warning("this node was declared lost; registering again", reason=event.reason)
-                self.reconcile_all()
-                await self.register(after_seq=record.seq)
-
-    # -- power (cluster energy saving) ---------------------------------------------------------
-
-    def kick_power(self) -> None:
-        if self._powering is None or self._powering.done():
-            self._powering = asyncio.create_task(self._power(), name="power")
-
-    async def _power(self) -> None:
-        """Carry out a power request: a draining node powers down once its last job is gone; a
-        booting one powers up. The hook does the real switching; if it fails the node stays (or
-        comes back) in service, which loses nothing."""
-        me = self.state.nodes.get(self.node)
-        if me is None:
-            return
-        if me.power == "draining" and not me.busy():
-            ok = await self._run_power_hook("down")
-            kind = ev.NodePoweredDown if ok else ev.NodePoweredUp
-        elif me.power == "booting":
-            await self._run_power_hook("up")
-            kind = ev.NodePoweredUp
-        else:
-            return
-        event = kind(**self._stamp(f"power-{kind.__name__}", str(self.state.seq)), node=self.node)
-        await append_reliably(self.log, [event])
-        log.info("power state changed", event=kind.__name__)
-
-    async def _run_power_hook(self, action: str) -> bool:
-        if not self.power_hook:
-            return True  # no hook: the node is only marked (it takes no work while off)
-        proc = await asyncio.create_subprocess_exec(
-            *shlex.split(self.power_hook),
-            action,
-            self.node,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        output, _ = await proc.communicate()
-        if proc.returncode != 0:
-            log.error("power hook failed", action=action, code=proc.returncode, output=output.decode()[-500:])
-            return False
-        return True
+        elif isinstance(event, ev.NodeLost) and event.node == self.node:
+            # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
+            # requeues stand, and the node comes back for new work.
+            log.warning("this node was declared lost; registering again", reason=event.reason)
+            self.reconcile_all()
+            await self.register(after_seq=seq)
 
     def _forget(self, job_id: str) -> None:
         """Drop what the agent kept about the attempts of a job that ended or was requeued."""
         job = self.state.jobs.get(job_id)
-        current = job.attempt if job is not None and job.status not in TERMINAL else None
+        current = job.attempt if job is not None else None
         if current is None:
             self._traces.pop(job_id, None)
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
@@ -431,7 +318,7 @@ class Agent:
 
     def reconcile_all(self) -> None:
         jobs = {k.job for k in self.executor.running()}
-        jobs |= {j.job for j in self.state.jobs.values() if j.status in ACTIVE and self.node in j.nodes}
+        jobs |= {j.job for j in self.state.active_jobs() if self.node in j.nodes}
         for job_id in sorted(jobs):
             self.kick(job_id)
         self.kick_power()  # a power request may have come while this agent was down
@@ -461,75 +348,80 @@ class Agent:
             await asyncio.gather(*self._reconciling.values(), return_exceptions=True)
 
     async def reconcile(self, job_id: str) -> None:
-        job = self.state.jobs.get(job_id)
-        if job is None:
-            return
-        mine = job.status in ACTIVE and self.node in job.nodes
-        # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
-        leaving = job.status in ACTIVE and not mine and any(a.node == self.node for a in job.releasing)
-        key = TaskKey(job_id, job.attempt)
-        for running in [k for k in self.executor.running() if k.job == job_id]:
-            if leaving and running == key:
-                self._hand_plan(job, key)
-                continue
-            if not mine or running != key:
-                await self.executor.stop(running, "its attempt ended")
-                log.info("task stopped", job=job_id, attempt=running.attempt, status=job.status)
-        if not mine or self.node in job.parts_ended:
-            return
-        if job.stopping():
-            reason = "cancelled on request" if job.cancel_requested else _stop_reason(job)
-            grace = job.preempt_grace_s if job.preempt_reason is not None and not job.cancel_requested else 0.0
-            exit_ = await self.executor.stop(key, reason, checkpoint_grace_s=grace)
-            await self._report(
-                TaskExit(key=key, outcome="stopped", reason=reason, output_tail=exit_.output_tail if exit_ else "")
-            )
-            return
-        if key in self.executor.running() and key in self._deadline_missed:
-            reason = self._deadline_missed.pop(key)
-            exit_ = await self.executor.stop(key, reason)
-            await self._report(
-                TaskExit(key=key, outcome="failed", reason=reason, output_tail=exit_.output_tail if exit_ else "")
-            )
-            return
-        if key in self.executor.running():
-            self._sync_leases(job, key)
-            if job.spec.elastic is not None and self.executor.kind == "sim":
-                await self._simulate_rescale(job)
-            elif job.spec.elastic is not None:
-                self._hand_plan(job, key)
-                self._grow(job, key)
-                for death in self.executor.dead_workers(key):  # deaths while this agent was away
-                    self._on_worker_exit({"job": job.job, "attempt": job.attempt, **death})
-            return
-        if key in self._exited:
-            return
-        resume = self.node in job.started_nodes
-        late = resume or (job.spec.elastic is not None and job.generation > 0)  # (a grow onto this node)
-        elapsed = max(0.0, self.clock() - job.started_at) if late and job.started_at is not None else 0.0
-        if not resume:
-            with span_from(self._traces.get(job_id), "agent.start", job=job_id, node=self.node):
-                again = (str(job.generation),) if job.generation else ()  # an elastic job back on this node
-                started = ev.JobStarted(
-                    **self._stamp("start", job_id, str(job.attempt), *again),
-                    job=job_id,
-                    attempt=job.attempt,
-                    node=self.node,
-                )
+        tasks = Tasks(self.executor.running(), self._exited, self._deadline_missed)
+        simulated = self.executor.kind == "sim"
+        for action in reconcile(self.state, self.node, job_id, tasks, self.clock(), self.events, simulated=simulated):
+            if not await self._carry_out(action):
+                return
+
+    async def _carry_out(self, action: Action) -> bool:
+        """Carry out one action; False when the ones after it must not follow (a task did not start)."""
+        if isinstance(action, Record):
+            await append_reliably(self.log, [action.event])
+            return True
+        if isinstance(action, StartTask):
+            return await self._start(action)
+        job = self.state.jobs.get(action.key.job)
+        if isinstance(action, StopTask):
+            exit_ = await self.executor.stop(action.key, action.reason, checkpoint_grace_s=action.grace_s)
+            self._deadline_missed.pop(action.key, None)
+            if action.report is not None:
+                tail = exit_.output_tail if exit_ else ""
+                ended = TaskExit(key=action.key, outcome=action.report, reason=action.reason, output_tail=tail)  # type: ignore[arg-type]
+                await self._report(ended)
+            else:
+                log.info("task stopped", job=action.key.job, attempt=action.key.attempt, reason=action.reason)
+        elif job is None:
+            return True
+        elif isinstance(action, HandPlan):
+            self._hand_plan(job, action.key, again=action.again)
+        elif isinstance(action, SyncLeases):
+            self._sync_leases(job, action.key)
+        elif isinstance(action, Grow):
+            self._grow(job, action.key)
+        elif isinstance(action, CollectDeaths):
+            for death in self.executor.dead_workers(action.key):  # deaths while this agent was away
+                message = control.WorkerExit(job=job.job, attempt=job.attempt, **death)
+                self.on_message(message)
+        return True
+
+    async def _start(self, action: StartTask) -> bool:
+        launch = action.launch
+        key = launch.key
+        if action.started is not None:
+            with span_from(self._traces.get(key.job), "agent.start", job=key.job, node=self.node):
+                started = msgspec.structs.replace(action.started, at=self.clock())
                 await append_reliably(self.log, [started], trace=current_traceparent())
         try:
-            await self.executor.start(launch_for(job, self.node, resume=resume, elapsed_s=elapsed), self._on_exit)
+            await self.executor.start(launch, self._on_exit)
         except Exception as exc:  # cannot even launch: the gang must not wait for this part
-            log.exception("task could not start", job=job_id, attempt=job.attempt)
+            log.exception("task could not start", job=key.job, attempt=key.attempt)
             await self._report(
                 TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
             )
-            return
-        if job.spec.elastic is not None:
-            self._hand_plan(job, key, again=True)
+            return False
         self._lease_files.pop(key, None)  # a fresh folder: write the lease file again
-        self._sync_leases(job, key)
-        log.info("task started", job=job_id, attempt=job.attempt, resumed=resume)
+        log.info("task started", job=key.job, attempt=key.attempt, resumed=launch.resume)
+        return True
+
+    async def _on_exit(self, exit_: TaskExit) -> None:
+        await self.caught_up.wait()
+        self._exited.add(exit_.key)
+        await self._report(exit_)
+
+    async def _report(self, exit_: TaskExit) -> None:
+        key = exit_.key
+        ended = self.events.ended(
+            key,
+            exit_.outcome,
+            self.clock(),
+            exit_code=exit_.exit_code,
+            reason=exit_.reason,
+            output_tail=exit_.output_tail,
+            metrics=self._metrics.get(key),
+        )
+        await append_reliably(self.log, [ended])
+        log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)
 
     # -- elastic jobs ---------------------------------------------------------------------------
 
@@ -542,24 +434,6 @@ class Agent:
         if self.executor.write_plan(key, plan):
             self._planned[key] = plan.generation
 
-    async def _simulate_rescale(self, job: JobState) -> None:
-        """A sim job has no workers to switch: its leading node reports the rescale done at once
-        (so simulated elastic jobs resize, and their GPUs are given back, as real ones do)."""
-        if job.rescale is None or job.nodes[0] != self.node:
-            return
-        now = self.clock()
-        done = ev.RescaleCompleted(
-            **self._stamp("rescaled", job.job, str(job.attempt), str(job.generation)),
-            job=job.job,
-            attempt=job.attempt,
-            generation=job.generation,
-            node=self.node,
-            world=len(job.workers),
-            world_before=sum(len(a.gpus) for a in job.committed),
-            times={"decided": job.rescaled_at or now, "first_step": now},
-        )
-        await append_reliably(self.log, [done])
-
     def _grow(self, job: JobState, key: TaskKey) -> None:
         """Start the workers of this node's GPUs that a rescale added to a running task."""
         if self.node not in job.nodes:
@@ -569,95 +443,199 @@ class Agent:
         if new and self.executor.grow(key, launch_for(job, self.node, resume=False, elapsed_s=0.0, gpus=new)):
             log.info("workers added", job=job.job, attempt=job.attempt, gpus=list(new), generation=job.generation)
 
-    def _on_rescale_report(self, report: dict) -> None:
-        """A worker's word on a rescale: the new rank 0's first step at the new size, or a failed switch."""
-        try:
-            key = TaskKey(str(report["job"]), int(report["attempt"]))
-            generation, what = int(report["generation"]), str(report["event"])
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignored a malformed rescale report")
+    # -- memory leases and health ---------------------------------------------------------------
+
+    def _sync_leases(self, job: JobState, key: TaskKey) -> None:
+        """Ask for the leases the task's workers need; hand the task its leases as the log has them."""
+        if job.spec.memory is None:
             return
-        if what == "completed":
-            times = {k: float(v) for k, v in dict(report.get("times") or {}).items() if v}
-            before = report.get("samples_per_s_before")
-            event: ev.Event = ev.RescaleCompleted(
-                **self._stamp("rescaled", key.job, str(key.attempt), str(generation)),
-                job=key.job,
-                attempt=key.attempt,
-                generation=generation,
+        if job.spec.elastic is not None:
+            gpus = self.executor.launched(key)  # a worker asks once its process is there
+        else:
+            gpus = {g for a in job.allocations if a.node == self.node for g in a.gpus}
+        for lease_id, gpu in leases.wanted_requests(job, self.node, gpus):
+            if lease_id in self.state.leases:
+                continue
+            needs = job.spec.memory
+            request = ev.MemoryLeaseRequested(
+                **self._stamp("lease", lease_id),  # the same id every time: asked for once
+                lease=lease_id,
+                job=job.job,
+                attempt=job.attempt,
                 node=self.node,
-                world=int(report.get("world", 0)),
-                world_before=int(report.get("world_before", 0)),
-                times=times,
-                samples_per_s_before=float(before) if before is not None else None,
+                gpu=gpu,
+                mb=needs.extra_mb,
+                min_mb=needs.min_mb,
+                tiers=needs.tiers,
             )
-        elif what == "failed":
-            event = ev.RescaleFailed(
-                **self._stamp("rescale-failed", key.job, str(key.attempt), str(generation)),
+            self._append_soon(request)
+        text = leases.lease_file(self.state.leases, job, self.node)
+        if self._lease_files.get(key) != text and self.executor.write_task_file(key, leases.LEASES_FILE, text):
+            self._lease_files[key] = text
+
+    async def _report_memory(self, samples: list) -> None:
+        used = self._memory.changed(self.state, self.node, [s.memory_used_mb for s in samples])
+        if used is None:
+            return
+        self._memory_reports += 1
+        event = ev.GpuMemoryReported(
+            **self._stamp("memory", self.boot_id, str(self._memory_reports)), node=self.node, used_mb=used
+        )
+        await append_reliably(self.log, [event])
+
+    async def _renew_leases(self) -> None:
+        running = {(k.job, k.attempt) for k in self.executor.running()}
+        for lease_id, job in leases.renewals_due(self.state.leases, self.node, running, self.clock()):
+            expires = self.state.leases[lease_id].expires_at
+            stamp = self._stamp("renew", lease_id, f"{expires:.0f}")
+            renewed = ev.MemoryLeaseRenewed(**stamp, lease=lease_id, job=job, node=self.node)
+            await append_reliably(self.log, [renewed])
+
+    async def _report_health(self, samples: list) -> None:
+        """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
+        operator undrains its node (XID errors and ECC counts do not heal by themselves)."""
+        me = self.state.me
+        for sample in samples:
+            if sample.healthy or me is None or sample.index >= len(me.gpus):
+                continue
+            if not me.gpus[sample.index].healthy or sample.index in self._reported_unhealthy:
+                continue
+            self._reported_unhealthy.add(sample.index)
+            event = ev.GpuHealthChanged(
+                **self._stamp("health", self.boot_id, str(sample.index)),
+                node=self.node,
+                index=sample.index,
+                healthy=False,
+                reason=sample.problem or "unhealthy",
+            )
+            await append_reliably(self.log, [event])
+            log.warning("GPU unhealthy", index=sample.index, reason=event.reason)
+
+    # -- power (cluster energy saving) ---------------------------------------------------------
+
+    def kick_power(self) -> None:
+        if self._powering is None or self._powering.done():
+            self._powering = asyncio.create_task(self._power(), name="power")
+
+    async def _power(self) -> None:
+        """Carry out a power request. The hook does the real switching; if powering down fails the
+        node stays (or comes back) in service, which loses nothing."""
+        move = power(self.state, self.node)
+        if move is None:
+            return
+        ok = await self._run_power_hook(move.action)
+        kind = ev.NodePoweredUp if move.action == "up" or not ok else ev.NodePoweredDown
+        event = kind(**self._stamp(f"power-{kind.__name__}", str(self.state.seq)), node=self.node)
+        await append_reliably(self.log, [event])
+        log.info("power state changed", event=kind.__name__)
+
+    async def _run_power_hook(self, action: str) -> bool:
+        if not self.power_hook:
+            return True  # no hook: the node is only marked (it takes no work while off)
+        proc = await asyncio.create_subprocess_exec(
+            *shlex.split(self.power_hook),
+            action,
+            self.node,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await proc.communicate()
+        if proc.returncode != 0:
+            log.error("power hook failed", action=action, code=proc.returncode, output=output.decode()[-500:])
+            return False
+        return True
+
+    # -- what jobs tell the agent, and what people ask it ----------------------------------------
+
+    def on_message(self, message: control.AgentMessage) -> None:
+        """A message from a job's process or its shim (``gpuherd.control``)."""
+        key = TaskKey(message.job, message.attempt)
+        if isinstance(message, control.Progress):
+            self._on_progress(key, message)
+        elif isinstance(message, control.RescaleReport):
+            self._on_rescale(key, message)
+        elif isinstance(message, control.WorkerExit):
+            self._on_worker_exit(key, message)
+        elif isinstance(message, control.LeaseReleased):
+            self._on_lease_released(message)
+        elif isinstance(message, control.ProfileReady) and key in self.executor.running():
+            self._on_profile(key, message)
+
+    def _on_progress(self, key: TaskKey, message: control.Progress) -> None:
+        job = self.state.jobs.get(key.job)
+        if job is None or key not in self.executor.running() or self.node not in job.nodes:
+            return
+        first = launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset
+        if job.spec.elastic is not None or message.rank == first:  # (an elastic job's rank 0 is whoever holds it)
+            self._metrics[key] = {"step": float(message.step), **message.values}
+        payload = msgspec.json.encode(
+            {"job": key.job, "attempt": key.attempt, "rank": message.rank, "step": message.step}
+            | {"values": message.values, "at": message.at, "node": self.node}
+        )
+        task = asyncio.get_running_loop().create_task(self.log.publish_telemetry(f"{self.node}.job.{key.job}", payload))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _on_rescale(self, key: TaskKey, message: control.RescaleReport) -> None:
+        """A worker's word on a rescale: the new rank 0's first step at the new size, or a failed switch."""
+        generation = str(message.generation)
+        if message.event == "completed":
+            event: ev.Event = ev.RescaleCompleted(
+                **self._stamp("rescaled", key.job, str(key.attempt), generation),
                 job=key.job,
                 attempt=key.attempt,
-                generation=generation,
+                generation=message.generation,
                 node=self.node,
-                reason=str(report.get("reason", ""))[:500],
-                step=int(report.get("step", 0)),
+                world=message.world,
+                world_before=message.world_before,
+                times={k: v for k, v in message.times.items() if v},
+                samples_per_s_before=message.samples_per_s_before,
+            )
+        elif message.event == "failed":
+            event = ev.RescaleFailed(
+                **self._stamp("rescale-failed", key.job, str(key.attempt), generation),
+                job=key.job,
+                attempt=key.attempt,
+                generation=message.generation,
+                node=self.node,
+                reason=message.reason[:500],
+                step=message.step,
             )
         else:
-            log.info("elastic worker", job=key.job, event=what, generation=generation, reason=report.get("reason"))
+            log.info("elastic worker", job=key.job, event=message.event, generation=generation, reason=message.reason)
             return
         self._append_soon(event)
 
-    def _on_worker_exit(self, report: dict) -> None:
+    def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
         """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
-        try:
-            key = TaskKey(str(report["job"]), int(report["attempt"]))
-            gpu, code = int(report["gpu"]), int(report["code"])
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignored a malformed worker-exit report")
-            return
         job = self.state.jobs.get(key.job)
         if job is None or job.attempt != key.attempt or job.stopping():
             return  # the whole attempt is ending: its parts report as usual
-        worker = jobenv.worker_id(self.node, gpu)
+        worker = ev.worker_id(self.node, message.gpu)
         if worker not in job.workers or worker in job.lost_workers:
             return  # not one of the current generation's workers, or already reported
         event = ev.WorkerLost(
-            **self._stamp("worker-lost", key.job, str(key.attempt), str(gpu), str(job.generation)),
+            **self._stamp("worker-lost", key.job, str(key.attempt), str(message.gpu), str(job.generation)),
             job=key.job,
             attempt=key.attempt,
             node=self.node,
-            gpu=gpu,
-            exit_code=code,
-            reason=str(report.get("reason", "")),
+            gpu=message.gpu,
+            exit_code=message.code,
+            reason=message.reason,
         )
-        log.warning("elastic worker died", job=key.job, gpu=gpu, code=code)
+        log.warning("elastic worker died", job=key.job, gpu=message.gpu, code=message.code)
         self._append_soon(event)
 
-    def _append_soon(self, event: ev.Event) -> None:
-        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-    async def _on_exit(self, exit_: TaskExit) -> None:
-        await self.caught_up.wait()
-        self._exited.add(exit_.key)
-        await self._report(exit_)
-
-    async def _report(self, exit_: TaskExit) -> None:
-        key = exit_.key
-        ended = ev.TaskEnded(
-            **self._stamp("ended", key.job, str(key.attempt)),
-            job=key.job,
-            attempt=key.attempt,
-            node=self.node,
-            outcome=exit_.outcome,
-            exit_code=exit_.exit_code,
-            reason=exit_.reason,
-            output_tail=exit_.output_tail,
-            metrics=self._metrics.get(key),
+    def _on_lease_released(self, message: control.LeaseReleased) -> None:
+        if message.lease not in self.state.leases:
+            log.warning("ignored a lease release for no lease of this node", lease=message.lease)
+            return
+        stamp = self._stamp("released", message.lease, str(message.at))
+        event = ev.MemoryLeaseReleased(
+            **stamp, lease=message.lease, job=message.job, gpus=message.gpus, reason=message.reason, node=self.node
         )
-        await append_reliably(self.log, [ended])
-        log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)
-
-    # -- what jobs tell the agent, and what people ask it ----------------------------------------
+        log.info("lease released", lease=message.lease, gpus=message.gpus)
+        self._append_soon(event)
 
     def _pass_profile_request(self, event: ev.ProfileRequested) -> None:
         """Leave the request where the job's leader rank looks for it (a request for a job not
@@ -669,65 +647,25 @@ class Agent:
         if self.executor.request_profile(key, event.id, event.steps):
             log.info("profile requested", job=job.job, attempt=job.attempt, steps=event.steps)
 
-    def _on_profile(self, key: TaskKey, report: dict) -> None:
-        data = self.executor.profile_result(key, str(report.get("file", "")))
+    def _on_profile(self, key: TaskKey, message: control.ProfileReady) -> None:
+        data = self.executor.profile_result(key, message.file)
         try:
             profile = msgspec.json.decode(data) if data is not None else None
         except msgspec.DecodeError:
             profile = None
         if not isinstance(profile, dict):
-            log.warning("ignored a profile report without a readable profile", job=key.job, file=report.get("file"))
+            log.warning("ignored a profile report without a readable profile", job=key.job, file=message.file)
             return
-        rank, request = report["rank"], str(report.get("request", ""))
         event = ev.ProfileReported(
-            **self._stamp("profile", key.job, str(key.attempt), str(rank), request),
+            **self._stamp("profile", key.job, str(key.attempt), str(message.rank), message.request),
             job=key.job,
             attempt=key.attempt,
             node=self.node,
-            rank=rank,
-            request=request,
+            rank=message.rank,
+            request=message.request,
             profile=profile,
         )
         self._append_soon(event)
-
-    def _on_report(self, report: dict) -> None:
-        if report.get("kind") == "lease-released":
-            self._on_lease_released(report)
-            return
-        if report.get("kind") == "rescale":
-            self._on_rescale_report(report)
-            return
-        if report.get("kind") == "worker-exit":
-            self._on_worker_exit(report)
-            return
-        if report.get("kind") == "profile":
-            try:
-                key = TaskKey(str(report["job"]), int(report["attempt"]))
-                report["rank"] = int(report["rank"])
-            except (KeyError, TypeError, ValueError):
-                log.warning("ignored a malformed profile report")
-                return
-            if key in self.executor.running():
-                self._on_profile(key, report)
-            return
-        try:
-            key = TaskKey(str(report["job"]), int(report["attempt"]))
-            rank, step = int(report["rank"]), int(report["step"])
-            values = {k: float(v) for k, v in dict(report.get("values") or {}).items()}
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignored a malformed progress report")
-            return
-        job = self.state.jobs.get(key.job)
-        if job is None or key not in self.executor.running() or self.node not in job.nodes:
-            return
-        leader = (
-            job.spec.elastic is not None or rank == launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset
-        )
-        if leader:  # (an elastic job's rank 0 is whichever worker holds it now: only it reports)
-            self._metrics[key] = {"step": float(step), **values}
-        payload = msgspec.json.encode(dict(report, node=self.node))
-        task = asyncio.get_running_loop().create_task(self.log.publish_telemetry(f"{self.node}.job.{key.job}", payload))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _serve_logs(self, data: bytes) -> bytes:
         try:
@@ -739,15 +677,6 @@ class Agent:
         attempts = [req.attempt] if req.attempt is not None else self.executor.attempts(req.job)
         out = {str(a): self.executor.output(TaskKey(req.job, a), req.max_bytes) for a in attempts}
         return msgspec.json.encode({"ok": True, "node": self.node, "attempts": out})
-
-
-def _stop_reason(job: JobState) -> str:
-    if job.preempt_reason is not None:
-        return job.preempt_reason
-    for node, part in job.parts_ended.items():
-        if part.outcome != "completed":
-            return f"the gang is stopping: its part on {node} {part.outcome} ({part.reason or part.exit_code})"
-    return "the gang is stopping"
 
 
 def _port_range(text: str) -> tuple[int, int]:
@@ -790,8 +719,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuherd-nodeagent", description="gpuherd node agent")
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser = service_parser("agent", "gpuherd node agent: runs this node's part of every job placed on it")
     parser.add_argument("--node", required=True, help="node name (a NATS subject token)")
     parser.add_argument("--executor", default="sim", choices=["sim", "cpu", "nvml"])
     parser.add_argument("--gpus", type=int, default=8, help="declared GPUs (sim and cpu executors)")
@@ -815,7 +743,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("GPUHERD_POWER_HOOK"),
         help="command run as `HOOK down|up NODE` when energy saving powers this node down or up",
     )
-    add_metrics_argument(parser)
     return parser
 
 

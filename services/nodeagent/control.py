@@ -1,25 +1,23 @@
 """The agent's control socket: how a job's processes talk to their node agent.
 
 A Unix datagram socket in the abstract namespace (no file to clean up, no
-path-length limit). A process sends one JSON object per datagram (see
-``gpuherd.train.report``); the agent keeps the latest report of each task
-and forwards it as telemetry. Datagrams need no connection, so a job keeps
-running, unbothered, while its agent restarts.
+path-length limit). A process sends one message per datagram, of the typed
+protocol in ``gpuherd.control``; one that does not validate is logged and
+dropped. Datagrams need no connection, so a job keeps running, unbothered,
+while its agent restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 from collections.abc import Callable
 
+from gpuherd.control import AgentMessage, MessageError, decode_message
 from gpuherd.events import stable_id
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.nodeagent.control")
-
-MAX_DATAGRAM = 65536
 
 
 def control_address(data_dir: str, node: str) -> str:
@@ -34,22 +32,24 @@ def _socket_name(address: str) -> bytes:
     return b"\0" + name.encode()
 
 
+OnMessage = Callable[[AgentMessage], None]
+
+
 class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, on_report: Callable[[dict], None]) -> None:
-        self.on_report = on_report
+    def __init__(self, on_message: OnMessage) -> None:
+        self.on_message = on_message
 
     def datagram_received(self, data: bytes, addr: object) -> None:
         try:
-            report = json.loads(data)
-        except ValueError:
-            log.warning("ignored a malformed control message", size=len(data))
+            message = decode_message(data)
+        except MessageError as exc:
+            log.warning("ignored a malformed control message", size=len(data), error=str(exc))
             return
-        if isinstance(report, dict):
-            self.on_report(report)
+        self.on_message(message)
 
 
 class ControlSocket:
-    def __init__(self, address: str, on_report: Callable[[dict], None]) -> None:
+    def __init__(self, address: str, on_report: OnMessage) -> None:
         self.address = address
         self.on_report = on_report
         self._transport: asyncio.DatagramTransport | None = None

@@ -16,7 +16,11 @@ import json
 import os
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, JobState
+from gpuherd import jobenv
+from gpuherd.fold import ClusterState, JobState
+from gpuherd.fold.leases import Leases
+
+LEASES_FILE = jobenv.MEMORY_LEASES_FILE
 
 MIN_REPORT_STEP_MB = 256
 REPORT_STEP_FRACTION = 0.02  # of the GPU's memory
@@ -64,14 +68,14 @@ def wanted_requests(job: JobState, node: str, gpus: set[int]) -> list[tuple[str,
     return [(lease_id(job.job, job.attempt, node, g), g) for g in mine if g in gpus]
 
 
-def lease_file(state: ClusterState, job: JobState, node: str) -> str:
+def lease_file(leases: Leases, job: JobState, node: str) -> str:
     """The task's lease file: every lease of the job's attempt on ``node``, with its shares and
     revocations (``revoke_by``: a lender share's deadline; ``ending_by``: the whole lease's)."""
-    leases = {}
-    for lease in state.leases.values():
+    out = {}
+    for lease in leases.values():
         if lease.job != job.job or lease.attempt != job.attempt or lease.node != node:
             continue
-        leases[lease.lease] = {
+        out[lease.lease] = {
             "gpu": lease.gpu,
             "status": lease.status,
             "shares": [
@@ -86,28 +90,15 @@ def lease_file(state: ClusterState, job: JobState, node: str) -> str:
             "ending_by": lease.ending_by,
             "expires_at": lease.expires_at,
         }
-    return json.dumps({"job": job.job, "attempt": job.attempt, "leases": leases}, sort_keys=True)
+    return json.dumps({"job": job.job, "attempt": job.attempt, "leases": out}, sort_keys=True)
 
 
-def renewals_due(state: ClusterState, node: str, running: set[tuple[str, int]], now: float) -> list[tuple[str, str]]:
+def renewals_due(leases: Leases, node: str, running: set[tuple[str, int]], now: float) -> list[tuple[str, str]]:
     """(lease, job) of the active leases of tasks running here that are past half their term."""
     out = []
-    for lease in state.leases.values():
+    for lease in leases.values():
         if lease.node != node or (lease.job, lease.attempt) not in running:
             continue
         if lease.status == "active" and lease.ending_by is None and lease.expires_at - now < lease.term_s / 2:
             out.append((lease.lease, lease.job))
     return out
-
-
-def released_event_fields(report: dict) -> dict[str, object] | None:
-    """MemoryLeaseReleased's fields from a runtime's "lease-released" report (None if malformed)."""
-    try:
-        return {
-            "lease": str(report["lease"]),
-            "job": str(report["job"]),
-            "gpus": tuple(int(g) for g in report.get("gpus") or ()),
-            "reason": str(report.get("reason", "revoked")),
-        }
-    except (KeyError, TypeError, ValueError):
-        return None

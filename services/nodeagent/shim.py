@@ -35,6 +35,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
+from gpuherd.control import WorkerExit, encode_message
+
 POLL_S = 0.1
 
 
@@ -110,9 +114,13 @@ class Shim:
                 specs = json.loads(taken.read_text())["procs"]
             except (OSError, ValueError, KeyError):
                 continue
-            failure = self.launch(self.hand_to_standby(specs))
+            rest = self.hand_to_standby(specs)
+            before = len(self.procs)
+            failure = self.launch(rest)
             if failure is not None:
-                self.tell_agent({"kind": "worker-exit", "index": len(self.procs), "code": 127, "reason": failure})
+                gpu = rest[len(self.procs) - before].get("gpu")  # the worker that could not start
+                if gpu is not None:
+                    self.tell_agent(WorkerExit(job=self.job, attempt=self.attempt, gpu=gpu, code=127, reason=failure))
         self.write_info()
 
     def start_standby(self) -> None:
@@ -166,17 +174,19 @@ class Shim:
                 death = {"gpu": gpu, "code": code, "reason": f"worker {describe_exit(code)}"}
                 self.deaths.append(death)
                 write_json(self.dir / "dead-workers.json", self.deaths)  # for an agent that missed the message
-                self.tell_agent({"kind": "worker-exit", **death})
+                if gpu is not None:
+                    exit_ = WorkerExit(job=self.job, attempt=self.attempt, gpu=gpu, code=code, reason=death["reason"])
+                    self.tell_agent(exit_)
 
-    def tell_agent(self, message: dict) -> None:
+    def tell_agent(self, message: WorkerExit) -> None:
         """One datagram to the agent's control socket (lost if no agent listens: the exit record
         keeps the codes for the next one)."""
         scheme, _, name = self.agent_addr.partition(":")
         if scheme != "unix-abstract" or not name:
             return
-        message = {"job": self.job, "attempt": self.attempt, "node": self.node, "at": time.time(), **message}
+        message = msgspec.structs.replace(message, node=self.node, at=time.time())
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(json.dumps(message).encode(), b"\0" + name.encode())
+            sock.sendto(encode_message(message), b"\0" + name.encode())
 
     def write_info(self) -> None:
         pids = [p.pid for p in self.procs]

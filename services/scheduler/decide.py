@@ -1,249 +1,264 @@
-"""The scheduler decider: a pure function of (cluster state, event).
+"""The scheduler decider: a pure function of (its state, an event).
 
-On every event it (1) reacts to what the event changes, then (2) runs a
-scheduling pass (``schedule.py``): waiting jobs in the policy's order, each
-on a whole gang of GPUs, within VC quotas, with backfill and preemption.
-The policy is the log's latest ``PolicyConfigured`` (this decider's default
-before there is one), so a replay uses the policy each decision was made with.
+Its routing is one table (``ROUTES``): for each event type it follows, what it reacts with, and
+whether a scheduling pass (``schedule.py``) follows. The pass places waiting jobs in the policy's
+order, each on a whole gang of GPUs, within VC quotas, with backfill and preemption. The policy
+is the log's latest applied ``PolicyConfigured`` (this decider's default before there is one),
+so a replay uses the policy each decision was made with.
 
-- A clock tick that shows a node silent for too long -> ``NodeLost``.
+- A tick of its own timer -> a pass; one that shows a node silent for too long -> ``NodeLost``.
 - A GPU turning unhealthy -> its job is preempted (no grace) and requeued.
-- A lost node's jobs, a failed part, a cancel: the attempt must end on every
-  node. Agents stop their parts and report ``TaskEnded``; once every part of
-  the attempt has ended (a lost node's part counts as ended: its agent fences
-  its processes before the loss can be declared) the attempt is *settled*:
-  ``JobFinished`` (completed, cancelled, or failed once retries are used up)
-  or ``JobRequeued`` (also after a preemption, which is not a failure).
-  GPUs are given back only then, so a new attempt never runs next to the
-  remains of the old one.
+- A lost node's jobs, a failed part, a cancel: the attempt must end on every node. Agents stop
+  their parts and report ``TaskEnded``; once every part of the attempt has ended (a lost node's
+  part counts as ended: its agent fences its processes before the loss can be declared) the
+  attempt is *settled*: ``JobFinished`` (completed, cancelled, or failed once retries are used
+  up) or ``JobRequeued`` (also after a preemption, which is not a failure). GPUs are given back
+  only then, so a new attempt never runs next to the remains of the old one.
+- Operator commands (VCs, the policy, drains, cancels) are checked here, where they are applied:
+  one that cannot be applied gets ``CommandRefused`` with the reason, and changes nothing.
+- Submissions from intake are judged in turn (``take``): ``JobSubmitted`` or ``JobRejected``.
 
-Decisions within one call are made against a scratch copy of the free GPUs,
-so one call never gives a GPU twice; the next call sees them in the state.
+Decisions within one call are made against a scratch copy of the free GPUs, so one call never
+gives a GPU twice; the next call sees them in the state. ``decide`` itself is total (an event it
+does not follow still gets a pass): the audit re-runs it on whatever a recorded decision names
+as its cause, including causes older versions followed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from gpuherd import events as ev
-from gpuherd.decider import Decider
-from gpuherd.state import ACTIVE, ClusterState, JobState, apply, decode_state, encode_state
+from gpuherd.fold import ACTIVE, JobState, vc_problem
+from gpuherd.runtime.decider import Answer, Decider, refused
+from services.scheduler import intake
 from services.scheduler.placement import ViewCache
-from services.scheduler.policy import POLICIES, Fifo, Policy, make_policy
+from services.scheduler.policy import Fifo, Policy, check_policy, make_policy, policy_params
 from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
 from services.scheduler.schedule import Plan, plan
+from services.scheduler.state import SchedulerState, evolve, new_state
 
-# Events after which a pass can place nothing the pass before could not: no GPU freed, no job,
-# node, quota, order or time changed. (JobPlaced: the pass that placed it placed all it could.)
+Reaction = Callable[[SchedulerState, Any], list[ev.Event]]
+
+
+class Route(NamedTuple):
+    """What the scheduler does with an event type: ``react`` (its own decisions about the event),
+    then a pass over the waiting jobs unless ``passes`` is off. A route with no reaction that makes
+    a pass is ``coalescible``: of several waiting at once, only the last is decided."""
+
+    react: Reaction | None = None
+    passes: bool = True
+
+
+def _lost_nodes(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
+    return lost_nodes(state, tick)
+
+
+def _settle_on_node(state: SchedulerState, e: ev.NodeLost) -> list[ev.Event]:
+    return settle_all(state, jobs_on_node(state, e.node))
+
+
+def _settle_task(state: SchedulerState, e: ev.TaskEnded) -> list[ev.Event]:
+    return settle_all(state, [e.job])
+
+
+def _unhealthy(state: SchedulerState, e: ev.GpuHealthChanged) -> list[ev.Event]:
+    return [] if e.healthy else off_unhealthy_gpu(state, e)
+
+
+ROUTES: dict[type[ev.Event], Route] = {
+    # demand and supply changed: a pass, nothing else
+    ev.JobSubmitted: Route(),
+    ev.JobFinished: Route(),
+    ev.JobRequeued: Route(),
+    ev.JobDurationPredicted: Route(),  # SJF and QSSF order, backfill ends
+    ev.NodeRegistered: Route(),
+    ev.NodePowerUpRequested: Route(),  # a draining node serves again at once
+    ev.NodeWakeRequested: Route(),
+    ev.NodePoweredUp: Route(),
+    ev.RescaleCompleted: Route(),  # a shrink's GPUs are given back
+    ev.JobResized: Route(),
+    # its own reactions
+    ev.ClockTicked: Route(_lost_nodes),
+    ev.NodeLost: Route(_settle_on_node),
+    ev.GpuHealthChanged: Route(_unhealthy),
+    ev.TaskEnded: Route(_settle_task, passes=False),  # settling frees GPUs only once folded: that event passes
+    ev.RescaleProposed: Route(on_proposal, passes=False),  # a pass waits until the resize is folded
+    ev.RescaleFailed: Route(on_failed, passes=False),
+    ev.WorkerLost: Route(on_worker_lost, passes=False),
+    # operator commands, checked where they are applied
+    ev.VcConfigured: Route(lambda s, e: _check(e, vc_problem(e))),
+    ev.PolicyConfigured: Route(lambda s, e: _check(e, check_policy(e.policy, e.params))),
+    ev.NodeDrained: Route(lambda s, e: _check(e, _node_problem(s, e.node)), passes=False),
+    ev.NodeUndrained: Route(lambda s, e: _check(e, _node_problem(s, e.node))),
+    ev.JobCancelRequested: Route(lambda s, e: cancel(s, e)),
+}
+
+# Events after which a pass can place nothing the pass before could not (no GPU freed, no job,
+# node, quota or order changed): ``decide`` answers them with nothing. Every other event it does
+# not follow gets a pass: not live (the runtime never hands it one), but in an audit of a log
+# recorded when every event made one.
 NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
     {
         ev.JobPlaced,
         ev.JobRejected,
         ev.JobStarted,
-        ev.TaskEnded,
         ev.JobPreempted,
-        ev.NodeDrained,
         ev.NodePowerDownRequested,
         ev.NodePoweredDown,
         ev.ProfileRequested,
         ev.ProfileReported,
-        ev.RescaleFailed,
-        ev.WorkerLost,
+        ev.CommandRefused,
     }
 )
 
 
-# Events whose only decisions are a scheduling pass (no branch of ``decide`` looks at them): of
-# several waiting at once, the runner lets the last one make the pass (``coalescible``).
-PASS_ONLY: frozenset[type[ev.Event]] = frozenset(
-    {
-        ev.JobSubmitted,
-        ev.JobFinished,
-        ev.JobRequeued,
-        ev.NodeRegistered,
-        ev.NodeUndrained,
-        ev.VcConfigured,
-        ev.PolicyConfigured,
-    }
-)
-
-
-# Of those, the ones it still reacts to (settling an attempt, committing an elastic job's new generation).
-REACTS_TO: frozenset[type[ev.Event]] = frozenset({ev.TaskEnded, ev.RescaleFailed, ev.WorkerLost})
-
-
-class SchedulerDecider(Decider[ClusterState]):
+class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
+    STATE_FORMAT = 7
+    FOLLOWS = frozenset(ROUTES)
+    EMITS = frozenset(
+        {
+            ev.JobSubmitted,
+            ev.JobRejected,
+            ev.JobPlaced,
+            ev.JobPreempted,
+            ev.JobRequeued,
+            ev.JobFinished,
+            ev.JobResized,
+            ev.NodeLost,
+            ev.NodeWakeRequested,
+            ev.CommandRefused,
+            ev.ClockTicked,  # its timer (recorded by its shell)
+        }
+    )
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Fifo()
         self._policy_cache: tuple[tuple, Policy] | None = None
         self._views = ViewCache()
+        self._sizes: tuple[tuple[int, int], intake.NodeSizes] | None = None
 
-    def initial_state(self) -> ClusterState:
-        return ClusterState()
+    def initial_state(self) -> SchedulerState:
+        return new_state()
 
-    def evolve(self, state: ClusterState, seq: int, event: ev.Event) -> ClusterState:
-        return apply(state, seq, event)
+    def state_type(self) -> type[SchedulerState]:
+        return SchedulerState
+
+    def evolve(self, state: SchedulerState, seq: int, event: ev.Event) -> SchedulerState:
+        return evolve(state, seq, event, policy_problem=check_policy)
 
     def coalescible(self, event: ev.Event) -> bool:
-        return type(event) in PASS_ONLY
+        route = ROUTES.get(type(event))
+        return route is not None and route.react is None
 
     def independent(self, event: ev.Event) -> str | None:
         # Settling a task's attempt reads and decides about that job alone (and makes no pass).
         return event.job if type(event) is ev.TaskEnded else None
 
-    def encode_state(self, state: ClusterState) -> bytes:
-        return encode_state(state)
+    # -- decisions on the log's events ----------------------------------------------------------------
 
-    def decode_state(self, data: bytes) -> ClusterState:
-        return decode_state(data)
-
-    def decide(self, state: ClusterState, event: ev.Event) -> list[ev.Event]:
-        kind = type(event)
-        if kind in NOTHING_TO_PLACE and kind not in REACTS_TO:
-            return []  # (the common case first: most events are these)
-        decisions: list[ev.Event] = []
-        if isinstance(event, ev.RescaleProposed):
-            return on_proposal(state, event)  # a pass waits until the resize is folded (it takes GPUs)
-        if isinstance(event, ev.RescaleFailed):
-            return on_failed(state, event)
-        if isinstance(event, ev.WorkerLost):
-            return on_worker_lost(state, event)
-        if isinstance(event, ev.ClockTicked):
-            decisions += lost_nodes(state, event)
-        elif isinstance(event, ev.NodeLost):
-            decisions += self._settle_all(state, _jobs_on(state, event.node))
-        elif isinstance(event, ev.GpuHealthChanged) and not event.healthy:
-            decisions += _off_unhealthy_gpu(state, event)
-        elif isinstance(event, ev.TaskEnded):
-            # Settling frees no GPU until its JobFinished or JobRequeued is folded: the pass that
-            # can use them is that event's (of several waiting at once, the last one's), not this one.
-            return self._settle_all(state, [event.job])
-        elif isinstance(event, ev.JobCancelRequested):
-            job = state.jobs.get(event.job)
-            if job is not None and job.status == "pending":
-                decisions.append(
-                    ev.JobFinished(
-                        job=job.job, attempt=job.attempt, outcome="cancelled", reason="cancelled while waiting"
-                    )
-                )
-            else:
-                decisions += self._settle_all(state, [event.job])
-        if kind in NOTHING_TO_PLACE and not decisions:
+    def decide(self, state: SchedulerState, event: ev.Event) -> list[ev.Event]:
+        route = ROUTES.get(type(event))
+        if route is None:
+            if type(event) in NOTHING_TO_PLACE:
+                return []
+            route = Route()
+        decisions = route.react(state, event) if route.react is not None else []
+        if not route.passes:
             return decisions
         if any(type(d) is ev.NodeLost for d in decisions):
             return decisions  # pass once the loss is folded: this state still shows the node up
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
-        decisions += self._schedule(state, decided)
-        return decisions
+        return decisions + self._schedule(state, decided)
 
-    # -- ending attempts ---------------------------------------------------------------------
+    # -- submissions from intake ------------------------------------------------------------------------
 
-    def _settle_all(self, state: ClusterState, job_ids: list[str]) -> list[ev.Event]:
-        out = []
-        for job_id in job_ids:
-            job = state.jobs.get(job_id)
-            if job is not None and job.status in ACTIVE and job.all_parts_ended():
-                out.append(settle(job))
-        return out
+    def take(self, state: SchedulerState, external: intake.Submission) -> Answer:
+        key = (id(state.nodes), state.registrations)
+        if self._sizes is None or self._sizes[0] != key:
+            self._sizes = (key, intake.node_sizes(state))  # the nodes' sizes change only when one registers
+        try:
+            verdict = intake.judge(state, external, service=self.name, sizes=self._sizes[1])
+        except Exception as exc:  # a bug must not turn one submission into a crash loop
+            reason = f"the scheduler failed to judge this submission ({type(exc).__name__}: {exc}); please report it"
+            verdict = intake.rejection(state, external, reason, service=self.name)
+        return Answer(verdict.events(), verdict.reply())
+
+    def external_key(self, external: intake.Submission) -> str | None:
+        return intake.submission_key(external)
+
+    def answers(self, event: ev.Decision) -> bool:
+        return isinstance(event, ev.JobSubmitted | ev.JobRejected)
+
+    def recheck(self, state: SchedulerState, answer: ev.Decision) -> str | None:
+        assert isinstance(answer, ev.JobSubmitted | ev.JobRejected)
+        return intake.recheck(state, answer, service=self.name)
 
     # -- placing waiting jobs ------------------------------------------------------------------
 
-    def policy_for(self, state: ClusterState) -> Policy:
-        """The policy in force: the log's latest PolicyConfigured, else this decider's default."""
+    def policy_for(self, state: SchedulerState) -> Policy:
+        """The policy in force: the log's latest applied PolicyConfigured, else this decider's default
+        (also for a policy recorded unchecked, before commands were checked, that does not exist)."""
         config = state.scheduling
         if config.policy is None:
             return self.policy
         key = (config.policy, tuple(sorted(config.params.items())))
         if self._policy_cache is None or self._policy_cache[0] != key:
             try:
-                policy = make_policy(config.policy, _policy_params(config.policy, config.params))
+                policy = make_policy(config.policy, policy_params(config.policy, config.params))
             except (ValueError, TypeError):
-                # A name or parameter the CLI would have refused (appended by hand): it must not stop
-                # the scheduler on every restart. The decider's default stays in force, as before it.
                 policy = self.policy
             self._policy_cache = (key, policy)
         return self._policy_cache[1]
 
-    def plan(self, state: ClusterState, skip: frozenset[str] | set[str] = frozenset()) -> Plan:
-        """This state's scheduling pass: placements, preemptions, and why the rest wait."""
+    def plan(self, state: SchedulerState, skip: frozenset[str] | set[str] = frozenset()) -> Plan:
+        """This state's scheduling pass, explained: placements, preemptions, and why the rest wait."""
         return plan(state, self.policy_for(state), backfill=state.scheduling.backfill, skip=skip)
 
-    def _schedule(self, state: ClusterState, skip: set[str]) -> list[ev.Event]:
+    def _schedule(self, state: SchedulerState, skip: set[str]) -> list[ev.Event]:
         if not state.queue:
             return []
         policy = self.policy_for(state)
         result = plan(state, policy, backfill=state.scheduling.backfill, skip=skip, cache=self._views, explain=False)
-        return [*result.preempted, *result.placed, *power_up(state, result, self._views.asleep)]
+        return [*result.preempted, *result.placed, *wake_up(state, result, self._views.asleep)]
 
 
-def power_up(state: ClusterState, result: Plan, candidates: Iterable[str] | None = None) -> list[ev.Event]:
-    """Demand is back: jobs wait for GPUs (not for quota) while nodes are powered down to save
-    energy. Wake as many as the waiting jobs need beyond the free and already-booting GPUs;
-    nodes still draining first (they serve again at once), then powered-off ones. ``candidates``:
-    the names of every node that may be asleep (by default all)."""
-    nodes = state.nodes.values() if candidates is None else (state.nodes[name] for name in candidates)
-    asleep = [n for n in nodes if n.status == "up" and n.power in ("draining", "off")]
-    if not asleep:
+# -- operator commands --------------------------------------------------------------------------------
+
+
+def _check(command: ev.Command, problem: str | None) -> list[ev.Event]:
+    """Refuse a command that cannot be applied (commands recorded unchecked were applied as they were)."""
+    if problem is None or command.unchecked:
         return []
-    waiting = [state.jobs[j] for j, p in result.pending.items() if p.kind in ("gang", "powered-down")]
-    if not waiting:
-        return []
-    wanted = sum(j.spec.gpus for j in waiting)
-    coming = sum(len(n.free_gpus()) for n in state.nodes.values() if n.status == "up" and n.power == "booting")
-    need = wanted - coming - sum(len(n.free_gpus()) for n in state.nodes.values() if n.accepts_work())
+    return [refused(command, problem)]
+
+
+def _node_problem(state: SchedulerState, node: str) -> str | None:
+    return None if node in state.nodes else f"no node {node!r} has registered; see `gpuherd nodes`"
+
+
+def cancel(state: SchedulerState, e: ev.JobCancelRequested) -> list[ev.Event]:
+    """A waiting job ends at once; a placed or running one stops on every node, then settles."""
+    job = state.jobs.get(e.job)
+    if job is None:
+        return _check(e, f"no job {e.job!r} waits or runs (an unknown id, or it has ended)")
+    if job.status == "pending":
+        return [ev.JobFinished(job=job.job, attempt=job.attempt, outcome="cancelled", reason="cancelled while waiting")]
+    return settle_all(state, [e.job])
+
+
+# -- ending attempts ---------------------------------------------------------------------
+
+
+def settle_all(state: SchedulerState, job_ids: list[str]) -> list[ev.Event]:
     out: list[ev.Event] = []
-    reason = f"{len(waiting)} jobs wait for {wanted} GPUs"
-    for node in sorted(asleep, key=lambda n: (n.power != "draining", n.node)):
-        if need <= 0:
-            break
-        out.append(ev.NodePowerUpRequested(node=node.node, reason=reason))
-        need -= len(node.gpus)
+    for job_id in job_ids:
+        job = state.jobs.get(job_id)
+        if job is not None and job.status in ACTIVE and job.all_parts_ended():
+            out.append(settle(job))
     return out
-
-
-def _policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
-    """The params the policy takes (PolicyConfigured also carries cluster-wide ones: CLUSTER_PARAMS)."""
-    known = POLICIES[name].PARAMS if name in POLICIES else ()
-    return {k: v for k, v in params.items() if k in known}
-
-
-def lost_nodes(state: ClusterState, tick: ev.ClockTicked) -> list[ev.Event]:
-    """Nodes the tick shows silent for longer than its timeout. A node that registered after the
-    last word the ticker heard counts from its registration."""
-    out: list[ev.Event] = []
-    cutoff = tick.at - tick.lost_after_s  # heard from before this: lost
-    if cutoff <= 0:
-        return out  # no node can have been silent that long (simulations tick this way)
-    for name, node in sorted(state.nodes.items()):
-        if node.status == "lost" or node.registered_at >= cutoff or node.power in ("off", "booting"):
-            continue  # a powered-down node is silent by design
-        heard = max(tick.last_heard.get(name, node.registered_at), node.registered_at)
-        silent = tick.at - heard
-        if silent > tick.lost_after_s:
-            out.append(ev.NodeLost(node=name, reason=f"no heartbeat for {silent:.0f}s"))
-    return out
-
-
-def _off_unhealthy_gpu(state: ClusterState, event: ev.GpuHealthChanged) -> list[ev.Event]:
-    """A job on a GPU that turned unhealthy must move: it is preempted at once (no grace) and
-    requeued when its parts have stopped; the GPU gets no new work until it is healthy again."""
-    node = state.nodes.get(event.node)
-    if node is None or not 0 <= event.index < len(node.gpus):
-        return []
-    holder = state.jobs.get(node.gpus[event.index].job or "")
-    if holder is None or holder.status not in ACTIVE or holder.preempt_reason is not None:
-        return []
-    reason = f"GPU {event.node}/{event.index} unhealthy: {event.reason}"
-    return [ev.JobPreempted(job=holder.job, attempt=holder.attempt, reason=reason, grace_s=0.0)]
-
-
-def _jobs_on(state: ClusterState, node_name: str) -> list[str]:
-    node = state.nodes.get(node_name)
-    if node is None:
-        return []
-    return sorted({slot.job for slot in node.gpus if slot.job is not None})
 
 
 def settle(job: JobState) -> ev.JobFinished | ev.JobRequeued:
@@ -293,3 +308,68 @@ def settle(job: JobState) -> ev.JobFinished | ev.JobRequeued:
     # Nothing failed on its own: a node was lost (or a part was stopped for one). Not the job's fault.
     ended = sorted((p for _, p in parts if p.outcome != "completed"), key=lambda p: p.outcome != "lost")
     return ev.JobRequeued(job=job.job, attempt=job.attempt, reason=ended[0].reason or ended[0].outcome)
+
+
+# -- nodes ---------------------------------------------------------------------------------------------
+
+
+def wake_up(state: SchedulerState, result: Plan, candidates: Iterable[str] | None = None) -> list[ev.Event]:
+    """Demand is back: jobs wait for GPUs (not for quota) while nodes are powered down to save
+    energy. Wake as many as the waiting jobs need beyond the free and already-booting GPUs;
+    nodes still draining first (they serve again at once), then powered-off ones. ``candidates``:
+    the names of every node that may be asleep (by default all)."""
+    nodes = state.nodes.values() if candidates is None else (state.nodes[name] for name in candidates)
+    asleep = [n for n in nodes if n.status == "up" and n.power in ("draining", "off")]
+    if not asleep:
+        return []
+    waiting = [state.jobs[j] for j, p in result.pending.items() if p.kind in ("gang", "powered-down")]
+    if not waiting:
+        return []
+    wanted = sum(j.spec.gpus for j in waiting)
+    coming = sum(len(n.free_gpus()) for n in state.nodes.values() if n.status == "up" and n.power == "booting")
+    need = wanted - coming - sum(len(n.free_gpus()) for n in state.nodes.values() if n.accepts_work())
+    out: list[ev.Event] = []
+    reason = f"{len(waiting)} jobs wait for {wanted} GPUs"
+    for node in sorted(asleep, key=lambda n: (n.power != "draining", n.node)):
+        if need <= 0:
+            break
+        out.append(ev.NodeWakeRequested(node=node.node, reason=reason))
+        need -= len(node.gpus)
+    return out
+
+
+def lost_nodes(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
+    """Nodes the tick shows silent for longer than its timeout. A node that registered after the
+    last word the ticker heard counts from its registration."""
+    out: list[ev.Event] = []
+    cutoff = tick.at - tick.lost_after_s  # heard from before this: lost
+    if cutoff <= 0:
+        return out  # no node can have been silent that long (simulations tick this way)
+    for name, node in sorted(state.nodes.items()):
+        if node.status == "lost" or node.registered_at >= cutoff or node.power in ("off", "booting"):
+            continue  # a powered-down node is silent by design
+        heard = max(tick.last_heard.get(name, node.registered_at), node.registered_at)
+        silent = tick.at - heard
+        if silent > tick.lost_after_s:
+            out.append(ev.NodeLost(node=name, reason=f"no heartbeat for {silent:.0f}s"))
+    return out
+
+
+def off_unhealthy_gpu(state: SchedulerState, event: ev.GpuHealthChanged) -> list[ev.Event]:
+    """A job on a GPU that turned unhealthy must move: it is preempted at once (no grace) and
+    requeued when its parts have stopped; the GPU gets no new work until it is healthy again."""
+    node = state.nodes.get(event.node)
+    if node is None or not 0 <= event.index < len(node.gpus):
+        return []
+    holder = state.jobs.get(node.gpus[event.index].job or "")
+    if holder is None or holder.status not in ACTIVE or holder.preempt_reason is not None:
+        return []
+    reason = f"GPU {event.node}/{event.index} unhealthy: {event.reason}"
+    return [ev.JobPreempted(job=holder.job, attempt=holder.attempt, reason=reason, grace_s=0.0)]
+
+
+def jobs_on_node(state: SchedulerState, node_name: str) -> list[str]:
+    node = state.nodes.get(node_name)
+    if node is None:
+        return []
+    return sorted({slot.job for slot in node.gpus if slot.job is not None})

@@ -1,23 +1,28 @@
 """Intake: turn a raw submission into JobSubmitted, or JobRejected with a reason a person can act on.
 
-``judge`` is pure: it reads the submission and the cluster state, nothing else.
+``judge`` is pure: it reads the submission and the scheduler's state, nothing else. The scheduler
+decides submissions in the log's order like any other input (``SchedulerDecider.take``), so a
+verdict's ``based_on`` is exactly the state it was judged on, and the audit re-judges it there
+(``recheck``) by the rules it was judged by (``intake_rules``; see ``events.INTAKE_RULES``).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
 from gpuherd import events as ev
 from gpuherd import jobenv
-from gpuherd.state import ClusterState, intake_key
 from services.scheduler.placement import can_run
+from services.scheduler.state import SchedulerState, intake_key
 
 MAX_SUBMISSION_BYTES = 64 * 1024
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,128}$")
 _SOURCE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _spec_decoder = msgspec.json.Decoder(ev.JobSpec)
+EXCERPT_BYTES = 256
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 
@@ -25,6 +30,10 @@ class Verdict(msgspec.Struct, frozen=True):
     event: ev.JobSubmitted | ev.JobRejected
     job_id: str | None = None
     duplicate: bool = False  # the same intake id was submitted before: same job, nothing new
+
+    def events(self) -> list[ev.Event]:
+        """What to append: nothing for a duplicate (the log holds its job already)."""
+        return [] if self.duplicate else [self.event]
 
     def reply(self) -> bytes:
         if isinstance(self.event, ev.JobRejected):
@@ -37,13 +46,13 @@ def job_id_for(source: str, intake_id: str) -> str:
 
 
 def _excerpt(data: bytes) -> str:
-    return data[:256].decode("utf-8", errors="replace")
+    return data[:EXCERPT_BYTES].decode("utf-8", errors="replace")
 
 
 NodeSizes = dict[bool, list[int]]  # runs processes? -> GPUs of each registered node of that kind
 
 
-def node_sizes(state: ClusterState) -> NodeSizes:
+def node_sizes(state: SchedulerState) -> NodeSizes:
     """What intake checks a spec against; compute it once for a batch of submissions."""
     sizes: NodeSizes = {False: [], True: []}
     for node in state.nodes.values():
@@ -61,7 +70,9 @@ def _memory_problem(memory: ev.MemoryNeeds) -> str | None:
     return None
 
 
-def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | None = None) -> str | None:
+def _spec_problem(
+    spec: ev.JobSpec, state: SchedulerState, by_kind: NodeSizes | None = None, rules: int = ev.INTAKE_RULES
+) -> str | None:
     if not spec.name.strip():
         return "`name` must not be empty"
     if len(spec.name) > 256 or len(spec.user) > 256:
@@ -104,6 +115,12 @@ def _spec_problem(spec: ev.JobSpec, state: ClusterState, by_kind: NodeSizes | No
     if spec.vc not in state.vcs:
         known = ", ".join(sorted(state.vcs))
         return f"unknown virtual cluster {spec.vc!r}; known: {known}"
+    vc = state.vcs[spec.vc]
+    if rules >= 2 and vc.gpu_quota is not None and not vc.can_borrow and spec.gpus > vc.gpu_quota:
+        return (
+            f"asks for {spec.gpus} GPUs but VC {vc.vc} has a quota of {vc.gpu_quota} and may not borrow, "
+            "so it could never start; ask for fewer GPUs or use another VC"
+        )
     if not state.nodes:
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
     # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
@@ -169,14 +186,33 @@ class Submission(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes
     at: float  # when the stream stored it
     msg_id: str | None = None  # its Nats-Msg-Id header: the default intake id
+    delivery: Any = None  # the shell's handle to acknowledge it and answer its sender (not judged)
+    trace: str | None = None  # the submitter's W3C traceparent, if it sent one (not judged)
 
     @property
     def cause(self) -> str:
         return f"intake:{self.source}:{self.seq}"
 
 
+class _IntakeId(msgspec.Struct):
+    intake_id: str | None = None
+
+
+_intake_id_decoder = msgspec.json.Decoder(_IntakeId)
+
+
+def submission_key(sub: Submission) -> str | None:
+    """The intake key a submission would take (decided together with others only if distinct);
+    None when it cannot be read (it is decided alone)."""
+    try:
+        intake_id = _intake_id_decoder.decode(sub.data).intake_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return intake_key(sub.source, intake_id or sub.msg_id or f"seq-{sub.seq}")
+
+
 def rejection(
-    state: ClusterState, sub: Submission, reason: str, *, intake_id: str | None = None, service: str = "scheduler"
+    state: SchedulerState, sub: Submission, reason: str, *, intake_id: str | None = None, service: str = "scheduler"
 ) -> Verdict:
     """The verdict for a submission that cannot become a job; it keeps the start of the payload."""
     return Verdict(
@@ -191,14 +227,19 @@ def rejection(
             intake_id=intake_id,
             reason=reason,
             payload_excerpt=_excerpt(sub.data),
+            payload_size=len(sub.data),
         )
     )
 
 
 def judge(
-    state: ClusterState, sub: Submission, *, service: str = "scheduler", sizes: NodeSizes | None = None
+    state: SchedulerState, sub: Submission, *, service: str = "scheduler", sizes: NodeSizes | None = None
 ) -> Verdict:
     """Decide on one submission: JobSubmitted, or JobRejected with a reason a person can act on."""
+    return _judge(state, sub, service=service, sizes=sizes, rules=ev.INTAKE_RULES)
+
+
+def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeSizes | None, rules: int) -> Verdict:
     source, data = sub.source, sub.data
 
     def reject(reason: str, intake_id: str | None = None) -> Verdict:
@@ -214,7 +255,7 @@ def judge(
         return reject(f"invalid job spec: {exc}")
     except msgspec.DecodeError as exc:
         return reject(f"submission is not valid JSON: {exc}")
-    problem = _spec_problem(spec, state, sizes)
+    problem = _spec_problem(spec, state, sizes, rules)
     if problem is not None:
         return reject(problem, spec.intake_id)
     intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
@@ -232,5 +273,35 @@ def judge(
         spec=spec,
         intake_source=source,
         intake_seq=sub.seq,
+        intake_rules=rules,
     )
     return Verdict(submitted, job_id=job_id, duplicate=existing is not None)
+
+
+def recheck(
+    state: SchedulerState, verdict: ev.JobSubmitted | ev.JobRejected, *, service: str = "scheduler"
+) -> str | None:
+    """Why a recorded verdict would not be given again on ``state`` (its ``based_on``), by the rules
+    it was judged by; None if it would. An accepted spec must still be valid and new; a rejected
+    submission whose whole payload the log kept must still be rejected, for the same reason."""
+    if isinstance(verdict, ev.JobSubmitted):
+        key = intake_key(verdict.intake_source, verdict.spec.intake_id or "")
+        if verdict.spec.intake_id is not None and key in state.intake_index:
+            return f"intake id {verdict.spec.intake_id!r} of {verdict.intake_source} was taken already (a duplicate)"
+        problem = _spec_problem(verdict.spec, state, rules=verdict.intake_rules)
+        return None if problem is None else f"would now be rejected: {problem}"
+    payload = verdict.payload_excerpt.encode()
+    complete = (
+        len(payload) == verdict.payload_size
+        if verdict.payload_size
+        else len(payload) < EXCERPT_BYTES and "\ufffd" not in verdict.payload_excerpt
+    )
+    if not complete:
+        return None  # the log kept only the start of it: nothing to judge again
+    sub = Submission(source=verdict.intake_source, seq=verdict.intake_seq, data=payload, at=verdict.at)
+    again = _judge(state, sub, service=service, sizes=None, rules=verdict.intake_rules)
+    if isinstance(again.event, ev.JobSubmitted):
+        return "would now be accepted"
+    if again.event.reason != verdict.reason:
+        return f"would now be rejected for another reason: {again.event.reason}"
+    return None

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import msgspec
 
 from gpuherd.events import Allocation, JobSpec, Locality
-from gpuherd.state import ClusterState, NodeState
+from gpuherd.fold import NodeState
+from services.scheduler.state import SchedulerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ def view_of(node: NodeState) -> NodeView:
     )
 
 
-def views(state: ClusterState) -> dict[str, NodeView]:
+def views(state: SchedulerState) -> dict[str, NodeView]:
     """Every node that accepts new work, with its free, healthy GPUs."""
     return {name: view_of(node) for name, node in sorted(state.nodes.items()) if node.accepts_work()}
 
@@ -97,7 +98,7 @@ def free_totals(nodes: dict[str, NodeView]) -> dict[bool, int]:
     return totals
 
 
-def pass_views(state: ClusterState) -> PassViews:
+def pass_views(state: SchedulerState) -> PassViews:
     """Everything built afresh from the state (a one-off pass: ``gpuherd why``, tests)."""
     free = views(state)
     return PassViews(free, free_totals(free), IslandIndex(free))
@@ -105,7 +106,7 @@ def pass_views(state: ClusterState) -> PassViews:
 
 class ViewCache:
     """``pass_views(state)`` kept between a decider's passes. The fold lists nodes by their last
-    change (``ClusterState.changed_since``), so a pass recomputes only the views of nodes changed
+    change (``SchedulerState.changed_since``), so a pass recomputes only the views of nodes changed
     since the pass before, and keeps the free totals and island index up to date with them,
     instead of rebuilding all three over every node of a large cluster. Another nodes dict
     (another state, a decoded snapshot) or a clock that went back rebuilds everything."""
@@ -118,7 +119,7 @@ class ViewCache:
         self._index = IslandIndex({})
         self.asleep: set[str] = set()  # up, but powered down, powering down or booting
 
-    def refresh(self, state: ClusterState) -> PassViews:
+    def refresh(self, state: SchedulerState) -> PassViews:
         """The views of ``state``, with the pass's own copy of what a pass changes."""
         nodes = state.nodes
         if nodes is not self._of or state.node_clock < self._clock:

@@ -18,6 +18,9 @@ scheduling pass's (``schedule.py``), the same for every policy.
 Expected duration: the spec's ``duration_s`` if given, else the latest
 ``JobDurationPredicted``. QSSF uses the prediction only, and ``DEFAULT_DURATION_S`` (one hour)
 before there is one.
+
+``PolicyConfigured`` also carries cluster-wide parameters that every policy takes
+(``services/scheduler/state.py:CLUSTER_PARAMS``); ``check_policy`` says what the scheduler refuses.
 """
 
 from __future__ import annotations
@@ -27,15 +30,10 @@ import math
 from collections.abc import Iterable
 from typing import ClassVar
 
-from gpuherd.state import ClusterState, JobState
+from gpuherd.fold import JobState
+from services.scheduler.state import CLUSTER_PARAMS, SchedulerState
 
 DEFAULT_DURATION_S = 3600.0
-
-
-def expected_duration(job: JobState) -> float | None:
-    if job.spec.duration_s is not None:
-        return job.spec.duration_s
-    return job.predicted_s
 
 
 class Policy(abc.ABC):
@@ -51,23 +49,23 @@ class Policy(abc.ABC):
         self.params = {**self.PARAMS, **params}
 
     @abc.abstractmethod
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         """The job's rank within its priority: lower goes first."""
 
-    def prepare(self, state: ClusterState) -> None:  # noqa: B027 - optional hook
+    def prepare(self, state: SchedulerState) -> None:  # noqa: B027 - optional hook
         """Compute what ``key`` needs once per pass (fair share's usage table)."""
 
-    def order(self, state: ClusterState, queue: Iterable[str] | None = None) -> list[JobState]:
+    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> list[JobState]:
         """Waiting jobs (``queue``, or all), first to try first."""
         self.prepare(state)
         jobs = [state.jobs[j] for j in (state.queue if queue is None else queue)]
         return sorted(jobs, key=lambda j: self.rank(j, state))
 
-    def rank(self, job: JobState, state: ClusterState) -> tuple:
+    def rank(self, job: JobState, state: SchedulerState) -> tuple:
         """The sort key of ``order`` (after ``prepare``): priority, the policy's key, arrival."""
         return (-job.spec.priority, self.key(job, state), job.order)
 
-    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+    def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
         """Whether ``waiting`` may take ``running``'s GPUs (preemptive policies only)."""
         return False
 
@@ -77,10 +75,10 @@ class Fifo(Policy):
 
     name = "fifo"
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return ()
 
-    def order(self, state: ClusterState, queue: Iterable[str] | None = None) -> list[JobState]:
+    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> list[JobState]:
         if queue is None and len(state.queued_priorities) <= 1:
             # One priority: the fold keeps the queue in arrival order, which is this order (no sort
             # of a deep queue at every pass).
@@ -94,13 +92,13 @@ class Sjf(Policy):
 
     name = "sjf"
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
-        duration = expected_duration(job)
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
+        duration = state.expected_duration(job)
         return (math.inf if duration is None else duration,)
 
 
-def remaining_s(job: JobState, state: ClusterState) -> float:
-    duration = expected_duration(job)
+def remaining_s(job: JobState, state: SchedulerState) -> float:
+    duration = state.expected_duration(job)
     if duration is None:
         return math.inf
     ran = job.service_gpu_s / job.spec.gpus
@@ -116,10 +114,10 @@ class Srtf(Policy):
     name = "srtf"
     preemptive = True
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (remaining_s(job, state),)
 
-    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+    def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
         return remaining_s(waiting, state) < remaining_s(running, state)
 
 
@@ -138,7 +136,7 @@ class Las(Policy):
     preemptive = True
     PARAMS = {"first_queue_gpu_s": 3600.0, "queue_ratio": 10.0, "starvation_factor": 4.0, "min_starvation_s": 600.0}
 
-    def queue(self, job: JobState, state: ClusterState) -> int:
+    def queue(self, job: JobState, state: SchedulerState) -> int:
         service = job.service_gpu_s + job.running_gpu_s(state.now)
         if job.status == "pending":
             waited = state.now - job.waiting_since
@@ -150,10 +148,10 @@ class Las(Policy):
             return 0
         return 1 if service < first * self.params["queue_ratio"] else 2
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (self.queue(job, state),)
 
-    def outranks(self, waiting: JobState, running: JobState, state: ClusterState) -> bool:
+    def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
         return self.queue(waiting, state) < self.queue(running, state)
 
 
@@ -168,8 +166,9 @@ class Qssf(Policy):
     name = "qssf"
     PARAMS = {"default_duration_s": DEFAULT_DURATION_S}
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
-        duration = job.predicted_s if job.predicted_s is not None else self.params["default_duration_s"]
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
+        predicted = state.predicted.get(job.job)
+        duration = predicted if predicted is not None else self.params["default_duration_s"]
         return (duration * job.spec.gpus,)
 
 
@@ -181,7 +180,7 @@ class FairShare(Policy):
 
     name = "fairshare"
 
-    def prepare(self, state: ClusterState) -> None:
+    def prepare(self, state: SchedulerState) -> None:
         vc_use: dict[str, float] = {}
         user_use: dict[str, float] = {}
         for job in state.active_jobs():
@@ -199,7 +198,7 @@ class FairShare(Policy):
         }
         self._user_use = user_use
 
-    def key(self, job: JobState, state: ClusterState) -> tuple[float, ...]:
+    def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (self._vc_share.get(job.spec.vc, 0.0), self._user_use.get(job.spec.user, 0.0))
 
 
@@ -212,3 +211,25 @@ def make_policy(name: str, params: dict[str, float] | None = None) -> Policy:
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}") from None
     return cls(**(params or {}))
+
+
+def policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
+    """The params the policy itself takes (PolicyConfigured also carries the cluster-wide ones)."""
+    known = POLICIES[name].PARAMS if name in POLICIES else {}
+    return {k: v for k, v in params.items() if k in known}
+
+
+def check_policy(name: str, params: dict[str, float]) -> str | None:
+    """Why a ``PolicyConfigured`` cannot be applied (None: it can): the policy must exist, and every
+    parameter must be one of its own or a cluster-wide one, with a sensible value."""
+    if name not in POLICIES:
+        return f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
+    own = POLICIES[name].PARAMS
+    unknown = sorted(set(params) - set(own) - set(CLUSTER_PARAMS))
+    if unknown:
+        takes = ", ".join(sorted({*own, *CLUSTER_PARAMS}))
+        return f"policy {name} has no parameter {', '.join(unknown)}; it takes: {takes}"
+    bad = sorted(k for k, v in params.items() if not v >= 0 or (k == "half_life_s" and not v > 0))
+    if bad:
+        return f"parameters must be non-negative numbers (half_life_s positive): {', '.join(bad)}"
+    return None

@@ -19,12 +19,13 @@ Rules of a generation, which the runtime relies on:
 from __future__ import annotations
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, JobState, NodeState
+from gpuherd.fold import JobState, NodeState
 from services.scheduler.placement import can_run
-from services.scheduler.schedule import _ports_in_use, choose_rendezvous
+from services.scheduler.schedule import choose_rendezvous, ports_in_use
+from services.scheduler.state import SchedulerState
 
 
-def on_proposal(state: ClusterState, proposal: ev.RescaleProposed) -> list[ev.Event]:
+def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.Event]:
     """Commit the proposal if it still holds: the job runs that generation, no rescale is in
     flight, the size is one the job may take, and (to grow) the GPUs are free."""
     job = state.jobs.get(proposal.job)
@@ -50,7 +51,7 @@ def on_proposal(state: ClusterState, proposal: ev.RescaleProposed) -> list[ev.Ev
     return []
 
 
-def on_failed(state: ClusterState, failed: ev.RescaleFailed) -> list[ev.Event]:
+def on_failed(state: SchedulerState, failed: ev.RescaleFailed) -> list[ev.Event]:
     """Roll back to the last completed generation's workers that are still alive (their state is
     what was committed); new workers of the failed generation leave."""
     job = state.jobs.get(failed.job)
@@ -67,7 +68,7 @@ def on_failed(state: ClusterState, failed: ev.RescaleFailed) -> list[ev.Event]:
     return [_resized(state, job, allocations, "rollback", reason, releasing=_only(job.allocations, joined), borrowed=0)]
 
 
-def on_worker_lost(state: ClusterState, lost: ev.WorkerLost) -> list[ev.Event]:
+def on_worker_lost(state: SchedulerState, lost: ev.WorkerLost) -> list[ev.Event]:
     """Go on with the survivors while they are at least the job's minimum."""
     job = state.jobs.get(lost.job)
     if job is None or job.spec.elastic is None or job.status not in ("placed", "running"):
@@ -89,7 +90,7 @@ def _has_state(job: JobState, workers: list[str]) -> bool:
 
 
 def _resized(
-    state: ClusterState,
+    state: SchedulerState,
     job: JobState,
     allocations: tuple[ev.Allocation, ...],
     kind: ev.RescaleKind,
@@ -108,7 +109,7 @@ def _resized(
         attempt=job.attempt,
         generation=generation,
         allocations=allocations,
-        rendezvous=choose_rendezvous(state, job, leader, _ports_in_use(state), generation=generation),
+        rendezvous=choose_rendezvous(state, job, leader, ports_in_use(state), generation=generation),
         state_from=source,
         joiners=tuple(w for w in workers if w not in job.workers),
         releasing=releasing,
@@ -128,7 +129,7 @@ def _only(allocations: tuple[ev.Allocation, ...], keep: set[str]) -> tuple[ev.Al
     return tuple(out)
 
 
-def _grow(state: ClusterState, job: JobState, extra: int) -> tuple[tuple[ev.Allocation, ...], int] | None:
+def _grow(state: SchedulerState, job: JobState, extra: int) -> tuple[tuple[ev.Allocation, ...], int] | None:
     """``extra`` free GPUs for the job, and how many GPUs it then borrows beyond its VC's quota;
     None if they are not there or the quota stops it."""
     vc = state.vcs.get(job.spec.vc)

@@ -6,45 +6,59 @@ its placements and preemptions into events, and ``gpuherd why`` prints its
 pending reasons: both come from this one computation, so the reason shown
 is the reason the scheduler acted on.
 
-In policy order, each waiting job is checked against, in turn:
+It runs in numbered phases, one function each (the shape of Kueue's scheduling cycle):
 
-1. **quota**: its VC's GPUs in use plus its own must stay within the VC's
-   quota, unless the VC may borrow idle GPUs (the borrowed count is recorded
-   in ``JobPlaced.borrowed``, and is reclaimable);
-2. **placement**: its whole gang must fit (``placement.py``);
-3. **reservation** (EASY backfill): the first job that does not fit becomes
-   the *head*; its start is reserved at the earliest time enough GPUs free up
-   by the expected ends of running jobs. A job behind it may start now only
-   if it ends before that time, or uses GPUs the head will not need then.
-   When any duration involved is unknown there is no reservation time, and
-   nothing overtakes the head (conservative). With backfill off, nothing
-   overtakes the head either.
+1. **candidates**: the waiting jobs in the policy's order (a deep queue is pruned of jobs whose
+   VC's quota is used up, unless every reason is wanted);
+2. **quota**: its VC's GPUs in use plus its own must stay within the VC's quota, unless the VC
+   may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``, and is
+   reclaimable);
+3. **placement**: its whole gang must fit (``placement.py``); the first job that does not fit
+   becomes the *head*, and its start is reserved (EASY backfill) at the earliest time enough GPUs
+   free up by the expected ends of running jobs;
+4. **reservation**: a job behind the head may start now only if it ends before the head's
+   reserved start, or uses GPUs the head will not need then. When any duration involved is
+   unknown there is no reservation time, and nothing overtakes the head (conservative). With
+   backfill off, nothing overtakes the head either;
+5. **commit**: the placement takes its GPUs from the pass's views, gets a rendezvous, and is
+   recorded as ``JobPlaced``;
+6. **preemption**: the first waiting job that does not fit (the head) may take GPUs of running
+   jobs it outranks: a lower priority, a job the policy says it outranks (SRTF, LAS), or a job
+   running on GPUs borrowed from the waiting job's VC quota. Before it, the first job of each VC
+   that its quota stops may take GPUs of its own VC's jobs it outranks, which frees the quota too
+   (a VC run as a partition still preempts within itself). Victims: lowest priority first, then
+   least work lost (shortest time since start), then the youngest; only as many as the gang
+   needs; a job is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
+   ``preemption_grace_s`` to checkpoint (both cluster parameters of ``PolicyConfigured``; see
+   ``services/scheduler/state.py:CLUSTER_PARAMS``).
 
-Then **preemption**: the first waiting job that does not fit (the head) may
-take GPUs of running jobs it outranks: a lower priority, a job the policy
-says it outranks (SRTF, LAS), or a job running on GPUs borrowed from the
-waiting job's VC quota. Before it, the first job of each VC that its quota
-stops may take GPUs of its own VC's jobs it outranks, which frees the quota
-too (a VC run as a partition still preempts within itself). Victims: lowest
-priority first, then least work lost (shortest time since start), then the
-youngest; only as many as the gang needs; a job
-is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
-``preemption_grace_s`` to checkpoint (both cluster parameters of
-``PolicyConfigured``; see ``gpuherd.state.CLUSTER_PARAMS``).
+A pass that ``explains`` gives every waiting job its reason (``gpuherd why``). The decider's own
+passes do not: they decide the same, but stop early once nothing more can start (``_done``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, JobState, NodeState
-from services.scheduler.placement import NodeView, PassViews, ViewCache, can_run, fits_by_count, pass_views, place
-from services.scheduler.policy import Policy, expected_duration
+from gpuherd.fold import JobState, NodeState
+from services.scheduler.placement import (
+    IslandIndex,
+    NodeView,
+    Placement,
+    ViewCache,
+    can_run,
+    fits_by_count,
+    pass_views,
+    place,
+)
+from services.scheduler.policy import Policy
+from services.scheduler.state import SchedulerState
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
 
@@ -74,8 +88,42 @@ class Plan(msgspec.Struct, kw_only=True):
     reserved_at: float | None = None
 
 
+@dataclass
+class Pass:
+    """What one pass works with, and what it has decided so far."""
+
+    state: SchedulerState
+    policy: Policy
+    backfill: bool
+    skip: frozenset[str] | set[str]
+    explain: bool
+    free: dict[str, NodeView]  # the pass's own copy of the views: it shrinks them as it places
+    free_total: dict[bool, int]  # free GPUs by executor kind (runs processes or not)
+    index: IslandIndex
+    vc_used: dict[str, int]
+    out: Plan = field(default_factory=Plan)
+    extra: int = 0  # GPUs the head will not need at its reserved start
+    ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
+    # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
+    # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
+    failed: set[tuple] = field(default_factory=set)
+    # Shapes that fit the free GPUs as they are now (forgotten at each placement, which takes GPUs):
+    # a job behind the head that would delay it needs no placement computed to be told so.
+    fits: set[tuple] = field(default_factory=set)
+    why_not: dict[tuple, tuple[PendingKind, str]] = field(default_factory=dict)
+    quota_heads: dict[str, tuple[int, JobState]] = field(default_factory=dict)  # VC -> first job its quota stops
+    behind_head: int = 0
+
+    @property
+    def any_free(self) -> bool:
+        return any(self.free_total.values())
+
+    def wait(self, job: JobState, kind: PendingKind, detail: str, position: int) -> None:
+        self.out.pending[job.job] = Pending(kind, detail, position)
+
+
 def plan(
-    state: ClusterState,
+    state: SchedulerState,
     policy: Policy,
     *,
     backfill: bool = True,
@@ -83,146 +131,222 @@ def plan(
     cache: ViewCache | None = None,
     explain: bool = True,
 ) -> Plan:
-    """The pass. ``explain=False`` (the decider's own passes) decides the same, faster: it does
-    not look at jobs of VCs whose quota is used up, and stops looking once no GPU is left free
-    and the head is known; those jobs get no pending reason."""
+    """The pass. ``explain=False`` (the decider's own passes) decides the same, faster: it does not
+    look at jobs of VCs whose quota is used up, and stops looking once nothing more can start and
+    the head is known; those jobs get no pending reason."""
     if not state.queue:
         return Plan()
-    views = cache.refresh(state) if cache is not None else pass_views(state)
+    free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
+    work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage())
+    out, skip = work.out, work.skip
     try:
-        return _plan(state, policy, views, backfill=backfill, skip=skip, explain=explain)
-    finally:
-        views.index.end_pass()
-
-
-def _plan(
-    state: ClusterState,
-    policy: Policy,
-    views: PassViews,
-    *,
-    backfill: bool,
-    skip: frozenset[str] | set[str],
-    explain: bool,
-) -> Plan:
-    out = Plan()
-    free, free_total, index = views
-    vc_used = state.vc_usage()
-    ports: dict[str, set[int]] | None = None  # rendezvous ports in use, when a placement needs one
-    extra = 0  # GPUs the head will not need at its reserved start
-    if explain:
-        order = policy.order(state)
-    else:
-        # Jobs of a VC with its quota used up cannot start, and only its first may preempt (in
-        # the VC, or by priority): of a long queue, only those firsts are sorted with the rest.
-        full = set() if len(state.queue) < 64 else _full_vcs(state, vc_used)
-        if full:
-            queue = [j for vc, queued in state.queued_by_vc.items() if vc not in full for j in queued]
-            if policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0):
-                policy.prepare(state)
-                jobs = state.jobs
-                for vc in full & state.queued_by_vc.keys():
-                    able = [j for j in state.queued_by_vc[vc] if j not in skip and not jobs[j].cancel_requested]
-                    if able:
-                        queue.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
-            order = policy.order(state, queue)
-        else:
-            order = policy.order(state)
-    # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
-    # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
-    failed: set[tuple] = set()
-    # Shapes that fit the free GPUs as they are now (forgotten at each placement, which takes GPUs):
-    # a job behind the head that would delay it needs no placement computed to be told so.
-    fits: set[tuple] = set()
-    why_not: dict[tuple, tuple[PendingKind, str]] = {}
-    any_free = any(free_total.values())
-    quota_heads: dict[str, tuple[int, JobState]] = {}  # VC -> its first job its quota stops, before the head
-    behind_head = 0
-    for position, job in enumerate(order, 1):
-        if not (explain or any_free) and out.head is not None:
-            break  # nothing more can start in this pass; the head (the one to preempt for) is known
-        if out.head is not None:
-            behind_head += 1
-            if behind_head > BACKFILL_DEPTH:
-                if not explain:
+        for position, job in enumerate(candidates(work), 1):
+            if out.head is not None:
+                step = _beyond_head(work, job, position)
+                if step == "stop":
                     break
-                out.pending[job.job] = Pending(
-                    "depth",
-                    f"more than {BACKFILL_DEPTH} jobs wait between it and {out.head}; later passes reach it",
-                    position,
-                )
+                if step == "skip":
+                    continue
+            if job.job in skip:
                 continue
-        if job.job in skip:
-            continue
-        if job.cancel_requested:
-            out.pending[job.job] = Pending("cancelling", "cancel requested", position)
-            continue
-        borrowed = _quota(state, job, vc_used)
-        if borrowed is None:
-            if out.head is None:
-                quota_heads.setdefault(job.spec.vc, (position, job))
-            if explain:
-                out.pending[job.job] = Pending("quota", _quota_detail(state, job, vc_used), position)
-            continue
-        shape = _shape(job)
-        if shape in fits and out.head is not None and not _may_backfill(state, job, out, backfill, extra):
-            _delays_head(state, job, out, backfill, position, explain)
-            continue
-        available = sum(n for flag, n in free_total.items() if can_run(job.spec, flag))
-        placement = None
-        if shape not in failed and _could_fit(job, free, available):
-            placement = place(job.spec, free, index)
-        if placement is not None:
-            fits.add(shape)
-        if placement is None:
-            failed.add(shape)
-            if shape not in why_not:
-                why_not[shape] = _no_fit(state, job)
-            kind, detail = why_not[shape]
-            if kind == "gang":
-                detail = _gang_detail(job, available)
-            out.pending[job.job] = Pending(kind, detail, position)
-            if kind == "gang" and out.head is None:
-                out.head = job.job
-                out.reserved_at, extra = _reservation(state, job, free)
-            continue
-        if out.head is not None:
-            if not _may_backfill(state, job, out, backfill, extra):
-                _delays_head(state, job, out, backfill, position, explain)
+            if job.cancel_requested:
+                work.wait(job, "cancelling", "cancel requested", position)
                 continue
-            if not _ends_in_time(state, job, out, backfill):
-                extra -= job.spec.gpus
-        fits.clear()
-        for alloc in placement.allocations:
-            used = set(alloc.gpus)
-            view = free[alloc.node]
-            islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
-            free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
-            index.add(free[alloc.node])
-            free_total[view.runs_processes] -= len(alloc.gpus)
-        any_free = any(free_total.values())
-        leader = placement.allocations[0].node
-        if ports is None and state.nodes[leader].port_range is not None:
-            ports = _ports_in_use(state)  # only real nodes take a rendezvous port
-        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.spec.gpus
-        out.placed.append(
-            ev.JobPlaced(
-                job=job.job,
-                attempt=job.attempt,
-                allocations=placement.allocations,
-                reason=placement.reason,
-                locality=placement.locality,
-                rendezvous=choose_rendezvous(state, job, leader, ports if ports is not None else {}),
-                borrowed=borrowed,
-            )
+            borrowed = check_quota(work, job, position)
+            if borrowed is not None:
+                consider(work, job, position, borrowed)
+        preempt(work)
+        return work.out
+    finally:
+        index.end_pass()
+
+
+def consider(work: Pass, job: JobState, position: int, borrowed: int) -> None:
+    """Phases 3 to 5 for a waiting job its quota lets start: placement, reservation, commit."""
+    shape = _shape(job)
+    if shape in work.fits and work.out.head is not None and not _may_backfill(work, job):
+        _delays_head(work, job, position)
+        return
+    placement = find_placement(work, job, shape, position)
+    if placement is None or not check_reservation(work, job, position):
+        return
+    commit(work, job, placement, borrowed)
+
+
+# -- phase 1: candidates ------------------------------------------------------------------------------
+
+
+def candidates(work: Pass) -> list[JobState]:
+    """The waiting jobs in the policy's order. Without explanations, a deep queue leaves out the jobs
+    of VCs whose quota is used up (none of them can start), but keeps each such VC's first job,
+    which may preempt within its VC (or by priority)."""
+    state, policy = work.state, work.policy
+    full = set() if work.explain or len(state.queue) < 64 else _full_vcs(state, work.vc_used)
+    if not full:
+        return policy.order(state)
+    queue = [j for vc, queued in state.queued_by_vc.items() if vc not in full for j in queued]
+    if policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0):
+        policy.prepare(state)
+        jobs = state.jobs
+        for vc in full & state.queued_by_vc.keys():
+            able = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
+            if able:
+                queue.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
+    return policy.order(state, queue)
+
+
+def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider", "skip", "stop"]:
+    """Behind the head, whether ``job`` is looked at. Without explanations the pass stops once nothing
+    can start (the head, the one to preempt for, is known) or once backfill has looked
+    ``BACKFILL_DEPTH`` deep; with them, the jobs beyond that depth are told why they wait."""
+    out = work.out
+    if not (work.explain or work.any_free):
+        return "stop"
+    work.behind_head += 1
+    if work.behind_head <= BACKFILL_DEPTH:
+        return "consider"
+    if not work.explain:
+        return "stop"
+    detail = f"more than {BACKFILL_DEPTH} jobs wait between it and {out.head}; later passes reach it"
+    work.wait(job, "depth", detail, position)
+    return "skip"
+
+
+# -- phase 2: quota -------------------------------------------------------------------------------------
+
+
+def check_quota(work: Pass, job: JobState, position: int) -> int | None:
+    """GPUs the job would borrow beyond its VC's quota, or None (with its reason) if the quota stops it."""
+    spec = job.spec
+    vc = work.state.vcs.get(spec.vc)
+    if vc is None or vc.gpu_quota is None:
+        return 0
+    over = work.vc_used.get(vc.vc, 0) + spec.gpus - vc.gpu_quota
+    if over <= 0:
+        return 0
+    borrowed = min(over, spec.gpus) if vc.can_borrow else None
+    if borrowed is None:
+        if work.out.head is None:
+            work.quota_heads.setdefault(job.spec.vc, (position, job))
+        if work.explain:
+            work.wait(job, "quota", _quota_detail(work.state, job, work.vc_used), position)
+    return borrowed
+
+
+# -- phase 3: placement ----------------------------------------------------------------------------------
+
+
+def find_placement(work: Pass, job: JobState, shape: tuple, position: int) -> Placement | None:
+    """Where the whole gang fits now, or None: then it waits with its reason, and the first job that
+    does not fit becomes the head, its start reserved."""
+    available = sum(n for flag, n in work.free_total.items() if can_run(job.spec, flag))
+    placement = None
+    if shape not in work.failed and _could_fit(job, work.free, available):
+        placement = place(job.spec, work.free, work.index)
+    if placement is not None:
+        work.fits.add(shape)
+        return placement
+    work.failed.add(shape)
+    if shape not in work.why_not:
+        work.why_not[shape] = _no_fit(work.state, job)
+    kind, detail = work.why_not[shape]
+    if kind == "gang":
+        detail = _gang_detail(job, available)
+    work.wait(job, kind, detail, position)
+    out = work.out
+    if kind == "gang" and out.head is None:
+        out.head = job.job
+        out.reserved_at, work.extra = _reservation(work.state, job, work.free)
+    return None
+
+
+# -- phase 4: reservation ------------------------------------------------------------------------------
+
+
+def check_reservation(work: Pass, job: JobState, position: int) -> bool:
+    """Behind the head, a job that fits starts only if it does not delay the head's reserved start."""
+    if work.out.head is None:
+        return True
+    if not _may_backfill(work, job):
+        _delays_head(work, job, position)
+        return False
+    if not _ends_in_time(work, job):
+        work.extra -= job.spec.gpus  # it takes GPUs the head will not need: fewer are spare now
+    return True
+
+
+# -- phase 5: commit -----------------------------------------------------------------------------------
+
+
+def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> None:
+    """Take the placement's GPUs from the pass's views and record the job's ``JobPlaced``."""
+    state = work.state
+    work.fits.clear()
+    for alloc in placement.allocations:
+        used = set(alloc.gpus)
+        view = work.free[alloc.node]
+        islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
+        work.free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
+        work.index.add(work.free[alloc.node])
+        work.free_total[view.runs_processes] -= len(alloc.gpus)
+    leader = placement.allocations[0].node
+    if work.ports is None and state.nodes[leader].port_range is not None:
+        work.ports = ports_in_use(state)  # only real nodes take a rendezvous port
+    work.vc_used[job.spec.vc] = work.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    work.out.placed.append(
+        ev.JobPlaced(
+            job=job.job,
+            attempt=job.attempt,
+            allocations=placement.allocations,
+            reason=placement.reason,
+            locality=placement.locality,
+            rendezvous=choose_rendezvous(state, job, leader, work.ports if work.ports is not None else {}),
+            borrowed=borrowed,
         )
-    _preempt(state, policy, order, out, free, vc_used, quota_heads)
-    return out
+    )
+
+
+# -- phase 6: preemption --------------------------------------------------------------------------------
+
+
+def preempt(work: Pass) -> None:
+    """Candidates, in policy order up to the head: each VC's first job its quota stops (it may take
+    GPUs of its own VC's jobs it outranks, to free quota), then the head (GPUs of any job it
+    outranks). The first candidate that can preempt does; one preemptor at a time."""
+    state, policy, out = work.state, work.policy, work.out
+    candidates = {job.job: position for position, job in work.quota_heads.values()}
+    if out.head is not None:
+        candidates[out.head] = out.pending[out.head].position
+    if not candidates:
+        return
+    stopping_for = state.stopping_for
+    lowest = min(state.active_priorities, default=0)
+    lenders = any(vc.can_borrow for vc in state.vcs.values())
+    for job in sorted((state.jobs[j] for j in candidates), key=lambda j: candidates[j.job]):
+        position = candidates[job.job]
+        is_head = job.job == out.head
+        if job.job in stopping_for:
+            out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", position)
+            return  # its victims' GPUs (and quota) are its reservation
+        if not (policy.preemptive or job.spec.priority > lowest or (is_head and lenders)):
+            if is_head:
+                return
+            continue  # nothing it could take: no lower priority, no policy ranking, no lent GPUs
+        vc_used = work.vc_used
+        over = 0 if is_head else vc_used.get(job.spec.vc, 0) + job.spec.gpus - state.vcs[job.spec.vc].gpu_quota
+        victims = _victims(state, policy, job, vc_used, same_vc=not is_head)
+        chosen = _fewest_victims(job, victims, work.free, state, quota_over=over)
+        if chosen:
+            _record_preemption(state, policy, job, chosen, out, position, "its gang" if is_head else "its VC quota")
+            return
+        if is_head:
+            return  # nothing ranked after the head may preempt: its start is the one reserved
 
 
 # -- quotas -----------------------------------------------------------------------------------------
 
 
-def _full_vcs(state: ClusterState, vc_used: dict[str, int]) -> set[str]:
+def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
     """VCs that may not borrow and have no GPU of their quota left: none of their jobs can start."""
     return {
         vc.vc
@@ -231,7 +355,7 @@ def _full_vcs(state: ClusterState, vc_used: dict[str, int]) -> set[str]:
     }
 
 
-def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> int | None:
+def _quota(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> int | None:
     """GPUs the job would borrow beyond its VC's quota, or None if the quota stops it."""
     vc = state.vcs.get(job.spec.vc)
     if vc is None or vc.gpu_quota is None:
@@ -242,7 +366,7 @@ def _quota(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> int |
     return min(over, job.spec.gpus) if vc.can_borrow else None
 
 
-def _quota_detail(state: ClusterState, job: JobState, vc_used: dict[str, int]) -> str:
+def _quota_detail(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> str:
     vc = state.vcs[job.spec.vc]
     return (
         f"VC {vc.vc} uses {vc_used.get(vc.vc, 0)} of its {vc.gpu_quota} GPUs; this job needs {job.spec.gpus} "
@@ -261,33 +385,32 @@ def _could_fit(job: JobState, free: dict[str, NodeView], available: int) -> bool
     return job.spec.nodes is None or fits_by_count(job.spec, sizes)
 
 
-def _ends_in_time(state: ClusterState, job: JobState, out: Plan, backfill: bool) -> bool:
+def _ends_in_time(work: Pass, job: JobState) -> bool:
     """Backfill: the job is expected to end before the head's reserved start."""
-    if not backfill or out.reserved_at is None:
+    out = work.out
+    if not work.backfill or out.reserved_at is None:
         return False
-    duration = expected_duration(job)
-    return duration is not None and state.now + duration <= out.reserved_at
+    duration = work.state.expected_duration(job)
+    return duration is not None and work.state.now + duration <= out.reserved_at
 
 
-def _may_backfill(state: ClusterState, job: JobState, out: Plan, backfill: bool, extra: int) -> bool:
+def _may_backfill(work: Pass, job: JobState) -> bool:
     """Behind the head, a job starts only if it ends in time or takes GPUs the head will not need."""
-    spare = backfill and out.reserved_at is not None and job.spec.gpus <= extra
-    return spare or _ends_in_time(state, job, out, backfill)
+    spare = work.backfill and work.out.reserved_at is not None and job.spec.gpus <= work.extra
+    return spare or _ends_in_time(work, job)
 
 
-def _delays_head(state: ClusterState, job: JobState, out: Plan, backfill: bool, position: int, explain: bool) -> None:
+def _delays_head(work: Pass, job: JobState, position: int) -> None:
     """Record why ``job`` waits behind the head. Only explaining passes keep it: the decider's own
     passes read nothing but the jobs that wait for GPUs (``power_up``), and a deep queue has many."""
-    if not explain:
+    if not work.explain:
         return
+    out = work.out
     assert out.head is not None
-    head = state.jobs[out.head]
+    head = work.state.jobs[out.head]
     when = "" if out.reserved_at is None else f" (reserved from t={out.reserved_at:.0f})"
-    out.pending[job.job] = Pending(
-        "reserved" if backfill else "order",
-        f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}",
-        position,
-    )
+    kind: PendingKind = "reserved" if work.backfill else "order"
+    work.wait(job, kind, f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}", position)
 
 
 def _shape(job: JobState) -> tuple:
@@ -301,7 +424,7 @@ def _gang_detail(job: JobState, available: int) -> str:
     return f"needs {job.spec.gpus} GPUs at once; {available} are free, but not in a shape its gang fits"
 
 
-def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
+def _no_fit(state: SchedulerState, job: JobState) -> tuple[PendingKind, str]:
     runnable = [n for n in state.nodes.values() if can_run(job.spec, n.runs_processes())]
     if not runnable:
         return "no-node", "no registered node's executor can run it"
@@ -318,15 +441,6 @@ def _no_fit(state: ClusterState, job: JobState) -> tuple[PendingKind, str]:
     return "gang", ""
 
 
-def _empty(nodes: list[NodeState], *, healthy_only: bool) -> dict[str, NodeView]:
-    """The nodes as if nothing ran on them (with or without their unhealthy GPUs)."""
-    out = {}
-    for node in nodes:
-        usable = {s.info.index for s in node.gpus if s.healthy or not healthy_only}
-        out[node.node] = _view(node, usable)
-    return out
-
-
 def _view(node: NodeState, usable: set[int]) -> NodeView:
     islands = (tuple(i for i in island if i in usable) for island in node.islands)
     return NodeView(node.node, node.rack, tuple(t for t in islands if t), node.runs_processes())
@@ -335,7 +449,7 @@ def _view(node: NodeState, usable: set[int]) -> NodeView:
 # -- backfill reservation ----------------------------------------------------------------------------
 
 
-def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView]) -> tuple[float | None, int]:
+def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView]) -> tuple[float | None, int]:
     """When enough GPUs free up for the head (by GPU count, from running jobs' expected ends), and
     how many GPUs are spare then. None when an end it depends on is unknown."""
     available = sum(v.free for v in free.values())
@@ -343,7 +457,7 @@ def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView])
         return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
     ends: list[tuple[float, JobState]] = []
     for job in state.active_jobs():
-        duration = expected_duration(job)
+        duration = state.expected_duration(job)
         start = job.started_at if job.started_at is not None else state.now
         end = math.inf if duration is None else start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
         ends.append((end, job))
@@ -360,57 +474,15 @@ def _reservation(state: ClusterState, head: JobState, free: dict[str, NodeView])
     return None, 0
 
 
-def _healthy_gpus(state: ClusterState, job: JobState, free: dict[str, NodeView]) -> int:
+def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView]) -> int:
     return sum(1 for a in job.allocations for i in a.gpus if a.node in free and state.nodes[a.node].gpus[i].healthy)
 
 
 # -- preemption ----------------------------------------------------------------------------------------
 
 
-def _preempt(
-    state: ClusterState,
-    policy: Policy,
-    order: list[JobState],
-    out: Plan,
-    free: dict[str, NodeView],
-    vc_used: dict[str, int],
-    quota_heads: dict[str, tuple[int, JobState]],
-) -> None:
-    """Candidates, in policy order up to the head: each VC's first job its quota stops (it may
-    take GPUs of its own VC's jobs it outranks, to free quota), then the head (GPUs of any job it
-    outranks). The first candidate that can preempt does; one preemptor at a time."""
-    candidates = {job.job: position for position, job in quota_heads.values()}
-    if out.head is not None:
-        candidates[out.head] = out.pending[out.head].position
-    if not candidates:
-        return
-    stopping_for = {j.preempted_for for j in state.active_jobs() if j.preempt_reason is not None}
-    lowest = min(state.active_priorities, default=0)
-    lenders = any(vc.can_borrow for vc in state.vcs.values())
-    for job in order:
-        position = candidates.get(job.job)
-        if position is None:
-            continue
-        is_head = job.job == out.head
-        if job.job in stopping_for:
-            out.pending[job.job] = Pending("preempting", "waits for the jobs it preempted to stop", position)
-            return  # its victims' GPUs (and quota) are its reservation
-        if not (policy.preemptive or job.spec.priority > lowest or (is_head and lenders)):
-            if is_head:
-                return
-            continue  # nothing it could take: no lower priority, no policy ranking, no lent GPUs
-        over = 0 if is_head else vc_used.get(job.spec.vc, 0) + job.spec.gpus - state.vcs[job.spec.vc].gpu_quota
-        victims = _victims(state, policy, job, vc_used, same_vc=not is_head)
-        chosen = _fewest_victims(job, victims, free, state, quota_over=over)
-        if chosen:
-            _record_preemption(state, policy, job, chosen, out, position, "its gang" if is_head else "its VC quota")
-            return
-        if is_head:
-            return  # nothing ranked after the head may preempt: its start is the one reserved
-
-
 def _record_preemption(
-    state: ClusterState, policy: Policy, job: JobState, chosen: list[JobState], out: Plan, position: int, what: str
+    state: SchedulerState, policy: Policy, job: JobState, chosen: list[JobState], out: Plan, position: int, what: str
 ) -> None:
     grace_s = state.scheduling.param("preemption_grace_s")
     for victim in chosen:
@@ -427,7 +499,7 @@ def _record_preemption(
     out.pending[job.job] = Pending("preempting", f"preempting {names} to fit {what}", position)
 
 
-def _why_outranked(state: ClusterState, policy: Policy, job: JobState, victim: JobState) -> str:
+def _why_outranked(state: SchedulerState, policy: Policy, job: JobState, victim: JobState) -> str:
     if job.spec.priority > victim.spec.priority:
         return f"priority {job.spec.priority} > {victim.spec.priority}"
     if victim.borrowed and victim.spec.vc != job.spec.vc:
@@ -436,7 +508,7 @@ def _why_outranked(state: ClusterState, policy: Policy, job: JobState, victim: J
 
 
 def _victims(
-    state: ClusterState, policy: Policy, job: JobState, vc_used: dict[str, int], *, same_vc: bool = False
+    state: SchedulerState, policy: Policy, job: JobState, vc_used: dict[str, int], *, same_vc: bool = False
 ) -> list[JobState]:
     """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
     vc = state.vcs.get(job.spec.vc)
@@ -457,7 +529,7 @@ def _victims(
             )
             or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
         )
-        if outranked and sum(1 for t in running.preempted_at if state.now - t < 3600.0) < cap:
+        if outranked and state.preemptions_within(running.job, 3600.0) < cap:
             out.append(running)
     # Lowest priority first, then the least work lost, then the youngest.
     return sorted(
@@ -471,7 +543,7 @@ def _victims(
 
 
 def _fewest_victims(
-    job: JobState, victims: list[JobState], free: dict[str, NodeView], state: ClusterState, *, quota_over: int = 0
+    job: JobState, victims: list[JobState], free: dict[str, NodeView], state: SchedulerState, *, quota_over: int = 0
 ) -> list[JobState]:
     """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang, and that
     gives back at least ``quota_over`` GPUs of quota."""
@@ -501,7 +573,7 @@ def _fewest_victims(
 # -- rendezvous ------------------------------------------------------------------------------------
 
 
-def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
+def ports_in_use(state: SchedulerState) -> dict[str, set[int]]:
     used: dict[str, set[int]] = {}
     for job in state.active_jobs():
         if job.rendezvous is not None and job.allocations:
@@ -510,7 +582,7 @@ def _ports_in_use(state: ClusterState) -> dict[str, set[int]]:
 
 
 def choose_rendezvous(
-    state: ClusterState, job: JobState, leader: str, in_use: dict[str, set[int]], *, generation: int = 0
+    state: SchedulerState, job: JobState, leader: str, in_use: dict[str, set[int]], *, generation: int = 0
 ) -> ev.Rendezvous | None:
     """MASTER_ADDR/PORT of an attempt (or of an elastic job's generation): the leader node's
     address and a port of its declared range that no running job there holds. The first port tried

@@ -1,10 +1,13 @@
 """The scheduler service shell: all of the scheduler's I/O lives here.
 
-Three loops share one folded state, and run only while this instance holds
-the scheduler's lease:
-- the decider runner (placement decisions),
-- intake: raw submissions -> JobSubmitted/JobRejected, then the reply,
-- liveness: the timer that records ``ClockTicked`` when a node's heartbeats stop;
+Its loops share one ``DeciderRunner`` and run only while this instance holds the scheduler's lease:
+- the runner (folds the log, decides, appends);
+- intake: raw submissions from HERD_INTAKE are handed to the runner, which decides them in turn
+  with the log's events; once a verdict is stored, the submitter gets its reply and the message is
+  acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter);
+- the timer: a ``ClockTicked`` every ``--tick`` seconds (time-based decisions: fair-share decay,
+  starvation, reservations), and at once when a node's heartbeats stop, so the decider can
+  declare it lost;
 - at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs).
 It also answers ``herd.ctl.scheduler.ready`` once intake listens.
 """
@@ -15,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import time
 import uuid
 
@@ -23,162 +25,150 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.aio import patiently
-from gpuherd.decider import (
-    DeciderRunner,
-    ExtraTask,
-    add_metrics_argument,
-    append_reliably,
-    keep_dead_letter,
+from gpuherd.log import (
+    HERD_INTAKE,
+    INTAKE_PREFIX,
+    MAX_DELIVERIES,
+    REPLY_HEADER,
+    TRACEPARENT,
+    DeadLetter,
+    Delivery,
+    DurableConsumer,
 )
-from gpuherd.errors import ConcurrencyError
-from gpuherd.log import Delivery, DurableConsumer, EventLog, open_log
-from gpuherd.log.base import HERD_INTAKE, INTAKE_PREFIX, MAX_DELIVERIES, REPLY_HEADER, DeadLetter
-from gpuherd.metrics import serve_until_signal_with_http
-from gpuherd.obs import configure, current_traceparent, get_logger, span_from
-from gpuherd.state import ClusterState
+from gpuherd.obs import configure, get_logger
+from gpuherd.runtime.core import Decided
+from gpuherd.runtime.deadletters import keep_dead_letter
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.runtime.serve import serve_decider
+from gpuherd.service_args import service_parser
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.intake import NodeSizes, Submission, Verdict, judge, node_sizes, rejection
+from services.scheduler.intake import Submission
 from services.scheduler.policy import make_policy
+from services.scheduler.state import SchedulerState
 
 log = get_logger("gpuherd.scheduler")
 
 INTAKE_CONSUMER = "scheduler-intake"
+FETCH = 512  # intake messages fetched at once (decided together when their intake ids differ)
 
 
-async def handle_submission(
-    log_: EventLog,
-    state: ClusterState,
-    delivery: Delivery,
-    *,
-    service: str = "scheduler",
-    sizes: NodeSizes | None = None,
-) -> Verdict:
-    """Judge one intake message, record the verdict in HERD, reply, and only then acknowledge."""
-    source = delivery.subject[len(INTAKE_PREFIX) + 1 :]
-    with span_from(delivery.headers.get("traceparent"), "scheduler.intake", source=source, intake_seq=delivery.seq):
-        submission = Submission(
-            source=source,
-            seq=delivery.seq,
-            data=delivery.data,
-            at=delivery.at,
-            msg_id=delivery.headers.get("Nats-Msg-Id"),
-        )
+def submission_of(delivery: Delivery) -> Submission:
+    return Submission(
+        source=delivery.subject[len(INTAKE_PREFIX) + 1 :],
+        seq=delivery.seq,
+        data=delivery.data,
+        at=delivery.at,
+        msg_id=delivery.headers.get("Nats-Msg-Id"),
+        delivery=delivery,
+        trace=delivery.headers.get(TRACEPARENT),
+    )
+
+
+class Intake:
+    """Feeds intake messages to the runner and answers them once their verdicts are stored."""
+
+    def __init__(self, runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) -> None:
+        self.runner = runner
+        self.ack_wait_s = ack_wait_s  # unacknowledged this long, a message is delivered again
+        self.consumer: DurableConsumer | None = None
+        self._in_flight: set[int] = set()  # intake sequences handed to the runner, not answered yet
+
+    async def loop(self, runner: DeciderRunner[SchedulerState]) -> None:
+        await runner.caught_up.wait()
+        consumer = self.consumer = runner.log.intake_consumer(INTAKE_CONSUMER, ack_wait=self.ack_wait_s)
+        # The intake stream may be electing its leader, or NATS failing over: wait for it.
+        await patiently(consumer.open, what="intake consumer", patience_s=300)
+        # Intake listens from here on: a plain NATS request sent from now gets its reply.
+        stop_ready = await runner.log.serve_requests("scheduler.ready", self._ready)
         try:
-            verdict = judge(state, submission, service=service, sizes=sizes)
-        except Exception as exc:  # a bug must not turn one submission into a crash loop
-            log.exception("could not judge a submission; recording it as rejected", intake_seq=delivery.seq)
-            reason = f"the scheduler failed to judge this submission ({type(exc).__name__}: {exc}); please report it"
-            verdict = rejection(state, submission, reason, service=service)
-        trace = current_traceparent()
-        if not verdict.duplicate:
-            expect = {verdict.event.subject(): 0} if isinstance(verdict.event, ev.JobSubmitted) else None
-            try:
-                result = await append_reliably(log_, [verdict.event], expect=expect, trace=trace)
-                if result.duplicate and isinstance(verdict.event, ev.JobSubmitted):
-                    verdict = Verdict(verdict.event, job_id=verdict.job_id, duplicate=True)
-            except ConcurrencyError:
-                # The job's subject already has events: an earlier submission with this intake id.
-                verdict = Verdict(verdict.event, job_id=verdict.job_id, duplicate=True)
+            while True:
+                for delivery in await consumer.fetch(FETCH, timeout=1.0):
+                    if delivery.seq in self._in_flight:
+                        continue  # redelivered while its verdict is on its way: answered once stored
+                    if delivery.deliveries > MAX_DELIVERIES:  # (handling it crashed the service each time)
+                        await self.give_up(delivery, "the scheduler stopped while handling it each time")
+                        continue
+                    self._in_flight.add(delivery.seq)
+                    runner.offer(submission_of(delivery))
+        finally:
+            with contextlib.suppress(Exception):
+                await stop_ready()
+
+    async def answer(self, decided: Decided) -> None:
+        """The verdict is stored (or was, for a duplicate): reply to the submitter, then acknowledge."""
+        sub: Submission = decided.cause
+        delivery: Delivery = sub.delivery
+        self._in_flight.discard(sub.seq)
+        accepted = bool(decided.outputs) and isinstance(decided.outputs[0], ev.JobSubmitted)
+        duplicate = not decided.outputs
+        self.runner.metrics.intake.labels("accepted" if accepted or duplicate else "rejected").inc()
+        reply_to = delivery.headers.get(REPLY_HEADER) if delivery is not None else None
+        if reply_to and decided.answer is not None:
+            with contextlib.suppress(Exception):
+                await self.runner.log.reply(reply_to, decided.answer.reply)
+        if self.consumer is not None and delivery is not None:
+            await self.consumer.ack(delivery)
+        if decided.outputs and isinstance(decided.outputs[0], ev.JobRejected):
+            log.info("submission rejected", source=sub.source, reason=decided.outputs[0].reason)
+
+    async def refused(self, decided: Decided, error: Exception) -> None:
+        """The log refused the verdict: the message stays unacknowledged and comes back, until its
+        last delivery, when it becomes a dead letter (its submitter is told why)."""
+        sub: Submission = decided.cause
+        self._in_flight.discard(sub.seq)
+        log.error("verdict not stored", intake_seq=sub.seq, deliveries=sub.delivery.deliveries, error=str(error))
+        if sub.delivery.deliveries >= MAX_DELIVERIES:
+            await self.give_up(sub.delivery, f"{type(error).__name__}: {error}")
+
+    async def give_up(self, delivery: Delivery, why: str) -> None:
+        """A submission delivered ``MAX_DELIVERIES`` times without an answer: keep it as a dead
+        letter, tell the submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
+        reason = f"could not be handled after {delivery.deliveries} deliveries: {why}"
+        letter = DeadLetter(
+            stream=HERD_INTAKE,
+            seq=delivery.seq,
+            subject=delivery.subject,
+            consumer="scheduler",
+            reason=reason,
+            deliveries=delivery.deliveries,
+            at=time.time(),
+            data=delivery.data,
+        )
+        await keep_dead_letter(self.runner.log, letter)
+        self.runner.metrics.dead_letters.inc()
         reply_to = delivery.headers.get(REPLY_HEADER)
         if reply_to:
             with contextlib.suppress(Exception):
-                await log_.reply(reply_to, verdict.reply())
-        if isinstance(verdict.event, ev.JobRejected):
-            log.info("submission rejected", source=source, reason=verdict.event.reason)
-        else:
-            log.info("job submitted", job=verdict.job_id, source=source, duplicate=verdict.duplicate)
-    return verdict
+                await self.runner.log.reply(reply_to, msgspec.json.encode({"ok": False, "error": reason}))
+        if self.consumer is not None:
+            await self.consumer.ack(delivery)
+        log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)
 
-
-async def intake_loop(runner: DeciderRunner[ClusterState]) -> None:
-    await runner.caught_up.wait()
-    consumer = runner.log.intake_consumer(INTAKE_CONSUMER)
-    # The intake stream may be electing its leader, or NATS failing over: wait for it.
-    await patiently(consumer.open, what="intake consumer", patience_s=300)
-    # Intake listens from here on: a plain NATS request sent from now gets its reply.
-    stop_ready = await runner.log.serve_requests("scheduler.ready", _ready(runner))
-    try:
-        while True:
-            deliveries = await consumer.fetch(512, timeout=1.0)
-            sizes = node_sizes(runner.state)  # once per batch, not per submission
-
-            # A fetched batch is judged and recorded concurrently (each job has a subject of its own).
-            # The appends are pipelined on one connection, so they reach the log in about fetch order;
-            # submissions that arrived within one fetch carry no order a user could rely on anyway.
-            await asyncio.gather(*(handle_delivery(runner, consumer, d, sizes) for d in deliveries))
-    finally:
-        with contextlib.suppress(Exception):
-            await stop_ready()
-
-
-async def handle_delivery(
-    runner: DeciderRunner[ClusterState], consumer: DurableConsumer, delivery: Delivery, sizes: NodeSizes
-) -> None:
-    """Handle one intake message and acknowledge it. A failure leaves it unacknowledged, so it comes
-    back; after ``MAX_DELIVERIES`` it goes to the dead letters instead of blocking or retrying forever."""
-    try:
-        verdict = await handle_submission(runner.log, runner.state, delivery, sizes=sizes)
-    except Exception as exc:
-        log.exception("intake message not handled", intake_seq=delivery.seq, deliveries=delivery.deliveries)
-        if delivery.deliveries >= MAX_DELIVERIES:
-            await give_up(runner, consumer, delivery, f"{type(exc).__name__}: {exc}")
-        return
-    runner.metrics.intake.labels("rejected" if isinstance(verdict.event, ev.JobRejected) else "accepted").inc()
-    await consumer.ack(delivery)
-
-
-async def give_up(runner: DeciderRunner[ClusterState], consumer: DurableConsumer, delivery: Delivery, why: str) -> None:
-    """A submission whose handling failed ``MAX_DELIVERIES`` times: keep it as a dead letter, tell the
-    submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
-    reason = f"could not be handled after {delivery.deliveries} deliveries: {why}"
-    letter = DeadLetter(
-        stream=HERD_INTAKE,
-        seq=delivery.seq,
-        subject=delivery.subject,
-        consumer="scheduler",
-        reason=reason,
-        deliveries=delivery.deliveries,
-        at=time.time(),
-        data=delivery.data,
-    )
-    await keep_dead_letter(runner.log, letter)
-    runner.metrics.dead_letters.inc()
-    reply_to = delivery.headers.get(REPLY_HEADER)
-    if reply_to:
-        with contextlib.suppress(Exception):
-            await runner.log.reply(reply_to, msgspec.json.encode({"ok": False, "error": reason}))
-    await consumer.ack(delivery)
-    log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)
-
-
-def _ready(runner: DeciderRunner[ClusterState]):
-    """``herd.ctl.scheduler.ready``: answered by the leading scheduler once intake is live."""
-
-    async def answer(data: bytes) -> bytes:
-        state = runner.state
+    async def _ready(self, data: bytes) -> bytes:
+        """``herd.ctl.scheduler.ready``: answered by the leading scheduler once intake is live."""
+        state = self.runner.state
         return msgspec.json.encode(
             {
                 "ok": True,
-                "instance": runner.instance,
+                "instance": self.runner.instance,
                 "seq": state.seq,
                 "nodes": len(state.nodes),
                 "queue": len(state.queue),
             }
         )
 
-    return answer
 
+def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
+    """The scheduler's timer. It listens to heartbeats and records a ``ClockTicked`` with what it heard
+    every ``tick_s`` (a pass for time-based decisions), and at once when a node looks silent for longer
+    than ``lost_after_s`` (the decider then declares it lost)."""
 
-def liveness_loop(lost_after_s: float) -> ExtraTask:
-    """The scheduler's timer. It listens to heartbeats, and when a node looks silent for longer
-    than ``lost_after_s`` it records a ``ClockTicked`` with what it heard; the decider then
-    declares the node lost. The timer writes nothing while all nodes are heard from."""
-
-    async def liveness(runner: DeciderRunner[ClusterState]) -> None:
+    async def ticking(runner: DeciderRunner[SchedulerState]) -> None:
         await runner.caught_up.wait()
         started = time.time()
         last_seen: dict[str, float] = {}
         ticked: dict[str, int] = {}  # node -> registration seq a tick was written for
+        last_tick = time.monotonic()
 
         async def watch() -> None:
             async for beat in runner.log.telemetry("*.heartbeat"):
@@ -187,7 +177,7 @@ def liveness_loop(lost_after_s: float) -> ExtraTask:
         watcher = asyncio.create_task(watch())
         try:
             while True:
-                await asyncio.sleep(min(1.0, lost_after_s / 4))
+                await asyncio.sleep(min(1.0, lost_after_s / 4, tick_s))
                 now = time.time()
                 # Our own outage is no evidence against a node: count silence from our reconnect.
                 floor = max(started, runner.log.connected_since())
@@ -197,7 +187,8 @@ def liveness_loop(lost_after_s: float) -> ExtraTask:
                     if node.status != "lost"
                 }
                 overdue = [n for n, t in heard.items() if now - t > lost_after_s and ticked.get(n) != _reg(runner, n)]
-                if not overdue:
+                due = time.monotonic() - last_tick >= tick_s
+                if not overdue and not due:
                     continue
                 tick = ev.ClockTicked(
                     id=f"scheduler:tick:{uuid.uuid4().hex}",
@@ -206,17 +197,19 @@ def liveness_loop(lost_after_s: float) -> ExtraTask:
                     last_heard=heard,
                     lost_after_s=lost_after_s,
                 )
-                log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
+                if overdue:
+                    log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
                 await append_reliably(runner.log, [tick])
+                last_tick = time.monotonic()
                 for name in overdue:
                     ticked[name] = _reg(runner, name)
         finally:
             watcher.cancel()
 
-    return liveness
+    return ticking
 
 
-def _reg(runner: DeciderRunner[ClusterState], node: str) -> int:
+def _reg(runner: DeciderRunner[SchedulerState], node: str) -> int:
     state = runner.state.nodes.get(node)
     return state.registered_seq if state is not None else 0
 
@@ -225,7 +218,7 @@ def policy_recorder(policy: str) -> ExtraTask:
     """Record ``--policy`` in the log once caught up, unless the log already has it: the log, not
     a flag, is what every decision (and every replay) reads."""
 
-    async def record(runner: DeciderRunner[ClusterState]) -> None:
+    async def record(runner: DeciderRunner[SchedulerState]) -> None:
         await runner.caught_up.wait()
         if runner.state.scheduling.policy == policy:
             return
@@ -238,30 +231,38 @@ def policy_recorder(policy: str) -> ExtraTask:
     return record
 
 
+def setup(runner: DeciderRunner[SchedulerState], extra: list[ExtraTask], *, ack_wait_s: float = 10.0) -> None:
+    """Give a scheduler's runner its intake, its tasks and its cluster metrics."""
+    intake = Intake(runner, ack_wait_s=ack_wait_s)
+    runner.on_external = intake.answer
+    runner.on_refused = intake.refused
+    runner.extra_tasks += [intake.loop, *extra]
+    runner.metrics.watch_cluster(lambda: runner.state)
+
+
 async def serve(
     url: str,
     *,
     policy: str | None = None,
     lost_after_s: float = 10.0,
+    tick_s: float = 30.0,
     instance: str | None = None,
     metrics_port: int | None = None,
 ) -> None:
     if policy is not None:
         make_policy(policy)  # fail at start on a name that does not exist
-    instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-    log_ = await open_log(url, name=f"scheduler-{instance}")
-    extra = [intake_loop, liveness_loop(lost_after_s)] + ([policy_recorder(policy)] if policy else [])
-    runner = DeciderRunner(log_, SchedulerDecider(), instance=instance, extra_tasks=extra)
-    runner.metrics.watch_cluster(lambda: runner.state)
-    try:
-        await serve_until_signal_with_http(runner, metrics_port)
-    finally:
-        await log_.close()
+    extra = [timer(lost_after_s, tick_s)] + ([policy_recorder(policy)] if policy else [])
+    await serve_decider(
+        url,
+        SchedulerDecider(),
+        instance=instance,
+        metrics_port=metrics_port,
+        setup=lambda runner: setup(runner, extra),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuherd-scheduler", description="gpuherd scheduler service")
-    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser = service_parser("scheduler", "gpuherd scheduler: intake, placement, quotas, preemption")
     parser.add_argument(
         "--policy",
         default=os.environ.get("GPUHERD_POLICY"),
@@ -270,8 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost"
     )
-    parser.add_argument("--instance", default=None, help="instance id for the leader lease")
-    add_metrics_argument(parser)
+    parser.add_argument("--tick", type=float, default=30.0, help="seconds between the timer's passes")
     return parser
 
 
@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             args.nats_url,
             policy=args.policy,
             lost_after_s=args.lost_after,
+            tick_s=args.tick,
             instance=args.instance,
             metrics_port=args.metrics_port,
         )

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
 from gpuherd.client import Client
-from gpuherd.invariants import unfinished, violations
+from gpuherd.fold.invariants import unfinished, violations
 from gpuherd.log import open_log
 from gpuherd.metrics import http_get
 from gpuherd.natsd import NatsCluster, free_port
+from gpuherd.runtime.audit import audit
 from services.elastic.decide import ElasticDecider
 from services.memory.decide import MemoryDecider
 from services.scheduler.decide import SchedulerDecider

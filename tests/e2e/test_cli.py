@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-GPUHERD = [sys.executable, "-m", "gpuherd"]
+GPUHERD = [sys.executable, "-m", "apps"]
 ENV = dict(os.environ, GPUHERD_LEASE_TTL="2", PYTHONUNBUFFERED="1", COLUMNS="200")
 ENV.pop("NATS_URL", None)
 
@@ -197,13 +197,19 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
     waiting = submit({"name": "waits", "user": "ana", "gpus": 1, "duration_s": 0.5})
     wait_for(lambda: why(waiting).get("kind") == "drained")
     assert "node-1" in why(waiting)["why"]
-    over = submit({"name": "over", "user": "ana", "gpus": 3, "duration_s": 0.5, "vc": "vision"})
-    wait_for(lambda: why(over).get("kind") == "quota")
-    assert "VC vision uses 0 of its 2 GPUs" in why(over)["why"]
-    assert "quota" in cli(data, "jobs").stdout
+    path = tmp_path / "never.json"
+    path.write_text(json.dumps({"name": "never", "user": "ana", "gpus": 3, "duration_s": 0.5, "vc": "vision"}))
+    never = cli(data, "submit", str(path), check=False)
+    assert never.returncode == 2 and "could never start" in never.stdout, "more than its VC may ever have"
 
     cli(data, "undrain", "node-1")
     wait_for(lambda: why(waiting)["status"] == "completed")
+    holder = submit({"name": "holder", "user": "ana", "gpus": 2, "duration_s": 60, "vc": "vision"})
+    wait_for(lambda: why(holder)["status"] == "running")
+    over = submit({"name": "over", "user": "ana", "gpus": 1, "duration_s": 0.5, "vc": "vision"})
+    wait_for(lambda: why(over).get("kind") == "quota")
+    assert "VC vision uses 2 of its 2 GPUs" in why(over)["why"]
+    assert "quota" in cli(data, "jobs").stdout
     nodes = {n["node"]: n for n in json.loads(cli(data, "nodes", "--json").stdout)}
     assert nodes["node-1"]["status"] == "up" and nodes["node-2"]["status"] == "drained"
 

@@ -16,7 +16,7 @@ import atheris
 with atheris.instrument_imports():
     from gpuherd import events as ev
     from gpuherd.errors import EventDecodeError
-    from gpuherd.state import ClusterState, apply
+    from gpuherd.fold import ClusterState, apply
     from services.scheduler.intake import Submission, judge, node_sizes
 
 STATE = apply(

@@ -11,8 +11,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState, apply
+from gpuherd.fold.leases import Leases, apply_lease
 from gpuherd.log import EventLog
-from gpuherd.state import ClusterState, fold
 
 FAST_ENV = {"GPUHERD_LEASE_TTL": "2", "PYTHONUNBUFFERED": "1", "GPUHERD_LOG_LEVEL": "INFO"}
 
@@ -94,11 +98,28 @@ class Services:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log")))
 
 
-async def wait_state(log: EventLog, predicate: Callable[[ClusterState], bool], timeout: float) -> ClusterState:
+class View(ClusterState, kw_only=True):
+    """What the tests look at: the core fold with every job the log ever held, the memory leases not
+    ended, and how many submissions were rejected."""
+
+    leases: Leases = msgspec.field(default_factory=dict)
+    rejected: int = 0
+
+
+def view_of(records: list) -> View:
+    state = View()
+    for record in records:
+        apply(state, record.seq, record.event)
+        apply_lease(state.leases, record.event)
+        state.rejected += isinstance(record.event, ev.JobRejected)
+    return state
+
+
+async def wait_state(log: EventLog, predicate: Callable[[View], bool], timeout: float) -> View:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
-            state = fold((r.seq, r.event) for r in await log.read_all())
+            state = view_of(await log.read_all())
             if predicate(state):
                 return state
         except Exception:  # the server may be restarting

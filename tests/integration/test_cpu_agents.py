@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
 from gpuherd.client import Client
-from gpuherd.invariants import violations
+from gpuherd.fold.invariants import violations
 from gpuherd.log import open_log
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_state
 from tests.integration.test_process_executor import pids_of_job

@@ -12,11 +12,11 @@ import random
 
 import pytest
 
-from gpuherd.audit import audit
 from gpuherd.client import Client
-from gpuherd.invariants import unfinished, violations
+from gpuherd.fold.invariants import unfinished, violations
 from gpuherd.log import open_log
 from gpuherd.natsd import NatsServer
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_state
 

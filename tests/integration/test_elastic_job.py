@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
 from gpuherd.client import Client
-from gpuherd.decider import append_reliably
-from gpuherd.invariants import violations
+from gpuherd.fold import ClusterState
+from gpuherd.fold.invariants import violations
 from gpuherd.log import EventLog, open_log
-from gpuherd.state import ClusterState
+from gpuherd.runtime.audit import audit
+from gpuherd.runtime.runner import append_reliably
 from services.elastic.decide import ElasticDecider
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_state

@@ -17,12 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
 from gpuherd.client import Client
 from gpuherd.errors import EventDecodeError
-from gpuherd.log import open_log
-from gpuherd.log.base import HERD
+from gpuherd.log import HERD, open_log
 from gpuherd.natsd import NatsServer
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_scheduler_ready, wait_state
 

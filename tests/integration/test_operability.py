@@ -69,7 +69,7 @@ async def test_metrics_health_and_status(local_nats, tmp_path) -> None:
 
         await asyncio.sleep(5.5)  # one status period: every process has said where it stands
         out = subprocess.run(
-            [sys.executable, "-m", "gpuherd", "status", "--json"],
+            [sys.executable, "-m", "apps", "status", "--json"],
             env={**services.env, "NATS_URL": local_nats.url},
             capture_output=True,
             text=True,

@@ -241,7 +241,7 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
         }
         for argv in (["status", "--json"], ["events", "--dead-letter", "--json"], ["jobs", "--json"]):
             out = subprocess.run(
-                [sys.executable, "-m", "gpuherd", *argv], env=reader_env, capture_output=True, text=True, timeout=60
+                [sys.executable, "-m", "apps", *argv], env=reader_env, capture_output=True, text=True, timeout=60
             )
             assert out.returncode in (0, 1), out.stderr  # status: 1 = degraded (no agent of its own, say)
             assert "Traceback" not in out.stderr, out.stderr

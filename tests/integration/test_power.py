@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
 from gpuherd.client import Client
-from gpuherd.invariants import violations
+from gpuherd.fold.invariants import violations
 from gpuherd.log import open_log
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import Services, wait_scheduler_ready, wait_state
 
@@ -59,9 +59,9 @@ async def test_power_down_drains_then_demand_powers_up(local_nats, tmp_path) -> 
 
         records = await log.read_all()
         kinds = [type(r.event) for r in records]
-        order = [ev.NodePowerDownRequested, ev.NodePoweredDown, ev.NodePowerUpRequested, ev.NodePoweredUp]
+        order = [ev.NodePowerDownRequested, ev.NodePoweredDown, ev.NodeWakeRequested, ev.NodePoweredUp]
         assert [k for k in kinds if k in order] == order
-        up = next(r.event for r in records if isinstance(r.event, ev.NodePowerUpRequested))
+        up = next(r.event for r in records if isinstance(r.event, ev.NodeWakeRequested))
         assert up.source == "scheduler" and "wait" in up.reason
         assert violations(records) == []
         report = audit(records, SchedulerDecider())

@@ -9,13 +9,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from apps.sim.cluster import ClusterSpec, VcSpec
+from apps.sim.engine import Simulation, Timer
+from apps.sim.run import as_submissions, make_deciders, simulate
 from gpuherd import events as ev
-from gpuherd.audit import audit
-from gpuherd.invariants import violations
+from gpuherd.fold.invariants import violations
 from gpuherd.log.files import read_log_file, write_log_file
-from gpuherd.sim.cluster import ClusterSpec, VcSpec
-from gpuherd.sim.engine import Simulation
-from gpuherd.sim.run import make_deciders, simulate
+from gpuherd.runtime.audit import audit
 from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
 from services.analytics.jobs import job_table, summarize
 from services.analytics.predict import DurationModel, Features, evaluate
@@ -245,7 +245,7 @@ def test_simulation_finishes_every_job_and_is_deterministic(tmp_path: Path) -> N
     assert [r.event for r in first.records] == [r.event for r in second.records]
     table = job_table(first.records).jobs
     assert len(table) == 13 and (table["state"] == "completed").all()
-    np.testing.assert_allclose(table.sort_values("job_id")["duration"], trace.jobs.sort_values("job_id")["duration"])
+    np.testing.assert_allclose(sorted(table["duration"]), sorted(trace.jobs["duration"]))
 
 
 def test_shortest_first_beats_fifo_and_the_log_audits_clean(tmp_path: Path) -> None:
@@ -279,7 +279,11 @@ def test_jobs_larger_than_their_vc_are_rejected_with_a_reason(tmp_path: Path) ->
     trace = _toy_trace(tmp_path, [(0, 10.0, 8, "a"), (1, 10.0, 1, "a"), (2, 10.0, 1, "b")])
     result = simulate(submissions(trace), SMALL, "fifo")
     reasons = sorted(r.event.reason for r in result.records if isinstance(r.event, ev.JobRejected))
-    assert reasons == ["VC b is not in the cluster spec", "needs 8 GPUs; VC a has 4"]
+    assert reasons == [
+        "asks for 8 GPUs but VC a has a quota of 4 and may not borrow, so it could never start; ask for fewer GPUs "
+        "or use another VC",
+        "unknown virtual cluster 'b'; known: a, default",
+    ]
     assert result.rejected == 2
 
 
@@ -293,9 +297,9 @@ def test_energy_saving_powers_idle_nodes_down_and_demand_powers_them_up(tmp_path
     events = [r.event for r in result.records]
     downs = [e for e in events if isinstance(e, ev.NodePowerDownRequested)]
     offs = [e for e in events if isinstance(e, ev.NodePoweredDown)]
-    ups = [e for e in events if isinstance(e, ev.NodePowerUpRequested)]
+    ups = [e for e in events if isinstance(e, ev.NodePowerUpRequested | ev.NodeWakeRequested)]
     assert downs and offs and ups
-    assert any(e.source == "scheduler" for e in ups)  # the waiting burst asked for power itself
+    assert any(isinstance(e, ev.NodeWakeRequested) and e.source == "scheduler" for e in ups)  # the burst woke them
     table = job_table(result.records).jobs
     assert (table["state"] == "completed").all()
     late = table[table["submit_time"] >= table["submit_time"].min() + 50_000]
@@ -304,6 +308,7 @@ def test_energy_saving_powers_idle_nodes_down_and_demand_powers_them_up(tmp_path
     moves = {
         ev.NodePowerDownRequested: {"on": "draining"},
         ev.NodePowerUpRequested: {"draining": "on", "off": "booting"},
+        ev.NodeWakeRequested: {"draining": "on", "off": "booting"},
         ev.NodePoweredDown: {"draining": "off"},
         ev.NodePoweredUp: {"booting": "on", "draining": "on"},
     }
@@ -347,10 +352,11 @@ def test_the_decider_s_kept_views_decide_what_a_fresh_pass_decides(tmp_path: Pat
     trace = _toy_trace(tmp_path, rows)
     spec = ClusterSpec(vcs={"a": VcSpec(nodes=3), "b": VcSpec(nodes=2), "c": VcSpec(nodes=2)}, island=4)
     scheduler = _CheckedScheduler(make_policy(policy))
-    analytics = make_deciders(policy, ces={"buffer_nodes": 1, "min_interval_s": 900.0, "lookback_s": 1800.0})[1]
-    sim = Simulation([scheduler, analytics], tick_s=300.0, boot_s=120.0, admit=spec.admit)
+    deciders, _ = make_deciders(policy, ces={"buffer_nodes": 1, "min_interval_s": 900.0, "lookback_s": 1800.0})
+    timers = [Timer("scheduler", ev.ClockTicked, 300.0), Timer("analytics", ev.AnalyticsTicked, 300.0)]
+    sim = Simulation([scheduler, deciders[1]], timers=timers, boot_s=120.0)
     sim.setup([*spec.setup_events(), ev.PolicyConfigured(policy=policy)], at=trace.origin)
-    sim.run(submissions(trace, start=trace.origin))
+    sim.run(as_submissions(submissions(trace, start=trace.origin)))
     assert scheduler.passes > 300
     events = [r.event for r in sim.records]
     assert any(isinstance(e, ev.NodePoweredDown) for e in events)

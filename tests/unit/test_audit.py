@@ -1,8 +1,8 @@
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
-from gpuherd.log.base import Record
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from tests.helpers import finish, node, submit
 from tests.unit.test_scheduler_decider import drive

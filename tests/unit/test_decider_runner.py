@@ -10,10 +10,11 @@ import asyncio
 from collections import Counter
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
-from gpuherd.decider import DeciderRunner, cause_seq_of
-from gpuherd.invariants import violations
+from gpuherd.fold.invariants import violations
 from gpuherd.log import MemoryLog
+from gpuherd.runtime.audit import audit
+from gpuherd.runtime.decider import cause_seq_of
+from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler.decide import SchedulerDecider
 from tests.helpers import ended, finish, node, submit
 
@@ -50,7 +51,7 @@ async def test_runner_places_and_records_provenance() -> None:
         cause_seq = by_id[placed.cause]
         assert placed.id == f"scheduler:{cause_seq}:0", "ids derive from the cause's sequence"
         assert cause_seq <= placed.based_on < by_id[placed.id], "decided on a state at or after its cause"
-    assert a.job == "a" and a.based_on >= by_id["scheduler:intake:test:a"]
+    assert a.job == "a" and a.based_on >= by_id["test:intake:a"]
     assert b.job == "b" and b.based_on >= by_id["fin-a-0"], "b could only start once a had finished"
     stop.set()
     await task

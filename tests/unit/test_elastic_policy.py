@@ -7,17 +7,18 @@ import msgspec
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, fold
-from services.elastic.decide import ElasticDecider, job_model
-from services.elastic.policy import ElasticParams, JobModel, allreduce_s, decide, params_from, predicted_throughput
+from gpuherd.runtime.decider import replay
+from services.elastic.decide import ElasticDecider
+from services.elastic.policy import ElasticParams, allreduce_s, decide, params_from, predicted_throughput
+from services.elastic.state import ElasticState, JobModel, job_model
 from tests.unit.test_resize import ELASTIC, SPEC, _completed, _e, _propose, started
 from tests.unit.test_scheduler_decider import drive
 
 PARAMS = ElasticParams(min_interval_s=60.0, hold_after_shrink_s=300.0)
 
 
-def _state(log) -> ClusterState:
-    return fold((r.seq, r.event) for r in log)
+def _state(log) -> ElasticState:
+    return replay(ElasticDecider(PARAMS), log)
 
 
 def _at(log, seconds: float):
@@ -27,7 +28,10 @@ def _at(log, seconds: float):
 
 
 def _decide(log, **kw) -> list[ev.RescaleProposed]:
-    return decide(_state(log), {}, PARAMS, shrunk_at=kw.get("shrunk_at", {}), proposed=kw.get("proposed", {}))
+    state = _state(log)
+    state.shrunk_at = kw.get("shrunk_at", {})
+    state.proposed = kw.get("proposed", {})
+    return decide(state, PARAMS)
 
 
 def test_idle_gpus_grow_a_job_to_the_largest_size_that_keeps_its_global_batch() -> None:
@@ -51,12 +55,12 @@ def test_a_job_is_not_resized_again_within_the_minimum_interval_nor_grown_right_
 def test_a_waiting_job_shrinks_the_elastic_job_by_what_it_lacks() -> None:
     log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)
     rigid = ev.JobSpec(name="rigid", user="bo", gpus=4, command=("python", "x.py"), nodes=1)
-    log = drive([ev.JobSubmitted(id="s2", source="scheduler", job="r", spec=rigid, intake_source="t")], log)
+    log = drive([ev.JobSubmitted(id="s2", source="test", job="r", spec=rigid, intake_source="t")], log)
     log = _at(log, 1100.0)
     state = _state(log)
     assert state.jobs["r"].status == "placed"  # n2 was free: it started, nothing to shrink
     other = ev.JobSpec(name="other", user="bo", gpus=2, command=("python", "x.py"))
-    log = _at(drive([ev.JobSubmitted(id="s3", source="scheduler", job="o", spec=other, intake_source="t")], log), 1200)
+    log = _at(drive([ev.JobSubmitted(id="s3", source="test", job="o", spec=other, intake_source="t")], log), 1200)
     assert _state(log).jobs["o"].status == "pending"  # n1 has 1 GPU free, it needs 2
     (proposal,) = _decide(log)
     assert (proposal.gpus, proposal.generation) == (2, 1) and "o waits" in proposal.reason
@@ -64,22 +68,22 @@ def test_a_waiting_job_shrinks_the_elastic_job_by_what_it_lacks() -> None:
 
 def test_throughput_is_predicted_from_what_was_measured_and_the_gradients_to_all_reduce() -> None:
     state = _state(_completed(_propose(started(), 3), 1, 3, 2, rate=100.0))
-    job = state.jobs["j"]
-    assert predicted_throughput(job, 2, None, PARAMS) == 100.0  # measured
-    assert predicted_throughput(job, 3, None, PARAMS) == 150.0  # no gradients known: linear from there
+    job, measured = state.jobs["j"], state.throughput["j"]
+    assert predicted_throughput(job, 2, None, PARAMS, measured) == 100.0  # measured
+    assert predicted_throughput(job, 3, None, PARAMS, measured) == 150.0  # no gradients known: linear from there
     moderate = JobModel(grad_bytes=int(4e8))  # all-reduce: a third of the measured step at 2 workers
     compute_2 = 24 / 100 - allreduce_s(int(4e8), 2, PARAMS)
     step_3 = compute_2 * 2 / 3 + allreduce_s(int(4e8), 3, PARAMS)
-    assert abs(predicted_throughput(job, 3, moderate, PARAMS) - 24 / step_3) < 1e-9
-    assert predicted_throughput(job, 3, moderate, PARAMS) / 3 < 100 / 2  # less per GPU at 3
+    assert abs(predicted_throughput(job, 3, moderate, PARAMS, measured) - 24 / step_3) < 1e-9
+    assert predicted_throughput(job, 3, moderate, PARAMS, measured) / 3 < 100 / 2  # less per GPU at 3
     # Where the all-reduce outweighs the compute saved, a grow gains nothing: no proposal.
     heavy = JobModel(grad_bytes=int(1e9))
-    assert predicted_throughput(job, 3, heavy, PARAMS) < 100
+    assert predicted_throughput(job, 3, heavy, PARAMS, measured) < 100
     eager = msgspec.structs.replace(PARAMS, min_interval_s=0)
-    assert decide(state, {"j": heavy}, eager, shrunk_at={}, proposed={}) == []
-    assert [
-        p.gpus for p in decide(state, {"j": moderate}, eager, shrunk_at={}, proposed={})
-    ] == []  # at its largest size
+    state.models = {"j": heavy}
+    assert decide(state, eager) == []
+    state.models = {"j": moderate}
+    assert [p.gpus for p in decide(state, eager)] == []  # at its largest size
 
 
 def test_a_profile_gives_the_compute_per_sample_before_anything_was_measured() -> None:
@@ -87,7 +91,7 @@ def test_a_profile_gives_the_compute_per_sample_before_anything_was_measured() -
     assert model == JobModel(compute_per_sample_s=0.002, grad_bytes=1024)
     assert job_model({"layers": []}) is None
     state = _state(started())
-    rate = predicted_throughput(state.jobs["j"], 2, model, PARAMS)
+    rate = predicted_throughput(state.jobs["j"], 2, model, PARAMS, {})
     assert abs(rate - 24 / (0.002 * 12 + allreduce_s(1024, 2, PARAMS))) < 1e-6
 
 
@@ -120,3 +124,16 @@ def test_the_parameters_in_force_are_the_log_s_latest_elastic_configured() -> No
     assert [p.gpus for p in decider.decide(state, configured)] == [3]
     with pytest.raises(ValueError, match="known parameters"):
         params_from({"min_interval": 5.0})
+
+
+def test_parameters_it_cannot_apply_are_refused_and_change_nothing() -> None:
+    decider = ElasticDecider()
+    state = decider.initial_state()
+    bad = _e(ev.ElasticConfigured, params={"min_interval": 5.0}, at=1.0)
+    decider.evolve(state, 1, bad)
+    (refusal,) = decider.decide(state, bad)
+    assert isinstance(refusal, ev.CommandRefused) and refusal.command == "ElasticConfigured"
+    assert "known parameters" in refusal.reason and state.params is None
+    old = msgspec.structs.replace(bad, unchecked=True)  # recorded before commands were checked
+    decider.evolve(state, 2, old)
+    assert decider.decide(state, old) == [] and decider.params_for(state) == ElasticParams(), "the default, as then"

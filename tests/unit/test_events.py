@@ -89,6 +89,11 @@ SAMPLES: list[ev.Event] = [
     ev.MemoryLeaseReleased(id="m7", lease="L1", job="j1", gpus=(1,), reason="revoked"),
     ev.MemoryLeaseReclaimed(id="m8", lease="L1", job="j1", reason="job finished"),
     ev.MemoryBrokerConfigured(id="m9", params={"lease_term_s": 300.0}),
+    ev.NodeWakeRequested(id="w1", node="n1", reason="2 jobs wait for 16 GPUs", based_on=3, cause="f"),
+    ev.CommandRefused(id="w2", command="PolicyConfigured", command_id="o", reason="unknown policy", based_on=3),
+    ev.ElasticTicked(id="w3", at=5.0, source="elastic"),
+    ev.MemoryTicked(id="w4", at=5.0, source="memory"),
+    ev.AnalyticsTicked(id="w5", at=5.0, source="analytics"),
 ]
 
 
@@ -157,3 +162,58 @@ def test_stable_id_is_deterministic_and_subject_safe() -> None:
     assert a == ev.stable_id("cli", "job-1")
     assert a != ev.stable_id("cli", "job-2")
     assert a.isalnum()
+
+
+def _v1(kind: str, source: str, **fields: object) -> bytes:
+    return msgspec.json.encode({"type": kind, "id": f"{source}:x:1", "at": 7.0, "source": source, "v": 1, **fields})
+
+
+@pytest.mark.parametrize(
+    ("source", "kind"),
+    [
+        ("scheduler", ev.ClockTicked),
+        ("sim", ev.ClockTicked),
+        ("elastic", ev.ElasticTicked),
+        ("memory", ev.MemoryTicked),
+        ("analytics", ev.AnalyticsTicked),
+    ],
+)
+def test_a_v1_tick_becomes_the_tick_of_the_service_that_wrote_it(source: str, kind: type[ev.Tick]) -> None:
+    event = ev.decode(_v1("ClockTicked", source, last_heard={}, lost_after_s=1e15))
+    assert type(event) is kind and event.source == source and event.at == 7.0 and event.id == f"{source}:x:1"
+    assert ev.decode(ev.encode(event)) == event
+
+
+def test_a_scheduler_power_up_of_v1_is_a_wake_request_and_an_analytics_one_stays() -> None:
+    woken = ev.decode(_v1("NodePowerUpRequested", "scheduler", node="n1", reason="jobs wait", based_on=3, cause="c"))
+    assert isinstance(woken, ev.NodeWakeRequested) and woken.node == "n1" and woken.based_on == 3
+    forecast = ev.decode(_v1("NodePowerUpRequested", "analytics", node="n1", reason="forecast"))
+    assert isinstance(forecast, ev.NodePowerUpRequested) and forecast.v == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        ("VcConfigured", {"vc": "a", "gpu_quota": -1}),
+        ("PolicyConfigured", {"policy": "nonsense"}),
+        ("NodeDrained", {"node": "n1"}),
+        ("NodeUndrained", {"node": "n1"}),
+        ("JobCancelRequested", {"job": "j1"}),
+        ("ElasticConfigured", {"params": {"min_interval_s": 5.0}}),
+        ("MemoryBrokerConfigured", {"params": {"lease_term_s": 5.0}}),
+    ],
+)
+def test_commands_recorded_before_they_were_checked_are_marked_unchecked(kind: str, fields: dict) -> None:
+    event = ev.decode(_v1(kind, "cli", **fields))
+    assert isinstance(event, ev.Command) and event.unchecked and event.v == 2
+    fresh = msgspec.structs.replace(event, unchecked=False)
+    assert not ev.decode(ev.encode(fresh)).unchecked
+
+
+def test_verdicts_of_v1_were_judged_by_the_first_intake_rules() -> None:
+    spec = {"name": "a", "user": "b", "gpus": 1, "duration_s": 1.0}
+    submitted = ev.decode(_v1("JobSubmitted", "scheduler", job="j", spec=spec, intake_source="cli"))
+    assert isinstance(submitted, ev.JobSubmitted) and submitted.intake_rules == 1
+    rejected = ev.decode(_v1("JobRejected", "scheduler", intake_source="cli", intake_seq=1, reason="bad"))
+    assert isinstance(rejected, ev.JobRejected) and rejected.intake_rules == 1 and rejected.payload_size == 0
+    assert ev.JobSubmitted(job="j", spec=ev.JobSpec(**spec), intake_source="cli").intake_rules == ev.INTAKE_RULES

@@ -4,6 +4,7 @@ submission gets a reason, and a poison intake message ends as a dead letter."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import Any
@@ -14,15 +15,14 @@ from hypothesis import strategies as st
 
 from gpuherd import events as ev
 from gpuherd.errors import EventDecodeError, LogError
-from gpuherd.log import Delivery, MemoryLog
-from gpuherd.log.base import HERD_INTAKE, MAX_DELIVERIES, REPLY_HEADER
-from gpuherd.metrics import ServiceMetrics
-from gpuherd.state import ClusterState, apply
+from gpuherd.log import HERD_INTAKE, MAX_DELIVERIES, REPLY_HEADER, MemoryLog
+from gpuherd.runtime.runner import DeciderRunner
 from services.elastic.decide import ElasticDecider
 from services.memory.decide import MemoryDecider
 from services.scheduler import service
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.intake import Submission, judge, node_sizes
+from services.scheduler.intake import Submission, judge
+from services.scheduler.state import SchedulerState
 from tests.helpers import node
 
 json_values = st.recursive(
@@ -37,15 +37,14 @@ SPEC_KEYS = (
 spec_like = st.dictionaries(st.sampled_from(SPEC_KEYS) | st.text(max_size=8), json_values, max_size=8)
 
 
-def cluster() -> ClusterState:
-    state = ClusterState()
-    apply(state, 1, node("n1", 8))
-    return state
+def cluster() -> SchedulerState:
+    decider = SchedulerDecider()
+    return decider.evolve(decider.initial_state(), 1, node("n1", 8))
 
 
 def _judge(data: bytes) -> ev.Event:
     state = cluster()
-    verdict = judge(state, Submission(source="fuzz", seq=7, data=data, at=1.0, msg_id=None), sizes=node_sizes(state))
+    verdict = judge(state, Submission(source="fuzz", seq=7, data=data, at=1.0, msg_id=None))
     return verdict.event
 
 
@@ -116,34 +115,38 @@ def test_deciders_survive_valid_events_with_nonsense_values(events: list[ev.Even
 
 
 async def test_a_poison_intake_message_ends_as_a_dead_letter() -> None:
-    """Handling fails every time (the log refuses the verdict): unacknowledged until the last
-    delivery, then kept as a dead letter with the reason, the submitter told, and acknowledged."""
+    """The log refuses the verdict every time: the message stays unacknowledged and comes back until
+    its last delivery, then it is kept as a dead letter with the reason, its submitter told, and
+    acknowledged; the scheduler goes on deciding the rest."""
 
     class RefusingLog(MemoryLog):
         async def append(self, events, **kwargs):  # type: ignore[override]
-            raise LogError("refused: message too large")
+            if any(isinstance(e, ev.JobSubmitted) and e.spec.name == "poison" for e in events):
+                raise LogError("refused: message too large")
+            return await super().append(events, **kwargs)
 
-    class Runner:
-        log = RefusingLog()
-        state = cluster()
-        metrics = ServiceMetrics("scheduler")
-
-    class Consumer:
-        acked: list[int] = []
-
-        async def ack(self, delivery: Delivery) -> None:
-            self.acked.append(delivery.seq)
-
-    runner, consumer = Runner(), Consumer()
-    spec = msgspec.json.encode({"name": "a", "user": "u", "gpus": 1, "duration_s": 1})
-    for n in range(1, MAX_DELIVERIES + 1):
-        delivery = Delivery(
-            seq=3, subject="herd.intake.ci", data=spec, headers={REPLY_HEADER: "inbox.9"}, at=1.0, deliveries=n
-        )
-        await service.handle_delivery(runner, consumer, delivery, node_sizes(runner.state))  # type: ignore[arg-type]
-        assert consumer.acked == ([] if n < MAX_DELIVERIES else [3])
-    [letter] = await runner.log.dead_letters()
-    assert letter.stream == HERD_INTAKE and letter.seq == 3 and letter.data == spec
+    log = RefusingLog()
+    await log.append([node("n1", 4)])
+    runner = DeciderRunner(log, SchedulerDecider(), instance="test")
+    service.setup(runner, [], ack_wait_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    poison = msgspec.json.encode({"name": "poison", "user": "u", "gpus": 1, "duration_s": 1})
+    fine = msgspec.json.encode({"name": "fine", "user": "u", "gpus": 1, "duration_s": 1})
+    try:
+        await log.publish_intake("ci", poison, {REPLY_HEADER: "inbox.9"})
+        await log.publish_intake("ci", fine, {REPLY_HEADER: "inbox.10"})
+        for _ in range(500):
+            if await log.dead_letters() and any(to == "inbox.10" for to, _ in log.replies):
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    [letter] = await log.dead_letters()
+    assert letter.stream == HERD_INTAKE and letter.seq == 1 and letter.data == poison
     assert f"after {MAX_DELIVERIES} deliveries" in letter.reason and "message too large" in letter.reason
-    reply = msgspec.json.decode(runner.log.replies[-1][1])
+    [reply] = [msgspec.json.decode(r) for to, r in log.replies if to == "inbox.9"]
     assert reply["ok"] is False and "message too large" in reply["error"]
+    submitted = [r.event.spec.name for r in await log.read_all() if isinstance(r.event, ev.JobSubmitted)]
+    assert submitted == ["fine"], "the rest is decided and stored as usual"

@@ -17,7 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from gpuherd.cli import SERVICE_MODULES, build_parser, service_module
+from apps.cli import build_parser
+from apps.registry import SERVICES
 from gpuherd.natsd import find_binary
 from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, password_env, render_accounts, users
 
@@ -70,8 +71,8 @@ def test_every_command_exists_in_the_cli(compose: dict[str, Any]) -> None:
         argv = service["command"]
         assert build_parser().parse_args(argv).func, name  # exits (SystemExit) on an unknown command or option
         if argv[0] == "serve":
-            assert argv[1] in SERVICE_MODULES, name
-            service_module(argv[1]).build_parser().parse_args(argv[2:])
+            assert argv[1] in SERVICES, name
+            SERVICES[argv[1]].parser().parse_args(argv[2:])
 
 
 def test_three_nats_servers_with_health_checks_and_volumes(compose: dict[str, Any]) -> None:

@@ -2,19 +2,28 @@ import msgspec
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, apply
-from services.scheduler.intake import MAX_SUBMISSION_BYTES, Submission, job_id_for, judge
+from services.scheduler.decide import SchedulerDecider
+from services.scheduler.intake import MAX_SUBMISSION_BYTES, Submission, job_id_for, judge, recheck
+from services.scheduler.state import SchedulerState
 from tests.helpers import node
 
+_scheduler = SchedulerDecider()
 
-def cluster() -> ClusterState:
-    state = ClusterState()
+
+def apply(state: SchedulerState, seq: int, event: ev.Event) -> SchedulerState:
+    return _scheduler.evolve(state, seq, event)
+
+
+def cluster() -> SchedulerState:
+    state = _scheduler.initial_state()
     for seq, e in enumerate([node("n1", 8), node("n2", 8), ev.VcConfigured(id="vc", vc="vision")], 1):
         apply(state, seq, e)
     return state
 
 
-def verdict(data: bytes | dict, state: ClusterState | None = None, *, source: str = "teamA", seq: int = 7, msg_id=None):
+def verdict(
+    data: bytes | dict, state: SchedulerState | None = None, *, source: str = "teamA", seq: int = 7, msg_id=None
+):
     raw = data if isinstance(data, bytes) else msgspec.json.encode(data)
     return judge(state or cluster(), Submission(source=source, seq=seq, data=raw, at=5.0, msg_id=msg_id))
 
@@ -102,7 +111,7 @@ def test_oversized_payload_is_rejected() -> None:
 
 
 def test_no_nodes_yet_is_an_actionable_rejection() -> None:
-    v = verdict(GOOD, ClusterState())
+    v = verdict(GOOD, SchedulerState())
     assert "no GPU nodes have registered yet" in v.event.reason
 
 
@@ -119,3 +128,36 @@ def test_a_command_job_is_judged_against_the_nodes_that_run_processes() -> None:
     too_big = verdict(CMD | {"gpus": 5}, state).event
     assert isinstance(too_big, ev.JobRejected)
     assert too_big.reason == "asks for 5 GPUs but the nodes that can run it have 4 (1 nodes)"
+
+
+def test_a_job_larger_than_its_vc_quota_that_may_not_borrow_is_refused_as_it_could_never_start() -> None:
+    state = cluster()
+    apply(state, 4, ev.VcConfigured(id="small", vc="small", gpu_quota=4, can_borrow=False))
+    v = verdict(GOOD | {"vc": "small", "gpus": 8}, state)
+    assert isinstance(v.event, ev.JobRejected)
+    assert "quota of 4 and may not borrow" in v.event.reason and "could never start" in v.event.reason
+    assert isinstance(verdict(GOOD | {"vc": "small", "gpus": 4}, state).event, ev.JobSubmitted)
+    apply(state, 5, ev.VcConfigured(id="lend", vc="small", gpu_quota=4, can_borrow=True))
+    assert isinstance(verdict(GOOD | {"vc": "small", "gpus": 8}, state).event, ev.JobSubmitted), "it may borrow"
+
+
+def test_recorded_verdicts_are_judged_again_by_the_rules_they_were_judged_by() -> None:
+    state = cluster()
+    apply(state, 4, ev.VcConfigured(id="small", vc="small", gpu_quota=4, can_borrow=False))
+    accepted = verdict(GOOD | {"intake_id": "a"}, state).event
+    assert recheck(state, accepted) is None
+    big = msgspec.structs.replace(accepted, spec=msgspec.structs.replace(accepted.spec, vc="small", gpus=8))
+    assert "would now be rejected" in recheck(state, big)
+    assert recheck(state, msgspec.structs.replace(big, intake_rules=1)) is None, "accepted by the first rules"
+    apply(state, 5, accepted)
+    assert "taken already" in recheck(state, accepted)
+    rejected = verdict(b"not json", state).event
+    assert isinstance(rejected, ev.JobRejected) and recheck(state, rejected) is None
+    forged = msgspec.structs.replace(rejected, reason="too many GPUs")
+    assert "another reason" in recheck(state, forged)
+    wrongly = msgspec.structs.replace(
+        rejected, payload_excerpt=msgspec.json.encode(GOOD).decode(), payload_size=len(msgspec.json.encode(GOOD))
+    )
+    assert recheck(state, wrongly) == "would now be accepted"
+    cut = msgspec.structs.replace(forged, payload_size=10_000)  # only the start was kept: not judged again
+    assert recheck(state, cut) is None

@@ -1,50 +1,72 @@
-"""The scheduler's intake shell on the in-memory log: record, reply, survive a judging failure."""
+"""The scheduler's intake shell on the in-memory log: submissions decided in the runner's order,
+recorded, answered once stored, and a judging failure recorded as a rejection."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 
 from gpuherd import events as ev
 from gpuherd.errors import LogError, LogUnavailable
-from gpuherd.log import Delivery, MemoryLog
-from gpuherd.log.base import REPLY_HEADER
+from gpuherd.log import REPLY_HEADER, MemoryLog
 from gpuherd.log.jetstream import _refusal
-from gpuherd.state import ClusterState, apply
-from services.scheduler import service
+from gpuherd.runtime.runner import DeciderRunner
+from services.scheduler import intake, service
+from services.scheduler.decide import SchedulerDecider
 from tests.helpers import node
 
 
-def delivery(data: bytes, seq: int = 1) -> Delivery:
-    return Delivery(
-        seq=seq, subject="herd.intake.teamA", data=data, headers={REPLY_HEADER: "inbox.1"}, at=5.0, deliveries=1
-    )
+@contextlib.asynccontextmanager
+async def scheduler(log: MemoryLog) -> AsyncIterator[DeciderRunner]:
+    runner = DeciderRunner(log, SchedulerDecider(), instance="test")
+    service.setup(runner, [])
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield runner
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
 
 
-def cluster() -> ClusterState:
-    return apply(ClusterState(), 1, node("n1", 4))
+async def submit(log: MemoryLog, data: bytes, inbox: str) -> dict:
+    """Publish to intake as a plain request would, and wait for the answer sent to ``inbox``."""
+    await log.publish_intake("teamA", data, {REPLY_HEADER: inbox})
+    for _ in range(500):
+        answers = [msgspec.json.decode(reply) for to, reply in log.replies if to == inbox]
+        if answers:
+            return answers[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no answer on {inbox}")
 
 
-async def test_valid_submission_is_recorded_and_answered() -> None:
+async def test_a_valid_submission_is_recorded_then_answered_and_its_twin_is_the_same_job() -> None:
     log = MemoryLog()
+    await log.append([node("n1", 4)])
     spec = {"name": "a", "user": "u", "gpus": 2, "duration_s": 1, "intake_id": "x"}
-    verdict = await service.handle_submission(log, cluster(), delivery(msgspec.json.encode(spec)))
-    [record] = await log.read_all()
-    assert isinstance(record.event, ev.JobSubmitted) and record.event.job == verdict.job_id
-    assert log.replies == [("inbox.1", verdict.reply())]
-    again = await service.handle_submission(log, cluster(), delivery(msgspec.json.encode(spec), seq=2))
-    assert again.duplicate and again.job_id == verdict.job_id and await log.last_seq() == 1
+    async with scheduler(log):
+        first = await submit(log, msgspec.json.encode(spec), "inbox.1")
+        again = await submit(log, msgspec.json.encode(spec | {"name": "changed"}), "inbox.2")
+    submitted = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobSubmitted)]
+    assert [s.job for s in submitted] == [first["job_id"]] and first["ok"] and not first["duplicate"]
+    assert again == {"ok": True, "job_id": first["job_id"], "duplicate": True}
+    assert submitted[0].cause == "intake:teamA:1" and submitted[0].based_on >= 1
 
 
-async def test_a_judging_bug_becomes_a_recorded_rejection(monkeypatch) -> None:
-    def broken(*args, **kwargs):
+async def test_a_judging_bug_becomes_a_recorded_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("boom")
 
-    monkeypatch.setattr(service, "judge", broken)
+    monkeypatch.setattr(intake, "judge", broken)
     log = MemoryLog()
-    verdict = await service.handle_submission(log, cluster(), delivery(b'{"name": "a"}'))
-    [record] = await log.read_all()
-    assert isinstance(record.event, ev.JobRejected)
-    assert "failed to judge this submission (KeyError" in record.event.reason
-    assert msgspec.json.decode(log.replies[0][1]) == {"ok": False, "error": verdict.event.reason}
+    await log.append([node("n1", 4)])
+    async with scheduler(log):
+        answer = await submit(log, b'{"name": "a"}', "inbox.1")
+    [rejected] = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobRejected)]
+    assert "failed to judge this submission (KeyError" in rejected.reason
+    assert answer == {"ok": False, "error": rejected.reason}
 
 
 @pytest.mark.parametrize(("code", "kind"), [(503, LogUnavailable), (500, LogUnavailable), (400, LogError)])

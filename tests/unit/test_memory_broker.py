@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
-from gpuherd.decider import decide_stamped
-from gpuherd.log.base import Record
-from gpuherd.state import ClusterState
-from services.memory.decide import MemoryBrokerState, MemoryDecider
+from gpuherd.log import Record
+from gpuherd.runtime.decider import decide_stamped
+from services.memory.decide import MemoryDecider
 from services.memory.policy import BrokerParams, reserve_mb, spare_mb, water_fill
+from services.memory.state import MemoryState
 
 GB = 1024
 TOTAL = 80 * GB  # MiB of each GPU
@@ -34,7 +34,7 @@ def run(events: list[ev.Event], log: list[Record] | None = None, params: BrokerP
     """Append ``events`` the way the runner does: fold, decide, append and fold the decisions first."""
     decider = MemoryDecider(params)
     log = list(log or [])
-    state = MemoryBrokerState()
+    state = decider.initial_state()
     for r in log:
         decider.evolve(state, r.seq, r.event)
     inbox = collections.deque(events)
@@ -49,7 +49,7 @@ def run(events: list[ev.Event], log: list[Record] | None = None, params: BrokerP
     return log
 
 
-def _append(log: list[Record], decider: MemoryDecider, state: MemoryBrokerState, event: ev.Event) -> Record:
+def _append(log: list[Record], decider: MemoryDecider, state: MemoryState, event: ev.Event) -> Record:
     record = Record(len(log) + 1, event)
     log.append(record)
     decider.evolve(state, record.seq, event)
@@ -85,12 +85,12 @@ def of(log: list[Record], kind: type) -> list:
     return [r.event for r in log if isinstance(r.event, kind)]
 
 
-def _fold(log: list[Record]) -> ClusterState:
-    state = MemoryBrokerState()
+def _fold(log: list[Record]) -> MemoryState:
     decider = MemoryDecider()
+    state = decider.initial_state()
     for r in log:
         decider.evolve(state, r.seq, r.event)
-    return state.cluster
+    return state
 
 
 def shares(grant: ev.MemoryLeaseGranted) -> list[tuple[str, int | None, int]]:
@@ -171,7 +171,7 @@ def test_requests_that_can_never_be_granted_are_denied_with_the_reason() -> None
     for bad, words in (
         (request(0), "mb > 0"),
         (request(GB, gpu=2), "no longer runs on GPU 2"),
-        (request(GB, job_="ghost"), "unknown"),
+        (request(GB, job_="ghost"), "never existed"),
         (request(10_000 * GB, min_mb=10_000 * GB), "can lend at most"),
         (request(GB, tiers=()), "no memory tier"),
     ):

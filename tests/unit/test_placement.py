@@ -1,7 +1,7 @@
 """Topology-aware placement on hand-built topologies."""
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, apply, islands_of
+from gpuherd.fold import ClusterState, apply, islands_of
 from services.scheduler.placement import NodeView, Score, place, score, take, views
 from tests.helpers import node
 

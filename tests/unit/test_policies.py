@@ -5,20 +5,28 @@ from __future__ import annotations
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, apply
+from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import POLICIES, Las, make_policy
 from services.scheduler.schedule import plan
+from services.scheduler.state import SchedulerState
 from tests.helpers import node, submit
 
+_scheduler = SchedulerDecider()
 
-def state_of(*events: ev.Event) -> ClusterState:
-    state = ClusterState()
+
+def apply(state: SchedulerState, seq: int, event: ev.Event) -> SchedulerState:
+    """Fold as the scheduler does."""
+    return _scheduler.evolve(state, seq, event)
+
+
+def state_of(*events: ev.Event) -> SchedulerState:
+    state = _scheduler.initial_state()
     for seq, e in enumerate(events, 1):
         apply(state, seq, e)
     return state
 
 
-def placed(state: ClusterState, policy: str = "fifo", **params: float) -> list[str]:
+def placed(state: SchedulerState, policy: str = "fifo", **params: float) -> list[str]:
     return [p.job for p in plan(state, make_policy(policy, params)).placed]
 
 
@@ -187,7 +195,7 @@ def test_priority_preempts_the_least_lost_work_and_only_what_the_gang_needs() ->
 
 def test_preemption_is_bounded_per_hour() -> None:
     state = state_of(node("n1", 2), submit("low", 2, duration=None), *run("low", "n1", (0, 1), at=0.0))
-    state.jobs["low"].preempted_at = [10.0, 20.0]
+    state.preempted_at["low"] = [10.0, 20.0]
     state.now = 100.0
     apply(
         state,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import itertools
 
 from gpuherd import events as ev
-from gpuherd.invariants import violations
-from gpuherd.log.base import Record
-from gpuherd.state import ClusterState, apply, fold
+from gpuherd.fold.invariants import violations
+from gpuherd.log import Record
+from gpuherd.runtime.decider import replay
+from services.elastic.decide import ElasticDecider
+from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import _spec_problem
+from services.scheduler.state import SchedulerState, index_problems
 from tests.helpers import node
 from tests.unit.test_scheduler_decider import drive
 
@@ -28,7 +31,7 @@ def started() -> list[Record]:
         [
             node("n1", 4, executor="cpu", ports=(29500, 29599)),
             node("n2", 4, executor="cpu", ports=(29500, 29599)),
-            ev.JobSubmitted(id="s", source="scheduler", job="j", spec=SPEC, intake_source="t"),
+            ev.JobSubmitted(id="s", source="test", job="j", spec=SPEC, intake_source="t"),
         ]
     )
     placed = next(r.event for r in log if isinstance(r.event, ev.JobPlaced))
@@ -36,8 +39,17 @@ def started() -> list[Record]:
     return drive([_e(ev.JobStarted, job="j", attempt=0, node="n1")], log)
 
 
-def _state(log: list[Record]) -> ClusterState:
-    return fold((r.seq, r.event) for r in log)
+_scheduler = SchedulerDecider()
+
+
+def _state(log: list[Record]) -> SchedulerState:
+    state = replay(_scheduler, log)
+    assert not index_problems(state)
+    return state
+
+
+def apply(state: SchedulerState, seq: int, event: ev.Event) -> SchedulerState:
+    return _scheduler.evolve(state, seq, event)
 
 
 def _resized(log: list[Record]) -> list[ev.JobResized]:
@@ -78,7 +90,8 @@ def test_a_grow_takes_free_gpus_next_to_the_job_and_starts_a_new_generation() ->
     assert _resized(_propose(log, 1, generation=1)) == [grow]
     log = _completed(log, 1, 3, 2, rate=200.0)
     job = _state(log).jobs["j"]
-    assert job.rescale is None and job.committed == grow.allocations and job.throughput == {2: 200.0}
+    assert job.rescale is None and job.committed == grow.allocations
+    assert replay(ElasticDecider(), log).throughput["j"] == {2: 200.0}, "what the elastic service learns"
     assert violations(log) == []
 
 

@@ -1,43 +1,54 @@
-import collections
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
-from gpuherd.decider import decide_stamped
-from gpuherd.invariants import violations
-from gpuherd.log.base import Record
-from gpuherd.state import ClusterState, apply, encode_state
+from gpuherd.fold.invariants import violations
+from gpuherd.log import Record
+from gpuherd.runtime.core import DecisionCore, outputs_of
+from gpuherd.runtime.decider import decide_stamped
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.placement import NodeView, place
+from services.scheduler.state import SchedulerState, index_problems
 from tests.helpers import ended, finish, node, submit, tick
 
 decider = SchedulerDecider()
 
 
 def drive(events: list[ev.Event], log: list[Record] | None = None) -> list[Record]:
-    """Append ``events`` after ``log`` the way the runner does: each event is folded, then decided on;
-    decisions are appended and folded before anything else is decided (own outputs are triggers too)."""
+    """Append ``events`` after ``log`` one at a time, each once the scheduler has decided everything
+    before it, through the runtime's ordering core: fold, decide what it follows, append, and fold
+    its own decisions before deciding anything else."""
     log = list(log or [])
-    state = ClusterState()
-    for r in log:
-        apply(state, r.seq, r.event)
-    inbox = collections.deque(events)
-    pending: collections.deque[Record] = collections.deque()
-    while inbox or pending:
-        if pending:
-            for out in decide_stamped(decider, state, pending.popleft()):
-                pending.append(append(log, state, out))
-        else:
-            pending.append(append(log, state, inbox.popleft()))
+    core = DecisionCore(decider, folded(log))  # (what the log so far would make is in it already)
+    for event in events:
+        append(log, core, event)
+        settle(log, core)
     return log
 
 
-def append(log: list[Record], state: ClusterState, event: ev.Event) -> Record:
+def append(log: list[Record], core: DecisionCore[SchedulerState], event: ev.Event) -> None:
     record = Record(len(log) + 1, event)
     log.append(record)
-    apply(state, record.seq, event)
-    return record
+    core.fold(record)
+
+
+def settle(log: list[Record], core: DecisionCore[SchedulerState]) -> None:
+    """Decide until nothing waits: each batch's outputs appended and folded before the next."""
+    while core.ready():
+        batch = core.next_batch()
+        outputs = outputs_of(batch)
+        first = len(log) + 1
+        for output in outputs:
+            append(log, core, output)
+        if outputs:
+            core.appended(range(first, len(log) + 1))
+
+
+def folded(log: list[Record]) -> SchedulerState:
+    state = decider.initial_state()
+    for record in log:
+        state = decider.evolve(state, record.seq, record.event)
+    return state
 
 
 def decisions(log: list[Record], kind: type) -> list:
@@ -117,15 +128,13 @@ def test_drained_and_lost_nodes_get_no_work() -> None:
 
 def test_decide_is_pure() -> None:
     history = [node("n1", 4), node("n2", 4), submit("a", 3), submit("b", 6), submit("c", 2)]
-    state = ClusterState()
-    for seq, e in enumerate(history, 1):
-        apply(state, seq, e)
-    before = encode_state(state)
+    state = folded([Record(seq, e) for seq, e in enumerate(history, 1)])
+    before = decider.encode_state(state)
     trigger = Record(5, history[-1])
     first = decide_stamped(decider, state, trigger)
     second = decide_stamped(decider, state, trigger)
     assert first == second and first
-    assert encode_state(state) == before, "decide must not change the state"
+    assert decider.encode_state(state) == before, "decide must not change the state"
     assert [d.id for d in first] == [f"scheduler:5:{n}" for n in range(len(first))]
     assert all(d.based_on == 5 and d.cause == history[-1].id for d in first)
 
@@ -271,10 +280,9 @@ def test_cancel_of_a_running_gang_waits_for_its_parts() -> None:
     assert done.outcome == "cancelled"
 
 
-def fold_log(log: list[Record]) -> ClusterState:
-    state = ClusterState()
-    for r in log:
-        apply(state, r.seq, r.event)
+def fold_log(log: list[Record]) -> SchedulerState:
+    state = folded(log)
+    assert not index_problems(state)
     return state
 
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
-from gpuherd.audit import audit
-from gpuherd.invariants import violations
-from gpuherd.log.base import Record
-from gpuherd.state import ACTIVE, ClusterState, apply
+from gpuherd.fold import ACTIVE, ClusterState, apply
+from gpuherd.fold.invariants import violations
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import POLICIES
 from tests.helpers import ended, node, tick
@@ -43,9 +43,7 @@ def job_event(i: int, rng: random.Random, at: float) -> ev.JobSubmitted:
         priority=rng.choice([0, 0, 0, 1]),
         max_retries=rng.choice([0, 1]),
     )
-    return ev.JobSubmitted(
-        id=f"scheduler:intake:t:{i}", at=at, source="scheduler", job=f"j{i}", spec=spec, intake_source="t"
-    )
+    return ev.JobSubmitted(id=f"test:intake:{i}", at=at, source="test", job=f"j{i}", spec=spec, intake_source="t")
 
 
 def open_parts(state: ClusterState) -> list[tuple[str, int, str]]:

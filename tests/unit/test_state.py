@@ -1,6 +1,16 @@
+import msgspec
+
 from gpuherd import events as ev
-from gpuherd.state import ClusterState, apply, decode_state, encode_state, fold
+from gpuherd.fold import ClusterState, apply, fold
 from tests.helpers import finish, node, records, submit
+
+
+def encode_state(state: ClusterState) -> bytes:
+    return msgspec.msgpack.encode(state)
+
+
+def decode_state(data: bytes) -> ClusterState:
+    return msgspec.msgpack.decode(data, type=ClusterState)
 
 
 def placed(job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0) -> ev.JobPlaced:
@@ -81,3 +91,19 @@ def test_placement_on_missing_gpus_is_not_applied() -> None:
     apply(s, 10, placed("a", ("ghost", (0,))))
     apply(s, 11, placed("a", ("n1", (5,))))
     assert s.jobs["a"].status == "pending" and s.free_gpus() == 2
+
+
+def test_a_state_that_drops_finished_jobs_keeps_their_count() -> None:
+    history = records(node("n1", 4), submit("a"), submit("b"), finish("b"))
+    assert "b" in fold((r.seq, r.event) for r in history).jobs, "the default fold keeps history"
+    lean = fold(((r.seq, r.event) for r in history), ClusterState(retain_finished=False))
+    assert set(lean.jobs) == {"a"} and lean.ended == {"completed": 1} and lean.queue == ["a"]
+
+
+def test_the_fold_says_which_nodes_an_event_changed_and_what_ran() -> None:
+    s = run(node("n1", 4), node("n2", 4), submit("a", 2), placed("a", ("n2", (0, 1))))
+    assert s.touched == ["n2"]
+    apply(s, 10, ev.JobStarted(id="s", at=2.0, job="a", attempt=0, node="n2"))
+    assert s.touched == [] and s.accounted == []
+    apply(s, 11, finish("a", at=5.0))
+    assert s.touched == ["n2"] and s.accounted == [("a", 5.0, 6.0)], "2 GPUs for 3 s"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpuherd import events as ev
 from gpuherd.errors import EventDecodeError, GpuherdError
-from gpuherd.log.base import Record
+from gpuherd.log.records import Record
 
 
 class LogFileError(GpuherdError):

@@ -46,7 +46,10 @@ from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
 from gpuherd.errors import ConcurrencyError, EventDecodeError, LeaseLost, LogError, LogUnavailable
-from gpuherd.log.base import (
+from gpuherd.log.interfaces import DurableConsumer, EventLog, Lease, RequestHandler, Traces, trace_of
+from gpuherd.log.ordered import ordered_messages, stream_time
+from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
+from gpuherd.log.streams import (
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
     HERD,
@@ -61,16 +64,7 @@ from gpuherd.log.base import (
     STATUS_BUCKET,
     TELEMETRY_PREFIX,
     TRACEPARENT,
-    AppendResult,
-    DeadLetter,
-    Delivery,
-    DurableConsumer,
-    EventLog,
-    Lease,
-    Record,
-    RequestHandler,
 )
-from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.log")
@@ -363,7 +357,7 @@ class JetStreamLog(EventLog):
         events: Sequence[ev.Event],
         *,
         expect: Mapping[str, int] | None = None,
-        trace: str | None = None,
+        trace: Traces = None,
     ) -> AppendResult:
         if not events:
             return AppendResult(seqs=())
@@ -373,7 +367,7 @@ class JetStreamLog(EventLog):
             event = events[0]
             try:
                 ack = await self.js.publish(
-                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace)
+                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace_of(trace, 0))
                 )
             except nats.js.errors.APIError as exc:
                 raise self._map_error(exc, event.subject(), expect) from exc
@@ -384,7 +378,7 @@ class JetStreamLog(EventLog):
         self,
         events: Sequence[ev.Event],
         expect: Mapping[str, int] | None,
-        trace: str | None,
+        trace: Traces,
     ) -> AppendResult:
         batch_id = f"{self.nc.client_id}-{next(_batch_numbers)}-{time.monotonic_ns() % 10**12}"
         seen: set[str] = set()  # the same subject twice in one batch is checked on its first event only
@@ -394,7 +388,7 @@ class JetStreamLog(EventLog):
             subject = event.subject()
             check = expect if subject not in seen else None
             seen.add(subject)
-            headers = self._headers(event, check, trace)
+            headers = self._headers(event, check, trace_of(trace, n - 1))
             headers["Nats-Batch-Id"] = batch_id
             headers["Nats-Batch-Sequence"] = str(n)
             data = ev.encode(event)
@@ -631,10 +625,6 @@ def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
 
 def _content_key(subject: str, data: bytes) -> bytes:
     return hashlib.blake2b(subject.encode() + b"\x00" + data, digest_size=16).digest()
-
-
-def _rfc3339(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
 
 
 class _JetStreamConsumer(DurableConsumer):

@@ -16,16 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 
 from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
 from gpuherd.events import Event
-from gpuherd.log.base import (
-    AppendResult,
-    DeadLetter,
-    Delivery,
-    DurableConsumer,
-    EventLog,
-    Lease,
-    Record,
-    RequestHandler,
-)
+from gpuherd.log.interfaces import DurableConsumer, EventLog, Lease, RequestHandler, Traces, trace_of
+from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 
 Clock = Callable[[], float]
 
@@ -61,7 +53,7 @@ class MemoryLog(EventLog):
         events: Sequence[Event],
         *,
         expect: Mapping[str, int] | None = None,
-        trace: str | None = None,
+        trace: Traces = None,
     ) -> AppendResult:
         if len(events) > self.max_batch:
             raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
@@ -76,7 +68,7 @@ class MemoryLog(EventLog):
         events: Sequence[Event],
         *,
         expect: Mapping[str, int] | None = None,
-        trace: str | None = None,
+        trace: Traces = None,
     ) -> AppendResult:
         """``append`` without waking readers: for a single-threaded caller (the simulation) that
         reads ``records`` itself."""
@@ -93,9 +85,9 @@ class MemoryLog(EventLog):
                 raise ConcurrencyError(subject, expected, actual)
         now = self.clock()
         seqs = []
-        for event in events:
+        for n, event in enumerate(events):
             seq = len(self._records) + 1
-            self._records.append(Record(seq, event, trace))
+            self._records.append(Record(seq, event, trace_of(trace, n)))
             self._subject_last[event.subject()] = seq
             if event.id:
                 self._ids[event.id] = (seq, now)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuherd import jobenv
+from gpuherd import control, jobenv
 from gpuherd.train.report import report, send
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class JobContext:
         tmp = Path(task_dir) / f".{name}.tmp"
         tmp.write_text(json.dumps(profile.to_dict()))
         tmp.replace(Path(task_dir) / name)
-        send({"kind": "profile", "request": str(request.get("request", "")), "file": name})
+        send(control.ProfileReady, request=str(request.get("request", "")), file=name)
         return profile
 
     def close(self) -> None:

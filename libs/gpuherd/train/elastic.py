@@ -446,9 +446,10 @@ Reporter = Callable[[dict[str, Any]], None]
 
 
 def _report_to_agent(message: dict[str, Any]) -> None:
+    from gpuherd import control
     from gpuherd.train.report import send
 
-    send({"kind": "rescale", **message})
+    send(control.RescaleReport, **message)
 
 
 def is_collective_failure(exc: BaseException) -> bool:

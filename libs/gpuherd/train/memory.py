@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from gpuherd import jobenv
+from gpuherd import control, jobenv
 from gpuherd.errors import GpuherdError
 from gpuherd.train.report import send
 
@@ -450,7 +450,7 @@ class MemoryTiers:
                 done.append(f"refused {name}: {exc}")
         if released:
             gpus = [] if ending else [g for g in released if g is not None]
-            send({"kind": "lease-released", "lease": lease_id, "gpus": gpus, "reason": "revoked"})
+            send(control.LeaseReleased, lease=lease_id, gpus=tuple(gpus), reason="revoked")
         return done
 
     def _evacuate(self, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Progress reports from a training process to its node agent (standard library only).
+"""Messages from a training process to its node agent (``gpuherd.control``).
 
 ``report(step, loss=..., samples_per_s=...)`` sends one datagram to the agent's
 control socket (``GPUHERD_AGENT_ADDR``). It never blocks and never fails the
@@ -7,12 +7,14 @@ job: with no agent (a script started by hand) it does nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
+from typing import Any
 
-from gpuherd import jobenv
+import msgspec
+
+from gpuherd import control, jobenv
 
 _sock: socket.socket | None = None
 
@@ -24,27 +26,31 @@ def _address() -> bytes | None:
 
 def report(step: int, **values: float) -> bool:
     """Tell the agent how far this process is; True if the agent got it."""
-    return send({"kind": "metrics", "step": step, "values": {k: float(v) for k, v in values.items()}})
+    return send(control.Progress, step=step, values={k: float(v) for k, v in values.items()})
 
 
-def send(message: dict) -> bool:
-    """One message to the agent, stamped with this process's job, attempt, rank and time."""
+def send(kind: type[control.Message], **fields: Any) -> bool:
+    """One message of ``kind`` to the agent, stamped with this process's job, attempt, rank and time."""
     global _sock
     address = _address()
     if address is None:
         return False
-    message = {
+    stamp: dict[str, Any] = {
         "job": os.environ.get(jobenv.JOB_ID, ""),
         "attempt": int(os.environ.get(jobenv.ATTEMPT, "0")),
-        "rank": int(os.environ.get(jobenv.RANK, "0")),
         "at": time.time(),
-        **message,
     }
+    if "rank" in kind.__struct_fields__:
+        stamp["rank"] = int(os.environ.get(jobenv.RANK, "0"))
+    try:
+        message = msgspec.convert(stamp | fields, kind)
+    except msgspec.ValidationError:
+        return False  # (a bug in the sender: the agent would refuse it anyway)
     try:
         if _sock is None:
             _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             _sock.setblocking(False)
-        _sock.sendto(json.dumps(message).encode(), address)
+        _sock.sendto(control.encode_message(message), address)  # type: ignore[arg-type]
         return True
     except OSError:
         return False  # the agent is restarting or gone: training goes on

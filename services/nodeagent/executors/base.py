@@ -36,6 +36,7 @@ class TaskLaunch(msgspec.Struct, frozen=True, kw_only=True):
     rendezvous: Rendezvous | None = None
     resume: bool = False  # the log says it started here before an agent restart: adopt, never start twice
     elapsed_s: float = 0.0  # how long it has been running, when resumed
+    attained_s: float = 0.0  # work its earlier attempts did (a checkpointed sim job does only the rest)
     elastic: bool = False  # one worker per GPU, each named <node>/<gpu>; workers come and go with rescales
 
 

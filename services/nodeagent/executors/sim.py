@@ -1,12 +1,48 @@
-"""The ``sim`` executor: declared GPUs, no processes; a job ends after ``duration_s``."""
+"""The ``sim`` executor: declared GPUs, no processes; a task ends after what is left of its job's
+``duration_s``. ``SimTasks`` is its bookkeeping on any clock: the live executor runs it on asyncio
+timers, the simulator on its virtual clock (``apps/sim``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from gpuherd.events import GpuInfo, declared_gpus
 from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
+
+
+def remaining_s(launch: TaskLaunch) -> float:
+    """How long a sim task runs: its duration, less the work of earlier attempts (a preempted sim job
+    checkpoints) and, when resumed after an agent restart, the time it has run already."""
+    duration = launch.spec.duration_s if launch.spec.duration_s is not None else 0.0
+    return max(0.0, duration - launch.attained_s - launch.elapsed_s)
+
+
+class SimTasks:
+    """Which sim tasks run and when each ends."""
+
+    def __init__(self) -> None:
+        self.ends: dict[TaskKey, float] = {}
+
+    def start(self, launch: TaskLaunch, now: float) -> float | None:
+        """When the task ends; None if it runs already."""
+        if launch.key in self.ends:
+            return None
+        end = now + remaining_s(launch)
+        self.ends[launch.key] = end
+        return end
+
+    def stop(self, key: TaskKey) -> bool:
+        return self.ends.pop(key, None) is not None
+
+    def finish(self, key: TaskKey, end: float) -> bool:
+        """The timer of ``key`` went off at ``end``: whether it completed (it was not stopped or started again)."""
+        if self.ends.get(key) != end:
+            return False
+        del self.ends[key]
+        return True
+
+    def running(self) -> set[TaskKey]:
+        return set(self.ends)
 
 
 class SimExecutor(Executor):
@@ -17,33 +53,36 @@ class SimExecutor(Executor):
         self.gpu_model = gpu_model
         self.memory_mb = memory_mb
         self.island = island  # GPUs per NVLink island (0: all GPUs of the node are one island)
-        self._tasks: dict[TaskKey, asyncio.Task[None]] = {}
+        self.tasks = SimTasks()
+        self._timers: dict[TaskKey, asyncio.TimerHandle] = {}
+        self._reporting: set[asyncio.Task[None]] = set()
 
     def inventory(self, node: str) -> list[GpuInfo]:
         return declared_gpus(node, self.gpu_count, island=self.island, model=self.gpu_model, memory_mb=self.memory_mb)
 
     async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
-        key = launch.key
-        if key in self._tasks:
+        loop = asyncio.get_running_loop()
+        end = self.tasks.start(launch, loop.time())
+        if end is None:
             return
-        duration = launch.spec.duration_s if launch.spec.duration_s is not None else 0.0
-        remaining = max(0.0, duration - launch.elapsed_s)  # a resumed task goes on where it was
+        key = launch.key
 
-        async def run() -> None:
-            await asyncio.sleep(remaining)
-            self._tasks.pop(key, None)
-            await on_exit(TaskExit(key=key, outcome="completed", exit_code=0))
+        def ended() -> None:
+            self._timers.pop(key, None)
+            if self.tasks.finish(key, end):
+                task = loop.create_task(on_exit(TaskExit(key=key, outcome="completed", exit_code=0)))
+                self._reporting.add(task)
+                task.add_done_callback(self._reporting.discard)
 
-        self._tasks[key] = asyncio.create_task(run(), name=f"sim-{key.job}-{key.attempt}")
+        self._timers[key] = loop.call_at(end, ended)
 
     async def stop(self, key: TaskKey, reason: str, *, checkpoint_grace_s: float = 0.0) -> TaskExit | None:
-        task = self._tasks.pop(key, None)
-        if task is None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        if not self.tasks.stop(key):
             return None
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         return TaskExit(key=key, outcome="stopped", reason=reason)
 
     def running(self) -> set[TaskKey]:
-        return set(self._tasks)
+        return self.tasks.running()

@@ -1,0 +1,3 @@
+from apps.cli import main
+
+main()

@@ -1,0 +1,260 @@
+"""``gpuherd sim``, ``predict``, ``ces``, ``report`` and ``export``: history in, insight out.
+
+These commands use the analytics service's modules (traces, prediction, CES, reports) and the
+simulator (``apps.sim``); the services themselves never import each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 160)  # tables of many columns stay readable in logs
+
+
+def load_history(source: str, kind: str | None = None) -> Any:
+    """A trace file, or a gpuherd log file (``.jsonl``), as a normalized ``Trace``."""
+    path = Path(source)
+    if path.suffix == ".jsonl":
+        from gpuherd.log.files import read_log_file
+        from services.analytics.jobs import job_table
+
+        return job_table(read_log_file(path), name=path.stem)
+    from services.analytics.traces import load_trace
+
+    return load_trace(path, kind)
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _cluster_spec(args: argparse.Namespace, trace: Any) -> Any:
+    from apps.sim.cluster import ClusterSpec
+    from services.analytics.traces import vc_peak_demand
+
+    if args.cluster:
+        return ClusterSpec.from_file(args.cluster)
+    peaks = vc_peak_demand(trace)
+    return ClusterSpec.from_peaks(peaks, scale=args.scale, gpus_per_node=args.gpus_per_node, can_borrow=args.can_borrow)
+
+
+# -- sim ---------------------------------------------------------------------------------------------
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from apps.sim.run import simulate
+    from gpuherd.log.files import write_log_file
+    from services.analytics import jobs as jobs_mod
+    from services.analytics import traces
+
+    trace = load_history(args.trace, args.kind)
+    if args.limit:
+        trace.jobs = trace.jobs.head(args.limit)
+    cluster = _cluster_spec(args, trace)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    ces = json.loads(args.ces) if args.ces is not None else None
+    quiet = args.json
+    if not quiet:
+        console.print(trace.describe())
+        console.print(
+            f"cluster: {cluster.total_nodes} nodes, {cluster.total_gpus} GPUs in {len(cluster.vcs)} VCs "
+            f"({'may' if cluster.can_borrow else 'may not'} borrow)"
+        )
+    results: dict[str, Any] = {}
+    out_dir = Path(args.out) if args.out else None
+    for policy in policies:
+        start = trace.origin if trace.absolute_time else 0.0
+        with Progress(
+            TextColumn(f"[bold]{policy}[/bold]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=quiet,
+        ) as progress:
+            task = progress.add_task(policy, total=len(trace.jobs))
+            result = simulate(
+                traces.submissions(trace, start=start),
+                cluster,
+                policy,
+                predict=not args.no_predict,
+                ces=ces,
+                tick_s=args.tick,
+                on_submit=lambda n, task=task: progress.advance(task, n),
+                start=start,
+            )
+        table = jobs_mod.job_table(result.records, name=f"sim-{policy}")
+        summary = jobs_mod.summarize(table.jobs)
+        capacity = {vc: cluster.vc_gpus(vc) for vc in cluster.vcs}
+        util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket)
+        results[policy] = {
+            "wall_s": round(result.wall_s, 2),
+            "jobs_per_s": round(result.submitted / max(result.wall_s, 1e-9), 1),
+            "events": result.events,
+            "submitted": result.submitted,
+            "rejected": result.rejected,
+            "mean_utilization": round(float(util["all"].mean()), 4) if len(util) else None,
+            "summary": summary,
+        }
+        if out_dir is not None:
+            target = out_dir / policy
+            target.mkdir(parents=True, exist_ok=True)
+            write_log_file(result.records, target / "events.jsonl")
+            table.jobs.to_csv(target / "jobs.csv", index=False)
+            util.to_csv(target / "utilization.csv", index=False)
+            (target / "summary.json").write_text(json.dumps(results[policy], indent=2))
+        if not quiet:
+            console.print(
+                f"{policy}: {result.submitted:,} jobs ({result.rejected:,} rejected) in {result.wall_s:.1f}s, "
+                f"{results[policy]['jobs_per_s']:,.0f} jobs/s, {result.events:,} events"
+            )
+    if quiet:
+        console.print_json(json.dumps({"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}))
+        return 0
+    header = ["policy", *jobs_mod.SUMMARY_HEADER[1:], "preemptions", "utilization"]
+    rows = []
+    for policy, r in results.items():
+        row = jobs_mod.summary_rows(r["summary"])[0]
+        row[0] = policy
+        rows.append([*row, f"{r['summary']['all']['preemptions']:,}", f"{r['mean_utilization']:.1%}"])
+    console.print(_table("all VCs", header, rows))
+    if args.per_vc:
+        for policy, r in results.items():
+            keys = [k for k in r["summary"] if k != "all"]
+            console.print(
+                _table(f"{policy} per VC", jobs_mod.SUMMARY_HEADER, jobs_mod.summary_rows(r["summary"], keys))
+            )
+    if out_dir is not None:
+        console.print(f"wrote {out_dir}/<policy>/events.jsonl (replay: gpuherd replay --log ... --audit), jobs.csv")
+    return 0
+
+
+# -- predict / ces / export ------------------------------------------------------------------------------
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from services.analytics import predict
+
+    rows = []
+    out: dict[str, Any] = {}
+    for source in args.traces:
+        trace = load_history(source, args.kind)
+        acc, _ = predict.evaluate(trace.jobs)
+        base = predict.constant_baseline(trace.jobs)
+        out[trace.name] = {"model": acc.row(), "trace_median": base.row(), "basis": acc.by_basis}
+        for label, a in (("model", acc), ("trace median", base)):
+            r = a.row()
+            rows.append(
+                [
+                    trace.name,
+                    label,
+                    f"{r['jobs']:,}",
+                    f"{r['MAE (s)']:,}",
+                    f"{r['median rel. error']:.2f}",
+                    f"{r['within 2x']:.1%}",
+                ]
+            )
+    if args.json:
+        console.print_json(json.dumps(out))
+    else:
+        header = ["trace", "predictor", "jobs", "MAE s", "median rel. error", "within 2x"]
+        console.print(_table("duration prediction (time-ordered: learns only from finished jobs)", header, rows))
+    return 0
+
+
+def cmd_ces(args: argparse.Namespace) -> int:
+    from services.analytics import ces
+
+    params = ces.CesParams(**json.loads(args.params)) if args.params else ces.CesParams()
+    report = ces.evaluate_sequence(ces.load_node_sequence(args.sequence), params, decide_every_s=args.every)
+    if args.json:
+        console.print_json(json.dumps(report.__dict__))
+    else:
+        console.print(_table(f"CES on {args.sequence}", ["", "value"], [list(r) for r in report.rows()]))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    trace = _history_or_live(args)
+    from services.analytics.traces import to_helios_csv
+
+    rows = to_helios_csv(trace.jobs, args.output, absolute_time=trace.absolute_time)
+    console.print(f"wrote {rows:,} jobs to {args.output} (Helios cluster_log.csv schema)")
+    return 0
+
+
+def _history_or_live(args: argparse.Namespace) -> Any:
+    if args.source:
+        return load_history(args.source, getattr(args, "kind", None))
+    from apps.cli.common import read_records
+    from services.analytics.jobs import job_table
+
+    return job_table(read_records(args), name="gpuherd")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    trace = _history_or_live(args)
+    from services.analytics.report import write_report
+
+    page = write_report(trace, args.output)
+    console.print(f"wrote {page}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    s = sub.add_parser("sim", help="simulate a trace (or a log) under one or more policies, with the live deciders")
+    s.add_argument("trace", help="a trace file (philly.csv, itp cluster*.csv, Alibaba pods, Helios CSV, Philly JSON)")
+    s.add_argument("--kind", help="trace format, when the file name and columns do not tell")
+    s.add_argument("--policy", default="fifo", help="one policy or a comma-separated list (fifo,sjf,qssf,srtf,las,...)")
+    s.add_argument("--cluster", help="cluster spec file (JSON/YAML); default: derived from the trace's VC peaks")
+    s.add_argument("--scale", type=float, default=1.0, help="derived cluster: capacity = scale x VC peak demand")
+    s.add_argument("--gpus-per-node", type=int, default=8)
+    s.add_argument("--can-borrow", action="store_true", help="VCs may borrow idle GPUs of other VCs")
+    s.add_argument("--limit", type=int, default=0, help="only the first N jobs")
+    s.add_argument("--no-predict", action="store_true", help="no duration predictions (QSSF then ranks by GPUs)")
+    s.add_argument("--ces", help="power idle nodes down: CES params as JSON, e.g. '{\"buffer_nodes\": 4}' or {}")
+    s.add_argument("--tick", type=float, default=300.0, help="virtual seconds between clock ticks")
+    s.add_argument("--bucket", type=float, default=3600.0, help="utilization time bucket (s)")
+    s.add_argument("--per-vc", action="store_true", help="also print per-VC tables")
+    s.add_argument("--out", "-o", help="write events.jsonl, jobs.csv, utilization.csv, summary.json per policy here")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("predict", help="duration prediction accuracy on traces (time-ordered split)")
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--kind")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_predict)
+
+    c = sub.add_parser("ces", help="cluster energy saving replayed on a node sequence (time,active,total)")
+    c.add_argument("sequence")
+    c.add_argument("--params", help='CesParams as JSON, e.g. \'{"buffer_nodes": 20, "seasonal": true}\'')
+    c.add_argument("--every", type=float, default=600.0, help="seconds between controller decisions")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_ces)
+
+    for name, func, helptext in (
+        ("export", cmd_export, "write a log's (or a trace's) jobs in the Helios cluster_log.csv schema"),
+        ("report", cmd_report, "characterization report: HTML page with PNG plots and the tables behind them"),
+    ):
+        e = sub.add_parser(name, help=helptext)
+        e.add_argument("source", nargs="?", help="trace file or log file (.jsonl); default: the live log")
+        e.add_argument("--kind")
+        e.add_argument("--output", "-o", required=True, help="output file (export) or folder (report)")
+        e.add_argument("--nats-url")
+        e.add_argument("--data-dir", default=".gpuherd")
+        e.set_defaults(func=func)

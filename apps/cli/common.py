@@ -1,0 +1,105 @@
+"""What every command group shares: where NATS is, reading the log, printing.
+
+The NATS address comes from ``--nats-url``, else ``NATS_URL``, else the cluster file
+that ``gpuherd up`` writes in its data folder, else nats://127.0.0.1:4222.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+from rich.console import Console
+
+from gpuherd.client import Client
+from gpuherd.errors import GpuherdError
+from gpuherd.fold import ClusterState, fold
+from gpuherd.log import EventLog, Record, open_log
+
+console = Console()
+DEFAULT_DATA_DIR = ".gpuherd"
+CLUSTER_FILE = "cluster.json"
+
+
+def nats_url_of(args: argparse.Namespace) -> str:
+    if getattr(args, "nats_url", None):
+        return args.nats_url
+    if os.environ.get("NATS_URL"):
+        return os.environ["NATS_URL"]
+    cluster = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / CLUSTER_FILE
+    if cluster.exists():
+        return msgspec.json.decode(cluster.read_bytes())["nats_url"]
+    return "nats://127.0.0.1:4222"
+
+
+async def open_cli_log(args: argparse.Namespace) -> EventLog:
+    try:
+        return await asyncio.wait_for(open_log(nats_url_of(args), name="gpuherd-cli", persistent=False), 10)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        raise GpuherdError(
+            f"cannot reach NATS at {nats_url_of(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
+        ) from None
+
+
+async def load_records(args: argparse.Namespace) -> list[Record]:
+    """The whole log: from ``--log FILE`` when given (a simulation's), else from NATS."""
+    if getattr(args, "log", None):
+        from gpuherd.log.files import read_log_file
+
+        return read_log_file(args.log)
+    log_ = await open_cli_log(args)
+    try:
+        return await log_.read_all()
+    finally:
+        await log_.close()
+
+
+def read_records(args: argparse.Namespace) -> list[Record]:
+    return asyncio.run(load_records(args))
+
+
+def read_cluster(args: argparse.Namespace) -> tuple[ClusterState, list[Record]]:
+    """The log and its fold (every job it ever held: the CLI shows history too)."""
+    records = read_records(args)
+    return fold((r.seq, r.event) for r in records), records
+
+
+def client_call(args: argparse.Namespace, call: Callable[[Client], Awaitable[Any]], *, source: str = "cli") -> Any:
+    """Connect as a client, make one call, close."""
+
+    async def run() -> Any:
+        client = await Client.connect(nats_url_of(args), source=source)
+        try:
+            return await call(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+
+
+def fmt_time(ts: float | None) -> str:
+    return "" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def name_values(items: list[str] | None) -> dict[str, float]:
+    """``--param NAME=NUMBER`` options as a dict."""
+    params = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+    return params

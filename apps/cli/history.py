@@ -1,0 +1,139 @@
+"""The log as history: ``events``, ``rescales``, ``replay`` (and its audit)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import Counter
+from typing import Any
+
+import msgspec
+from rich.progress import Progress
+from rich.table import Table
+
+from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cluster, read_records
+from apps.registry import AUDITABLE, make_decider
+from gpuherd import events as ev
+from gpuherd.rescales import rescale_rows, rescale_table
+from gpuherd.runtime.audit import audit
+
+
+def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
+    if args.job and getattr(event, "job", None) != args.job:
+        return False
+    if args.node:
+        nodes = {getattr(event, "node", None)} | {a.node for a in getattr(event, "allocations", ())}
+        if args.node not in nodes:
+            return False
+    return not (args.type and type(event).__name__ not in args.type.split(","))
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    if args.dead_letter:
+        from apps.cli.ops import cmd_dead_letters
+
+        return cmd_dead_letters(args)
+
+    async def run() -> int:
+        log_ = await open_cli_log(args)
+        try:
+            start = 1
+            if args.last and not args.follow:
+                start = max(1, await log_.last_seq() - args.last + 1)
+            async for record in log_.read(start, follow=args.follow):
+                if not _matches(record.event, args):
+                    continue
+                if args.json:
+                    print_json({"seq": record.seq, **msgspec.to_builtins(record.event)})
+                    continue
+                data = msgspec.to_builtins(record.event)
+                kind = data.pop("type")
+                for key in ("id", "v", "at"):
+                    data.pop(key, None)
+                console.print(
+                    f"[dim]{record.seq:>6} {fmt_time(record.event.at)}[/dim] [bold]{kind}[/bold] "
+                    f"{msgspec.json.encode(data).decode()}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+        finally:
+            await log_.close()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_rescales(args: argparse.Namespace) -> int:
+    rows = rescale_rows(read_records(args), args.job)
+    if args.json:
+        print_json(rows)
+    else:
+        console.print(rescale_table(rows, f"rescales of elastic jobs ({len(rows)})"))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    state, records = read_cluster(args)
+    if not args.audit:
+        summary = {
+            "events": len(records),
+            "jobs": len(state.jobs),
+            "nodes": len(state.nodes),
+            "by_status": dict(Counter(j.status for j in state.jobs.values())),
+        }
+        print_json(summary) if args.json else console.print(summary)
+        return 0
+    decider = make_decider(args.decider, policy=args.policy)
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task("re-running decisions", total=len(records))
+        report = audit(records, decider, progress=lambda i: progress.update(task, completed=i))
+    if args.json:
+        print_json(msgspec.to_builtins(report) | {"ok": report.ok})
+        return 0 if report.ok else 1
+    console.print(
+        f"audited {report.events} events: {report.batches_checked} decision batches, "
+        f"{report.decisions_checked} decisions of {report.decider}"
+    )
+    if report.ok:
+        console.print("[green]no mismatches[/green]: every decision would be made again")
+    else:
+        table = Table(title=f"{len(report.mismatches)} mismatches")
+        for col in ("seq", "event", "kind", "detail"):
+            table.add_column(col)
+        for m in report.mismatches:
+            table.add_row(str(m.seq), m.event_id, m.kind, m.detail)
+        console.print(table)
+    return 0 if report.ok else 1
+
+
+def add_commands(sub: Any) -> None:
+    rs = sub.add_parser("rescales", help="elastic jobs' rescales: kind, sizes, and each phase's duration")
+    rs.add_argument("--job", default=None)
+    rs.add_argument("--log", help="a log file instead of the live log")
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(func=cmd_rescales)
+
+    e = sub.add_parser("events", help="print the event log (filter by job, node, type)")
+    e.add_argument("--job", default=None)
+    e.add_argument("--node", default=None)
+    e.add_argument("--type", default=None, help="event type(s), comma-separated, e.g. JobPlaced,JobFinished")
+    e.add_argument("--last", type=int, default=0, help="only the last N events")
+    e.add_argument("--follow", "-f", action="store_true")
+    e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "--dead-letter",
+        action="store_true",
+        help="the dead letters instead: messages no consumer could handle, and why",
+    )
+    e.set_defaults(func=cmd_events)
+
+    r = sub.add_parser("replay", help="re-fold the log; with --audit, re-run a decider at every decision")
+    r.add_argument("--audit", action="store_true")
+    r.add_argument("--decider", default="scheduler", choices=AUDITABLE)
+    r.add_argument("--policy", default="fifo", help="the scheduler's policy until the log records one")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
+    r.set_defaults(func=cmd_replay)

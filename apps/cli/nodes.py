@@ -1,0 +1,44 @@
+"""Nodes: ``nodes`` (their GPUs, what runs on them, and why one is drained, lost or off)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+from rich.table import Table
+
+from apps.cli.common import console, print_json, read_cluster
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    state, _ = read_cluster(args)
+    nodes = sorted(state.nodes.values(), key=lambda n: n.node)
+    if args.json:
+        print_json([msgspec.to_builtins(n) for n in nodes])
+        return 0
+    table = Table(title=f"nodes ({len(nodes)})")
+    for col in ("node", "status", "power", "executor", "rack", "gpus", "free", "jobs", "why"):
+        table.add_column(col)
+    for n in nodes:
+        jobs = sorted({g.job for g in n.gpus if g.job})
+        why = [n.reason] * bool(n.reason) + [f"GPU {g.info.index}: {g.health_reason}" for g in n.gpus if not g.healthy]
+        table.add_row(
+            n.node,
+            n.status,
+            n.power,
+            n.executor,
+            n.rack,
+            str(len(n.gpus)),
+            str(len(n.free_gpus())),
+            ",".join(jobs)[:60],
+            "; ".join(why),
+        )
+    console.print(table)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    n = sub.add_parser("nodes", help="list nodes and their GPUs")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=cmd_nodes)

@@ -1,0 +1,215 @@
+"""Operating a deployment: ``status``, ``log init``, ``security nats-accounts``, dead letters."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import time
+from typing import Any
+
+import msgspec
+from rich.table import Table
+
+from apps.cli.common import console, nats_url_of, open_cli_log
+from gpuherd.errors import GpuherdError
+from gpuherd.log import STATUS_BUCKET, open_log
+from gpuherd.metrics import ServiceStatus
+from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, check_token, render_accounts
+
+EXPECTED = SERVICES  # a deployment without one of these is degraded, and status says so
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def run() -> dict[str, Any]:
+        log_ = await open_cli_log(args)
+        try:
+            entries = await log_.kv_entries(STATUS_BUCKET)
+            statuses = sorted(
+                (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
+                key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
+            )
+            return {"services": statuses, "nats": await _nats_view(log_)}
+        finally:
+            await log_.close()
+
+    view = asyncio.run(run())
+    running = {s.service for s in view["services"]}
+    view["degraded"] = [f"{m} is not running" for m in EXPECTED if m not in running] + [
+        f"{st['name']} has a replica behind"
+        for st in view["nats"]["streams"]
+        if any(not p["current"] or p["offline"] for p in st["peers"])
+    ]
+    if args.json:
+        print(msgspec.json.encode(view).decode())
+        return 1 if view["degraded"] else 0
+    now = time.time()
+    table = Table(title="services", title_justify="left")
+    for col in ("service", "role", "folded", "lag", "decisions", "dead", "seen", "metrics"):
+        table.add_column(col, justify="right" if col in ("folded", "lag", "decisions", "dead", "seen") else "left")
+    for s in view["services"]:
+        lag = f"[red]{s.lag}[/red]" if s.lag > 1000 else str(s.lag)
+        where = s.metrics_url.removeprefix("http://").removesuffix("/metrics")
+        table.add_row(
+            s.service,
+            s.role,
+            str(s.seq),
+            lag,
+            str(s.decisions),
+            str(s.dead_letters),
+            f"{now - s.updated_at:.0f}s",
+            where,
+        )
+    for missing in EXPECTED:
+        if missing not in running:
+            table.add_row(missing, "[red]not running[/red]", "", "", "", "", "", "")
+    console.print(table)
+    nats_view = view["nats"]
+    console.print(
+        f"NATS: connected to [bold]{nats_view['server']}[/bold] ({nats_view['version']}), "
+        f"cluster {nats_view['cluster'] or '(none: a single server)'}",
+        highlight=False,
+    )
+    streams = Table(title="streams", title_justify="left")
+    for col in ("stream", "messages", "bytes", "replicas", "leader", "peers (current / lag)"):
+        streams.add_column(col)
+    for st in nats_view["streams"]:
+        peers = ", ".join(
+            f"{p['name']} ({'ok' if p['current'] and not p['offline'] else '[red]behind[/red]'} / {p['lag']})"
+            for p in st["peers"]
+        )
+        streams.add_row(
+            st["name"], str(st["messages"]), _size(st["bytes"]), str(st["replicas"]), st["leader"] or "-", peers
+        )
+    console.print(streams)
+    for problem in view["degraded"]:
+        console.print(f"[red]degraded:[/red] {problem}", highlight=False)
+    return 1 if view["degraded"] else 0
+
+
+async def _nats_view(log_: Any) -> dict[str, Any]:
+    """The connected server and each stream's replicas, from JetStream's own stream info."""
+    nc = log_.nc
+    info = getattr(nc, "_server_info", {}) or {}
+    streams = []
+    for config in log_.stream_configs():
+        try:
+            si = await log_.js.stream_info(config.name)
+        except Exception as exc:  # a stream missing or without a leader: show it, do not fail the command
+            streams.append(
+                {"name": config.name, "messages": 0, "bytes": 0, "replicas": 0, "leader": f"? ({exc!r})", "peers": []}
+            )
+            continue
+        cluster = si.cluster
+        peers = [
+            {"name": p.name, "current": bool(p.current), "offline": bool(p.offline), "lag": int(p.lag or 0)}
+            for p in ((cluster.replicas or []) if cluster else [])
+        ]
+        streams.append(
+            {
+                "name": config.name,
+                "messages": int(si.state.messages),
+                "bytes": int(si.state.bytes),
+                "replicas": int(si.config.num_replicas or 1),
+                "leader": cluster.leader if cluster else info.get("server_name", ""),
+                "peers": peers,
+            }
+        )
+    return {
+        "server": info.get("server_name", nc.connected_url.netloc if nc.connected_url else "?"),
+        "version": info.get("version", "?"),
+        "cluster": info.get("cluster", ""),
+        "streams": streams,
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.1f} TiB"
+
+
+def cmd_log_init(args: argparse.Namespace) -> int:
+    """Create (or update) the streams and buckets: the deployment's one-shot step, run as admin."""
+
+    async def run() -> list[str]:
+        log_ = await open_log(nats_url_of(args), name="gpuherd-init", persistent=False, streams="create")
+        try:
+            lines = []
+            for config in log_.stream_configs():  # type: ignore[attr-defined]
+                si = await log_.js.stream_info(config.name)  # type: ignore[attr-defined]
+                lines.append(f"{config.name}: {si.config.num_replicas} replica(s), {si.state.messages} messages")
+            return lines
+        finally:
+            await log_.close()
+
+    for line in asyncio.run(run()):
+        console.print(line, highlight=False)
+    return 0
+
+
+def cmd_nats_accounts(args: argparse.Namespace) -> int:
+    try:
+        nodes = [check_token("node", n) for n in _names(args.nodes)]
+        sources = [check_token("source", s) for s in _names(args.sources)]
+    except ValueError as exc:
+        raise GpuherdError(str(exc)) from None
+    print(render_accounts(nodes, sources), end="")
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    async def run() -> list[Any]:
+        log_ = await open_cli_log(args)
+        try:
+            return await log_.dead_letters()
+        finally:
+            await log_.close()
+
+    letters = asyncio.run(run())
+    if args.json:
+        for letter in letters:
+            data = msgspec.to_builtins(letter)
+            data["data"] = base64.b64encode(letter.data).decode()
+            print(msgspec.json.encode(data).decode())
+        return 0
+    table = Table(title=f"dead letters ({len(letters)})", title_justify="left")
+    for col in ("stream", "seq", "subject", "consumer", "deliveries", "reason", "data"):
+        table.add_column(col)
+    for letter in letters:
+        preview = letter.data[:60].decode("utf-8", errors="replace")
+        table.add_row(
+            letter.stream,
+            str(letter.seq),
+            letter.subject,
+            letter.consumer,
+            str(letter.deliveries),
+            letter.reason,
+            preview + ("..." if len(letter.data) > 60 else ""),
+        )
+    console.print(table)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    st = sub.add_parser("status", help="services (role, lag, decisions), the NATS cluster and its streams")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    lg = sub.add_parser("log", help="the event log's streams")
+    lg_sub = lg.add_subparsers(dest="log_command", required=True)
+    init = lg_sub.add_parser("init", help="create or update the streams and buckets (as a user allowed to)")
+    init.set_defaults(func=cmd_log_init)
+
+    sec = sub.add_parser("security", help="NATS accounts and permissions for each role")
+    sec_sub = sec.add_subparsers(dest="security_command", required=True)
+    acc = sec_sub.add_parser("nats-accounts", help="print the accounts block of nats-server.conf")
+    acc.add_argument("--nodes", default=",".join(COMPOSE_NODES), help="agents' node names, comma-separated")
+    acc.add_argument("--sources", default=",".join(COMPOSE_SOURCES), help="submitters' sources, comma-separated")
+    acc.set_defaults(func=cmd_nats_accounts)

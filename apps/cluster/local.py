@@ -1,0 +1,157 @@
+"""A whole cluster on one machine: the embedded nats-server (unless a NATS URL is given), each
+service and the node agents as separate supervised processes. A process that dies unexpectedly is
+restarted (it resumes from its snapshot and the log). Used by ``gpuherd up`` and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+
+from gpuherd.natsd import NatsServer
+
+console = Console(stderr=True)
+
+
+class Supervised:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+
+    def check(self) -> None:
+        """Restart the process if it died (with a growing delay if it keeps dying)."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        now = time.monotonic()
+        if self.next_start == 0.0:
+            console.print(
+                f"[yellow]{self.name} exited with {self.proc.returncode}; restarting (log: {self.log_path})[/yellow]"
+            )
+            self.next_start = now + min(0.5 * 2**self.restarts, 10.0)
+        elif now >= self.next_start:
+            self.restarts += 1
+            self.next_start = 0.0
+            self.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def service_argv(service: str, *args: str) -> list[str]:
+    """The command line of ``gpuherd serve SERVICE ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "apps", "serve", service, *args]
+
+
+RENDEZVOUS_BASE = 29400
+
+
+class ClusterLayout(msgspec.Struct, kw_only=True):
+    """Which agents a local cluster runs."""
+
+    sim_agents: int = 0
+    sim_gpus: int = 8
+    cpu_agents: int = 0
+    cpu_gpus: int = 4
+    nvml_agents: int = 0  # at most 1 per machine: the agent owns the machine's GPUs
+    policy: str | None = None  # recorded at start when given; else the log's policy stays
+    lost_after_s: float = 10.0
+    agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
+
+
+class LocalCluster:
+    """An embedded nats-server (unless ``nats_url``), the scheduler and node agents on this machine,
+    each a supervised process. Used by ``gpuherd up`` and by the benchmarks."""
+
+    def __init__(self, data_dir: Path, layout: ClusterLayout, *, nats_url: str | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.layout = layout
+        self.url = nats_url or ""
+        self.server: NatsServer | None = None
+        self.procs: list[Supervised] = []
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    def start(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.url:
+            self.server = NatsServer(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log").start()
+            self.url = self.server.url
+        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
+        # Every process serves /metrics and /healthz on a free port of its own; `gpuherd status` lists them.
+        env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1", GPUHERD_METRICS_PORT="0")
+        lay = self.layout
+        scheduler = ("--nats-url", self.url, "--lost-after", str(lay.lost_after_s))
+        scheduler += ("--policy", lay.policy) if lay.policy else ()
+        analytics = ("--nats-url", self.url, "--report-dir", str(self.data_dir / "report"))
+        self.procs = [
+            Supervised("scheduler", service_argv("scheduler", *scheduler), self.log_dir, env),
+            Supervised("analytics", service_argv("analytics", *analytics), self.log_dir, env),
+            Supervised("elastic", service_argv("elastic", "--nats-url", self.url), self.log_dir, env),
+            Supervised("memory", service_argv("memory", "--nats-url", self.url), self.log_dir, env),
+        ]
+        for i in range(1, lay.sim_agents + 1):
+            self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
+        for i in range(1, lay.cpu_agents + 1):
+            self.procs.append(self._agent(f"cpu-{i}", "cpu", lay.cpu_gpus, "rack-cpu", env, port_block=i))
+        for i in range(1, lay.nvml_agents + 1):
+            self.procs.append(self._agent(f"gpu-{i}", "nvml", 0, "rack-gpu", env, port_block=50 + i))
+        for p in self.procs:
+            p.start()
+        return self.url
+
+    def _agent(self, node: str, executor: str, gpus: int, rack: str, env: dict[str, str], *, port_block: int = 0):
+        """Local agents share one host, so each leads rendezvous on ports of its own block, and
+        their peers reach them on the loopback address."""
+        argv = service_argv(
+            "agent",
+            *("--nats-url", self.url, "--node", node, "--executor", executor, "--gpus", str(gpus), "--rack", rack),
+            *("--data-dir", str(self.data_dir / "agents" / node), "--address", "127.0.0.1", *self.layout.agent_args),
+        )
+        if executor != "sim":
+            first = RENDEZVOUS_BASE + 100 * port_block
+            argv += ["--island", str(max(1, gpus // 2)), "--rendezvous-ports", f"{first}-{first + 99}"]
+        return Supervised(f"agent-{node}", argv, self.log_dir, env)
+
+    def supervise_once(self) -> None:
+        for p in self.procs:
+            p.check()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,100 @@
+"""``gpuherd up``: a local cluster in the foreground, with an optional demo workload; Ctrl-C stops it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+
+from apps.cluster.local import ClusterLayout, LocalCluster, console
+from gpuherd.client import Client, load_data_file
+from gpuherd.errors import GpuherdError
+
+
+class VcFileEntry(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    quota: int | None = None
+    can_borrow: bool = True
+    weight: float = 1.0
+
+
+def load_vc_file(path: str) -> list[VcFileEntry]:
+    """VCs for ``gpuherd up --vcs FILE``: a JSON/YAML list (or ``{vcs: [...]}``) of
+    ``{name, quota, can_borrow, weight}``."""
+    data = load_data_file(path)
+    try:
+        return msgspec.convert(data.get("vcs") if isinstance(data, dict) else data, list[VcFileEntry])
+    except msgspec.ValidationError as exc:
+        raise GpuherdError(f"{path}: {exc}; expected a list like [{{name: vision, quota: 16}}]") from None
+
+
+async def configure_vcs(url: str, vcs: list[VcFileEntry]) -> None:
+    client = await Client.connect(url, source="up")
+    try:
+        for vc in vcs:
+            await client.configure_vc(vc.name, gpu_quota=vc.quota, can_borrow=vc.can_borrow, weight=vc.weight)
+    finally:
+        await client.close()
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir)
+    if args.fresh and data_dir.exists():
+        shutil.rmtree(data_dir)
+    layout = ClusterLayout(
+        sim_agents=args.agents,
+        sim_gpus=args.gpus_per_node,
+        cpu_agents=args.cpu_agents,
+        cpu_gpus=args.cpu_gpus,
+        nvml_agents=1 if args.nvml else 0,
+        policy=args.policy,
+        lost_after_s=args.lost_after,
+    )
+    vcs = load_vc_file(args.vcs) if args.vcs else []
+    cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
+    url = cluster.start()
+    if vcs:
+        asyncio.run(configure_vcs(url, vcs))
+        console.print(f"configured {len(vcs)} virtual clusters from {args.vcs}")
+    if cluster.server is not None:
+        console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
+    else:
+        console.print(f"using NATS at {url}")
+    console.print(
+        f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
+        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs"
+        + (" and an nvml agent" if args.nvml else "")
+        + f" (logs in {cluster.log_dir})"
+    )
+
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    code = 0
+    try:
+        if args.demo:
+            from apps.cluster.demo import run_demo
+
+            code = asyncio.run(run_demo(url, args, cluster.supervise_once, lambda: stopping))
+        else:
+            console.print("cluster is up; Ctrl-C stops it. Try: gpuherd nodes, gpuherd submit job.yaml, gpuherd jobs")
+            while not stopping:
+                cluster.supervise_once()
+                time.sleep(0.5)
+    finally:
+        console.print("stopping services ...")
+        cluster.stop()
+        console.print("stopped")
+    return code

@@ -1,0 +1,190 @@
+"""The node agents of a simulated cluster: the live agent's reconcile step (``services.nodeagent``)
+with the ``sim`` executor's task bookkeeping (``SimTasks``), on the simulation's virtual clock.
+
+Each job event is reconciled on every node it concerns, exactly as each node's agent would, and the
+actions are carried out here: a started task is a timer at its end, a stopped one is cancelled, and
+what an agent would append is returned to append. The agents read the scheduler's fold of the log
+(the same core fold each agent keeps of its node), taken at the record they react to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState
+from gpuherd.log import Record
+from services.nodeagent import leases
+from services.nodeagent.executors.base import TaskKey
+from services.nodeagent.executors.sim import SimTasks
+from services.nodeagent.reconcile import (
+    AgentEvents,
+    StartTask,
+    StopTask,
+    SyncLeases,
+    Tasks,
+    power,
+    reconcile,
+)
+from services.nodeagent.reconcile import (
+    Record as RecordAction,
+)
+
+# (when, what, payload): the simulation keeps these on its clock and hands them back to ``fire``.
+Timer = tuple[float, str, tuple]
+
+_POWER_EVENTS = (ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.NodeWakeRequested)
+# Job events an agent has nothing to do about: the job is not placed anywhere by them.
+_NOT_FOR_AGENTS = (ev.JobSubmitted, ev.JobDurationPredicted, ev.ProfileRequested, ev.ProfileReported)
+
+
+def concerns_agents(event: ev.Event) -> bool:
+    return not isinstance(event, _NOT_FOR_AGENTS)
+
+
+@dataclass
+class SimAgents:
+    """Every node's agent, with a ``sim`` executor each."""
+
+    boot_s: float = 300.0  # a powered-down node's time from power-up request to serving again
+    tasks: dict[str, SimTasks] = field(default_factory=dict)  # node -> its executor's tasks
+    exited: dict[str, set[TaskKey]] = field(default_factory=dict)  # node -> tasks that ended on their own
+    events: dict[str, AgentEvents] = field(default_factory=dict)
+    views: dict[str, Tasks] = field(default_factory=dict)  # node -> what reconcile reads of its tasks
+    booting: set[str] = field(default_factory=set)
+    asked: set[str] = field(default_factory=set)  # leases requested (an agent asks once per lease)
+    running_on: dict[str, dict[str, None]] = field(default_factory=dict)  # job -> nodes running a task of it
+
+    def _of(self, node: str) -> tuple[SimTasks, set[TaskKey], AgentEvents]:
+        if node not in self.tasks:
+            tasks = self.tasks[node] = SimTasks()
+            exited = self.exited[node] = set()
+            self.events[node] = AgentEvents(node)
+            self.views[node] = Tasks(tasks.ends.keys(), exited, {})  # (live views of both)
+        return self.tasks[node], self.exited[node], self.events[node]
+
+    def nodes_of(self, state: ClusterState, job_id: str) -> list[str]:
+        """The nodes an event about ``job_id`` concerns: where it holds GPUs, where it runs tasks."""
+        job = state.jobs.get(job_id)
+        nodes = dict.fromkeys(a.node for a in job.allocations) if job is not None else {}
+        if job is not None:
+            nodes.update(dict.fromkeys(a.node for a in job.releasing))
+        nodes.update(self.running_on.get(job_id, {}))
+        return list(nodes)
+
+    def observe(
+        self, record: Record, state: ClusterState, before: list[str], now: float
+    ) -> tuple[list[ev.Event], list[Timer]]:
+        """What the agents append (and the timers they set) once ``record`` is folded into ``state``;
+        ``before``: the nodes its job concerned before it was folded."""
+        event = record.event
+        out: list[ev.Event] = []
+        timers: list[Timer] = []
+        job_id = getattr(event, "job", None)
+        if not concerns_agents(event):
+            return out, timers
+        if job_id is not None:
+            nodes = dict.fromkeys(before)
+            nodes.update(dict.fromkeys(self.nodes_of(state, job_id)))
+            for node in nodes:
+                self._reconcile(state, node, job_id, now, out, timers)
+            if isinstance(event, ev.JobFinished | ev.JobRequeued):
+                for node in nodes:  # a draining node may now be empty
+                    self._power(state, node, now, out, timers)
+                for node in nodes:  # what its tasks' exits were is no longer needed
+                    exited = self.exited.get(node)
+                    if exited:
+                        exited.difference_update([k for k in exited if k.job == job_id])
+        elif isinstance(event, _POWER_EVENTS):
+            self._power(state, event.node, now, out, timers)
+        return out, timers
+
+    def _reconcile(
+        self, state: ClusterState, node: str, job_id: str, now: float, out: list[ev.Event], timers: list[Timer]
+    ) -> None:
+        tasks, _, events = self._of(node)
+        for action in reconcile(state, node, job_id, self.views[node], now, events, simulated=True):
+            if isinstance(action, StartTask):
+                end = tasks.start(action.launch, now)
+                if action.started is not None:
+                    out.append(action.started)
+                if end is not None:
+                    timers.append((end, "task-end", (node, action.launch.key, end)))
+                    self.running_on.setdefault(job_id, {})[node] = None
+            elif isinstance(action, StopTask):
+                if tasks.stop(action.key):
+                    self._gone(job_id, node, tasks)
+                if action.report is not None:
+                    out.append(events.ended(action.key, action.report, now, reason=action.reason))
+            elif isinstance(action, RecordAction):
+                out.append(action.event)
+            elif isinstance(action, SyncLeases):
+                out += self._lease_requests(state, node, action.key)
+            # HandPlan, Grow, CollectDeaths: a sim task has no worker processes
+
+    def _gone(self, job_id: str, node: str, tasks: SimTasks) -> None:
+        """A task of ``job_id`` on ``node`` no longer runs."""
+        if not any(key.job == job_id for key in tasks.ends):
+            nodes = self.running_on.get(job_id)
+            if nodes is not None:
+                nodes.pop(node, None)
+                if not nodes:
+                    del self.running_on[job_id]
+
+    def _lease_requests(self, state: ClusterState, node: str, key: TaskKey) -> list[ev.Event]:
+        job = state.jobs.get(key.job)
+        if job is None or job.spec.memory is None:
+            return []
+        mine = {g for a in job.allocations if a.node == node for g in a.gpus}
+        needs = job.spec.memory
+        events = self.events[node]
+        out: list[ev.Event] = []
+        for lease_id, gpu in leases.wanted_requests(job, node, mine):
+            if lease_id in self.asked:
+                continue
+            self.asked.add(lease_id)
+            out.append(
+                ev.MemoryLeaseRequested(
+                    **events.stamp("lease", lease_id, at=state.now),  # type: ignore[arg-type]
+                    lease=lease_id,
+                    job=job.job,
+                    attempt=job.attempt,
+                    node=node,
+                    gpu=gpu,
+                    mb=needs.extra_mb,
+                    min_mb=needs.min_mb,
+                    tiers=needs.tiers,
+                )
+            )
+        return out
+
+    def _power(self, state: ClusterState, node: str, now: float, out: list[ev.Event], timers: list[Timer]) -> None:
+        move = power(state, node)
+        if move is None or node in self.booting:
+            return
+        if move.action == "down":
+            out.append(self._powered(node, now, up=False))
+        else:
+            self.booting.add(node)
+            timers.append((now + self.boot_s, "booted", (node,)))
+
+    def _powered(self, node: str, now: float, *, up: bool) -> ev.Event:
+        kind = ev.NodePoweredUp if up else ev.NodePoweredDown
+        stamp = self._of(node)[2].stamp(f"power-{kind.__name__}", f"{now:.3f}", at=now)
+        return kind(**stamp, node=node)  # type: ignore[arg-type]
+
+    def fire(self, kind: str, payload: tuple, now: float) -> list[ev.Event]:
+        """What a timer's moment brings."""
+        if kind == "task-end":
+            node, key, end = payload
+            tasks, exited, events = self._of(node)
+            if not tasks.finish(key, end):
+                return []  # stopped (or started again) before it could end
+            self._gone(key.job, node, tasks)
+            exited.add(key)
+            return [events.ended(key, "completed", now, exit_code=0)]
+        if kind == "booted":
+            (node,) = payload
+            self.booting.discard(node)
+            return [self._powered(node, now, up=True)]
+        raise ValueError(f"unknown timer {kind!r}")

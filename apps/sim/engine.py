@@ -1,0 +1,261 @@
+"""A discrete-event simulation of a gpuherd cluster: the live deciders, and the live runtime core, on a
+virtual clock.
+
+Nothing here decides anything. The engine
+
+* keeps a virtual clock and a heap of what happens next (a trace job is submitted, a simulated task
+  ends, a service's timer ticks, a node finishes booting);
+* hands submissions to the scheduler's intake judge (``Decider.take``) through the same ordering core
+  (``gpuherd.runtime.core.DecisionCore``) the live runner drives, so coalescing, batching and
+  ``based_on`` are the live ones: the same inputs give the same decisions, record for record;
+* appends what happens to an in-memory log (``MemoryLog``), stamped with the virtual time, and feeds
+  every record, in order, to each decider's core and to the node agents (``agents.py``: the live
+  agent's reconcile step and the ``sim`` executor's task bookkeeping).
+
+The deciders are the production classes (``apps.registry``), so a simulation exercises exactly the
+code that runs live: there is no second copy of any policy or of the runtime.
+
+Work carried across preemption: a sim job checkpoints when it is preempted (live agents send
+SIGUSR1 and wait its grace), so its next attempt runs only what is left of its duration. Jobs are
+deterministic: the same inputs give the same log, record for record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from apps.sim.agents import SimAgents, concerns_agents
+from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
+from gpuherd.log import MemoryLog, Record
+from gpuherd.runtime.core import DecisionCore, outputs_of
+from gpuherd.runtime.decider import Decider
+
+
+class SimulationError(GpuherdError):
+    """The simulation cannot go on (a decider failed, or it cannot finish)."""
+
+
+@contextlib.contextmanager
+def _few_collections() -> Iterator[None]:
+    """A run keeps every record and job state it makes: millions of long-lived objects and no
+    reference cycles. CPython's default thresholds collect every 700 allocations and keep
+    rescanning them (a third of the run time on philly.csv), so a run collects every 100,000
+    instead; the thresholds are put back after it."""
+    before = gc.get_threshold()
+    gc.set_threshold(100_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """A service's timer in the simulation: its tick type, every ``every_s`` virtual seconds, while
+    ``needed`` says so of its decider's state (a live service ticks the same way)."""
+
+    decider: str
+    kind: type[ev.Tick]
+    every_s: float
+    needed: Callable[[Any], bool] | None = None  # None: while jobs remain
+
+
+class Simulation:
+    """A cluster on a virtual clock: set-up events, then trace submissions, until every job ends."""
+
+    def __init__(self, deciders: Sequence[Decider[Any]], *, timers: Sequence[Timer] = (), boot_s: float = 300.0):
+        self.now = 0.0
+        self.log = MemoryLog(clock=lambda: self.now, duplicate_window=0.0)
+        self.cores = [DecisionCore(d) for d in deciders]
+        by_name = {core.decider.name: core for core in self.cores}
+        if "scheduler" not in by_name:
+            raise SimulationError("a simulation needs the scheduler's decider")
+        self.scheduler = by_name["scheduler"]
+        self.agents = SimAgents(boot_s=boot_s)
+        self.timers = [t for t in timers if t.decider in by_name]
+        self._timer_cores = {t.decider: by_name[t.decider] for t in self.timers}
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._order = itertools.count()
+        self._fed = 0  # records handed to the cores and the agents so far
+        self._more_jobs = False
+        self._ticking: set[int] = set()  # timers with a tick on the heap
+        self.submitted = 0
+        self.decisions = 0
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        heapq.heappush(self._heap, (at, next(self._order), kind, payload))
+
+    def _append(self, events: list[ev.Event]) -> tuple[int, ...]:
+        return self.log.append_now(events).seqs if events else ()
+
+    def _drain(self) -> None:
+        """Fold every new record into the cores, let the agents react, and decide, until nothing new is
+        appended: what the live runners and agents do between two moments of the clock."""
+        records = self.log.records
+        state = self.scheduler.state
+        while self._fed < len(records):
+            record = records[self._fed]
+            self._fed += 1
+            event = record.event
+            agents = concerns_agents(event)
+            job_id = getattr(event, "job", None) if agents else None
+            before = self.agents.nodes_of(state, job_id) if job_id is not None else []
+            for core in self.cores:
+                self._fold(core, record)
+            if agents:
+                out, timers = self.agents.observe(record, state, before, self.now)
+                for at, kind, payload in timers:
+                    self._push(at, kind, payload)
+                self._append(out)
+            self._decide()
+
+    def _fold(self, core: DecisionCore[Any], record: Record) -> None:
+        try:
+            core.fold(record)
+        except Exception as exc:
+            raise self._failed(core, record, exc) from exc
+
+    def _decide(self) -> None:
+        for core in self.cores:
+            while core.ready():
+                try:
+                    batch = core.next_batch()
+                except Exception as exc:
+                    raise self._failed(core, None, exc) from exc
+                if batch:
+                    outputs = outputs_of(batch)
+                    self.decisions += len(outputs)
+                    core.appended(self._append(outputs))
+
+    def _failed(self, core: DecisionCore[Any], record: Record | None, exc: Exception) -> SimulationError:
+        where = (
+            f"record {record.seq} ({type(record.event).__name__} at t={record.event.at:.0f})" if record else "a batch"
+        )
+        return SimulationError(f"decider {core.decider.name} failed on {where}: {exc!r}")
+
+    def setup(self, events: Iterable[ev.Event], *, at: float = 0.0) -> None:
+        """Cluster set-up before the workload: nodes, VCs, the policy. Events get ``at`` and ids."""
+        self.now = at
+        stamped = []
+        for n, event in enumerate(events):
+            fields: dict[str, Any] = {"at": at}
+            if not event.id:
+                fields["id"] = f"sim:setup:{n}"
+            if not event.source:
+                fields["source"] = "sim"
+            stamped.append(msgspec.structs.replace(event, **fields))
+        self._append(stamped)
+        self._drain()
+
+    def run(
+        self,
+        submissions: Iterable[Any],
+        *,
+        on_submit: Callable[[int], None] | None = None,
+        until: float | None = None,
+    ) -> None:
+        """Submit each job (an intake ``Submission``) at its ``at`` and run until every job has ended
+        (or ``until``)."""
+        with _few_collections():
+            self._run(iter(submissions), on_submit, until)
+
+    def _run(self, jobs: Iterator[Any], on_submit: Callable[[int], None] | None, until: float | None) -> None:
+        self._next_submission(jobs)
+        for n, timer in enumerate(self.timers):
+            self._schedule_tick(n, timer)
+        while self._heap:
+            at, _, kind, payload = heapq.heappop(self._heap)
+            if until is not None and at > until:
+                break
+            self.now = max(self.now, at)
+            if kind == "submit":
+                self._submit(payload)
+                self._next_submission(jobs)
+                if on_submit is not None:
+                    on_submit(1)
+            elif kind == "tick":
+                self._tick(payload)
+            else:
+                self._append(self.agents.fire(kind, payload, self.now))
+            self._drain()
+            for n, timer in enumerate(self.timers):  # a timer that was not needed may be now
+                if n not in self._ticking:
+                    self._schedule_tick(n, timer)
+        if until is None and self._open_jobs():
+            raise SimulationError(
+                f"{self._open_jobs()} jobs never finished: nothing left to happen while they wait "
+                "(jobs no node of the cluster can run; check the cluster spec)"
+            )
+
+    def _open_jobs(self) -> int:
+        state = self.scheduler.state
+        return len(state.queue) + len(state.active)
+
+    def _busy(self) -> bool:
+        return self._open_jobs() > 0 or self._more_jobs
+
+    def _needed(self, timer: Timer) -> bool:
+        if timer.needed is None:
+            return self._busy()
+        return self._busy() and timer.needed(self._timer_cores[timer.decider].state)
+
+    def _schedule_tick(self, n: int, timer: Timer) -> None:
+        if n not in self._ticking and self._needed(timer):
+            self._ticking.add(n)
+            self._push(self.now + timer.every_s, "tick", n)
+
+    def _tick(self, n: int) -> None:
+        self._ticking.discard(n)
+        timer = self.timers[n]
+        if not self._needed(timer):
+            return  # nothing left for it to do: it stops ticking
+        if timer.kind is ev.ClockTicked:
+            tick: ev.Event = ev.ClockTicked(
+                id=f"{timer.decider}:tick:{self.now:.3f}",
+                at=self.now,
+                source=timer.decider,
+                last_heard={},
+                lost_after_s=ev.TICK_ONLY_TIMEOUT_S,
+            )
+        else:
+            tick = timer.kind(id=f"{timer.decider}:tick:{self.now:.3f}", at=self.now, source=timer.decider)
+        self._append([tick])
+        self._schedule_tick(n, timer)
+
+    def _next_submission(self, jobs: Iterator[Any]) -> None:
+        job = next(jobs, None)
+        self._more_jobs = job is not None
+        if job is not None:
+            self._push(max(job.at, self.now), "submit", job)
+
+    def _submit(self, submission: Any) -> None:
+        self.submitted += 1
+        self.scheduler.offer(msgspec.structs.replace(submission, at=self.now))
+        self._decide()
+
+    # -- results ---------------------------------------------------------------------------------
+
+    @property
+    def rejected(self) -> int:
+        return self.scheduler.state.rejected
+
+    @property
+    def records(self) -> Sequence[Record]:
+        return self.log.records
+
+    def state_of(self, name: str) -> Any:
+        for core in self.cores:
+            if core.decider.name == name:
+                return core.state
+        raise KeyError(f"no decider named {name!r} in this simulation")

@@ -1,3 +1,0 @@
-from gpuherd.cli import main
-
-main()

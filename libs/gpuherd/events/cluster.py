@@ -1,0 +1,124 @@
+"""Events of the cluster as a whole: virtual clusters, the scheduling policy, refused operator
+commands, and the services' timers."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from gpuherd.events.base import Command, Decision, Event, command_upcaster, upcaster
+
+
+class VcConfigured(Command, kw_only=True, frozen=True):
+    """A virtual cluster: a team's share of the cluster.
+
+    ``gpu_quota`` GPUs are its own (None: no quota, it may use any free GPU).
+    With ``can_borrow`` its jobs may also run on idle GPUs beyond its quota;
+    those borrowed GPUs are given back (by preemption) when a VC whose quota
+    they fall under has jobs waiting. ``weight`` is its share under fair share.
+    The scheduler refuses (``CommandRefused``) a negative quota or a weight that is not positive.
+    """
+
+    vc: str
+    gpu_quota: int | None = None
+    can_borrow: bool = True
+    weight: float = 1.0
+
+    def subject(self) -> str:
+        return f"herd.vc.{self.vc}"
+
+
+class PolicyConfigured(Command, kw_only=True, frozen=True):
+    """The cluster's scheduling policy from now on (see ``services/scheduler/policy.py``).
+
+    ``params`` tune it (e.g. ``half_life_s`` for fair share, ``thresholds_gpu_s`` for LAS). The
+    scheduler applies it only if the policy and every parameter exist; otherwise it records a
+    ``CommandRefused`` with the reason and the policy before it stays in force."""
+
+    policy: str
+    backfill: bool = True
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return "herd.cluster.policy"
+
+
+command_upcaster("VcConfigured")
+command_upcaster("PolicyConfigured")
+
+
+class CommandRefused(Decision, kw_only=True, frozen=True):
+    """An operator command (``command``: its event type; ``command_id``: its id) that the service
+    applying it found invalid: it changed nothing, and ``reason`` says why. Recorded so that a bad
+    value is never silently replaced by a default."""
+
+    command: str
+    command_id: str
+    reason: str
+
+    def subject(self) -> str:
+        return f"herd.cluster.refused.{self.source or 'anon'}"
+
+
+# ---------------------------------------------------------------------------
+# timers: time reaches a decider as an event, so a replay decides the same
+
+
+class Tick(Event, kw_only=True, frozen=True):
+    """A service's timer went off. Each service has a tick type of its own (one writer per type),
+    and only its own decider acts on it."""
+
+    def subject(self) -> str:
+        return f"herd.clock.{self.source or 'anon'}"
+
+
+# A ClockTicked with this timeout (and no nodes heard) only marks time: no node can have been
+# silent that long, so it declares no loss. Simulations tick this way.
+TICK_ONLY_TIMEOUT_S = 1e15
+
+
+class ClockTicked(Tick, kw_only=True, frozen=True):
+    """The scheduler's timer: a pass when its period is up, and node liveness.
+
+    ``last_heard`` is when the scheduler last heard from each node (a heartbeat, or its own
+    reconnect: an outage of the observer is no evidence against a node); it declares a node lost
+    when a tick shows it silent for longer than ``lost_after_s``.
+
+    v1 was every service's timer; v2 is the scheduler's alone (the others have their own types).
+    """
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
+    last_heard: dict[str, float] = msgspec.field(default_factory=dict)
+    lost_after_s: float = TICK_ONLY_TIMEOUT_S
+
+
+class ElasticTicked(Tick, kw_only=True, frozen=True):
+    """The elastic service's timer: minimum intervals and holds after a shrink end when due."""
+
+
+class MemoryTicked(Tick, kw_only=True, frozen=True):
+    """The memory broker's timer: lease expiries and revocation deadlines fire when due."""
+
+
+class AnalyticsTicked(Tick, kw_only=True, frozen=True):
+    """The analytics service's timer: energy saving samples demand and decides power."""
+
+
+_TICK_OF = {"elastic": "ElasticTicked", "memory": "MemoryTicked", "analytics": "AnalyticsTicked"}
+
+
+@upcaster("ClockTicked", 1)
+def _clock_ticked_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1 ticks of the elastic, memory and analytics services become their own tick types; the
+    scheduler's (and a simulation's) stay ClockTicked."""
+    renamed = _TICK_OF.get(str(raw.get("source", "")))
+    if renamed is not None:
+        raw.pop("last_heard", None)
+        raw.pop("lost_after_s", None)
+        raw["type"] = renamed
+        raw["v"] = 1
+    else:
+        raw["v"] = 2
+    return raw

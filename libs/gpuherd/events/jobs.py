@@ -1,0 +1,194 @@
+"""Events of a job (subject ``herd.job.<id>``, ``.by.<node>`` when an agent writes it): its life cycle
+from submission to its end, and profiles of its steps."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by, upcaster
+from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOutcome, Rendezvous
+
+# The rules intake judges by (``services/scheduler/intake.py``); each verdict records the ones it
+# was judged by, so the audit re-judges it by the same. 2: a job larger than its VC's quota, in a
+# VC that may not borrow, is refused (it could never start).
+INTAKE_RULES = 2
+
+
+class JobSubmitted(Decision, kw_only=True, frozen=True):
+    """A valid submission from intake; the job exists from here on."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
+    job: str
+    spec: JobSpec
+    intake_source: str
+    intake_seq: int = 0
+    intake_rules: int = INTAKE_RULES
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobRejected(Decision, kw_only=True, frozen=True):
+    """An invalid submission, kept with its reason so nothing is dropped silently."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
+    intake_source: str
+    intake_seq: int
+    intake_id: str | None = None
+    reason: str
+    payload_excerpt: str = ""  # the first bytes of the submission, for the submitter to see
+    payload_size: int = 0  # bytes of the whole submission (0: not recorded, before v2)
+    intake_rules: int = INTAKE_RULES
+
+    def subject(self) -> str:
+        return f"herd.rejected.{self.intake_source}"
+
+
+@upcaster("JobSubmitted", 1)
+@upcaster("JobRejected", 1)
+def _verdict_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["intake_rules"] = 1
+    raw["v"] = 2
+    return raw
+
+
+class JobPlaced(Decision, kw_only=True, frozen=True):
+    """The scheduler gave GPUs to a job attempt (all of its gang at once)."""
+
+    job: str
+    attempt: int
+    allocations: tuple[Allocation, ...]  # the first allocation's node leads the gang (rank 0)
+    reason: str = ""
+    locality: Locality | None = None  # the tightest level the whole gang fits in
+    rendezvous: Rendezvous | None = None
+    borrowed: int = 0  # GPUs beyond its VC's quota, taken from idle capacity (reclaimable)
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobStarted(Decision, kw_only=True, frozen=True):
+    """An agent started its part of a job attempt."""
+
+    job: str
+    attempt: int
+    node: str
+
+    def subject(self) -> str:
+        return reported_by(f"herd.job.{self.job}", self.node)
+
+
+class JobFinished(Decision, kw_only=True, frozen=True):
+    """A job reached a terminal state. A finished job never runs again."""
+
+    job: str
+    attempt: int
+    outcome: Outcome
+    node: str = ""
+    exit_code: int | None = None
+    reason: str = ""
+    output_tail: str = ""  # the last lines of the deciding process's output
+    metrics: dict[str, float] | None = None  # the last metrics rank 0 reported (loss, steps, ...)
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class TaskEnded(Event, kw_only=True, frozen=True):
+    """One node's part (task) of a job attempt ended. The scheduler settles the attempt once
+    every part has ended: completed, failed (retry or not), or requeued."""
+
+    job: str
+    attempt: int
+    node: str
+    outcome: PartOutcome
+    exit_code: int | None = None
+    reason: str = ""
+    output_tail: str = ""
+    metrics: dict[str, float] | None = None
+
+    def subject(self) -> str:
+        return reported_by(f"herd.job.{self.job}", self.node)
+
+
+class JobCancelRequested(Command, kw_only=True, frozen=True):
+    job: str
+    reason: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+command_upcaster("JobCancelRequested")
+
+
+class JobDurationPredicted(Decision, kw_only=True, frozen=True):
+    """A duration model's estimate of how long a job runs (QSSF, SJF and backfill use it).
+    ``basis`` says what history it came from (e.g. ``vc+gpus: 40 jobs``)."""
+
+    job: str
+    seconds: float
+    model: str = ""
+    basis: str = ""
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobPreempted(Decision, kw_only=True, frozen=True):
+    """The scheduler takes a running attempt's GPUs back. Agents send the checkpoint signal
+    (SIGUSR1), wait ``grace_s``, then stop the task; the attempt is then requeued."""
+
+    job: str
+    attempt: int
+    reason: str
+    by: str = ""  # the job the GPUs go to, if one
+    grace_s: float = 30.0
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class JobRequeued(Decision, kw_only=True, frozen=True):
+    """A placed or running attempt ended without finishing the job; it waits again."""
+
+    job: str
+    attempt: int  # the attempt that ended; the next one is attempt + 1
+    reason: str
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class ProfileRequested(Event, kw_only=True, frozen=True):
+    """Someone asks a running job for a per-layer profile of ``steps`` of its own training steps
+    (``gpuherd profile --job``). The agents running it pass the request to the job's leader rank."""
+
+    job: str
+    steps: int = 5
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
+
+
+class ProfileReported(Event, kw_only=True, frozen=True):
+    """A rank's per-layer profile of its own steps (``gpuherd.train.profile.StepProfile.to_dict()``:
+    per layer forward/backward time, FLOPs, bytes, memory; the device's measured roofs)."""
+
+    job: str
+    attempt: int
+    node: str
+    rank: int
+    request: str = ""  # the ProfileRequested id it answers
+    profile: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def subject(self) -> str:
+        return reported_by(f"herd.job.{self.job}", self.node)
+
+
+# ---------------------------------------------------------------------------
+# elastic jobs: grow and shrink while running

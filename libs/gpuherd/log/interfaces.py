@@ -1,0 +1,200 @@
+"""The log's narrow interfaces: each part of gpuherd depends on the few it uses.
+
+Like the ``eventsourcing`` library's recorders, each interface is one small capability that the
+JetStream log and the in-memory log both provide (``EventLog`` is all of them at once):
+
+| interface        | what                                                          | used by                          |
+|------------------|---------------------------------------------------------------|----------------------------------|
+| ``EventStore``   | HERD: append (idempotent, all-or-nothing), read in order      | every decider, agent, reader     |
+| ``IntakeQueue``  | HERD_INTAKE: raw submissions, a durable consumer, replies      | the scheduler, submitters        |
+| ``TelemetryBus`` | HERD_TELEMETRY: heartbeats and samples                        | agents, the scheduler's liveness |
+| ``DeadLetters``  | HERD_DEAD: what no consumer could handle, and why             | every consumer, ``gpuherd``      |
+| ``Requests``     | core request-reply on ``herd.ctl.>`` (answers, not history)   | agents (job logs), the CLI       |
+| ``KeyValue``     | snapshots and service status                                  | deciders, agents, ``status``     |
+| ``Leases``       | one leader per decider, one agent per node                    | deciders, agents                 |
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+
+from gpuherd.events import Event
+from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
+
+RequestHandler = Callable[[bytes], Awaitable[bytes]]
+# The W3C traceparent that travels with appended events: one for all, or one per event (None: none).
+Traces = str | Sequence[str | None] | None
+
+
+def trace_of(traces: Traces, n: int) -> str | None:
+    """The traceparent of the ``n``-th event of an append."""
+    if traces is None or isinstance(traces, str):
+        return traces
+    return traces[n]
+
+
+class EventStore(abc.ABC):
+    """HERD: the append-only log of state changes."""
+
+    max_batch: int = 1000  # events one atomic append may hold (JetStream's limit for atomic batches)
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        events: Sequence[Event],
+        *,
+        expect: Mapping[str, int] | None = None,
+        trace: Traces = None,
+    ) -> AppendResult:
+        """Append events all-or-nothing, in order; ``trace``: the traceparent of all, or of each.
+
+        ``expect`` maps a subject to the last sequence it must still have (0: no
+        event yet) or ConcurrencyError is raised and nothing is written. Events
+        whose ids the log already holds make the call a no-op (``duplicate``).
+        """
+
+    @abc.abstractmethod
+    async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
+        """Append events one by one with up to ``window`` in flight (not atomic as a whole); each
+        is idempotent by its id, so a batch refused for one duplicate can be appended this way."""
+
+    @abc.abstractmethod
+    def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
+        """Events in sequence order from ``start``; up to ``stop`` (default: the end
+        when called), or forever with ``follow``."""
+
+    @abc.abstractmethod
+    async def last_seq(self) -> int: ...
+
+    @abc.abstractmethod
+    async def subject_last_seq(self, subject: str) -> int:
+        """The sequence of the newest event on ``subject`` (0 when there is none)."""
+
+    async def read_all(self, start: int = 1, stop: int | None = None) -> list[Record]:
+        return [r async for r in self.read(start, stop=stop)]
+
+
+class DurableConsumer(abc.ABC):
+    """At-least-once consumption that resumes after the last acknowledged message."""
+
+    @abc.abstractmethod
+    async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]: ...
+
+    @abc.abstractmethod
+    async def ack(self, delivery: Delivery) -> None: ...
+
+    async def open(self) -> None:  # noqa: B027 - optional: implementations that subscribe lazily override it
+        """Subscribe now rather than on the first fetch."""
+
+
+class IntakeQueue(abc.ABC):
+    """HERD_INTAKE: submissions from other systems, and the verdicts sent back to their inboxes."""
+
+    @abc.abstractmethod
+    async def publish_intake(self, source: str, data: bytes, headers: Mapping[str, str] | None = None) -> None:
+        """Store a raw submission (what an outside system publishes to herd.intake.<source>)."""
+
+    @abc.abstractmethod
+    def intake_consumer(self, name: str, ack_wait: float = 10.0) -> DurableConsumer: ...
+
+    @abc.abstractmethod
+    async def reply(self, inbox: str, data: bytes) -> None:
+        """Answer a submitter (core messaging, not stored)."""
+
+
+class TelemetryBus(abc.ABC):
+    """HERD_TELEMETRY: observations (heartbeats, GPU samples, job progress), limited retention."""
+
+    @abc.abstractmethod
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        """``subject`` is relative to herd.telemetry (e.g. ``node-1.heartbeat``)."""
+
+    @abc.abstractmethod
+    def telemetry(self, subject: str = ">", *, since_s: float | None = None) -> AsyncIterator[Delivery]:
+        """Follow telemetry, from ``since_s`` seconds ago (default: new samples only)."""
+
+
+class DeadLetters(abc.ABC):
+    """HERD_DEAD: messages no consumer could handle, kept with the reason."""
+
+    @abc.abstractmethod
+    async def dead_letter(self, letter: DeadLetter) -> None:
+        """Keep ``letter`` (idempotent per stored message)."""
+
+    @abc.abstractmethod
+    async def dead_letters(self) -> list[DeadLetter]: ...
+
+
+class Requests(abc.ABC):
+    """Questions to a live service (core request-reply on ``herd.ctl.>``): answers, not history."""
+
+    @abc.abstractmethod
+    async def request(self, subject: str, data: bytes, *, timeout: float = 5.0) -> bytes:
+        """Ask whoever serves ``herd.ctl.<subject>``; raises LogUnavailable when no one answers."""
+
+    @abc.abstractmethod
+    async def serve_requests(self, subject: str, handler: RequestHandler) -> Callable[[], Awaitable[None]]:
+        """Answer requests on ``herd.ctl.<subject>`` with ``handler`` until the returned function is awaited."""
+
+
+class KeyValue(abc.ABC):
+    """Small values by key: decider snapshots (a cache of the log) and service status."""
+
+    @abc.abstractmethod
+    async def kv_get(self, bucket: str, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def kv_entries(self, bucket: str) -> dict[str, bytes]:
+        """Every live key of ``bucket`` and its value."""
+
+
+class Lease(abc.ABC):
+    """A leader lease: at most one holder at a time; it expires unless renewed within ``ttl``."""
+
+    name: str
+    holder: str
+    ttl: float
+
+    @abc.abstractmethod
+    async def try_acquire(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def renew(self) -> None:
+        """Extend the lease. One that expired unclaimed (NATS away for longer than the TTL, a server
+        failing over) is taken again: nobody held it meanwhile, so nobody acted on it. Raises
+        LeaseLost if another holder has it now, or it was never acquired or was released."""
+
+    @abc.abstractmethod
+    async def release(self) -> None: ...
+
+
+class Leases(abc.ABC):
+    """Leader leases: one active instance per decider, one agent per node."""
+
+    lease_ttl: float = 6.0
+
+    @abc.abstractmethod
+    def lease(self, name: str, holder: str) -> Lease:
+        """The lease ``name`` as seen by ``holder``; it lasts ``lease_ttl`` seconds unless renewed."""
+
+
+class Connection:
+    """The link to the log's server (always up for the in-memory log)."""
+
+    def is_connected(self) -> bool:
+        return True
+
+    def connected_since(self) -> float:
+        """When this process last (re)connected to the log; silence before it says nothing about others."""
+        return 0.0
+
+    async def close(self) -> None:
+        return None
+
+
+class EventLog(EventStore, IntakeQueue, TelemetryBus, DeadLetters, Requests, KeyValue, Leases, Connection):
+    """Every interface at once: what the JetStream and in-memory implementations provide."""

@@ -1,0 +1,168 @@
+"""The ordering core: which inputs a decider decides, on which state, and in what groups.
+
+Live (``runner.DeciderRunner``, on JetStream) and in simulation (``apps/sim``, on a virtual clock)
+the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
+
+* **Fold, then decide.** Every record is folded; the ones the decider follows wait to be decided.
+* **A decision sees every earlier decision of its decider.** After its outputs are appended, the
+  core decides nothing more until they are folded (``appended`` -> ``wait_until``); the inputs that
+  arrive meanwhile wait in order. So the state a decision was made on is exactly
+  ``fold(log[1..based_on])``, which is what the audit re-runs.
+* **Coalescing.** Of several waiting inputs that only make a pass over the whole state
+  (``Decider.coalescible``), only the last is decided: same state, same pass, once.
+* **Batching.** Waiting inputs the decider calls independent (distinct keys) are decided on one
+  state and appended together: one round trip instead of one per input.
+* **Catch-up.** After a restart the core folds the log to its head before deciding anything; the
+  inputs of that tail whose decisions are already in the log (found by their ids, which encode
+  the cause) are not decided again.
+* **External inputs** (submissions from intake) wait in the same queue as records, are decided on
+  the state of their turn, and get an ``Answer`` (the verdict) for the shell to send back.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic
+
+from gpuherd import events as ev
+from gpuherd.log import Record
+from gpuherd.runtime.decider import MAX_BATCH_DECISIONS, Answer, Decider, S, cause_seq_of, decide_stamped
+
+
+@dataclass(slots=True)
+class Decided:
+    """One input decided: a record of the log, or an external input with the answer to send back."""
+
+    cause: Record | Any
+    arrived: float
+    outputs: list[ev.Event]
+    answer: Answer | None = None
+    refusal: Exception | None = None  # the log refused its outputs (set by the live runner)
+
+    @property
+    def external(self) -> bool:
+        return self.answer is not None
+
+
+@dataclass(slots=True)
+class _Waiting:
+    item: Record | Any
+    arrived: float
+    external: bool
+
+
+@dataclass
+class DecisionCore(Generic[S]):
+    decider: Decider[S]
+    state: S = field(default=None)  # type: ignore[assignment]
+    max_batch: int = MAX_BATCH_DECISIONS
+    wait_until: int = 0  # decide nothing before its own outputs up to here are folded
+    coalesced: int = 0  # passes made by a later waiting input instead (a metric)
+
+    def __post_init__(self) -> None:
+        if self.state is None:
+            self.state = self.decider.initial_state()
+        self._pending: collections.deque[_Waiting] = collections.deque()
+        self._passes = 0  # waiting inputs the decider calls coalescible
+        self._head: int | None = None  # catching up to this sequence
+        self._decided: set[int] = set()  # causes whose decisions the tail holds (while catching up)
+
+    # -- feeding -----------------------------------------------------------------------------------
+
+    def catch_up(self, head: int) -> None:
+        """Fold up to ``head`` (the log's end when the decider starts) before deciding anything."""
+        self._head = head if head > self.state.seq else None
+
+    @property
+    def caught_up(self) -> bool:
+        return self._head is None
+
+    def fold(self, record: Record, arrived: float = 0.0) -> None:
+        """Fold one record of the log (in sequence order); it waits to be decided if followed."""
+        decider = self.decider
+        self.state = decider.evolve(self.state, record.seq, record.event)
+        event = record.event
+        if self._head is not None:
+            cause = cause_seq_of(event, decider.name)
+            if cause is not None:
+                self._decided.add(cause)
+        if decider.follows(event):
+            self._pending.append(_Waiting(record, arrived, False))
+            self._passes += decider.coalescible(event)
+        if self._head is not None and record.seq >= self._head:
+            self._head = None
+            decided = self._decided
+            self._pending = collections.deque(
+                w
+                for w in self._pending
+                if w.external or w.item.seq not in decided  # type: ignore[union-attr]
+            )
+            self._passes = sum(decider.coalescible(w.item.event) for w in self._pending if not w.external)
+            self._decided = set()
+
+    def offer(self, external: Any, arrived: float = 0.0) -> None:
+        """An input from outside the log (a submission), decided in turn with the records."""
+        self._pending.append(_Waiting(external, arrived, True))
+
+    # -- deciding ------------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    def ready(self) -> bool:
+        """Something waits, and the decider's own outputs are folded."""
+        return bool(self._pending) and self._head is None and self.state.seq >= self.wait_until
+
+    def quiescent(self) -> bool:
+        """Nothing waits and every output is folded: the state is a valid snapshot."""
+        return not self._pending and self._head is None and self.state.seq >= self.wait_until
+
+    def next_batch(self) -> list[Decided]:
+        """The next waiting inputs that have decisions (or answers), decided on the current state: one
+        input, or a run of independent ones with distinct keys. Inputs decided to nothing, and passes
+        a later waiting input makes too, are consumed on the way."""
+        decider, state = self.decider, self.state
+        batch: list[Decided] = []
+        keys: set[str] = set()
+        size = 0
+        while self._pending:
+            waiting = self._pending[0]
+            item = waiting.item
+            key = decider.external_key(item) if waiting.external else decider.independent(item.event)  # type: ignore[union-attr]
+            if batch and (key is None or key in keys or size >= self.max_batch):
+                break  # decided once the batch is folded
+            self._pending.popleft()
+            if waiting.external:
+                answer = decider.take(state, waiting.item)
+                batch.append(Decided(waiting.item, waiting.arrived, answer.events, answer))
+                size += len(answer.events)
+            else:
+                record: Record = waiting.item  # type: ignore[assignment]
+                if decider.coalescible(record.event):
+                    self._passes -= 1
+                    if self._passes > 0:
+                        self.coalesced += 1
+                        continue  # a later waiting input makes this same pass
+                outputs = decide_stamped(decider, state, record)
+                if outputs:
+                    batch.append(Decided(record, waiting.arrived, outputs))
+                    size += len(outputs)
+            if key is None:
+                if batch:
+                    break
+                continue
+            keys.add(key)
+        return batch
+
+    def appended(self, seqs: Iterable[int]) -> None:
+        """The batch's outputs are stored at ``seqs``: decide nothing more until they are folded."""
+        last = max(seqs, default=0)
+        if last > self.wait_until:
+            self.wait_until = last
+
+
+def outputs_of(batch: list[Decided]) -> list[ev.Event]:
+    return [out for decided in batch for out in decided.outputs]

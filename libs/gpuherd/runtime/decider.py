@@ -1,0 +1,189 @@
+"""The decider contract: pure functions over a state, plus the ids and provenance of what they decide.
+
+A decider is ``evolve(state, seq, event)`` (fold an event) and ``decide(state, event)`` (the events
+it decides on). Neither reads a clock, randomness or I/O: time comes from the events (``at``), so a
+replay makes the same decisions. The runtime (``core``) decides what is decided on which state;
+the runner (live) and the simulator only drive it.
+
+A decider declares its routing: ``FOLLOWS``, the event types ``decide`` may act on (the others
+are folded and never handed to it), and ``EMITS``, the types it writes (one writer per type: the
+registry checks it). Its state is a msgspec Struct whose layout is versioned by ``STATE_FORMAT``:
+a snapshot of another format is never read; the state is rebuilt from the log instead.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.log import Record
+
+
+class HasClock(Protocol):
+    seq: int
+    now: float
+
+
+S = TypeVar("S", bound=HasClock)
+
+
+class Answer(NamedTuple):
+    """What a decider makes of an input that is not in the log (a submission from intake): the
+    events to append, stamped by the decider itself, and what to tell whoever sent it."""
+
+    events: list[ev.Event]
+    reply: bytes = b""
+
+
+class Decider(abc.ABC, Generic[S]):
+    """A pure decider. Subclasses must not read clocks, randomness or I/O."""
+
+    name: ClassVar[str]
+    STATE_FORMAT: ClassVar[int] = 1
+    FOLLOWS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
+    EMITS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
+
+    @abc.abstractmethod
+    def initial_state(self) -> S: ...
+
+    @abc.abstractmethod
+    def evolve(self, state: S, seq: int, event: ev.Event) -> S: ...
+
+    @abc.abstractmethod
+    def decide(self, state: S, event: ev.Event) -> list[ev.Event]:
+        """Drafts of the decisions to append; ids and provenance are stamped by ``stamp``."""
+
+    def follows(self, event: ev.Event) -> bool:
+        """Whether ``decide`` may act on ``event`` (routing: the rest is only folded)."""
+        return type(event) in self.FOLLOWS
+
+    def coalescible(self, event: ev.Event) -> bool:
+        """True when all ``decide`` does for ``event`` is a pass over the whole state (nothing about
+        the event itself). Of several such events waiting to be decided, only the last is decided:
+        it sees the same state, so it makes the same pass, once."""
+        return False
+
+    def independent(self, event: ev.Event) -> str | None:
+        """A key (e.g. the job) when what ``decide`` makes of ``event`` depends on nothing this decider
+        decides about other keys: waiting events with different keys are then decided on one state
+        and appended together, in one round trip. None: decided alone, after all before it are folded."""
+        return None
+
+    # -- inputs that are not in the log (only the scheduler takes them: intake) ----------------------
+
+    def take(self, state: S, external: Any) -> Answer:
+        """Decide on an input from outside the log (its events carry their own ids and provenance)."""
+        raise NotImplementedError(f"decider {self.name} takes no external inputs")
+
+    def external_key(self, external: Any) -> str | None:
+        """Like ``independent``, for an external input."""
+        return None
+
+    def answers(self, event: ev.Decision) -> bool:
+        """Whether ``event`` is one of this decider's answers to an external input (the audit
+        re-judges those with ``recheck`` rather than re-running ``decide``)."""
+        return False
+
+    def recheck(self, state: S, answer: ev.Decision) -> str | None:
+        """Why ``answer`` would not be given again on ``state`` (its ``based_on``); None if it would."""
+        return None
+
+    # -- snapshots ---------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def state_type(self) -> type[S]:
+        """The state's class (snapshots decode into it)."""
+
+    def encode_state(self, state: S) -> bytes:
+        return msgspec.msgpack.encode(state)
+
+    def decode_state(self, data: bytes) -> S:
+        return msgspec.msgpack.decode(data, type=self.state_type())
+
+
+P = TypeVar("P")
+
+
+class RecordedParams(Generic[P]):
+    """A service's parameters as the log last recorded them (a ``...Configured`` event's ``params``),
+    converted once per change; ``default`` while the log recorded none. A recorded value the
+    service refused (``CommandRefused``) is never folded, so what gets here converts."""
+
+    def __init__(self, default: P, convert: Callable[[dict[str, float]], P]) -> None:
+        self.default = default
+        self._convert = convert
+        self._cached: tuple[tuple, P] | None = None
+
+    def get(self, recorded: dict[str, float] | None) -> P:
+        if recorded is None:
+            return self.default
+        key = tuple(sorted(recorded.items()))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self._convert(recorded))
+        return self._cached[1]
+
+
+def params_problem(params: dict[str, float], convert: Callable[[dict[str, float]], object]) -> str | None:
+    """Why recorded parameters cannot be applied (None: they can)."""
+    try:
+        convert(params)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+def refused(command: ev.Event, reason: str) -> ev.CommandRefused:
+    """The decision that an operator command was not applied, and why."""
+    return ev.CommandRefused(command=type(command).__name__, command_id=command.id, reason=reason)
+
+
+MAX_BATCH_DECISIONS = 500  # decisions appended at once (one atomic batch holds up to 1,000 events)
+
+
+def decision_id(service: str, cause_seq: int, n: int) -> str:
+    return f"{service}:{cause_seq}:{n}"
+
+
+def cause_seq_of(event: ev.Event, service: str) -> int | None:
+    """The cause sequence encoded in a decision id of ``service`` (None for other ids)."""
+    prefix = service + ":"
+    if not event.id.startswith(prefix):
+        return None
+    parts = event.id.split(":")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def stamp(service: str, drafts: Sequence[ev.Event], cause: Record, state: HasClock) -> list[ev.Event]:
+    """Give drafts their deterministic id, time and provenance."""
+    out = []
+    for n, draft in enumerate(drafts):
+        fields: dict[str, Any] = {
+            "id": decision_id(service, cause.seq, n),
+            "at": state.now,
+            "source": service,
+        }
+        if isinstance(draft, ev.Decision):
+            fields["based_on"] = state.seq
+            fields["cause"] = cause.event.id
+        out.append(msgspec.structs.replace(draft, **fields))
+    return out
+
+
+def decide_stamped(decider: Decider[S], state: S, cause: Record) -> list[ev.Event]:
+    """What the decider decides on ``cause`` at ``state``, fully stamped (used live and by the audit)."""
+    drafts = decider.decide(state, cause.event)
+    return stamp(decider.name, drafts, cause, state) if drafts else []
+
+
+def replay(decider: Decider[S], records: Sequence[Record], state: S | None = None) -> S:
+    """The decider's state after folding ``records``."""
+    state = state if state is not None else decider.initial_state()
+    for record in records:
+        state = decider.evolve(state, record.seq, record.event)
+    return state

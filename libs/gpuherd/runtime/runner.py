@@ -1,0 +1,371 @@
+"""The live shell of a decider: lease, snapshot, catch-up, consume -> ``DecisionCore`` -> append.
+
+All of a decider's I/O is here; what is decided on which state is the core's (``core.py``):
+
+* **Output ids come from the input.** The n-th decision caused by the event at sequence ``s`` has
+  id ``<service>:<s>:<n>`` and is stamped with ``based_on`` and ``cause``. A re-run after a crash
+  produces the same ids, and the log's dedupe makes the append a no-op.
+* **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
+  ``STATE_FORMAT`` is ignored), then folds the log to its head; the core decides what the tail
+  still lacks.
+* **One active instance.** The runner acts only while it holds the KV lease ``decider.<service>``;
+  standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Generic
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.aio import acquire_lease, patiently, run_until_stopped
+from gpuherd.errors import LeaseLost, LogError, LogUnavailable
+from gpuherd.log import SNAPSHOT_BUCKET, AppendResult, EventLog, EventStore, Lease
+from gpuherd.log.interfaces import Traces
+from gpuherd.metrics import ServiceMetrics, status_reporter
+from gpuherd.obs import current_traceparent, get_logger, span_from
+from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
+from gpuherd.runtime.deadletters import report_unreadable
+from gpuherd.runtime.decider import Decider, S
+
+log = get_logger("gpuherd.runtime")
+
+
+class Snapshot(msgspec.Struct):
+    v: int  # the decider's STATE_FORMAT when it was taken
+    seq: int
+    state: bytes
+
+
+async def append_reliably(
+    log_: EventStore,
+    events: Sequence[ev.Event],
+    *,
+    expect: Mapping[str, int] | None = None,
+    trace: Traces = None,
+    give_up_after: float = 3600.0,
+) -> AppendResult:
+    """Append, retrying through NATS outages; safe because ids make appends idempotent.
+
+    Refusals by the log (LogError, ConcurrencyError among them) are not retried. An atomic batch
+    refused because one of its events is stored already (a re-run after a crash) is appended one
+    by one instead, so the others are not lost."""
+    deadline = time.monotonic() + give_up_after
+    delay = 0.05
+    while True:
+        try:
+            result = await log_.append(events, expect=expect, trace=trace)
+            if result.duplicate and len(events) > 1 and not result.seqs:
+                seqs = await log_.append_pipelined(events)
+                return AppendResult(seqs=tuple(seqs), duplicate=True)
+            return result
+        except LogError:
+            raise
+        except Exception as exc:  # connection loss, timeouts, no responders while the server restarts
+            if time.monotonic() > deadline:
+                raise
+            log.warning("append failed; retrying", error=repr(exc), events=len(events))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+ExtraTask = Callable[["DeciderRunner[Any]"], Awaitable[None]]
+OnDecided = Callable[[Decided], Awaitable[None]]
+OnRefused = Callable[[Decided, LogError], Awaitable[None]]
+
+
+class DeciderRunner(Generic[S]):
+    """Runs one decider against a log: lease, snapshot, catch-up, live loop."""
+
+    def __init__(
+        self,
+        log_: EventLog,
+        decider: Decider[S],
+        *,
+        instance: str,
+        snapshot_every: int = 1000,
+        snapshot_interval_s: float = 10.0,
+        extra_tasks: Sequence[ExtraTask] = (),
+        metrics: ServiceMetrics | None = None,
+        on_external: OnDecided | None = None,
+        on_refused: OnRefused | None = None,
+    ) -> None:
+        self.log = log_
+        self.decider = decider
+        self.instance = instance
+        self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        self.extra_tasks = list(extra_tasks)
+        self.core = DecisionCore(decider)
+        self.is_leader = False
+        self.caught_up = asyncio.Event()
+        self.decisions_appended = 0
+        self.metrics = metrics or ServiceMetrics(decider.name)
+        self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
+        self.on_external = on_external  # answers an external input once its verdict is stored
+        self.on_refused = on_refused  # an external input whose verdict the log refused
+        self._lease: Lease | None = None
+        self._wake = asyncio.Event()  # an external input arrived
+        self._snapshot_seq = 0
+        self._snapshot_time = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        return self.decider.name
+
+    @property
+    def state(self) -> S:
+        return self.core.state
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    async def load_snapshot(self) -> None:
+        try:
+            data = await patiently(lambda: self.log.kv_get(SNAPSHOT_BUCKET, self.name), what="snapshot", patience_s=60)
+        except LogUnavailable:
+            data = None  # only a cache: rebuilt from the log instead
+        if data is None:
+            return
+        try:
+            snap = msgspec.msgpack.decode(zlib.decompress(data), type=Snapshot)
+            if snap.v != self.decider.STATE_FORMAT:
+                log.warning(
+                    "snapshot of another state format; rebuilding from the log",
+                    snapshot_format=snap.v,
+                    this_format=self.decider.STATE_FORMAT,
+                )
+                return
+            self.core.state = self.decider.decode_state(snap.state)
+            self._snapshot_seq = snap.seq
+        except (msgspec.DecodeError, msgspec.ValidationError, zlib.error) as exc:
+            # A snapshot is only a cache of the log: rebuild from the start.
+            log.warning("snapshot unreadable; rebuilding from the log", error=str(exc))
+            self.core.state = self.decider.initial_state()
+
+    async def save_snapshot(self) -> None:
+        state = self.core.state
+        snap = Snapshot(v=self.decider.STATE_FORMAT, seq=state.seq, state=self.decider.encode_state(state))
+        data = zlib.compress(msgspec.msgpack.encode(snap), 1)
+        try:
+            await self.log.kv_put(SNAPSHOT_BUCKET, self.name, data)
+        except Exception as exc:  # a missed snapshot costs a longer catch-up, nothing else
+            log.warning("snapshot not saved", error=repr(exc), bytes=len(data))
+            return
+        self._snapshot_seq = state.seq
+        self._snapshot_time = time.monotonic()
+
+    # -- lease ---------------------------------------------------------------------------------
+
+    async def acquire_leadership(self, stop: asyncio.Event) -> bool:
+        lease = self.log.lease(f"decider.{self.name}", self.instance)
+        if not await acquire_lease(lease, stop, f"decider {self.name}"):
+            return False
+        self._lease = lease
+        self.is_leader = True
+        return True
+
+    async def _keep_lease(self) -> None:
+        assert self._lease is not None
+        while True:
+            await asyncio.sleep(self._lease.ttl / 3)
+            try:
+                await self._lease.renew()  # taken again if it expired unclaimed during an outage
+            except LeaseLost:
+                raise  # another instance leads: run() turns this one into a standby
+            except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
+                log.warning("lease renewal failed; retrying", error=repr(exc))
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def role(self) -> str:
+        if not self.is_leader:
+            return "standby"
+        return "leader" if self.caught_up.is_set() else "catching up"
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Alive: connected to NATS and no loop found itself broken (standbys are healthy too)."""
+        connected = self.log.is_connected()
+        self.metrics.nats_connected.set(1 if connected else 0)
+        ok = connected and self.metrics.healthy
+        return ok, {"service": self.name, "nats_connected": connected, "role": self.role(), "seq": self.state.seq}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: leads and has caught up with the log."""
+        ok, detail = self.health()
+        return ok and self.role() == "leader", detail
+
+    # -- main loop -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        reporter = asyncio.create_task(
+            status_reporter(
+                self.log,
+                self.metrics,
+                instance=self.instance,
+                role=self.role,
+                folded=lambda: self.state.seq,
+                decisions=lambda: self.decisions_appended,
+                metrics_port=self.metrics_port,
+            )
+        )
+        try:
+            while not stop.is_set():
+                if not await self.acquire_leadership(stop):
+                    return
+                self.metrics.leader.set(1)
+                await self.load_snapshot()
+                coroutines = {"lease": self._keep_lease(), "consume": self._consume(), "decide": self._decide()}
+                for extra in self.extra_tasks:
+                    coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
+                try:
+                    await run_until_stopped(coroutines, stop)
+                    return  # stopped, or a loop died (cancelled from inside): the process ends
+                except LeaseLost as exc:
+                    log.warning("another instance leads now; back to standby", error=str(exc))
+                    self._reset()
+                finally:
+                    if stop.is_set() and self._lease is not None:
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(self._lease.release(), 2.0)
+                    self.is_leader = False
+                    self.metrics.leader.set(0)
+        finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+
+    def _reset(self) -> None:
+        """Forget everything folded: a standby that leads again starts from the snapshot and the log."""
+        self.core = DecisionCore(self.decider)
+        self.caught_up = asyncio.Event()
+        self._snapshot_seq = 0
+        self._coalesced_seen = 0
+
+    def offer(self, external: Any) -> None:
+        """An input from outside the log (intake), decided in its turn."""
+        self.core.offer(external, time.perf_counter())
+        self._wake.set()
+
+    async def _consume(self) -> None:
+        head = await self.log.last_seq()
+        self.core.catch_up(head)
+        if self.core.caught_up:
+            self.caught_up.set()
+        log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
+        async for record in self.log.read(self.state.seq + 1, follow=True):
+            if isinstance(record.event, ev.Unreadable):
+                await report_unreadable(self.log, record, self.name, self.metrics)
+            self.core.fold(record, time.perf_counter())
+            self.metrics.events_consumed.inc()
+            self.metrics.folded_seq.set(record.seq)
+            if not self.caught_up.is_set() and self.core.caught_up:
+                log.info("caught up", decider=self.name, seq=record.seq, to_decide=self.core.waiting)
+                self.caught_up.set()
+            if self.core.ready() or self.core.quiescent():
+                self._wake.set()  # decide; or, idle, see whether a snapshot is due
+
+    async def _decide(self) -> None:
+        """Decide whenever the core is ready; append; wait for the outputs to come back folded."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.core.ready():
+                batch = self.core.next_batch()
+                if batch:
+                    await self._commit(batch)
+            await self._maybe_snapshot()
+
+    def _traces(self, batch: list[Decided]) -> list[str | None]:
+        """Each output's traceparent: a span of this decider's, child of its cause's trace (a
+        submission's trace runs on through its verdict, its placement, its start)."""
+        out: list[str | None] = []
+        for decided in batch:
+            if not decided.outputs:
+                continue
+            cause = decided.cause
+            trace_in = getattr(cause, "trace", None)
+            cause_id = cause.event.id if hasattr(cause, "event") else str(getattr(cause, "cause", ""))
+            with span_from(trace_in, f"{self.name}.decide", cause=cause_id) as span:
+                trace = current_traceparent() if span.get_span_context().is_valid else trace_in
+            out += [trace] * len(decided.outputs)
+        return out
+
+    async def _commit(self, batch: list[Decided]) -> None:
+        outputs = outputs_of(batch)
+        traces = self._traces(batch)
+        refused: list[Decided] = []
+        try:
+            result = await self._append(outputs, traces)
+        except LogError as exc:
+            if not any(decided.external for decided in batch):
+                raise  # the decider's own decisions refused: a bug to stop on, not to skip
+            result, refused = await self._append_each(batch, exc)
+        self.decisions_appended += len(outputs)
+        now = time.perf_counter()
+        for decided in batch:
+            self.metrics.decision_latency.observe(now - decided.arrived)
+        for output in outputs:
+            self.metrics.decisions.labels(type(output).__name__).inc()
+        self.metrics.coalesced.inc(self.core.coalesced - self._coalesced_seen)
+        self._coalesced_seen = self.core.coalesced
+        if result.seqs:
+            self.core.appended(result.seqs)
+        for decided in batch:
+            if not decided.external:
+                continue
+            if decided in refused:
+                if self.on_refused is not None:
+                    await self.on_refused(decided, decided.refusal)  # type: ignore[arg-type]
+            elif self.on_external is not None:
+                await self.on_external(decided)
+
+    async def _append_each(self, batch: list[Decided], cause: LogError) -> tuple[AppendResult, list[Decided]]:
+        """The log refused a batch with answers to outside inputs: append each input's events on its
+        own, so one the log refuses (too large, say) fails alone; the shell hears of those."""
+        seqs: list[int] = []
+        refused: list[Decided] = []
+        for decided in batch:
+            try:
+                part = await self._append(decided.outputs, self._traces([decided]))
+            except LogError as exc:
+                if not decided.external:
+                    raise cause from exc
+                decided.refusal = exc
+                refused.append(decided)
+                continue
+            seqs.extend(part.seqs)
+        return AppendResult(seqs=tuple(seqs)), refused
+
+    _coalesced_seen = 0
+
+    async def _append(self, outputs: list[ev.Event], traces: list[str | None]) -> AppendResult:
+        """All-or-nothing when they fit one atomic append. A batch larger than that is appended in
+        consecutive atomic parts: a crash between parts leaves the rest to the next pass (the jobs
+        still wait in the folded state), and the audit reports them missing."""
+        if not outputs:
+            return AppendResult(seqs=())
+        step = self.log.max_batch
+        if len(outputs) <= step:
+            return await append_reliably(self.log, outputs, trace=traces)
+        seqs: list[int] = []
+        for start in range(0, len(outputs), step):
+            part = await append_reliably(self.log, outputs[start : start + step], trace=traces[start : start + step])
+            seqs.extend(part.seqs)
+        return AppendResult(seqs=tuple(seqs))
+
+    async def _maybe_snapshot(self) -> None:
+        if not self.core.quiescent():
+            return  # only a quiescent state is a valid snapshot: everything in it is decided
+        seq = self.state.seq
+        due = seq - self._snapshot_seq >= self.snapshot_every or (
+            seq > self._snapshot_seq and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
+        )
+        if due:
+            await self.save_snapshot()

@@ -1,0 +1,34 @@
+"""A service's timer, live: time reaches its decider as a tick event of its own type, appended once
+the runner has caught up, so time-based decisions replay exactly. The simulator ticks the same
+types on its virtual clock (``apps/sim``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuherd import events as ev
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+
+
+def tick_event(kind: type[ev.Tick], service: str, now: float) -> ev.Tick:
+    """The tick ``kind`` of ``service`` at ``now`` (its id names the moment: written once)."""
+    return kind(id=f"{service}:tick:{now:.3f}", at=now, source=service)
+
+
+def clock_ticker(
+    kind: type[ev.Tick], every_s: float, *, needed: Callable[[Any], bool] = lambda state: True
+) -> ExtraTask:
+    """A runner task that appends a ``kind`` tick every ``every_s`` seconds while ``needed(state)``
+    says a time-based decision may be due (a memory broker with no lease needs none)."""
+
+    async def tick(runner: DeciderRunner[Any]) -> None:
+        await runner.caught_up.wait()
+        while True:
+            await asyncio.sleep(every_s)
+            if needed(runner.state):
+                await append_reliably(runner.log, [tick_event(kind, runner.name, time.time())])
+
+    return tick

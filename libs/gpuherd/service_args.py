@@ -1,0 +1,49 @@
+"""Command-line options every gpuherd process shares (``gpuherd serve NAME --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+
+from gpuherd.metrics import metrics_port_from_env
+
+
+def service_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """``--nats-url``, ``--instance`` and ``--metrics-port``; the service adds its own."""
+    parser = argparse.ArgumentParser(prog=f"gpuherd serve {name}", description=description)
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--instance", default=None, help="instance id for the leader lease (default: host-pid)")
+    add_metrics_argument(parser)
+    return parser
+
+
+def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=metrics_port_from_env(),
+        help="serve /metrics, /healthz and /readyz on this port (0: any free one; default $GPUHERD_METRICS_PORT, "
+        "else none)",
+    )
+
+
+def add_params_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--params", default=None, help=f"record these parameters (JSON, e.g. {example}) before starting"
+    )
+
+
+def params_argument(text: str | None, convert: Callable[[dict[str, float]], object]) -> dict[str, float] | None:
+    """A service's ``--params`` JSON as the dict its ``...Configured`` event records; ValueError
+    (with the known names) for what its parameters class refuses."""
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text)
+        params = {str(k): float(v) for k, v in raw.items()}
+    except (json.JSONDecodeError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f'not a JSON object of numbers ({exc}); e.g. {{"lease_term_s": 300}}') from None
+    convert(params)
+    return params

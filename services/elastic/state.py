@@ -1,0 +1,67 @@
+"""The elastic service's own state: the core fold plus what only it needs of each running elastic
+job: its measured throughput per world size, its profile's numbers, when it last shrank for waiting
+jobs, its last proposal, and the service's parameters as the log last recorded them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ACTIVE, ClusterState, apply
+
+
+class JobModel(msgspec.Struct, kw_only=True, gc=False):
+    """What the policy knows of a job beyond the cluster state: its profile's numbers."""
+
+    compute_per_sample_s: float | None = None  # from its per-layer profile
+    grad_bytes: int = 0
+
+
+class ElasticState(ClusterState, kw_only=True, gc=False):
+    throughput: dict[str, dict[int, float]] = msgspec.field(default_factory=dict)  # job -> world -> samples/s
+    models: dict[str, JobModel] = msgspec.field(default_factory=dict)
+    shrunk_at: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its last shrink for waiting jobs
+    proposed: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # job -> (generation, at)
+    params: dict[str, float] | None = None  # the latest applied ElasticConfigured (None: the decider's default)
+    elastic_running: int = 0  # running elastic jobs: the timer ticks only while there are some
+
+
+def job_model(profile: dict) -> JobModel | None:
+    """A job's compute time per sample and gradient bytes, from its per-layer profile."""
+    try:
+        batch = int(profile["batch_size"])
+        step_s = float(profile["step_s"])
+        grad_bytes = sum(int(layer.get("grad_bytes", 0)) for layer in profile["layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if batch <= 0 or step_s <= 0:
+        return None
+    return JobModel(compute_per_sample_s=step_s / batch, grad_bytes=grad_bytes)
+
+
+def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -> ElasticState:
+    """Fold ``event``; ``params_ok``: an ElasticConfigured in it can be applied."""
+    apply(state, seq, event)
+    if isinstance(event, ev.ProfileReported) and event.rank == 0:
+        model = job_model(event.profile)
+        if model is not None:
+            state.models[event.job] = model
+    elif isinstance(event, ev.RescaleCompleted):
+        job = state.jobs.get(event.job)
+        measured = event.samples_per_s_before is not None and event.world_before > 0
+        if measured and job is not None and job.status in ACTIVE and job.attempt == event.attempt:
+            state.throughput.setdefault(event.job, {})[event.world_before] = event.samples_per_s_before  # type: ignore[assignment]
+    elif isinstance(event, ev.RescaleProposed):
+        state.proposed[event.job] = (event.generation, event.at)
+    elif isinstance(event, ev.JobResized) and event.kind == "shrink":
+        state.shrunk_at[event.job] = event.at
+    elif isinstance(event, ev.ElasticConfigured) and params_ok:
+        state.params = dict(event.params)
+    elif isinstance(event, ev.JobFinished):
+        for table in (state.models, state.shrunk_at, state.proposed, state.throughput):
+            table.pop(event.job, None)
+    if isinstance(event, ev.JobStarted | ev.JobFinished | ev.JobRequeued):
+        state.elastic_running = sum(
+            1 for j in state.active_jobs() if j.spec.elastic is not None and j.status == "running"
+        )
+    return state

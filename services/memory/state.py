@@ -1,0 +1,54 @@
+"""The memory broker's own state: the core fold plus the leases (``gpuherd.fold.leases``), each
+GPU's memory in use as its agent last reported it, each running job's peak use, and the broker's
+parameters as the log last recorded them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState, apply
+from gpuherd.fold import leases as lease_fold
+from gpuherd.fold.leases import Leases, apply_lease
+
+
+class MemoryState(ClusterState, kw_only=True, gc=False):
+    leases: Leases = msgspec.field(default_factory=dict)  # leases not ended
+    used_mb: dict[str, list[int]] = msgspec.field(default_factory=dict)  # node -> MiB in use per GPU
+    # The most memory one of its GPUs held for the job itself (leases lent out of it not counted),
+    # over every report while it ran: the broker's forecast of what the job needs.
+    peak_mb: dict[str, int] = msgspec.field(default_factory=dict)
+    params: dict[str, float] | None = None  # the latest applied MemoryBrokerConfigured (None: the default)
+
+    def lent_mb(self, node: str) -> dict[int, int]:
+        """MiB lent out of each GPU of ``node`` by the leases that hold shares on it."""
+        return lease_fold.lent_mb(self.leases, node)
+
+    def host_lent_mb(self, node: str) -> int:
+        return lease_fold.host_lent_mb(self.leases, node)
+
+    def gpu_used_mb(self, node: str, gpu: int) -> int | None:
+        used = self.used_mb.get(node)
+        return used[gpu] if used is not None and gpu < len(used) else None
+
+
+def evolve(state: MemoryState, seq: int, event: ev.Event, *, params_ok: bool) -> MemoryState:
+    """Fold ``event``; ``params_ok``: a MemoryBrokerConfigured in it can be applied."""
+    apply(state, seq, event)
+    if apply_lease(state.leases, event):
+        pass
+    elif isinstance(event, ev.GpuMemoryReported):
+        node = state.nodes.get(event.node)
+        if node is not None:
+            lent = state.lent_mb(event.node)
+            state.used_mb[event.node] = list(event.used_mb[: len(node.gpus)])
+            for slot, used in zip(node.gpus, event.used_mb, strict=False):
+                job = state.jobs.get(slot.job) if slot.job is not None else None
+                if job is not None and job.status == "running":
+                    mine = used - lent.get(slot.info.index, 0)
+                    state.peak_mb[job.job] = max(state.peak_mb.get(job.job, 0), mine)
+    elif isinstance(event, ev.MemoryBrokerConfigured) and params_ok:
+        state.params = dict(event.params)
+    elif isinstance(event, ev.JobFinished):
+        state.peak_mb.pop(event.job, None)
+    return state

@@ -1,0 +1,231 @@
+"""The scheduler's own state: the core fold plus what only the scheduler needs.
+
+- **queue indexes**: waiting jobs by VC and by priority, placed/running jobs by priority, GPUs held
+  per VC (a pass skips a VC whose quota is used up without looking at each of its jobs);
+- **node changes**: nodes by their last change, so a pass recomputes only the views of nodes
+  changed since the pass before;
+- **fair-share usage**: decayed GPU-seconds per user and VC;
+- **preemption bookkeeping**: when each job's attempts were preempted (at most N per hour);
+- **the policy in force**, **duration predictions**, and **intake's index** of submitted ids.
+
+Finished jobs leave the state (``retain_finished`` off): it is bounded by the live jobs, whatever
+the length of the history. Every index is kept from the core's transitions (a job entering or
+leaving the queue, or the placed and running jobs), never recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState, JobState, apply
+
+DEFAULT_HALF_LIFE_S = 12 * 3600.0  # how fast past GPU use stops counting under fair share
+# Cluster-wide scheduling parameters (PolicyConfigured.params), whatever the policy, and their defaults.
+CLUSTER_PARAMS: dict[str, float] = {
+    "half_life_s": DEFAULT_HALF_LIFE_S,
+    "preemption_grace_s": 30.0,  # SIGUSR1 to SIGTERM: time for a preempted job to checkpoint
+    "max_preemptions_per_hour": 2.0,  # per job
+}
+
+
+class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
+    """The policy in force, from the latest applied PolicyConfigured (None: the scheduler's default)."""
+
+    policy: str | None = None
+    backfill: bool = True
+    params: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def param(self, name: str) -> float:
+        return self.params.get(name, CLUSTER_PARAMS[name])
+
+    @property
+    def half_life_s(self) -> float:
+        return self.param("half_life_s")
+
+
+class Usage(msgspec.Struct, kw_only=True, gc=False):
+    """Decayed GPU-seconds of a user or VC, as of ``at`` (halves every ``half_life_s``)."""
+
+    gpu_s: float = 0.0
+    at: float = 0.0
+
+    def value(self, now: float, half_life_s: float) -> float:
+        return self.gpu_s * 0.5 ** (max(0.0, now - self.at) / half_life_s)
+
+
+def intake_key(source: str, intake_id: str) -> str:
+    return f"{source}/{intake_id}"
+
+
+class SchedulerState(ClusterState, kw_only=True, gc=False):
+    vc_used: dict[str, int] = msgspec.field(default_factory=dict)  # GPUs the active jobs hold, per VC
+    # The queue by VC (unordered: a pass sorts by policy) and how many wait at each priority.
+    queued_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
+    queued_priorities: dict[int, int] = msgspec.field(default_factory=dict)
+    active_priorities: dict[int, int] = msgspec.field(default_factory=dict)  # placed/running jobs per priority
+    node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
+    usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
+    scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
+    predicted: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its latest predicted duration
+    preempted_at: dict[str, list[float]] = msgspec.field(default_factory=dict)  # job -> when it was preempted
+    # Preemptors and the victims still stopping for them: a preemptor waits for its victims' GPUs.
+    stopping_for: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
+    intake_index: dict[str, str] = msgspec.field(default_factory=dict)  # "source/intake_id" -> job id
+    rejected: int = 0
+
+    # -- derived views --------------------------------------------------------------------------
+
+    def vc_usage(self) -> dict[str, int]:
+        """GPUs held per VC by placed and running jobs (a copy: a pass adds its own placements)."""
+        return dict(self.vc_used)
+
+    def changed_since(self, clock: int) -> list[str]:
+        """Nodes changed after node clock ``clock``, most recent first."""
+        out = []
+        for name, at in reversed(self.node_changes.items()):
+            if at <= clock:
+                break
+            out.append(name)
+        return out
+
+    def past_usage(self, key: str) -> float:
+        """Decayed GPU-seconds of ``user:<name>`` or ``vc:<name>`` as of the newest event."""
+        usage = self.usage.get(key)
+        return 0.0 if usage is None else usage.value(self.now, self.scheduling.half_life_s)
+
+    def expected_duration(self, job: JobState) -> float | None:
+        """The spec's ``duration_s`` if given, else the latest prediction."""
+        if job.spec.duration_s is not None:
+            return job.spec.duration_s
+        return self.predicted.get(job.job)
+
+    def preemptions_within(self, job: str, seconds: float) -> int:
+        return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)
+
+
+def new_state() -> SchedulerState:
+    return SchedulerState(retain_finished=False)
+
+
+PolicyCheck = Callable[[str, dict[str, float]], str | None]
+
+
+def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: PolicyCheck) -> SchedulerState:
+    """Fold ``e``: the core first, then the scheduler's own part from what the core changed."""
+    job_id = getattr(e, "job", None)
+    job = state.jobs.get(job_id) if job_id is not None else None
+    before = (job.status, job.held, job.preempt_reason, job.preempted_for) if job is not None else None
+    apply(state, seq, e)
+    if job is None and job_id is not None:
+        job = state.jobs.get(job_id)
+    if job is not None:
+        _follow_job(state, job, before, e)
+    for name in state.touched:
+        state.node_changes.pop(name, None)
+        state.node_changes[name] = state.nodes[name].version
+    if isinstance(e, ev.PolicyConfigured):
+        if e.unchecked or policy_problem(e.policy, e.params) is None:  # else refused, nothing changes
+            state.scheduling = SchedulingConfig(policy=e.policy, backfill=e.backfill, params=dict(e.params))
+    elif isinstance(e, ev.JobRejected):
+        state.rejected += 1
+    return state
+
+
+def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: ev.Event) -> None:
+    """Keep the indexes in step with what the core did to ``job``."""
+    status, held, preempt_reason, preempted_for = before if before is not None else (None, 0, None, "")
+    spec = job.spec
+    created = isinstance(e, ev.JobSubmitted) and before is None and e.job in state.jobs
+    if created and spec.intake_id is not None:
+        state.intake_index[intake_key(e.intake_source, spec.intake_id)] = e.job  # type: ignore[union-attr]
+    was_queued, queued = status == "pending", job.status == "pending" and job.job in state.jobs
+    if was_queued != queued:
+        if queued:
+            state.queued_by_vc.setdefault(spec.vc, {})[job.job] = None
+            _count_up(state.queued_priorities, spec.priority, 1)
+        else:
+            by_vc = state.queued_by_vc[spec.vc]
+            del by_vc[job.job]
+            if not by_vc:
+                del state.queued_by_vc[spec.vc]
+            _count_down(state.queued_priorities, spec.priority, 1)
+    was_active, active = status in ("placed", "running"), job.job in state.active
+    if was_active != active:
+        _count_up(state.active_priorities, spec.priority, 1 if active else -1)
+    now_held = job.held if active else 0
+    if now_held != (held if was_active else 0):
+        _count_up(state.vc_used, spec.vc, now_held - (held if was_active else 0))
+    for _, at, used in state.accounted:
+        _charge(state, job, at, used)
+    if preempt_reason is None and job.preempt_reason is not None and isinstance(e, ev.JobPreempted):
+        state.preempted_at.setdefault(job.job, []).append(e.at)
+        state.stopping_for.setdefault(job.preempted_for, {})[job.job] = None
+    elif preempt_reason is not None and (job.preempt_reason is None or job.job not in state.jobs):
+        victims = state.stopping_for.get(preempted_for)
+        if victims is not None:
+            victims.pop(job.job, None)
+            if not victims:
+                del state.stopping_for[preempted_for]
+    if isinstance(e, ev.JobDurationPredicted) and job.job in state.jobs:
+        state.predicted[job.job] = e.seconds
+    if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
+        state.predicted.pop(job.job, None)
+        state.preempted_at.pop(job.job, None)
+
+
+def _charge(state: SchedulerState, job: JobState, at: float, used: float) -> None:
+    """Add GPU-seconds a job ran to its user's and its VC's decayed usage."""
+    half_life = state.scheduling.half_life_s
+    for key in (f"user:{job.spec.user}", f"vc:{job.spec.vc}"):
+        usage = state.usage.setdefault(key, Usage(at=at))
+        usage.gpu_s = usage.value(at, half_life) + used
+        usage.at = max(usage.at, at)
+
+
+def _count_up(counts: dict, key: object, by: int) -> None:
+    left = counts.get(key, 0) + by
+    if left:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _count_down(counts: dict, key: object, by: int) -> None:
+    _count_up(counts, key, -by)
+
+
+def index_problems(state: SchedulerState) -> list[str]:
+    """Where the kept indexes disagree with the state they index (tests and invariants)."""
+    problems = []
+    active = [state.jobs[j] for j in state.active]
+    vc_used: dict[str, int] = {}
+    priorities: dict[int, int] = {}
+    for job in active:
+        vc_used[job.spec.vc] = vc_used.get(job.spec.vc, 0) + job.held
+        priorities[job.spec.priority] = priorities.get(job.spec.priority, 0) + 1
+    if state.vc_used != vc_used:
+        problems.append(f"the per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
+    if state.active_priorities != priorities:
+        problems.append("the per-priority count of active jobs drifted")
+    by_vc: dict[str, set[str]] = {}
+    queued: dict[int, int] = {}
+    for job_id in state.queue:
+        spec = state.jobs[job_id].spec
+        by_vc.setdefault(spec.vc, set()).add(job_id)
+        queued[spec.priority] = queued.get(spec.priority, 0) + 1
+    if {vc: set(jobs) for vc, jobs in state.queued_by_vc.items()} != by_vc or state.queued_priorities != queued:
+        problems.append("the per-VC queue index drifted from the queue")
+    stopping: dict[str, set[str]] = {}
+    for job in active:
+        if job.preempt_reason is not None:
+            stopping.setdefault(job.preempted_for, set()).add(job.job)
+    if {k: set(v) for k, v in state.stopping_for.items()} != stopping:
+        problems.append(f"the preemptors' index drifted: {state.stopping_for} kept, {stopping} stopping")
+    if set(state.node_changes) != set(state.nodes) or any(
+        state.node_changes[name] != node.version for name, node in state.nodes.items()
+    ):
+        problems.append("the node change list disagrees with the nodes' versions")
+    return problems
