@@ -57,6 +57,7 @@ chaos: install
 lint: install
 	$(VENV)/bin/ruff check apps libs services tests bench examples
 	$(VENV)/bin/ruff format --check apps libs services tests bench examples
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) bench/bench_log.py

@@ -96,6 +96,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 tick_s=args.tick,
                 on_submit=lambda n, task=task: progress.advance(task, n),
                 start=start,
+                elastic=args.elastic,
+                memory=args.memory,
             )
         table = jobs_mod.job_table(result.records, name=f"sim-{policy}")
         summary = jobs_mod.summarize(table.jobs)
@@ -226,6 +228,8 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--can-borrow", action="store_true", help="VCs may borrow idle GPUs of other VCs")
     s.add_argument("--limit", type=int, default=0, help="only the first N jobs")
     s.add_argument("--no-predict", action="store_true", help="no duration predictions (QSSF then ranks by GPUs)")
+    s.add_argument("--elastic", action="store_true", help="also run the elastic service (for elastic jobs)")
+    s.add_argument("--memory", action="store_true", help="also run the memory broker (for jobs that lease memory)")
     s.add_argument("--ces", help="power idle nodes down: CES params as JSON, e.g. '{\"buffer_nodes\": 4}' or {}")
     s.add_argument("--tick", type=float, default=300.0, help="virtual seconds between clock ticks")
     s.add_argument("--bucket", type=float, default=3600.0, help="utilization time bucket (s)")

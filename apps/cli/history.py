@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 from collections import Counter
 from typing import Any
 
@@ -12,9 +13,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cluster, read_records
+from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import AUDITABLE, make_decider
 from gpuherd import events as ev
-from gpuherd.rescales import rescale_rows, rescale_table
 from gpuherd.runtime.audit import audit
 
 
@@ -30,8 +31,6 @@ def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
 
 def cmd_events(args: argparse.Namespace) -> int:
     if args.dead_letter:
-        from apps.cli.ops import cmd_dead_letters
-
         return cmd_dead_letters(args)
 
     async def run() -> int:
@@ -64,6 +63,39 @@ def cmd_events(args: argparse.Namespace) -> int:
         return asyncio.run(run())
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    async def run() -> list[Any]:
+        log_ = await open_cli_log(args)
+        try:
+            return await log_.dead_letters()
+        finally:
+            await log_.close()
+
+    letters = asyncio.run(run())
+    if args.json:
+        for letter in letters:
+            data = msgspec.to_builtins(letter)
+            data["data"] = base64.b64encode(letter.data).decode()
+            print(msgspec.json.encode(data).decode())
+        return 0
+    table = Table(title=f"dead letters ({len(letters)})", title_justify="left")
+    for col in ("stream", "seq", "subject", "consumer", "deliveries", "reason", "data"):
+        table.add_column(col)
+    for letter in letters:
+        preview = letter.data[:60].decode("utf-8", errors="replace")
+        table.add_row(
+            letter.stream,
+            str(letter.seq),
+            letter.subject,
+            letter.consumer,
+            str(letter.deliveries),
+            letter.reason,
+            preview + ("..." if len(letter.data) > 60 else ""),
+        )
+    console.print(table)
+    return 0
 
 
 def cmd_rescales(args: argparse.Namespace) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import time
 from typing import Any
 
@@ -162,39 +161,6 @@ def cmd_nats_accounts(args: argparse.Namespace) -> int:
 
 def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def cmd_dead_letters(args: argparse.Namespace) -> int:
-    async def run() -> list[Any]:
-        log_ = await open_cli_log(args)
-        try:
-            return await log_.dead_letters()
-        finally:
-            await log_.close()
-
-    letters = asyncio.run(run())
-    if args.json:
-        for letter in letters:
-            data = msgspec.to_builtins(letter)
-            data["data"] = base64.b64encode(letter.data).decode()
-            print(msgspec.json.encode(data).decode())
-        return 0
-    table = Table(title=f"dead letters ({len(letters)})", title_justify="left")
-    for col in ("stream", "seq", "subject", "consumer", "deliveries", "reason", "data"):
-        table.add_column(col)
-    for letter in letters:
-        preview = letter.data[:60].decode("utf-8", errors="replace")
-        table.add_row(
-            letter.stream,
-            str(letter.seq),
-            letter.subject,
-            letter.consumer,
-            str(letter.deliveries),
-            letter.reason,
-            preview + ("..." if len(letter.data) > 60 else ""),
-        )
-    console.print(table)
-    return 0
 
 
 def add_commands(sub: Any) -> None:

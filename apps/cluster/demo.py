@@ -28,13 +28,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.client import Client, load_spec_file
 from gpuherd.errors import GpuherdError, SubmissionError
 from gpuherd.fold import TERMINAL, ClusterState, apply
 from gpuherd.log import open_log
-from gpuherd.rescales import rescale_rows, rescale_table
 from gpuherd.runtime.audit import audit
 
 console = Console()

@@ -72,7 +72,14 @@ class Timer:
 class Simulation:
     """A cluster on a virtual clock: set-up events, then trace submissions, until every job ends."""
 
-    def __init__(self, deciders: Sequence[Decider[Any]], *, timers: Sequence[Timer] = (), boot_s: float = 300.0):
+    def __init__(
+        self,
+        deciders: Sequence[Decider[Any]],
+        *,
+        timers: Sequence[Timer] = (),
+        boot_s: float = 300.0,
+        agents: bool = True,
+    ) -> None:
         self.now = 0.0
         self.log = MemoryLog(clock=lambda: self.now, duplicate_window=0.0)
         self.cores = [DecisionCore(d) for d in deciders]
@@ -80,7 +87,7 @@ class Simulation:
         if "scheduler" not in by_name:
             raise SimulationError("a simulation needs the scheduler's decider")
         self.scheduler = by_name["scheduler"]
-        self.agents = SimAgents(boot_s=boot_s)
+        self.agents = SimAgents(boot_s=boot_s) if agents else None  # None: the caller plays the agents
         self.timers = [t for t in timers if t.decider in by_name]
         self._timer_cores = {t.decider: by_name[t.decider] for t in self.timers}
         self._heap: list[tuple[float, int, str, Any]] = []
@@ -100,25 +107,32 @@ class Simulation:
         return self.log.append_now(events).seqs if events else ()
 
     def _drain(self) -> None:
-        """Fold every new record into the cores, let the agents react, and decide, until nothing new is
-        appended: what the live runners and agents do between two moments of the clock."""
+        """What the live runners and agents do between two moments of the clock: fold every record
+        there is (the agents react to each), then let each decider that is ready decide one batch and
+        append it, and again, until nothing new is appended. (A live runner folds what has arrived
+        before it decides, and folds what arrives while its append is on its way.)"""
+        while True:
+            self._fold_new()
+            if not self._decide():
+                return
+
+    def _fold_new(self) -> None:
         records = self.log.records
         state = self.scheduler.state
         while self._fed < len(records):
             record = records[self._fed]
             self._fed += 1
             event = record.event
-            agents = concerns_agents(event)
-            job_id = getattr(event, "job", None) if agents else None
-            before = self.agents.nodes_of(state, job_id) if job_id is not None else []
+            agents = self.agents if self.agents is not None and concerns_agents(event) else None
+            job_id = getattr(event, "job", None) if agents is not None else None
+            before = agents.nodes_of(state, job_id) if agents is not None and job_id is not None else []
             for core in self.cores:
                 self._fold(core, record)
-            if agents:
-                out, timers = self.agents.observe(record, state, before, self.now)
+            if agents is not None:
+                out, timers = agents.observe(record, state, before, self.now)
                 for at, kind, payload in timers:
                     self._push(at, kind, payload)
                 self._append(out)
-            self._decide()
 
     def _fold(self, core: DecisionCore[Any], record: Record) -> None:
         try:
@@ -126,23 +140,37 @@ class Simulation:
         except Exception as exc:
             raise self._failed(core, record, exc) from exc
 
-    def _decide(self) -> None:
+    def _decide(self) -> bool:
+        """One batch of every decider that is ready; False if none was."""
+        decided = False
         for core in self.cores:
-            while core.ready():
-                try:
-                    batch = core.next_batch()
-                except Exception as exc:
-                    raise self._failed(core, None, exc) from exc
-                if batch:
-                    outputs = outputs_of(batch)
-                    self.decisions += len(outputs)
-                    core.appended(self._append(outputs))
+            if not core.ready():
+                continue
+            decided = True
+            try:
+                batch = core.next_batch()
+            except Exception as exc:
+                raise self._failed(core, None, exc) from exc
+            if batch:
+                outputs = outputs_of(batch)
+                self.decisions += len(outputs)
+                core.appended(self._append(outputs))
+        return decided
 
     def _failed(self, core: DecisionCore[Any], record: Record | None, exc: Exception) -> SimulationError:
         where = (
             f"record {record.seq} ({type(record.event).__name__} at t={record.event.at:.0f})" if record else "a batch"
         )
         return SimulationError(f"decider {core.decider.name} failed on {where}: {exc!r}")
+
+    def step(self, at: float, events: Sequence[ev.Event] = (), submissions: Sequence[Any] = ()) -> None:
+        """At ``at``, ``events`` are appended (in one append) and ``submissions`` reach intake; then
+        everything runs until nothing more happens at that moment."""
+        self.now = max(self.now, at)
+        self._append(list(events))
+        for submission in submissions:
+            self._submit(submission)
+        self._drain()
 
     def setup(self, events: Iterable[ev.Event], *, at: float = 0.0) -> None:
         """Cluster set-up before the workload: nodes, VCs, the policy. Events get ``at`` and ids."""
@@ -186,7 +214,7 @@ class Simulation:
                     on_submit(1)
             elif kind == "tick":
                 self._tick(payload)
-            else:
+            elif self.agents is not None:
                 self._append(self.agents.fire(kind, payload, self.now))
             self._drain()
             for n, timer in enumerate(self.timers):  # a timer that was not needed may be now
@@ -242,7 +270,6 @@ class Simulation:
     def _submit(self, submission: Any) -> None:
         self.submitted += 1
         self.scheduler.offer(msgspec.structs.replace(submission, at=self.now))
-        self._decide()
 
     # -- results ---------------------------------------------------------------------------------
 

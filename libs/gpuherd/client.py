@@ -174,15 +174,16 @@ class Client:
         self, policy: str, *, backfill: bool = True, params: Mapping[str, float] | None = None
     ) -> None:
         """Switch the cluster's scheduling policy (recorded as PolicyConfigured); the scheduler checks
-        names and parameters when it applies it, so validate with ``services.scheduler.policy`` first."""
+        names and parameters when it applies it, and records a refusal (``CommandRefused``) for one it
+        cannot apply; the CLI checks first to answer at once."""
         event = ev.PolicyConfigured(
             **self._stamp("policy"), policy=policy, backfill=backfill, params=dict(params or {})
         )
         await (await self._log()).append([event])
 
     async def configure_elastic(self, params: Mapping[str, float]) -> None:
-        """The elastic service's parameters from now on (recorded as ElasticConfigured); validate
-        them with ``services.elastic.policy.params_from`` first."""
+        """The elastic service's parameters from now on (recorded as ElasticConfigured); the service
+        checks them as it applies them and refuses (``CommandRefused``) what it cannot apply."""
         event = ev.ElasticConfigured(**self._stamp("elastic"), params=dict(params))
         await (await self._log()).append([event])
 

@@ -34,6 +34,7 @@ class ElasticDecider(Decider[ElasticState]):
     name = "elastic"
     STATE_FORMAT = 2
     FOLLOWS = TRIGGERS
+    REFUSES = frozenset({ev.ElasticConfigured})
     EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})
 
     def __init__(self, params: ElasticParams | None = None) -> None:

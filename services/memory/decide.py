@@ -37,6 +37,7 @@ class MemoryDecider(Decider[MemoryState]):
     name = "memory"
     STATE_FORMAT = 2
     FOLLOWS = TRIGGERS
+    REFUSES = frozenset({ev.MemoryBrokerConfigured})
     EMITS = frozenset(
         {
             ev.MemoryLeaseGranted,

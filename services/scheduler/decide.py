@@ -95,6 +95,9 @@ ROUTES: dict[type[ev.Event], Route] = {
     ev.JobCancelRequested: Route(lambda s, e: cancel(s, e)),
 }
 
+# Events all ``decide`` makes of is a pass (no reaction of its own): of several waiting, the last decides.
+COALESCIBLE: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() if r.react is None and r.passes)
+
 # Events after which a pass can place nothing the pass before could not (no GPU freed, no job,
 # node, quota or order changed): ``decide`` answers them with nothing. Every other event it does
 # not follow gets a pass: not live (the runtime never hands it one), but in an audit of a log
@@ -118,6 +121,7 @@ class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
     STATE_FORMAT = 7
     FOLLOWS = frozenset(ROUTES)
+    REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(
         {
             ev.JobSubmitted,
@@ -150,8 +154,7 @@ class SchedulerDecider(Decider[SchedulerState]):
         return evolve(state, seq, event, policy_problem=check_policy)
 
     def coalescible(self, event: ev.Event) -> bool:
-        route = ROUTES.get(type(event))
-        return route is not None and route.react is None
+        return type(event) in COALESCIBLE
 
     def independent(self, event: ev.Event) -> str | None:
         # Settling a task's attempt reads and decides about that job alone (and makes no pass).

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from apps.registry import make_decider
 from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.engine import Simulation, Timer
 from apps.sim.run import as_submissions, make_deciders, simulate
@@ -395,3 +397,26 @@ def test_report_for_a_trace_and_a_simulated_log(tmp_path: Path) -> None:
     result = simulate(submissions(_contended(tmp_path)), SMALL, "fifo")
     page = write_report(job_table(result.records), tmp_path / "log-report")
     assert "queueing" in page.read_text() and (tmp_path / "log-report" / "vc_usage.png").exists()
+
+
+def test_the_elastic_service_and_the_memory_broker_run_in_simulation_too() -> None:
+    def job(name: str, at: float, gpus: int, **more: object) -> ev.JobSubmitted:
+        spec = ev.JobSpec(name=name, user="ana", gpus=gpus, duration_s=600.0, vc="a", **more)  # type: ignore[arg-type]
+        return ev.JobSubmitted(job=name, spec=spec, at=at, intake_source="t")
+
+    jobs = [
+        job("elastic", 0.0, 2, elastic=ev.Elastic(min=1, max=6)),
+        job("borrower", 50.0, 1, memory=ev.MemoryNeeds(extra_mb=8000, min_mb=1000)),
+        job("rigid", 400.0, 3),
+    ]
+    spec = ClusterSpec(vcs={"a": VcSpec(nodes=2)}, gpus_per_node=4)
+    result = simulate(jobs, spec, "fifo", elastic=True, memory=True, tick_s=60.0)
+    kinds = Counter(type(r.event).__name__ for r in result.records)
+    assert kinds["JobResized"] >= 2 and kinds["RescaleCompleted"] == kinds["JobResized"], kinds  # grew, shrank
+    assert kinds["MemoryLeaseRequested"] == 1 and kinds["MemoryLeaseGranted"] >= 1, kinds
+    assert kinds["MemoryLeaseReclaimed"] == 1, "the lease ends with its borrower"
+    assert (job_table(result.records).jobs["state"] == "completed").all()
+    for decider in ("scheduler", "elastic", "memory"):
+        report = audit(result.records, make_decider(decider))
+        assert report.ok and report.decisions_checked, (decider, report.mismatches[:3])
+    assert violations(result.records) == []

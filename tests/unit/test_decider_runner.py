@@ -203,3 +203,29 @@ async def test_a_pass_larger_than_one_atomic_append_is_appended_in_parts() -> No
     await task
     assert len({p.based_on for p in placements(log)}) == 1, "one pass"
     assert violations(log._records) == [] and audit(log._records, SchedulerDecider()).ok
+
+
+async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_rebuilt_from_the_log() -> None:
+    import zlib
+
+    import msgspec
+
+    from gpuherd.log import SNAPSHOT_BUCKET
+    from gpuherd.runtime.runner import Snapshot
+
+    log = MemoryLog(duplicate_window=0)
+    await log.append([node("n1", 2), submit("a", 1)])
+    decider = SchedulerDecider()
+    stale = decider.initial_state()
+    stale.seq = 2  # "everything folded": were it read, the runner would know of no node and no job
+    for v in (SchedulerDecider.STATE_FORMAT - 1, SchedulerDecider.STATE_FORMAT):
+        snap = Snapshot(v=v, seq=2, state=decider.encode_state(stale))
+        await log.kv_put(SNAPSHOT_BUCKET, "scheduler", zlib.compress(msgspec.msgpack.encode(snap)))
+        runner, stop, task = await start(log, instance=f"v{v}")
+        await until(lambda runner=runner: runner.caught_up.is_set())
+        stop.set()
+        await task
+        if v != SchedulerDecider.STATE_FORMAT:
+            assert "n1" in runner.state.nodes and len(placements(log)) == 1, "rebuilt from the log, and decided"
+        else:
+            assert not runner.state.nodes, "a snapshot of this format is trusted (it is only ever written whole)"

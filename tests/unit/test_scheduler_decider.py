@@ -1,3 +1,4 @@
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -308,3 +309,26 @@ def test_an_unhealthy_gpu_moves_its_job_and_takes_no_new_work() -> None:
     assert (third.allocations[0].node, third.allocations[0].gpus) == (first.allocations[0].node, (0,))
     log = drive([ev.NodeUndrained(id="ok", node=first.allocations[0].node)], log)
     assert all(g.healthy for g in fold_log(log).nodes[first.allocations[0].node].gpus)
+
+
+def test_operator_commands_it_cannot_apply_are_refused_with_the_reason_and_change_nothing() -> None:
+    log = drive([node("n1", 2), ev.PolicyConfigured(id="ok", policy="sjf")])
+    bad = [
+        ev.VcConfigured(id="vc", vc="a", gpu_quota=-2),
+        ev.PolicyConfigured(id="pol", policy="lottery"),
+        ev.PolicyConfigured(id="param", policy="las", params={"bogus": 1.0}),
+        ev.NodeDrained(id="drain", node="ghost"),
+        ev.JobCancelRequested(id="cancel", job="ghost"),
+    ]
+    log = drive(bad, log)
+    refused = {r.command_id: r for r in decisions(log, ev.CommandRefused)}
+    assert set(refused) == {"vc", "pol", "param", "drain", "cancel"}
+    assert "cannot be negative" in refused["vc"].reason and refused["vc"].command == "VcConfigured"
+    assert "unknown policy 'lottery'" in refused["pol"].reason and "no parameter bogus" in refused["param"].reason
+    assert "no node 'ghost'" in refused["drain"].reason and "no job 'ghost'" in refused["cancel"].reason
+    state = fold_log(log)
+    assert state.scheduling.policy == "sjf" and "a" not in state.vcs, "nothing changed"
+    unchecked = [msgspec.structs.replace(e, id=f"old-{e.id}", unchecked=True) for e in bad]
+    log = drive(unchecked, log)
+    assert len(decisions(log, ev.CommandRefused)) == 5, "commands recorded before they were checked are not refused"
+    assert decider.policy_for(fold_log(log)).name == "las", "as then: its unknown parameter was ignored"

@@ -246,7 +246,7 @@ def _node_powered_up(state: ClusterState, seq: int, e: ev.NodePoweredUp) -> None
 
 
 def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
-    if vc_problem(e) is None:  # refused by the scheduler (CommandRefused); the VC stays as it was
+    if e.unchecked or vc_problem(e) is None:  # else refused by the scheduler (CommandRefused): no change
         state.vcs[e.vc] = VcState(vc=e.vc, gpu_quota=e.gpu_quota, can_borrow=e.can_borrow, weight=e.weight)
 
 

@@ -6,9 +6,11 @@ replay makes the same decisions. The runtime (``core``) decides what is decided 
 the runner (live) and the simulator only drive it.
 
 A decider declares its routing: ``FOLLOWS``, the event types ``decide`` may act on (the others
-are folded and never handed to it), and ``EMITS``, the types it writes (one writer per type: the
-registry checks it). Its state is a msgspec Struct whose layout is versioned by ``STATE_FORMAT``:
-a snapshot of another format is never read; the state is rebuilt from the log instead.
+are folded and never handed to it); ``EMITS``, the types it writes (one writer per type: the
+registry checks it); and ``REFUSES``, the operator commands it applies, and so checks, recording
+``CommandRefused`` for one it cannot apply (one service per command). Its state is a msgspec
+Struct whose layout is versioned by ``STATE_FORMAT``: a snapshot of another format is never read;
+the state is rebuilt from the log instead.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Decider(abc.ABC, Generic[S]):
     STATE_FORMAT: ClassVar[int] = 1
     FOLLOWS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
     EMITS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
+    REFUSES: ClassVar[frozenset[type[ev.Command]]] = frozenset()  # the commands it checks and applies
 
     @abc.abstractmethod
     def initial_state(self) -> S: ...
