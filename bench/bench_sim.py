@@ -1,21 +1,34 @@
 """Trace simulation speed and the policy comparison on philly.csv.
 
-For each policy: the full trace through the live scheduler and analytics
-deciders on a virtual clock. Prints simulated jobs/s and peak memory, checks
-that two runs of one policy give the same log (determinism), then the
-FIFO / SJF (oracle) / QSSF (predicted) / SRTF (oracle) table, overall and per
-VC, at the trace's own VC capacity (each VC sized to its peak demand) and at
-a contended scale. Baseline for speed: FIFO in the same run.
+For each policy: the whole trace through the live scheduler and analytics deciders on a virtual
+clock. Prints simulated jobs/s and peak memory, checks that two runs of one policy give the same
+log (determinism), then the FIFO / SJF (oracle) / QSSF (predicted) / SRTF (oracle) table, overall
+and per VC, at the trace's own VC capacity (each VC sized to its peak demand) and at a contended
+scale. Baseline for speed: FIFO in the same run.
+
+``--against REV`` measures an earlier version of gpuherd (a git revision of this repository,
+checked out in a temporary worktree) on the same workload in the same run: each run is a fresh
+process of either version, alternating, so both see the same machine; the table gives the wall time
+of each and their ratio, and whether the results agree.
 
     python bench/bench_sim.py [--limit N] [--scales 1.0,0.25] [--policies fifo,sjf,qssf,srtf]
+    python bench/bench_sim.py --against f7b0f06 --scales 0.5 [--repeats 2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
+import os
 import resource
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -27,8 +40,36 @@ from gpuherd import events as ev
 from services.analytics.jobs import job_table, summarize
 from services.analytics.traces import load_trace, submissions, vc_peak_demand
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "philly" / "philly.csv"
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "philly" / "philly.csv"
 console = Console(width=170)
+
+# One simulation in a fresh process of the gpuherd checked out at ``root`` (its own API, old or new).
+DRIVER = """
+import json, os, resource, sys, time
+root, trace_path, policy, scale, limit = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+sys.path[:0] = [root + "/libs", root]
+if os.path.isdir(root + "/apps"):
+    from apps.sim.cluster import ClusterSpec
+    from apps.sim.run import simulate
+else:  # before apps/ existed
+    from gpuherd.sim.cluster import ClusterSpec
+    from gpuherd.sim.run import simulate
+from services.analytics.jobs import job_table, summarize
+from services.analytics.traces import load_trace, submissions, vc_peak_demand
+trace = load_trace(trace_path)
+if limit:
+    trace.jobs = trace.jobs.head(limit)
+cluster = ClusterSpec.from_peaks(vc_peak_demand(trace), scale=scale)
+result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin)
+summary = summarize(job_table(result.records).jobs)["all"]
+print(json.dumps({
+    "wall_s": result.wall_s, "events": result.events, "submitted": result.submitted,
+    "avg_jct_s": summary["avg_jct_s"], "avg_queue_s": summary["avg_queue_s"],
+    "preemptions": summary["preemptions"], "finished": summary["finished"],
+    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+}))
+"""
 
 
 def digest(records: list) -> str:
@@ -38,6 +79,91 @@ def digest(records: list) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[Path]:
+    """The repository at ``rev``, checked out in a temporary folder (removed afterwards)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuherd-"))
+    path = folder / "tree"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True, capture_output=True
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_in(root: Path, trace: str, policy: str, scale: float, limit: int) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(root), trace, policy, str(scale), str(limit)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"the simulation at {root} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def before_and_after(args: argparse.Namespace) -> None:
+    """The same simulations with the version at ``--against`` and with this one, alternating."""
+    rows = []
+    with worktree(args.against) as old:
+        for scale in (float(s) for s in args.scales.split(",")):
+            for policy in args.policies.split(","):
+                runs: dict[str, list[dict]] = {"before": [], "after": []}
+                for _ in range(args.repeats):
+                    runs["before"].append(run_in(old, args.trace, policy, scale, args.limit))
+                    runs["after"].append(run_in(ROOT, args.trace, policy, scale, args.limit))
+                before = min(runs["before"], key=lambda r: r["wall_s"])
+                after = min(runs["after"], key=lambda r: r["wall_s"])
+                rows.append(
+                    {
+                        "scale": scale,
+                        "policy": policy,
+                        "before_wall_s": round(before["wall_s"], 2),
+                        "after_wall_s": round(after["wall_s"], 2),
+                        "speedup": round(before["wall_s"] / after["wall_s"], 2),
+                        "before_avg_jct_s": before["avg_jct_s"],
+                        "after_avg_jct_s": after["avg_jct_s"],
+                        "before_preemptions": before["preemptions"],
+                        "after_preemptions": after["preemptions"],
+                        "before_peak_rss_mb": round(before["peak_rss_mb"]),
+                        "after_peak_rss_mb": round(after["peak_rss_mb"]),
+                        "same_results": abs(before["avg_jct_s"] - after["avg_jct_s"]) <= 1e-6 * before["avg_jct_s"]
+                        and before["preemptions"] == after["preemptions"],
+                    }
+                )
+    if args.json:
+        print(json.dumps({"against": args.against, "runs": rows}))
+        return
+    table = Table(
+        title=f"simulation speed: gpuherd at {args.against} (before) and now (after), best of {args.repeats}",
+        title_justify="left",
+    )
+    for col in ("scale", "policy", "before s", "after s", "after vs before", "avg JCT before / after (s)"):
+        table.add_column(col, justify="right")
+    table.add_column("preemptions before / after", justify="right")
+    table.add_column("peak RSS MB before / after", justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r['scale']}",
+            r["policy"],
+            f"{r['before_wall_s']:.1f}",
+            f"{r['after_wall_s']:.1f}",
+            f"{r['speedup']:.2f}x faster" if r["speedup"] >= 1 else f"{1 / r['speedup']:.2f}x slower",
+            f"{r['before_avg_jct_s']:,.1f} / {r['after_avg_jct_s']:,.1f}" + ("" if r["same_results"] else " *"),
+            f"{r['before_preemptions']:,} / {r['after_preemptions']:,}",
+            f"{r['before_peak_rss_mb']:,} / {r['after_peak_rss_mb']:,}",
+        )
+    console.print(table)
+    console.print("* the results differ (see the closing note of the version for why)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", default=str(TRACE))
@@ -45,7 +171,13 @@ def main() -> None:
     parser.add_argument("--scales", default="1.0,0.25")
     parser.add_argument("--policies", default="fifo,sjf,qssf,srtf")
     parser.add_argument("--determinism", action="store_true", help="run FIFO twice and compare the logs")
+    parser.add_argument("--against", help="also run gpuherd at this git revision on the same workload (before/after)")
+    parser.add_argument("--repeats", type=int, default=1, help="--against: runs of each version (the best counts)")
+    parser.add_argument("--json", action="store_true", help="--against: print the figures as one JSON object")
     args = parser.parse_args()
+    if args.against:
+        before_and_after(args)
+        return
     trace = load_trace(args.trace)
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)

@@ -8,7 +8,8 @@ Nothing here decides anything. The engine
 * hands submissions to the scheduler's intake judge (``Decider.take``) through the same ordering core
   (``gpuherd.runtime.core.DecisionCore``) the live runner drives, so coalescing, batching and
   ``based_on`` are the live ones: the same inputs give the same decisions, record for record;
-* appends what happens to an in-memory log (``MemoryLog``), stamped with the virtual time, and feeds
+* appends what happens to its log (a list of records: one process, nothing to wait for, no
+  duplicate to refuse since every id is derived from what it is about), and feeds
   every record, in order, to each decider's core and to the node agents (``agents.py``: the live
   agent's reconcile step and the ``sim`` executor's task bookkeeping).
 
@@ -35,7 +36,7 @@ import msgspec
 from apps.sim.agents import SimAgents, concerns_agents
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
-from gpuherd.log import MemoryLog, Record
+from gpuherd.log import Record
 from gpuherd.runtime.core import DecisionCore, outputs_of
 from gpuherd.runtime.decider import Decider
 
@@ -56,6 +57,9 @@ def _few_collections() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*before)
+
+
+_MOVES = (ev.JobFinished, ev.JobRequeued, ev.JobResized, ev.RescaleCompleted)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class Simulation:
         agents: bool = True,
     ) -> None:
         self.now = 0.0
-        self.log = MemoryLog(clock=lambda: self.now, duplicate_window=0.0)
+        self._records: list[Record] = []
         self.cores = [DecisionCore(d) for d in deciders]
         by_name = {core.decider.name: core for core in self.cores}
         if "scheduler" not in by_name:
@@ -104,7 +108,12 @@ class Simulation:
         heapq.heappush(self._heap, (at, next(self._order), kind, payload))
 
     def _append(self, events: list[ev.Event]) -> tuple[int, ...]:
-        return self.log.append_now(events).seqs if events else ()
+        if not events:
+            return ()
+        records = self._records
+        first = len(records) + 1
+        records.extend(Record(seq, event) for seq, event in enumerate(events, first))
+        return tuple(range(first, len(records) + 1))
 
     def _drain(self) -> None:
         """What the live runners and agents do between two moments of the clock: fold every record
@@ -117,7 +126,7 @@ class Simulation:
                 return
 
     def _fold_new(self) -> None:
-        records = self.log.records
+        records = self._records
         state = self.scheduler.state
         while self._fed < len(records):
             record = records[self._fed]
@@ -125,7 +134,8 @@ class Simulation:
             event = record.event
             agents = self.agents if self.agents is not None and concerns_agents(event) else None
             job_id = getattr(event, "job", None) if agents is not None else None
-            before = agents.nodes_of(state, job_id) if agents is not None and job_id is not None else []
+            # (Where the job was matters to the agents only when the event moves it, or ends it.)
+            before = agents.nodes_of(state, job_id) if job_id is not None and isinstance(event, _MOVES) else []
             for core in self.cores:
                 self._fold(core, record)
             if agents is not None:
@@ -279,7 +289,7 @@ class Simulation:
 
     @property
     def records(self) -> Sequence[Record]:
-        return self.log.records
+        return self._records
 
     def state_of(self, name: str) -> Any:
         for core in self.cores:

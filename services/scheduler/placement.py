@@ -83,8 +83,9 @@ def views(state: SchedulerState) -> dict[str, NodeView]:
 
 
 class PassViews(NamedTuple):
-    """What a pass starts from: the views (its own copy, to shrink as it places), free GPUs per
-    executor kind (runs processes or not), and the island index over the views."""
+    """What a pass starts from: the views (shared with the cache: a pass copies them before it
+    shrinks them, at its first placement), free GPUs per executor kind (runs processes or not),
+    and the island index over the views."""
 
     free: dict[str, NodeView]
     free_total: dict[bool, int]
@@ -120,7 +121,8 @@ class ViewCache:
         self.asleep: set[str] = set()  # up, but powered down, powering down or booting
 
     def refresh(self, state: SchedulerState) -> PassViews:
-        """The views of ``state``, with the pass's own copy of what a pass changes."""
+        """The views of ``state`` (the pass copies them before it places anything: most passes
+        place nothing) and its own copy of the free totals."""
         nodes = state.nodes
         if nodes is not self._of or state.node_clock < self._clock:
             self._of = nodes
@@ -149,9 +151,8 @@ class ViewCache:
             self._index.nodes = self._views
             for view in fresh:
                 self._index.add(view)
-        free = dict(self._views)
-        self._index.begin_pass(free)
-        return PassViews(free, dict(self._totals), self._index)
+        self._index.begin_pass(self._views)
+        return PassViews(self._views, dict(self._totals), self._index)
 
 
 def can_run(spec: JobSpec, runs_processes: bool) -> bool:

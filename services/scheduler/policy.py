@@ -26,6 +26,7 @@ before there is one.
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 from collections.abc import Iterable
 from typing import ClassVar
@@ -61,6 +62,11 @@ class Policy(abc.ABC):
         jobs = [state.jobs[j] for j in (state.queue if queue is None else queue)]
         return sorted(jobs, key=lambda j: self.rank(j, state))
 
+    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> list[JobState]:
+        """Waiting jobs in order, without those of ``vcs`` but for the ones in ``keep``."""
+        queue = [j for vc, queued in state.queued_by_vc.items() if vc not in vcs for j in queued]
+        return self.order(state, [*queue, *keep]) if queue or keep else []
+
     def rank(self, job: JobState, state: SchedulerState) -> tuple:
         """The sort key of ``order`` (after ``prepare``): priority, the policy's key, arrival."""
         return (-job.spec.priority, self.key(job, state), job.order)
@@ -85,6 +91,16 @@ class Fifo(Policy):
             jobs = state.jobs
             return [jobs[j] for j in state.queue]
         return super().order(state, queue)
+
+    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> list[JobState]:
+        if len(state.queued_priorities) > 1:
+            return super().order_without(state, vcs, keep)
+        jobs = state.jobs
+        others = [q for vc, q in state.queued_by_vc.items() if vc not in vcs]
+        if sum(map(len, others)) + len(keep) < len(state.queue) // 4:  # a few: sort them by arrival
+            return sorted((jobs[j] for j in itertools.chain(*others, keep)), key=lambda job: job.order)
+        kept = set(keep)
+        return [job for j in state.queue if (job := jobs[j]).spec.vc not in vcs or j in kept]
 
 
 class Sjf(Policy):

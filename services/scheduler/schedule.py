@@ -97,7 +97,7 @@ class Pass:
     backfill: bool
     skip: frozenset[str] | set[str]
     explain: bool
-    free: dict[str, NodeView]  # the pass's own copy of the views: it shrinks them as it places
+    free: dict[str, NodeView]  # the views; copied at the first placement, which shrinks them
     free_total: dict[bool, int]  # free GPUs by executor kind (runs processes or not)
     index: IslandIndex
     vc_used: dict[str, int]
@@ -113,6 +113,7 @@ class Pass:
     why_not: dict[tuple, tuple[PendingKind, str]] = field(default_factory=dict)
     quota_heads: dict[str, tuple[int, JobState]] = field(default_factory=dict)  # VC -> first job its quota stops
     behind_head: int = 0
+    owns_free: bool = False  # ``free`` is the pass's own copy
 
     @property
     def any_free(self) -> bool:
@@ -177,22 +178,22 @@ def consider(work: Pass, job: JobState, position: int, borrowed: int) -> None:
 
 
 def candidates(work: Pass) -> list[JobState]:
-    """The waiting jobs in the policy's order. Without explanations, a deep queue leaves out the jobs
-    of VCs whose quota is used up (none of them can start), but keeps each such VC's first job,
-    which may preempt within its VC (or by priority)."""
+    """The waiting jobs in the policy's order. Without explanations, the jobs of VCs whose quota has
+    no room for even their smallest waiting job are left out (none of them can start), but each such
+    VC's first job stays, as it may preempt within its VC (or by priority)."""
     state, policy = work.state, work.policy
-    full = set() if work.explain or len(state.queue) < 64 else _full_vcs(state, work.vc_used)
+    full = set() if work.explain else _full_vcs(state, work.vc_used)
     if not full:
         return policy.order(state)
-    queue = [j for vc, queued in state.queued_by_vc.items() if vc not in full for j in queued]
+    firsts: list[str] = []
     if policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0):
         policy.prepare(state)
         jobs = state.jobs
-        for vc in full & state.queued_by_vc.keys():
+        for vc in full:
             able = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
             if able:
-                queue.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
-    return policy.order(state, queue)
+                firsts.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
+    return policy.order_without(state, full, firsts)
 
 
 def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider", "skip", "stop"]:
@@ -282,6 +283,10 @@ def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> No
     """Take the placement's GPUs from the pass's views and record the job's ``JobPlaced``."""
     state = work.state
     work.fits.clear()
+    if not work.owns_free:
+        work.free = dict(work.free)
+        work.index.nodes = work.free
+        work.owns_free = True
     for alloc in placement.allocations:
         used = set(alloc.gpus)
         view = work.free[alloc.node]
@@ -347,12 +352,15 @@ def preempt(work: Pass) -> None:
 
 
 def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
-    """VCs that may not borrow and have no GPU of their quota left: none of their jobs can start."""
-    return {
-        vc.vc
-        for vc in state.vcs.values()
-        if vc.gpu_quota is not None and not vc.can_borrow and vc_used.get(vc.vc, 0) >= vc.gpu_quota
-    }
+    """VCs with waiting jobs that may not borrow and have too little quota left for the smallest of
+    them: none of their waiting jobs can start."""
+    full = set()
+    for name, sizes in state.queued_sizes.items():
+        vc = state.vcs.get(name)
+        bounded = vc is not None and vc.gpu_quota is not None and not vc.can_borrow
+        if bounded and vc.gpu_quota - vc_used.get(name, 0) < min(sizes):  # type: ignore[union-attr,operator]
+            full.add(name)
+    return full
 
 
 def _quota(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> int | None:

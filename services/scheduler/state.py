@@ -65,6 +65,7 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     # The queue by VC (unordered: a pass sorts by policy) and how many wait at each priority.
     queued_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
     queued_priorities: dict[int, int] = msgspec.field(default_factory=dict)
+    queued_sizes: dict[str, dict[int, int]] = msgspec.field(default_factory=dict)  # VC -> GPUs asked -> jobs
     active_priorities: dict[int, int] = msgspec.field(default_factory=dict)  # placed/running jobs per priority
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
@@ -146,12 +147,17 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
         if queued:
             state.queued_by_vc.setdefault(spec.vc, {})[job.job] = None
             _count_up(state.queued_priorities, spec.priority, 1)
+            _count_up(state.queued_sizes.setdefault(spec.vc, {}), spec.gpus, 1)
         else:
             by_vc = state.queued_by_vc[spec.vc]
             del by_vc[job.job]
             if not by_vc:
                 del state.queued_by_vc[spec.vc]
             _count_down(state.queued_priorities, spec.priority, 1)
+            sizes = state.queued_sizes[spec.vc]
+            _count_down(sizes, spec.gpus, 1)
+            if not sizes:
+                del state.queued_sizes[spec.vc]
     was_active, active = status in ("placed", "running"), job.job in state.active
     if was_active != active:
         _count_up(state.active_priorities, spec.priority, 1 if active else -1)
@@ -212,12 +218,16 @@ def index_problems(state: SchedulerState) -> list[str]:
         problems.append("the per-priority count of active jobs drifted")
     by_vc: dict[str, set[str]] = {}
     queued: dict[int, int] = {}
+    sizes: dict[str, dict[int, int]] = {}
     for job_id in state.queue:
         spec = state.jobs[job_id].spec
         by_vc.setdefault(spec.vc, set()).add(job_id)
         queued[spec.priority] = queued.get(spec.priority, 0) + 1
+        sizes.setdefault(spec.vc, {})[spec.gpus] = sizes.get(spec.vc, {}).get(spec.gpus, 0) + 1
     if {vc: set(jobs) for vc, jobs in state.queued_by_vc.items()} != by_vc or state.queued_priorities != queued:
         problems.append("the per-VC queue index drifted from the queue")
+    if state.queued_sizes != sizes:
+        problems.append("the per-VC sizes of waiting jobs drifted from the queue")
     stopping: dict[str, set[str]] = {}
     for job in active:
         if job.preempt_reason is not None:
