@@ -21,7 +21,7 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 JOB_ID = "GPUHERD_JOB_ID"
 ATTEMPT = "GPUHERD_ATTEMPT"
 NODE = "GPUHERD_NODE"
-AGENT_ADDR = "GPUHERD_AGENT_ADDR"  # the agent's control socket (see services/nodeagent/control.py)
+AGENT_ADDR = "GPUHERD_AGENT_ADDR"  # the agent's control socket (see services/nodeagent/control_socket.py)
 VIRTUAL_GPUS = "GPUHERD_VIRTUAL_GPUS"  # cpu executor: the declared GPU indices this process stands for
 TASK_DIR = "GPUHERD_TASK_DIR"  # the attempt's folder on the node: the agent leaves requests there
 

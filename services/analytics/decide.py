@@ -16,6 +16,7 @@ change only in ``evolve``, so a replay rebuilds them exactly.
 from __future__ import annotations
 
 from gpuherd import events as ev
+from gpuherd.fold import TERMINAL
 from gpuherd.runtime.decider import Decider
 from services.analytics.ces import CesParams, forecast_peak, plan_power
 from services.analytics.predict import MODEL_NAME
@@ -52,7 +53,9 @@ class AnalyticsDecider(Decider[AnalyticsState]):
     def decide(self, state: AnalyticsState, event: ev.Event) -> list[ev.Event]:
         if isinstance(event, ev.JobSubmitted) and self.predict:
             job = state.jobs.get(event.job)
-            if job is None or job.status != "pending" or event.job in state.predicted:
+            # The job may be placed by the time this is decided (a runner decides on all it has
+            # folded): it is still forecast, as long as it has not ended.
+            if job is None or job.status in TERMINAL or event.job in state.predicted:
                 return []
             guess = state.model.predict(features(job))
             return [ev.JobDurationPredicted(job=event.job, seconds=guess.seconds, model=MODEL_NAME, basis=guess.basis)]

@@ -1,18 +1,19 @@
 """The node agent: register, heartbeat, sample, and reconcile this node's tasks with the log.
 
 The agent folds what concerns its node (``state.py``) and, for every job an event touches, runs the
-pure reconcile step (``reconcile.py``) and carries out its actions with the executor. Its loops:
+pure reconcile step (``reconcile.py``) and carries out its actions with the executor. Its parts:
 
-- ``follow``: fold the log; after each job event, reconcile that job (each job in a task of its
-  own, so one job's slow stop never holds up another's start); carry out power requests;
-- ``heartbeat``: telemetry heartbeats and the node's lease (one agent per node);
-- ``telemetry``: GPU samples; unhealthy GPUs, memory in use and lease renewals go to the log.
+- ``Agent`` (here): its life cycle, the ``follow`` loop (fold the log; reconcile each job an
+  event touches, each job in a task of its own so one job's slow stop never holds up another's
+  start), and carrying out the reconcile step's actions;
+- ``upkeep.py``: heartbeats and the node's lease, GPU telemetry (health, memory use, lease renewals);
+- ``messages.py``: what the job's processes report over the control socket (``gpuherd.control``);
+- ``power.py``: powering the node down and up; ``writer.py``: how it writes to the log.
 
 What it writes: ``JobStarted`` when it starts its part, ``TaskEnded`` when its part ends
 (completed, failed with the output's tail, or stopped because the attempt is ending elsewhere),
-and what the job's processes report over the control socket (``gpuherd.control``: rescales, dead
-workers, lease releases, profiles). Every id is derived from what the event is about, so a repeat
-after a crash is a no-op.
+and what the job's processes report. Every id is derived from what the event is about, so a
+repeat after a crash is a no-op.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shlex
 import socket
 import time
 import uuid
@@ -36,17 +36,17 @@ from prometheus_client import Gauge
 from gpuherd import control
 from gpuherd import events as ev
 from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.errors import LeaseLost
-from gpuherd.fold import ACTIVE, JobState
-from gpuherd.log import EventLog, Lease, open_log
+from gpuherd.fold import JobState
+from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
-from gpuherd.runtime.runner import append_reliably
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
-from services.nodeagent.control import ControlSocket, control_address
+from services.nodeagent.control_socket import ControlSocket, control_address
 from services.nodeagent.executors import Executor, TaskExit, TaskKey, make_executor
+from services.nodeagent.messages import JobMessages
+from services.nodeagent.power import PowerSwitch
 from services.nodeagent.reconcile import (
     Action,
     AgentEvents,
@@ -59,21 +59,15 @@ from services.nodeagent.reconcile import (
     SyncLeases,
     Tasks,
     launch_for,
-    power,
     reconcile,
 )
 from services.nodeagent.state import AgentState, evolve, new_state
+from services.nodeagent.upkeep import NodeUpkeep
+from services.nodeagent.writer import AgentWriter
 
 log = get_logger("gpuherd.nodeagent")
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class Heartbeat(msgspec.Struct, frozen=True):
-    node: str
-    boot_id: str
-    at: float
-    running: int
 
 
 class LogsRequest(msgspec.Struct, frozen=True):
@@ -103,34 +97,35 @@ class Agent:
         self.rack = rack
         self.address = address
         self.port_range = port_range
-        self.heartbeat_s = heartbeat_s
-        self.telemetry_s = telemetry_s
-        self.power_hook = power_hook  # run as `<hook> down|up <node>` to really switch power
         self.clock = clock
-        self.events = AgentEvents(node)
-        self.source = self.events.source
         self.boot_id = uuid.uuid4().hex[:12]
         self.state: AgentState = new_state(node)
         self.caught_up = asyncio.Event()
+        self.writer = AgentWriter(log_, AgentEvents(node), clock)
+        self.messages = JobMessages(node, lambda: self.state, executor, self.writer, log_)
+        self.upkeep = NodeUpkeep(
+            node,
+            self.boot_id,
+            lambda: self.state,
+            executor,
+            self.writer,
+            log_,
+            heartbeat_s=heartbeat_s,
+            telemetry_s=telemetry_s,
+        )
+        self.power = PowerSwitch(node, lambda: self.state, self.writer, power_hook)
         self._exited: set[TaskKey] = set()
         self._traces: dict[str, str] = {}  # job -> traceparent of its placement
-        self._metrics: dict[TaskKey, dict[str, float]] = {}  # the latest report of each task's first rank
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
-        self._reported_unhealthy: set[int] = set()
-        self._powering: asyncio.Task[None] | None = None
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
-        self._memory = leases.MemoryReporter()
-        self._memory_reports = 0
         self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
-        self._background: set[asyncio.Task[Any]] = set()
         executor.node = node
         self.metrics = ServiceMetrics(f"agent-{node}")
         self.metrics_port: int | None = None
-        tasks_running = Gauge(
-            "gpuherd_agent_tasks_running", "Tasks this agent runs now", registry=self.metrics.registry
-        )
+        registry = self.metrics.registry
+        tasks_running = Gauge("gpuherd_agent_tasks_running", "Tasks this agent runs now", registry=registry)
         tasks_running.set_function(lambda: len(self.executor.running()))
 
     def health(self) -> tuple[bool, dict[str, Any]]:
@@ -149,10 +144,10 @@ class Agent:
         lease = self.log.lease(f"agent.{self.node}", self.boot_id)  # one agent per node
         if not await acquire_lease(lease, stop, f"node {self.node}"):
             return
-        self._touch_alive()
+        self.upkeep.touch_alive()
         socket_ = None
         if self.executor.agent_addr:
-            socket_ = ControlSocket(self.executor.agent_addr, self.on_message)
+            socket_ = ControlSocket(self.executor.agent_addr, self.messages.on_message)
             await socket_.start()
         stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
@@ -167,11 +162,18 @@ class Agent:
                 decisions=lambda: 0,
                 metrics_port=self.metrics_port,
             )
-            loops = {"heartbeat": self._heartbeat(lease), "telemetry": self._telemetry(), "follow": self._follow()}
-            await run_until_stopped({**loops, "status": status}, stop)
+            loops = {
+                "heartbeat": self.upkeep.heartbeats(lease),
+                "telemetry": self.upkeep.samples(),
+                "follow": self._follow(),
+                "status": status,
+            }
+            await run_until_stopped(loops, stop)
         finally:
-            for task in [*self._reconciling.values(), *self._background]:
+            for task in self._reconciling.values():
                 task.cancel()
+            self.writer.cancel()
+            self.power.cancel()
             await self.executor.shutdown()
             with contextlib.suppress(Exception):
                 await stop_serving()
@@ -184,7 +186,7 @@ class Agent:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
         suffix = f":{after_seq}" if after_seq else ""
         event = ev.NodeRegistered(
-            **self._stamp("register", f"{self.boot_id}{suffix}"),
+            **self.writer.stamp("register", f"{self.boot_id}{suffix}"),
             node=self.node,
             gpus=tuple(self.executor.inventory(self.node)),
             rack=self.rack,
@@ -194,62 +196,10 @@ class Agent:
             port_range=self.port_range,
             host_memory_mb=leases.host_memory_mb() if self.executor.kind != "sim" else 0,
         )
-        await append_reliably(self.log, [event])
+        await self.writer.append(event)
         log.info("registered", node=self.node, gpus=len(event.gpus), executor=self.executor.kind)
 
-    def _stamp(self, kind: str, *parts: str) -> dict[str, Any]:
-        """id, at and source of an event this agent writes (see ``AgentEvents``)."""
-        return self.events.stamp(kind, *parts, at=self.clock())
-
-    def _touch_alive(self) -> None:
-        """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
-        alive = self.executor.alive_file
-        if alive is not None:
-            alive.parent.mkdir(parents=True, exist_ok=True)
-            alive.touch()
-
-    def _append_soon(self, event: ev.Event) -> None:
-        task = asyncio.get_running_loop().create_task(append_reliably(self.log, [event]))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    # -- loops ---------------------------------------------------------------------------------
-
-    async def _heartbeat(self, lease: Lease) -> None:
-        while True:
-            beat = Heartbeat(
-                node=self.node, boot_id=self.boot_id, at=self.clock(), running=len(self.executor.running())
-            )
-            try:
-                await self.log.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
-                # Taken again if it expired unclaimed while NATS failed over. LeaseLost: another agent
-                # runs this node now, and this one must stop (its tasks fence themselves).
-                await lease.renew()
-                self._touch_alive()
-            except LeaseLost:
-                raise
-            except Exception as exc:  # the shims fence themselves if this goes on for long
-                log.warning("heartbeat failed", error=repr(exc))
-            await asyncio.sleep(self.heartbeat_s)
-
-    async def _telemetry(self) -> None:
-        while True:
-            await asyncio.sleep(self.telemetry_s)
-            samples = await asyncio.to_thread(self.executor.sample)
-            if not samples:
-                continue
-            me = self.state.me
-            holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
-            await self._report_health(samples)
-            await self._report_memory(samples)
-            await self._renew_leases()
-            payload = {
-                "node": self.node,
-                "at": self.clock(),
-                "gpus": [dict(msgspec.structs.asdict(s), job=holders.get(s.index)) for s in samples],
-            }
-            with contextlib.suppress(Exception):
-                await self.log.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
+    # -- following the log -------------------------------------------------------------------
 
     async def _follow(self) -> None:
         head = await self.log.last_seq()
@@ -288,14 +238,14 @@ class Agent:
     async def _react(self, event: ev.Event, seq: int) -> None:
         job_id = getattr(event, "job", None)
         if isinstance(event, ev.ProfileRequested):
-            self._pass_profile_request(event)
+            self.messages.pass_profile_request(event)
         elif job_id is not None:
             self.kick(job_id)
             if isinstance(event, ev.JobFinished | ev.JobRequeued):
-                self.kick_power()  # a draining node may now be empty
+                self.power.kick()  # a draining node may now be empty
         elif isinstance(event, ev.NodePowerDownRequested | ev.NodePowerUpRequested | ev.NodeWakeRequested):
             if event.node == self.node:
-                self.kick_power()
+                self.power.kick()
         elif isinstance(event, ev.NodeLost) and event.node == self.node:
             # We are alive, so the scheduler lost sight of us (a partition, a NATS outage): its
             # requeues stand, and the node comes back for new work.
@@ -310,9 +260,9 @@ class Agent:
         if current is None:
             self._traces.pop(job_id, None)
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
-        self._metrics = {k: v for k, v in self._metrics.items() if k.job != job_id or k.attempt == current}
         self._planned = {k: v for k, v in self._planned.items() if k.job != job_id or k.attempt == current}
         self._lease_files = {k: v for k, v in self._lease_files.items() if k.job != job_id or k.attempt == current}
+        self.messages.forget(job_id, current)
 
     # -- reconciliation --------------------------------------------------------------------
 
@@ -321,7 +271,7 @@ class Agent:
         jobs |= {j.job for j in self.state.active_jobs() if self.node in j.nodes}
         for job_id in sorted(jobs):
             self.kick(job_id)
-        self.kick_power()  # a power request may have come while this agent was down
+        self.power.kick()  # a power request may have come while this agent was down
 
     def kick(self, job_id: str) -> None:
         """Reconcile one job soon; one job's slow stop never holds up another's start."""
@@ -350,14 +300,15 @@ class Agent:
     async def reconcile(self, job_id: str) -> None:
         tasks = Tasks(self.executor.running(), self._exited, self._deadline_missed)
         simulated = self.executor.kind == "sim"
-        for action in reconcile(self.state, self.node, job_id, tasks, self.clock(), self.events, simulated=simulated):
+        events = self.writer.events
+        for action in reconcile(self.state, self.node, job_id, tasks, self.clock(), events, simulated=simulated):
             if not await self._carry_out(action):
                 return
 
     async def _carry_out(self, action: Action) -> bool:
         """Carry out one action; False when the ones after it must not follow (a task did not start)."""
         if isinstance(action, Record):
-            await append_reliably(self.log, [action.event])
+            await self.writer.append(action.event)
             return True
         if isinstance(action, StartTask):
             return await self._start(action)
@@ -381,8 +332,7 @@ class Agent:
             self._grow(job, action.key)
         elif isinstance(action, CollectDeaths):
             for death in self.executor.dead_workers(action.key):  # deaths while this agent was away
-                message = control.WorkerExit(job=job.job, attempt=job.attempt, **death)
-                self.on_message(message)
+                self.messages.on_message(control.WorkerExit(job=job.job, attempt=job.attempt, **death))
         return True
 
     async def _start(self, action: StartTask) -> bool:
@@ -391,7 +341,7 @@ class Agent:
         if action.started is not None:
             with span_from(self._traces.get(key.job), "agent.start", job=key.job, node=self.node):
                 started = msgspec.structs.replace(action.started, at=self.clock())
-                await append_reliably(self.log, [started], trace=current_traceparent())
+                await self.writer.append(started, trace=current_traceparent())
         try:
             await self.executor.start(launch, self._on_exit)
         except Exception as exc:  # cannot even launch: the gang must not wait for this part
@@ -411,19 +361,17 @@ class Agent:
 
     async def _report(self, exit_: TaskExit) -> None:
         key = exit_.key
-        ended = self.events.ended(
+        ended = self.writer.events.ended(
             key,
             exit_.outcome,
             self.clock(),
             exit_code=exit_.exit_code,
             reason=exit_.reason,
             output_tail=exit_.output_tail,
-            metrics=self._metrics.get(key),
+            metrics=self.messages.progress.get(key),
         )
-        await append_reliably(self.log, [ended])
+        await self.writer.append(ended)
         log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)
-
-    # -- elastic jobs ---------------------------------------------------------------------------
 
     def _hand_plan(self, job: JobState, key: TaskKey, *, again: bool = False) -> None:
         """Give the task's workers the job's current generation (they switch at a step boundary);
@@ -443,8 +391,6 @@ class Agent:
         if new and self.executor.grow(key, launch_for(job, self.node, resume=False, elapsed_s=0.0, gpus=new)):
             log.info("workers added", job=job.job, attempt=job.attempt, gpus=list(new), generation=job.generation)
 
-    # -- memory leases and health ---------------------------------------------------------------
-
     def _sync_leases(self, job: JobState, key: TaskKey) -> None:
         """Ask for the leases the task's workers need; hand the task its leases as the log has them."""
         if job.spec.memory is None:
@@ -458,7 +404,7 @@ class Agent:
                 continue
             needs = job.spec.memory
             request = ev.MemoryLeaseRequested(
-                **self._stamp("lease", lease_id),  # the same id every time: asked for once
+                **self.writer.stamp("lease", lease_id),  # the same id every time: asked for once
                 lease=lease_id,
                 job=job.job,
                 attempt=job.attempt,
@@ -468,204 +414,12 @@ class Agent:
                 min_mb=needs.min_mb,
                 tiers=needs.tiers,
             )
-            self._append_soon(request)
+            self.writer.append_soon(request)
         text = leases.lease_file(self.state.leases, job, self.node)
         if self._lease_files.get(key) != text and self.executor.write_task_file(key, leases.LEASES_FILE, text):
             self._lease_files[key] = text
 
-    async def _report_memory(self, samples: list) -> None:
-        used = self._memory.changed(self.state, self.node, [s.memory_used_mb for s in samples])
-        if used is None:
-            return
-        self._memory_reports += 1
-        event = ev.GpuMemoryReported(
-            **self._stamp("memory", self.boot_id, str(self._memory_reports)), node=self.node, used_mb=used
-        )
-        await append_reliably(self.log, [event])
-
-    async def _renew_leases(self) -> None:
-        running = {(k.job, k.attempt) for k in self.executor.running()}
-        for lease_id, job in leases.renewals_due(self.state.leases, self.node, running, self.clock()):
-            expires = self.state.leases[lease_id].expires_at
-            stamp = self._stamp("renew", lease_id, f"{expires:.0f}")
-            renewed = ev.MemoryLeaseRenewed(**stamp, lease=lease_id, job=job, node=self.node)
-            await append_reliably(self.log, [renewed])
-
-    async def _report_health(self, samples: list) -> None:
-        """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
-        operator undrains its node (XID errors and ECC counts do not heal by themselves)."""
-        me = self.state.me
-        for sample in samples:
-            if sample.healthy or me is None or sample.index >= len(me.gpus):
-                continue
-            if not me.gpus[sample.index].healthy or sample.index in self._reported_unhealthy:
-                continue
-            self._reported_unhealthy.add(sample.index)
-            event = ev.GpuHealthChanged(
-                **self._stamp("health", self.boot_id, str(sample.index)),
-                node=self.node,
-                index=sample.index,
-                healthy=False,
-                reason=sample.problem or "unhealthy",
-            )
-            await append_reliably(self.log, [event])
-            log.warning("GPU unhealthy", index=sample.index, reason=event.reason)
-
-    # -- power (cluster energy saving) ---------------------------------------------------------
-
-    def kick_power(self) -> None:
-        if self._powering is None or self._powering.done():
-            self._powering = asyncio.create_task(self._power(), name="power")
-
-    async def _power(self) -> None:
-        """Carry out a power request. The hook does the real switching; if powering down fails the
-        node stays (or comes back) in service, which loses nothing."""
-        move = power(self.state, self.node)
-        if move is None:
-            return
-        ok = await self._run_power_hook(move.action)
-        kind = ev.NodePoweredUp if move.action == "up" or not ok else ev.NodePoweredDown
-        event = kind(**self._stamp(f"power-{kind.__name__}", str(self.state.seq)), node=self.node)
-        await append_reliably(self.log, [event])
-        log.info("power state changed", event=kind.__name__)
-
-    async def _run_power_hook(self, action: str) -> bool:
-        if not self.power_hook:
-            return True  # no hook: the node is only marked (it takes no work while off)
-        proc = await asyncio.create_subprocess_exec(
-            *shlex.split(self.power_hook),
-            action,
-            self.node,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        output, _ = await proc.communicate()
-        if proc.returncode != 0:
-            log.error("power hook failed", action=action, code=proc.returncode, output=output.decode()[-500:])
-            return False
-        return True
-
-    # -- what jobs tell the agent, and what people ask it ----------------------------------------
-
-    def on_message(self, message: control.AgentMessage) -> None:
-        """A message from a job's process or its shim (``gpuherd.control``)."""
-        key = TaskKey(message.job, message.attempt)
-        if isinstance(message, control.Progress):
-            self._on_progress(key, message)
-        elif isinstance(message, control.RescaleReport):
-            self._on_rescale(key, message)
-        elif isinstance(message, control.WorkerExit):
-            self._on_worker_exit(key, message)
-        elif isinstance(message, control.LeaseReleased):
-            self._on_lease_released(message)
-        elif isinstance(message, control.ProfileReady) and key in self.executor.running():
-            self._on_profile(key, message)
-
-    def _on_progress(self, key: TaskKey, message: control.Progress) -> None:
-        job = self.state.jobs.get(key.job)
-        if job is None or key not in self.executor.running() or self.node not in job.nodes:
-            return
-        first = launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset
-        if job.spec.elastic is not None or message.rank == first:  # (an elastic job's rank 0 is whoever holds it)
-            self._metrics[key] = {"step": float(message.step), **message.values}
-        payload = msgspec.json.encode(
-            {"job": key.job, "attempt": key.attempt, "rank": message.rank, "step": message.step}
-            | {"values": message.values, "at": message.at, "node": self.node}
-        )
-        task = asyncio.get_running_loop().create_task(self.log.publish_telemetry(f"{self.node}.job.{key.job}", payload))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _on_rescale(self, key: TaskKey, message: control.RescaleReport) -> None:
-        """A worker's word on a rescale: the new rank 0's first step at the new size, or a failed switch."""
-        generation = str(message.generation)
-        if message.event == "completed":
-            event: ev.Event = ev.RescaleCompleted(
-                **self._stamp("rescaled", key.job, str(key.attempt), generation),
-                job=key.job,
-                attempt=key.attempt,
-                generation=message.generation,
-                node=self.node,
-                world=message.world,
-                world_before=message.world_before,
-                times={k: v for k, v in message.times.items() if v},
-                samples_per_s_before=message.samples_per_s_before,
-            )
-        elif message.event == "failed":
-            event = ev.RescaleFailed(
-                **self._stamp("rescale-failed", key.job, str(key.attempt), generation),
-                job=key.job,
-                attempt=key.attempt,
-                generation=message.generation,
-                node=self.node,
-                reason=message.reason[:500],
-                step=message.step,
-            )
-        else:
-            log.info("elastic worker", job=key.job, event=message.event, generation=generation, reason=message.reason)
-            return
-        self._append_soon(event)
-
-    def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
-        """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
-        job = self.state.jobs.get(key.job)
-        if job is None or job.attempt != key.attempt or job.stopping():
-            return  # the whole attempt is ending: its parts report as usual
-        worker = ev.worker_id(self.node, message.gpu)
-        if worker not in job.workers or worker in job.lost_workers:
-            return  # not one of the current generation's workers, or already reported
-        event = ev.WorkerLost(
-            **self._stamp("worker-lost", key.job, str(key.attempt), str(message.gpu), str(job.generation)),
-            job=key.job,
-            attempt=key.attempt,
-            node=self.node,
-            gpu=message.gpu,
-            exit_code=message.code,
-            reason=message.reason,
-        )
-        log.warning("elastic worker died", job=key.job, gpu=message.gpu, code=message.code)
-        self._append_soon(event)
-
-    def _on_lease_released(self, message: control.LeaseReleased) -> None:
-        if message.lease not in self.state.leases:
-            log.warning("ignored a lease release for no lease of this node", lease=message.lease)
-            return
-        stamp = self._stamp("released", message.lease, str(message.at))
-        event = ev.MemoryLeaseReleased(
-            **stamp, lease=message.lease, job=message.job, gpus=message.gpus, reason=message.reason, node=self.node
-        )
-        log.info("lease released", lease=message.lease, gpus=message.gpus)
-        self._append_soon(event)
-
-    def _pass_profile_request(self, event: ev.ProfileRequested) -> None:
-        """Leave the request where the job's leader rank looks for it (a request for a job not
-        running here, or on an executor without processes, is not this agent's to answer)."""
-        job = self.state.jobs.get(event.job)
-        if job is None or job.status not in ACTIVE or self.node not in job.nodes:
-            return
-        key = TaskKey(job.job, job.attempt)
-        if self.executor.request_profile(key, event.id, event.steps):
-            log.info("profile requested", job=job.job, attempt=job.attempt, steps=event.steps)
-
-    def _on_profile(self, key: TaskKey, message: control.ProfileReady) -> None:
-        data = self.executor.profile_result(key, message.file)
-        try:
-            profile = msgspec.json.decode(data) if data is not None else None
-        except msgspec.DecodeError:
-            profile = None
-        if not isinstance(profile, dict):
-            log.warning("ignored a profile report without a readable profile", job=key.job, file=message.file)
-            return
-        event = ev.ProfileReported(
-            **self._stamp("profile", key.job, str(key.attempt), str(message.rank), message.request),
-            job=key.job,
-            attempt=key.attempt,
-            node=self.node,
-            rank=message.rank,
-            request=message.request,
-            profile=profile,
-        )
-        self._append_soon(event)
+    # -- what people ask it ---------------------------------------------------------------------
 
     async def _serve_logs(self, data: bytes) -> bytes:
         try:

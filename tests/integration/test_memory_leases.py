@@ -18,7 +18,9 @@ from gpuherd.log import open_log
 from tests.integration.procs import Services, wait_state
 
 ROOT = Path(__file__).resolve().parents[2]
-BROKER = {"owner_warmup_s": 0, "min_share_mb": 16, "lease_term_s": 6, "revoke_deadline_s": 60}
+# A newly placed job's need stays unknown for 20 s: its GPUs lend nothing meanwhile, so placing one on
+# a lender revokes whatever it lent (with no warm-up a started job's need is its use, 0 here).
+BROKER = {"owner_warmup_s": 20, "min_share_mb": 16, "lease_term_s": 6, "revoke_deadline_s": 60}
 
 
 def _of(records, kind: type) -> list:

@@ -420,3 +420,20 @@ def test_the_elastic_service_and_the_memory_broker_run_in_simulation_too() -> No
         report = audit(result.records, make_decider(decider))
         assert report.ok and report.decisions_checked, (decider, report.mismatches[:3])
     assert violations(result.records) == []
+
+
+def test_a_submission_is_forecast_even_when_decided_after_its_placement_but_not_after_its_end() -> None:
+    # A live runner decides on everything it has folded: JobPlaced (or JobFinished) may be in already.
+    analytics = make_decider("analytics")
+    spec = ev.JobSpec(name="j", user="u", gpus=1, duration_s=10)
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(2))
+    submitted = ev.JobSubmitted(id="s1", at=1.0, job="j1", spec=spec, intake_source="test")
+    placed = ev.JobPlaced(id="p1", at=1.0, job="j1", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),))
+    finished = ev.JobFinished(id="f1", at=20.0, job="j1", attempt=0, outcome="completed")
+    state = analytics.initial_state()
+    for seq, event in enumerate((ev.NodeRegistered(id="r", node="n1", gpus=gpus), submitted, placed), 1):
+        state = analytics.evolve(state, seq, event)
+    (forecast,) = analytics.decide(state, submitted)
+    assert isinstance(forecast, ev.JobDurationPredicted) and forecast.job == "j1"
+    state = analytics.evolve(state, 4, finished)
+    assert analytics.decide(state, submitted) == []

@@ -1,0 +1,164 @@
+"""What a job's processes (and their shim) tell their node agent (``gpuherd.control``), turned into
+events: rescales done or failed, workers that died, leases given back, profiles; progress goes
+to telemetry, and the leader rank's last report into the part's ``TaskEnded``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from gpuherd import control
+from gpuherd import events as ev
+from gpuherd.fold import ACTIVE
+from gpuherd.log import TelemetryBus
+from gpuherd.obs import get_logger
+from services.nodeagent.executors import Executor, TaskKey
+from services.nodeagent.reconcile import launch_for
+from services.nodeagent.state import AgentState
+from services.nodeagent.writer import AgentWriter
+
+log = get_logger("gpuherd.nodeagent")
+
+
+class JobMessages:
+    def __init__(
+        self,
+        node: str,
+        state: Callable[[], AgentState],
+        executor: Executor,
+        writer: AgentWriter,
+        telemetry: TelemetryBus,
+    ) -> None:
+        self.node = node
+        self._state = state
+        self.executor = executor
+        self.writer = writer
+        self.telemetry = telemetry
+        self.progress: dict[TaskKey, dict[str, float]] = {}  # the latest report of each task's first rank
+
+    def on_message(self, message: control.AgentMessage) -> None:
+        key = TaskKey(message.job, message.attempt)
+        if isinstance(message, control.Progress):
+            self._on_progress(key, message)
+        elif isinstance(message, control.RescaleReport):
+            self._on_rescale(key, message)
+        elif isinstance(message, control.WorkerExit):
+            self._on_worker_exit(key, message)
+        elif isinstance(message, control.LeaseReleased):
+            self._on_lease_released(message)
+        elif isinstance(message, control.ProfileReady) and key in self.executor.running():
+            self._on_profile(key, message)
+
+    def forget(self, job: str, current: int | None) -> None:
+        """The job's attempts other than ``current`` ended: their reports are no longer needed."""
+        self.progress = {k: v for k, v in self.progress.items() if k.job != job or k.attempt == current}
+
+    def _on_progress(self, key: TaskKey, message: control.Progress) -> None:
+        job = self._state().jobs.get(key.job)
+        if job is None or key not in self.executor.running() or self.node not in job.nodes:
+            return
+        first = launch_for(job, self.node, resume=False, elapsed_s=0.0).rank_offset
+        if job.spec.elastic is not None or message.rank == first:  # (an elastic job's rank 0 is whoever holds it)
+            self.progress[key] = {"step": float(message.step), **message.values}
+        payload = msgspec.json.encode(
+            {"job": key.job, "attempt": key.attempt, "rank": message.rank, "step": message.step}
+            | {"values": message.values, "at": message.at, "node": self.node}
+        )
+        self.writer.soon(self.telemetry.publish_telemetry(f"{self.node}.job.{key.job}", payload))
+
+    def _on_rescale(self, key: TaskKey, message: control.RescaleReport) -> None:
+        """A worker's word on a rescale: the new rank 0's first step at the new size, or a failed switch."""
+        generation = str(message.generation)
+        stamp = self.writer.stamp
+        if message.event == "completed":
+            event: ev.Event = ev.RescaleCompleted(
+                **stamp("rescaled", key.job, str(key.attempt), generation),
+                job=key.job,
+                attempt=key.attempt,
+                generation=message.generation,
+                node=self.node,
+                world=message.world,
+                world_before=message.world_before,
+                times={k: v for k, v in message.times.items() if v},
+                samples_per_s_before=message.samples_per_s_before,
+            )
+        elif message.event == "failed":
+            event = ev.RescaleFailed(
+                **stamp("rescale-failed", key.job, str(key.attempt), generation),
+                job=key.job,
+                attempt=key.attempt,
+                generation=message.generation,
+                node=self.node,
+                reason=message.reason[:500],
+                step=message.step,
+            )
+        else:
+            log.info("elastic worker", job=key.job, event=message.event, generation=generation, reason=message.reason)
+            return
+        self.writer.append_soon(event)
+
+    def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
+        """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
+        job = self._state().jobs.get(key.job)
+        if job is None or job.attempt != key.attempt or job.stopping():
+            return  # the whole attempt is ending: its parts report as usual
+        worker = ev.worker_id(self.node, message.gpu)
+        if worker not in job.workers or worker in job.lost_workers:
+            return  # not one of the current generation's workers, or already reported
+        event = ev.WorkerLost(
+            **self.writer.stamp("worker-lost", key.job, str(key.attempt), str(message.gpu), str(job.generation)),
+            job=key.job,
+            attempt=key.attempt,
+            node=self.node,
+            gpu=message.gpu,
+            exit_code=message.code,
+            reason=message.reason,
+        )
+        log.warning("elastic worker died", job=key.job, gpu=message.gpu, code=message.code)
+        self.writer.append_soon(event)
+
+    def _on_lease_released(self, message: control.LeaseReleased) -> None:
+        if message.lease not in self._state().leases:
+            log.warning("ignored a lease release for no lease of this node", lease=message.lease)
+            return
+        event = ev.MemoryLeaseReleased(
+            **self.writer.stamp("released", message.lease, str(message.at)),
+            lease=message.lease,
+            job=message.job,
+            gpus=message.gpus,
+            reason=message.reason,
+            node=self.node,
+        )
+        log.info("lease released", lease=message.lease, gpus=message.gpus)
+        self.writer.append_soon(event)
+
+    def pass_profile_request(self, event: ev.ProfileRequested) -> None:
+        """Leave the request where the job's leader rank looks for it (a request for a job not
+        running here, or on an executor without processes, is not this agent's to answer)."""
+        job = self._state().jobs.get(event.job)
+        if job is None or job.status not in ACTIVE or self.node not in job.nodes:
+            return
+        key = TaskKey(job.job, job.attempt)
+        if self.executor.request_profile(key, event.id, event.steps):
+            log.info("profile requested", job=job.job, attempt=job.attempt, steps=event.steps)
+
+    def _on_profile(self, key: TaskKey, message: control.ProfileReady) -> None:
+        data = self.executor.profile_result(key, message.file)
+        try:
+            profile = msgspec.json.decode(data) if data is not None else None
+        except msgspec.DecodeError:
+            profile = None
+        if not isinstance(profile, dict):
+            log.warning("ignored a profile report without a readable profile", job=key.job, file=message.file)
+            return
+        event = ev.ProfileReported(
+            **self.writer.stamp("profile", key.job, str(key.attempt), str(message.rank), message.request),
+            job=key.job,
+            attempt=key.attempt,
+            node=self.node,
+            rank=message.rank,
+            request=message.request,
+            profile=profile,
+        )
+        self.writer.append_soon(event)

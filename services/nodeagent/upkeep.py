@@ -1,0 +1,135 @@
+"""A node agent's periodic duties: heartbeats (and its node's lease), GPU telemetry, and what the
+samples say that the log must hear: a GPU turned unhealthy, memory use that moved, leases of
+running tasks to renew."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.errors import LeaseLost
+from gpuherd.log import Lease, TelemetryBus
+from gpuherd.obs import get_logger
+from services.nodeagent import leases
+from services.nodeagent.executors import Executor
+from services.nodeagent.state import AgentState
+from services.nodeagent.writer import AgentWriter
+
+log = get_logger("gpuherd.nodeagent")
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    node: str
+    boot_id: str
+    at: float
+    running: int
+
+
+class NodeUpkeep:
+    def __init__(
+        self,
+        node: str,
+        boot_id: str,
+        state: Callable[[], AgentState],
+        executor: Executor,
+        writer: AgentWriter,
+        telemetry: TelemetryBus,
+        *,
+        heartbeat_s: float,
+        telemetry_s: float,
+    ) -> None:
+        self.node = node
+        self.boot_id = boot_id
+        self._state = state
+        self.executor = executor
+        self.writer = writer
+        self.telemetry = telemetry
+        self.heartbeat_s = heartbeat_s
+        self.telemetry_s = telemetry_s
+        self._reported_unhealthy: set[int] = set()
+        self._memory = leases.MemoryReporter()
+        self._memory_reports = 0
+
+    def touch_alive(self) -> None:
+        """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
+        alive: Path | None = self.executor.alive_file
+        if alive is not None:
+            alive.parent.mkdir(parents=True, exist_ok=True)
+            alive.touch()
+
+    async def heartbeats(self, lease: Lease) -> None:
+        while True:
+            beat = Heartbeat(
+                node=self.node, boot_id=self.boot_id, at=self.writer.clock(), running=len(self.executor.running())
+            )
+            try:
+                await self.telemetry.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
+                # Taken again if it expired unclaimed while NATS failed over. LeaseLost: another agent
+                # runs this node now, and this one must stop (its tasks fence themselves).
+                await lease.renew()
+                self.touch_alive()
+            except LeaseLost:
+                raise
+            except Exception as exc:  # the shims fence themselves if this goes on for long
+                log.warning("heartbeat failed", error=repr(exc))
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def samples(self) -> None:
+        while True:
+            await asyncio.sleep(self.telemetry_s)
+            samples = await asyncio.to_thread(self.executor.sample)
+            if not samples:
+                continue
+            me = self._state().me
+            holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
+            await self._report_health(samples)
+            await self._report_memory(samples)
+            await self._renew_leases()
+            payload = {
+                "node": self.node,
+                "at": self.writer.clock(),
+                "gpus": [dict(msgspec.structs.asdict(s), job=holders.get(s.index)) for s in samples],
+            }
+            with contextlib.suppress(Exception):
+                await self.telemetry.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
+
+    async def _report_memory(self, samples: list) -> None:
+        used = self._memory.changed(self._state(), self.node, [s.memory_used_mb for s in samples])
+        if used is None:
+            return
+        self._memory_reports += 1
+        stamp = self.writer.stamp("memory", self.boot_id, str(self._memory_reports))
+        await self.writer.append(ev.GpuMemoryReported(**stamp, node=self.node, used_mb=used))
+
+    async def _renew_leases(self) -> None:
+        state = self._state()
+        running = {(k.job, k.attempt) for k in self.executor.running()}
+        for lease_id, job in leases.renewals_due(state.leases, self.node, running, self.writer.clock()):
+            expires = state.leases[lease_id].expires_at
+            stamp = self.writer.stamp("renew", lease_id, f"{expires:.0f}")
+            await self.writer.append(ev.MemoryLeaseRenewed(**stamp, lease=lease_id, job=job, node=self.node))
+
+    async def _report_health(self, samples: list) -> None:
+        """A GPU that turns unhealthy is reported once per agent run; it stays out of service until an
+        operator undrains its node (XID errors and ECC counts do not heal by themselves)."""
+        me = self._state().me
+        for sample in samples:
+            if sample.healthy or me is None or sample.index >= len(me.gpus):
+                continue
+            if not me.gpus[sample.index].healthy or sample.index in self._reported_unhealthy:
+                continue
+            self._reported_unhealthy.add(sample.index)
+            event = ev.GpuHealthChanged(
+                **self.writer.stamp("health", self.boot_id, str(sample.index)),
+                node=self.node,
+                index=sample.index,
+                healthy=False,
+                reason=sample.problem or "unhealthy",
+            )
+            await self.writer.append(event)
+            log.warning("GPU unhealthy", index=sample.index, reason=event.reason)
