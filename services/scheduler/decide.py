@@ -119,7 +119,7 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
-    STATE_FORMAT = 7
+    STATE_FORMAT = 8  # 8: active jobs indexed by VC
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(

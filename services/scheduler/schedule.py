@@ -12,7 +12,11 @@ It runs in numbered phases, one function each (the shape of Kueue's scheduling c
    VC's quota is used up, unless every reason is wanted);
 2. **quota**: its VC's GPUs in use plus its own must stay within the VC's quota, unless the VC
    may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``, and is
-   reclaimable);
+   reclaimable). The first job of a VC that its quota stops is that VC's *quota head*, protected
+   as the gang head is: its start is reserved at the earliest time enough of the VC's quota
+   frees up by the expected ends of the VC's running jobs, and a later job of that VC starts
+   only if it ends before then, or uses quota the quota head will not need then. When an end
+   it depends on is unknown, or backfill is off, nothing of its VC overtakes it;
 3. **placement**: its whole gang must fit (``placement.py``); the first job that does not fit
    becomes the *head*, and its start is reserved (EASY backfill) at the earliest time enough GPUs
    free up by the expected ends of running jobs;
@@ -89,6 +93,16 @@ class Plan(msgspec.Struct, kw_only=True):
 
 
 @dataclass
+class QuotaHold:
+    """A VC's quota head and its reservation: when enough of the VC's quota frees up for it (None:
+    an end it depends on is unknown), and how much quota it will not need then."""
+
+    job: JobState
+    reserved_at: float | None
+    spare: int
+
+
+@dataclass
 class Pass:
     """What one pass works with, and what it has decided so far."""
 
@@ -112,6 +126,8 @@ class Pass:
     fits: set[tuple] = field(default_factory=set)
     why_not: dict[tuple, tuple[PendingKind, str]] = field(default_factory=dict)
     quota_heads: dict[str, tuple[int, JobState]] = field(default_factory=dict)  # VC -> first job its quota stops
+    quota_holds: dict[str, QuotaHold] = field(default_factory=dict)  # VC -> its quota head's reservation
+    placed_by_vc: dict[str, list[JobState]] = field(default_factory=dict)  # this pass's placements
     behind_head: int = 0
     owns_free: bool = False  # ``free`` is the pass's own copy
 
@@ -217,11 +233,16 @@ def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider"
 
 
 def check_quota(work: Pass, job: JobState, position: int) -> int | None:
-    """GPUs the job would borrow beyond its VC's quota, or None (with its reason) if the quota stops it."""
+    """GPUs the job would borrow beyond its VC's quota, or None (with its reason) if the quota stops it:
+    its VC's quota has no room for it, or the room it has is reserved for the VC's quota head."""
     spec = job.spec
     vc = work.state.vcs.get(spec.vc)
     if vc is None or vc.gpu_quota is None:
         return 0
+    hold = work.quota_holds.get(vc.vc)
+    if hold is not None and not _may_overtake(work, job, hold):
+        _delays_quota_head(work, job, hold, position)
+        return None
     over = work.vc_used.get(vc.vc, 0) + spec.gpus - vc.gpu_quota
     if over <= 0:
         return 0
@@ -229,6 +250,10 @@ def check_quota(work: Pass, job: JobState, position: int) -> int | None:
     if borrowed is None:
         if work.out.head is None:
             work.quota_heads.setdefault(job.spec.vc, (position, job))
+        # (A job larger than the whole quota, accepted before intake refused such jobs or left so by a
+        # smaller quota, never starts: it holds nothing back.)
+        if hold is None and work.state.scheduling.rules >= 2 and spec.gpus <= vc.gpu_quota:
+            work.quota_holds[vc.vc] = _quota_reservation(work, job, vc.gpu_quota)
         if work.explain:
             work.wait(job, "quota", _quota_detail(work.state, job, work.vc_used), position)
     return borrowed
@@ -298,6 +323,10 @@ def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> No
     if work.ports is None and state.nodes[leader].port_range is not None:
         work.ports = ports_in_use(state)  # only real nodes take a rendezvous port
     work.vc_used[job.spec.vc] = work.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    work.placed_by_vc.setdefault(job.spec.vc, []).append(job)
+    hold = work.quota_holds.get(job.spec.vc)
+    if hold is not None and not _ends_before(work, job, hold.reserved_at):
+        hold.spare -= job.spec.gpus  # it holds quota past the quota head's start
     work.out.placed.append(
         ev.JobPlaced(
             job=job.job,
@@ -363,15 +392,39 @@ def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
     return full
 
 
-def _quota(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> int | None:
-    """GPUs the job would borrow beyond its VC's quota, or None if the quota stops it."""
-    vc = state.vcs.get(job.spec.vc)
-    if vc is None or vc.gpu_quota is None:
-        return 0
-    over = vc_used.get(vc.vc, 0) + job.spec.gpus - vc.gpu_quota
-    if over <= 0:
-        return 0
-    return min(over, job.spec.gpus) if vc.can_borrow else None
+def _quota_reservation(work: Pass, head: JobState, quota: int) -> QuotaHold:
+    """When enough of its VC's quota frees up for ``head`` (from the expected ends of the VC's running
+    jobs and of those this pass placed), and how much of the quota is spare then."""
+    state, vc = work.state, head.spec.vc
+    running = [state.jobs[j] for j in state.active_by_vc.get(vc, ())]
+    ends = [(_expected_end(state, job), job.held) for job in running]
+    ends += [(_expected_end(state, job, starting=True), job.spec.gpus) for job in work.placed_by_vc.get(vc, ())]
+    ends.sort()
+    room = quota - work.vc_used.get(vc, 0)
+    for end, held in ends:
+        if math.isinf(end):
+            break
+        room += held
+        if room >= head.spec.gpus:
+            return QuotaHold(head, max(end, state.now), room - head.spec.gpus)
+    return QuotaHold(head, None, 0)  # an end it depends on is unknown
+
+
+def _may_overtake(work: Pass, job: JobState, hold: QuotaHold) -> bool:
+    """Behind its VC's quota head, a job starts only if it ends before the quota head's reserved start
+    or uses quota the quota head will not need then."""
+    spare = work.backfill and hold.reserved_at is not None and job.spec.gpus <= hold.spare
+    return spare or _ends_before(work, job, hold.reserved_at)
+
+
+def _delays_quota_head(work: Pass, job: JobState, hold: QuotaHold, position: int) -> None:
+    if not work.explain:
+        return
+    head = hold.job
+    when = "" if hold.reserved_at is None else f" (reserved from t={hold.reserved_at:.0f})"
+    kind: PendingKind = "reserved" if work.backfill else "order"
+    detail = f"would delay {head.job}, the first job of VC {head.spec.vc} its quota holds back{when}"
+    work.wait(job, kind, detail, position)
 
 
 def _quota_detail(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> str:
@@ -395,11 +448,15 @@ def _could_fit(job: JobState, free: dict[str, NodeView], available: int) -> bool
 
 def _ends_in_time(work: Pass, job: JobState) -> bool:
     """Backfill: the job is expected to end before the head's reserved start."""
-    out = work.out
-    if not work.backfill or out.reserved_at is None:
+    return _ends_before(work, job, work.out.reserved_at)
+
+
+def _ends_before(work: Pass, job: JobState, reserved_at: float | None) -> bool:
+    """Backfill: started now, the job is expected to end by ``reserved_at``."""
+    if not work.backfill or reserved_at is None:
         return False
     duration = work.state.expected_duration(job)
-    return duration is not None and work.state.now + duration <= out.reserved_at
+    return duration is not None and work.state.now + duration <= reserved_at
 
 
 def _may_backfill(work: Pass, job: JobState) -> bool:
@@ -463,12 +520,7 @@ def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView
     available = sum(v.free for v in free.values())
     if available >= head.spec.gpus:
         return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
-    ends: list[tuple[float, JobState]] = []
-    for job in state.active_jobs():
-        duration = state.expected_duration(job)
-        start = job.started_at if job.started_at is not None else state.now
-        end = math.inf if duration is None else start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
-        ends.append((end, job))
+    ends = [(_expected_end(state, job), job) for job in state.active_jobs()]
     ends.sort(key=lambda e: e[0])
     # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
     # are counted only when its end is reached (the head usually needs the first few ends, of thousands).
@@ -480,6 +532,16 @@ def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView
             if available >= head.spec.gpus:
                 return max(end, state.now), available - head.spec.gpus
     return None, 0
+
+
+def _expected_end(state: SchedulerState, job: JobState, *, starting: bool = False) -> float:
+    """When a placed or running job (``starting``: one placed now) is expected to end (inf: unknown),
+    counting the work its earlier attempts did."""
+    duration = state.expected_duration(job)
+    if duration is None:
+        return math.inf
+    start = job.started_at if job.started_at is not None and not starting else state.now
+    return start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
 
 
 def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView]) -> int:

@@ -8,7 +8,8 @@ Its loops share one ``DeciderRunner`` and run only while this instance holds the
 - the timer: a ``ClockTicked`` every ``--tick`` seconds (time-based decisions: fair-share decay,
   starvation, reservations), and at once when a node's heartbeats stop, so the decider can
   declare it lost;
-- at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs).
+- at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs, or records older
+  scheduling rules).
 It also answers ``herd.ctl.scheduler.ready`` once intake listens.
 """
 
@@ -214,19 +215,29 @@ def _reg(runner: DeciderRunner[SchedulerState], node: str) -> int:
     return state.registered_seq if state is not None else 0
 
 
-def policy_recorder(policy: str) -> ExtraTask:
+def policy_recorder(policy: str | None) -> ExtraTask:
     """Record ``--policy`` in the log once caught up, unless the log already has it: the log, not
-    a flag, is what every decision (and every replay) reads."""
+    a flag, is what every decision (and every replay) reads. A log whose policy was recorded under
+    older scheduling rules gets the policy in force again with this scheduler's rules, so each pass
+    is re-derived by the rules it was made by."""
 
     async def record(runner: DeciderRunner[SchedulerState]) -> None:
         await runner.caught_up.wait()
-        if runner.state.scheduling.policy == policy:
+        config = runner.state.scheduling
+        if (policy is None or config.policy == policy) and config.rules == ev.SCHEDULING_RULES:
             return
-        config = ev.PolicyConfigured(
-            id=f"scheduler:policy:{uuid.uuid4().hex}", at=time.time(), source="scheduler", policy=policy
+        decider: SchedulerDecider = runner.decider  # type: ignore[assignment]
+        in_force = decider.policy_for(runner.state)
+        new = ev.PolicyConfigured(
+            id=f"scheduler:policy:{uuid.uuid4().hex}",
+            at=time.time(),
+            source="scheduler",
+            policy=policy or in_force.name,
         )
-        await append_reliably(runner.log, [config])
-        log.info("policy recorded", policy=policy)
+        if policy in (None, config.policy):  # the same policy under this scheduler's rules
+            new = msgspec.structs.replace(new, backfill=config.backfill, params=dict(config.params))
+        await append_reliably(runner.log, [new])
+        log.info("policy recorded", policy=new.policy, rules=new.rules)
 
     return record
 
@@ -251,7 +262,7 @@ async def serve(
 ) -> None:
     if policy is not None:
         make_policy(policy)  # fail at start on a name that does not exist
-    extra = [timer(lost_after_s, tick_s)] + ([policy_recorder(policy)] if policy else [])
+    extra = [timer(lost_after_s, tick_s), policy_recorder(policy)]
     await serve_decider(
         url,
         SchedulerDecider(),

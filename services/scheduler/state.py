@@ -1,7 +1,8 @@
 """The scheduler's own state: the core fold plus what only the scheduler needs.
 
-- **queue indexes**: waiting jobs by VC and by priority, placed/running jobs by priority, GPUs held
-  per VC (a pass skips a VC whose quota is used up without looking at each of its jobs);
+- **queue indexes**: waiting jobs by VC and by priority, placed/running jobs by priority and by
+  VC, GPUs held per VC (a pass skips a VC whose quota is used up without looking at each of its
+  jobs, and reserves quota for a VC's first waiting job from its own running jobs' ends);
 - **node changes**: nodes by their last change, so a pass recomputes only the views of nodes
   changed since the pass before;
 - **fair-share usage**: decayed GPU-seconds per user and VC;
@@ -37,6 +38,7 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
     policy: str | None = None
     backfill: bool = True
     params: dict[str, float] = msgspec.field(default_factory=dict)
+    rules: int = ev.SCHEDULING_RULES  # the pass's rules (``events.SCHEDULING_RULES``) in force
 
     def param(self, name: str) -> float:
         return self.params.get(name, CLUSTER_PARAMS[name])
@@ -67,6 +69,7 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     queued_priorities: dict[int, int] = msgspec.field(default_factory=dict)
     queued_sizes: dict[str, dict[int, int]] = msgspec.field(default_factory=dict)  # VC -> GPUs asked -> jobs
     active_priorities: dict[int, int] = msgspec.field(default_factory=dict)  # placed/running jobs per priority
+    active_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)  # placed/running jobs per VC
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
@@ -129,7 +132,9 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
         state.node_changes[name] = state.nodes[name].version
     if isinstance(e, ev.PolicyConfigured):
         if e.unchecked or policy_problem(e.policy, e.params) is None:  # else refused, nothing changes
-            state.scheduling = SchedulingConfig(policy=e.policy, backfill=e.backfill, params=dict(e.params))
+            state.scheduling = SchedulingConfig(
+                policy=e.policy, backfill=e.backfill, params=dict(e.params), rules=e.rules
+            )
     elif isinstance(e, ev.JobRejected):
         state.rejected += 1
     return state
@@ -161,6 +166,13 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     was_active, active = status in ("placed", "running"), job.job in state.active
     if was_active != active:
         _count_up(state.active_priorities, spec.priority, 1 if active else -1)
+        if active:
+            state.active_by_vc.setdefault(spec.vc, {})[job.job] = None
+        else:
+            of_vc = state.active_by_vc[spec.vc]
+            del of_vc[job.job]
+            if not of_vc:
+                del state.active_by_vc[spec.vc]
     now_held = job.held if active else 0
     if now_held != (held if was_active else 0):
         _count_up(state.vc_used, spec.vc, now_held - (held if was_active else 0))
@@ -216,6 +228,11 @@ def index_problems(state: SchedulerState) -> list[str]:
         problems.append(f"the per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
     if state.active_priorities != priorities:
         problems.append("the per-priority count of active jobs drifted")
+    active_by_vc: dict[str, set[str]] = {}
+    for job in active:
+        active_by_vc.setdefault(job.spec.vc, set()).add(job.job)
+    if {vc: set(jobs) for vc, jobs in state.active_by_vc.items()} != active_by_vc:
+        problems.append("the per-VC index of active jobs drifted")
     by_vc: dict[str, set[str]] = {}
     queued: dict[int, int] = {}
     sizes: dict[str, dict[int, int]] = {}

@@ -205,9 +205,16 @@ def test_a_scheduler_power_up_of_v1_is_a_wake_request_and_an_analytics_one_stays
 )
 def test_commands_recorded_before_they_were_checked_are_marked_unchecked(kind: str, fields: dict) -> None:
     event = ev.decode(_v1(kind, "cli", **fields))
-    assert isinstance(event, ev.Command) and event.unchecked and event.v == 2
+    assert isinstance(event, ev.Command) and event.unchecked and event.v == type(event).VERSION
     fresh = msgspec.structs.replace(event, unchecked=False)
     assert not ev.decode(ev.encode(fresh)).unchecked
+
+
+def test_policies_recorded_before_the_pass_had_versioned_rules_keep_the_first_rules() -> None:
+    for version in (1, 2):
+        old = ev.decode(_v1("PolicyConfigured", "cli", policy="fifo").replace(b'"v":1', f'"v":{version}'.encode()))
+        assert isinstance(old, ev.PolicyConfigured) and old.rules == 1 and old.v == 3
+    assert ev.PolicyConfigured(policy="fifo").rules == ev.SCHEDULING_RULES == 2
 
 
 def test_verdicts_of_v1_were_judged_by_the_first_intake_rules() -> None:

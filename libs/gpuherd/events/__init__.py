@@ -11,6 +11,7 @@
 
 from gpuherd.events.base import Command, Decision, Event, reported_by, stable_id, upcaster, worker_id
 from gpuherd.events.cluster import (
+    SCHEDULING_RULES,
     TICK_ONLY_TIMEOUT_S,
     AnalyticsTicked,
     ClockTicked,
@@ -93,6 +94,7 @@ __all__ = [
     "INTAKE_RULES",
     "MAX_OUTPUT_TAIL",
     "MEMORY_TIERS",
+    "SCHEDULING_RULES",
     "TICK_ONLY_TIMEOUT_S",
     "Allocation",
     "AnalyticsTicked",

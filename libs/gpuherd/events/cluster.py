@@ -29,16 +29,27 @@ class VcConfigured(Command, kw_only=True, frozen=True):
         return f"herd.vc.{self.vc}"
 
 
+# The rules of the scheduling pass (``services/scheduler/schedule.py``). A scheduler records the
+# ones it decides by in ``PolicyConfigured``, so every pass is re-derived by the rules it was made
+# by. 2: a VC's first job its quota stops is protected by a reservation, as the gang head is.
+SCHEDULING_RULES = 2
+
+
 class PolicyConfigured(Command, kw_only=True, frozen=True):
     """The cluster's scheduling policy from now on (see ``services/scheduler/policy.py``).
 
     ``params`` tune it (e.g. ``half_life_s`` for fair share, ``thresholds_gpu_s`` for LAS). The
     scheduler applies it only if the policy and every parameter exist; otherwise it records a
-    ``CommandRefused`` with the reason and the policy before it stays in force."""
+    ``CommandRefused`` with the reason and the policy before it stays in force. ``rules``: the
+    version of the pass's rules (``SCHEDULING_RULES``); a scheduler of newer rules records its
+    own when it starts on a log of older ones."""
 
+    VERSION: ClassVar[int] = 3
+    v: int = 3
     policy: str
     backfill: bool = True
     params: dict[str, float] = msgspec.field(default_factory=dict)
+    rules: int = SCHEDULING_RULES
 
     def subject(self) -> str:
         return "herd.cluster.policy"
@@ -46,6 +57,13 @@ class PolicyConfigured(Command, kw_only=True, frozen=True):
 
 command_upcaster("VcConfigured")
 command_upcaster("PolicyConfigured")
+
+
+@upcaster("PolicyConfigured", 2)
+def _policy_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["rules"] = 1  # recorded before the pass had versioned rules
+    raw["v"] = 3
+    return raw
 
 
 class CommandRefused(Decision, kw_only=True, frozen=True):
