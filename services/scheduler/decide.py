@@ -42,13 +42,27 @@ from services.scheduler.state import SchedulerState, evolve, new_state
 Reaction = Callable[[SchedulerState, Any], list[ev.Event]]
 
 
+PassCheck = Callable[[SchedulerState, Policy, Any], bool]
+
+
 class Route(NamedTuple):
     """What the scheduler does with an event type: ``react`` (its own decisions about the event),
-    then a pass over the waiting jobs unless ``passes`` is off. A route with no reaction that makes
-    a pass is ``coalescible``: of several waiting at once, only the last is decided."""
+    then a pass over the waiting jobs if ``passes`` (or, when it is a function, if it says so of
+    the state, the policy in force and the event). A route with no reaction that always makes a
+    pass is ``coalescible``: of several waiting at once, only the last is decided."""
 
     react: Reaction | None = None
-    passes: bool = True
+    passes: bool | PassCheck = True
+
+
+def _prediction_matters(state: SchedulerState, policy: Policy, e: ev.JobDurationPredicted) -> bool:
+    """A prediction changes what a pass places only where it is used: for a job of unknown duration
+    (backfill, SJF and SRTF order), or under a policy that ranks by predictions (QSSF). (Before
+    scheduling rules 3, every prediction made a pass.)"""
+    if state.scheduling.rules < 3:
+        return True
+    job = state.jobs.get(e.job)
+    return job is not None and (job.spec.duration_s is None or policy.ranks_by_prediction)
 
 
 def _lost_nodes(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
@@ -72,7 +86,7 @@ ROUTES: dict[type[ev.Event], Route] = {
     ev.JobSubmitted: Route(),
     ev.JobFinished: Route(),
     ev.JobRequeued: Route(),
-    ev.JobDurationPredicted: Route(),  # SJF and QSSF order, backfill ends
+    ev.JobDurationPredicted: Route(passes=_prediction_matters),  # SJF and QSSF order, backfill ends
     ev.NodeRegistered: Route(),
     ev.NodePowerUpRequested: Route(),  # a draining node serves again at once
     ev.NodeWakeRequested: Route(),
@@ -96,7 +110,7 @@ ROUTES: dict[type[ev.Event], Route] = {
 }
 
 # Events all ``decide`` makes of is a pass (no reaction of its own): of several waiting, the last decides.
-COALESCIBLE: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() if r.react is None and r.passes)
+COALESCIBLE: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() if r.react is None and r.passes is True)
 
 # Events after which a pass can place nothing the pass before could not (no GPU freed, no job,
 # node, quota or order changed): ``decide`` answers them with nothing. Every other event it does
@@ -119,7 +133,7 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
-    STATE_FORMAT = 8  # 8: active jobs indexed by VC
+    STATE_FORMAT = 9  # 8: active jobs indexed by VC; 9: running jobs by expected end
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(
@@ -169,7 +183,8 @@ class SchedulerDecider(Decider[SchedulerState]):
                 return []
             route = Route()
         decisions = route.react(state, event) if route.react is not None else []
-        if not route.passes:
+        passes = route.passes if isinstance(route.passes, bool) else route.passes(state, self.policy_for(state), event)
+        if not passes:
             return decisions
         if any(type(d) is ev.NodeLost for d in decisions):
             return decisions  # pass once the loss is folded: this state still shows the node up

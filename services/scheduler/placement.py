@@ -127,6 +127,7 @@ class ViewCache:
         if nodes is not self._of or state.node_clock < self._clock:
             self._of = nodes
             self._views, self._totals, self.asleep = {}, {False: 0, True: 0}, set()
+            self._index = IslandIndex({})  # (claims about another state's nodes could look true)
             changed: Iterable[str] = nodes
         else:
             changed = state.changed_since(self._clock)
@@ -262,10 +263,10 @@ class IslandIndex:
                 heap = self._heaps.get((flag, size))
                 while heap:
                     entry = heap[0]
-                    if _claims(self.nodes, entry, size):
+                    if _claims(self.nodes, entry, flag, size):
                         break
                     heapq.heappop(heap)
-                    if self._base is not None and _claims(self._base, entry, size):
+                    if self._base is not None and _claims(self._base, entry, flag, size):
                         self._put_back.append(((flag, size), entry))
                     else:
                         self.entries -= 1
@@ -276,9 +277,14 @@ class IslandIndex:
         return None
 
 
-def _claims(nodes: dict[str, NodeView], entry: tuple[int, str], size: int) -> bool:
+def _claims(nodes: dict[str, NodeView], entry: tuple[int, str], runs_processes: bool, size: int) -> bool:
     view = nodes.get(entry[1])
-    return view is not None and view.free == entry[0] and size in view.island_sizes
+    return (
+        view is not None
+        and view.free == entry[0]
+        and view.runs_processes == runs_processes
+        and size in view.island_sizes
+    )
 
 
 def place(spec: JobSpec, nodes: dict[str, NodeView], index: IslandIndex | None = None) -> Placement | None:

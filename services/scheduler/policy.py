@@ -40,6 +40,7 @@ DEFAULT_DURATION_S = 3600.0
 class Policy(abc.ABC):
     name: ClassVar[str]
     preemptive: ClassVar[bool] = False
+    ranks_by_prediction: ClassVar[bool] = False  # its key reads predictions even of declared durations
     PARAMS: ClassVar[dict[str, float]] = {}  # tunable -> default
 
     def __init__(self, **params: float) -> None:
@@ -180,6 +181,7 @@ class Qssf(Policy):
     predicted counts ``default_duration_s``."""
 
     name = "qssf"
+    ranks_by_prediction = True
     PARAMS = {"default_duration_s": DEFAULT_DURATION_S}
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:

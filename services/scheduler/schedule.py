@@ -42,8 +42,10 @@ passes do not: they decide the same, but stop early once nothing more can start 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -94,12 +96,15 @@ class Plan(msgspec.Struct, kw_only=True):
 
 @dataclass
 class QuotaHold:
-    """A VC's quota head and its reservation: when enough of the VC's quota frees up for it (None:
-    an end it depends on is unknown), and how much quota it will not need then."""
+    """A VC's quota head and its reservation: when enough of the VC's ``quota`` frees up for it (None:
+    an end it depends on is unknown), and how much quota it will not need then. Reserved when a
+    later job of its VC first asks (most passes meet no such job)."""
 
     job: JobState
-    reserved_at: float | None
-    spare: int
+    quota: int
+    reserved: bool = False
+    reserved_at: float | None = None
+    spare: int = 0
 
 
 @dataclass
@@ -253,7 +258,7 @@ def check_quota(work: Pass, job: JobState, position: int) -> int | None:
         # (A job larger than the whole quota, accepted before intake refused such jobs or left so by a
         # smaller quota, never starts: it holds nothing back.)
         if hold is None and work.state.scheduling.rules >= 2 and spec.gpus <= vc.gpu_quota:
-            work.quota_holds[vc.vc] = _quota_reservation(work, job, vc.gpu_quota)
+            work.quota_holds[vc.vc] = QuotaHold(job, vc.gpu_quota)
         if work.explain:
             work.wait(job, "quota", _quota_detail(work.state, job, work.vc_used), position)
     return borrowed
@@ -392,27 +397,30 @@ def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
     return full
 
 
-def _quota_reservation(work: Pass, head: JobState, quota: int) -> QuotaHold:
-    """When enough of its VC's quota frees up for ``head`` (from the expected ends of the VC's running
-    jobs and of those this pass placed), and how much of the quota is spare then."""
-    state, vc = work.state, head.spec.vc
-    running = [state.jobs[j] for j in state.active_by_vc.get(vc, ())]
-    ends = [(_expected_end(state, job), job.held) for job in running]
-    ends += [(_expected_end(state, job, starting=True), job.spec.gpus) for job in work.placed_by_vc.get(vc, ())]
-    ends.sort()
-    room = quota - work.vc_used.get(vc, 0)
-    for end, held in ends:
+def _reserve_quota(work: Pass, hold: QuotaHold) -> None:
+    """When enough of its VC's quota frees up for the quota head (from the expected ends of the VC's
+    running jobs and of those placed, by this pass or before, that have not started), and how much
+    of the quota is spare then."""
+    state, head = work.state, hold.job
+    vc = head.spec.vc
+    starting = [j for j in state.unstarted if state.jobs[j].spec.vc == vc]
+    starting += [job.job for job in work.placed_by_vc.get(vc, ())]
+    room = hold.quota - work.vc_used.get(vc, 0)
+    hold.reserved = True
+    for end, job in _by_end(state, state.ends_by_vc.get(vc, ()), starting):
         if math.isinf(end):
-            break
-        room += held
+            return  # an end it depends on is unknown: no reservation
+        room += job.held or job.spec.gpus  # (placed by this pass: holds nothing yet in the state)
         if room >= head.spec.gpus:
-            return QuotaHold(head, max(end, state.now), room - head.spec.gpus)
-    return QuotaHold(head, None, 0)  # an end it depends on is unknown
+            hold.reserved_at, hold.spare = max(end, state.now), room - head.spec.gpus
+            return
 
 
 def _may_overtake(work: Pass, job: JobState, hold: QuotaHold) -> bool:
     """Behind its VC's quota head, a job starts only if it ends before the quota head's reserved start
     or uses quota the quota head will not need then."""
+    if not hold.reserved:
+        _reserve_quota(work, hold)
     spare = work.backfill and hold.reserved_at is not None and job.spec.gpus <= hold.spare
     return spare or _ends_before(work, job, hold.reserved_at)
 
@@ -520,11 +528,9 @@ def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView
     available = sum(v.free for v in free.values())
     if available >= head.spec.gpus:
         return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
-    ends = [(_expected_end(state, job), job) for job in state.active_jobs()]
-    ends.sort(key=lambda e: e[0])
     # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
     # are counted only when its end is reached (the head usually needs the first few ends, of thousands).
-    for end, group in itertools.groupby(ends, key=lambda e: e[0]):
+    for end, group in itertools.groupby(_by_end(state, state.ends, list(state.unstarted)), key=lambda e: e[0]):
         if math.isinf(end):
             return None, 0
         for gpus in sorted(_healthy_gpus(state, job, free) for _, job in group):
@@ -534,14 +540,15 @@ def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView
     return None, 0
 
 
-def _expected_end(state: SchedulerState, job: JobState, *, starting: bool = False) -> float:
-    """When a placed or running job (``starting``: one placed now) is expected to end (inf: unknown),
-    counting the work its earlier attempts did."""
-    duration = state.expected_duration(job)
-    if duration is None:
-        return math.inf
-    start = job.started_at if job.started_at is not None and not starting else state.now
-    return start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
+def _by_end(
+    state: SchedulerState, running: Iterable[tuple[float, str]], starting: list[str]
+) -> Iterator[tuple[float, JobState]]:
+    """Jobs by expected end: the running ones (kept sorted by the state) and ``starting``, placed
+    but not started (expected to end their duration from now)."""
+    jobs = state.jobs
+    soon = sorted((state.expected_end(jobs[j], starting=True), j) for j in starting)
+    for end, job_id in heapq.merge(running, soon) if soon else running:
+        yield end, jobs[job_id]
 
 
 def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView]) -> int:

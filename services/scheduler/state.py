@@ -16,6 +16,8 @@ leaving the queue, or the placed and running jobs), never recomputed.
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Callable
 
 import msgspec
@@ -70,6 +72,12 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     queued_sizes: dict[str, dict[int, int]] = msgspec.field(default_factory=dict)  # VC -> GPUs asked -> jobs
     active_priorities: dict[int, int] = msgspec.field(default_factory=dict)  # placed/running jobs per priority
     active_by_vc: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)  # placed/running jobs per VC
+    # Running jobs by expected end (inf: unknown), sorted, overall and per VC, for reservations: kept as
+    # jobs start, end or learn their duration, never recomputed by a pass. ``end_of``: each one's key.
+    ends: list[tuple[float, str]] = msgspec.field(default_factory=list)
+    ends_by_vc: dict[str, list[tuple[float, str]]] = msgspec.field(default_factory=dict)
+    end_of: dict[str, float] = msgspec.field(default_factory=dict)
+    unstarted: dict[str, None] = msgspec.field(default_factory=dict)  # placed jobs not running yet
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
@@ -105,6 +113,16 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         if job.spec.duration_s is not None:
             return job.spec.duration_s
         return self.predicted.get(job.job)
+
+    def expected_end(self, job: JobState, *, starting: bool = False) -> float:
+        """When a placed or running job (``starting``: one placed now, or not started yet) is expected
+        to end (inf: unknown): what its duration leaves after the work done before, counted from when
+        its work was last accounted (its start, or its latest resize)."""
+        duration = self.expected_duration(job)
+        if duration is None:
+            return math.inf
+        start = self.now if starting or job.started_at is None else (job.service_from or job.started_at)
+        return start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
 
     def preemptions_within(self, job: str, seconds: float) -> int:
         return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)
@@ -192,6 +210,30 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
         state.predicted.pop(job.job, None)
         state.preempted_at.pop(job.job, None)
+    _follow_end(state, job, active)
+
+
+def _follow_end(state: SchedulerState, job: JobState, active: bool) -> None:
+    """Keep the job's place among the running jobs' expected ends."""
+    started = active and job.started_at is not None
+    end = state.expected_end(job) if started else None
+    old = state.end_of.get(job.job)
+    if old != end:
+        by_vc = state.ends_by_vc.setdefault(job.spec.vc, [])
+        if old is not None:
+            for ends in (state.ends, by_vc):
+                del ends[bisect.bisect_left(ends, (old, job.job))]
+            del state.end_of[job.job]
+        if end is not None:
+            for ends in (state.ends, by_vc):
+                bisect.insort(ends, (end, job.job))
+            state.end_of[job.job] = end
+        if not by_vc:
+            del state.ends_by_vc[job.spec.vc]
+    if active and not started:
+        state.unstarted[job.job] = None
+    else:
+        state.unstarted.pop(job.job, None)
 
 
 def _charge(state: SchedulerState, job: JobState, at: float, used: float) -> None:
@@ -245,6 +287,14 @@ def index_problems(state: SchedulerState) -> list[str]:
         problems.append("the per-VC queue index drifted from the queue")
     if state.queued_sizes != sizes:
         problems.append("the per-VC sizes of waiting jobs drifted from the queue")
+    started = {j.job: state.expected_end(j) for j in active if j.started_at is not None}
+    if state.end_of != started or state.ends != sorted((end, j) for j, end in started.items()):
+        problems.append("the running jobs' expected ends drifted")
+    by_vc_ends: dict[str, list[tuple[float, str]]] = {}
+    for j, end in sorted(started.items(), key=lambda item: (item[1], item[0])):
+        by_vc_ends.setdefault(state.jobs[j].spec.vc, []).append((end, j))
+    if state.ends_by_vc != by_vc_ends or set(state.unstarted) != {j.job for j in active} - set(started):
+        problems.append("the per-VC expected ends or the placed jobs not started drifted")
     stopping: dict[str, set[str]] = {}
     for job in active:
         if job.preempt_reason is not None:

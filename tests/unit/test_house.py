@@ -51,7 +51,7 @@ def test_each_service_ticks_its_own_clock_and_follows_only_its_own_ticks() -> No
 def test_the_scheduler_follows_exactly_its_routes_and_coalesces_only_passes() -> None:
     assert frozenset(ROUTES) == SchedulerDecider.FOLLOWS
     for kind, route in ROUTES.items():
-        assert (kind in COALESCIBLE) == (route.react is None and route.passes), kind.__name__
+        assert (kind in COALESCIBLE) == (route.react is None and route.passes is True), kind.__name__
 
 
 def test_what_a_service_emits_its_nats_user_may_append() -> None:

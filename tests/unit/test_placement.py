@@ -170,3 +170,22 @@ def test_the_island_index_finds_what_a_full_scan_finds() -> None:
             left = tuple(t for t in (tuple(i for i in isl if i not in alloc.gpus) for isl in old.islands) if t)
             free[alloc.node] = NodeView(old.name, old.rack, left, old.runs_processes)
             index.add(free[alloc.node])
+
+
+def test_a_view_cache_moved_to_another_state_keeps_no_claim_about_the_first() -> None:
+    # A decider's cache sees another state after a snapshot or a lost lease: there, n2 runs
+    # processes, so a claim that n2 has one free sim GPU must not place a sim job on it.
+    from services.scheduler.placement import ViewCache
+    from services.scheduler.state import new_state
+
+    cache = ViewCache()
+    first = new_state()
+    apply(first, 1, node("n2", 1))
+    cache.refresh(first)
+    second = new_state()
+    for seq, registration in enumerate((node("n1", 2), node("n2", 1, executor="cpu")), 1):
+        apply(second, seq, registration)
+    free, _, index = cache.refresh(second)
+    placed = place(spec(1), free, index)
+    assert placed is not None and placed.allocations[0].node == "n1"
+    index.end_pass()

@@ -332,3 +332,25 @@ def test_operator_commands_it_cannot_apply_are_refused_with_the_reason_and_chang
     log = drive(unchecked, log)
     assert len(decisions(log, ev.CommandRefused)) == 5, "commands recorded before they were checked are not refused"
     assert decider.policy_for(fold_log(log)).name == "las", "as then: its unknown parameter was ignored"
+
+
+def test_a_prediction_makes_a_pass_only_where_it_is_used() -> None:
+    # "declared" runs on n1, "unknown" (a command of unknown duration) on n2; "late" waits for
+    # n1's free GPU, its own pass not made: whether a prediction makes one shows in what it places.
+    command = ("python", "train.py")
+    history = [node("n1", 2), node("n2", 1, executor="cpu"), submit("declared", 1)]
+    state = folded(drive([*history, submit("unknown", 1, duration=None, command=command)]))
+    assert {j for j in state.jobs if state.jobs[j].status == "placed"} == {"declared", "unknown"}
+    late = submit("late", 1)
+    state = decider.evolve(state, state.seq + 1, late)  # folded, its own pass not made
+
+    def passes(policy: str, job: str, rules: int = ev.SCHEDULING_RULES) -> bool:
+        config = ev.PolicyConfigured(id=f"p-{policy}-{rules}", policy=policy, rules=rules)
+        s = decider.evolve(msgspec.convert(msgspec.to_builtins(state), SchedulerState), state.seq + 1, config)
+        prediction = ev.JobDurationPredicted(id=f"pred-{job}", job=job, seconds=5.0)
+        return bool(decider.decide(decider.evolve(s, s.seq + 1, prediction), prediction))
+
+    assert not passes("fifo", "declared") and not passes("sjf", "late")
+    assert passes("fifo", "unknown")  # backfill reads it
+    assert passes("qssf", "declared")  # QSSF ranks by predictions only
+    assert passes("fifo", "declared", rules=2)  # as logs of earlier rules were decided

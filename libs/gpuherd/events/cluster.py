@@ -32,7 +32,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # The rules of the scheduling pass (``services/scheduler/schedule.py``). A scheduler records the
 # ones it decides by in ``PolicyConfigured``, so every pass is re-derived by the rules it was made
 # by. 2: a VC's first job its quota stops is protected by a reservation, as the gang head is.
-SCHEDULING_RULES = 2
+# 3: a duration prediction makes a pass only where it is used (a job of unknown duration, or a
+# policy that ranks by predictions).
+SCHEDULING_RULES = 3
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
