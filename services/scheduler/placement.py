@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
@@ -29,20 +28,38 @@ from gpuherd.fold import NodeState
 from services.scheduler.state import SchedulerState
 
 
-@dataclass(frozen=True, slots=True)
 class NodeView:
-    """What placement needs to know of one node that accepts work."""
+    """What placement needs to know of one node that accepts work (immutable: a pass replaces the
+    view of a node it places on). Made in every pass for each node that changed, so a plain class:
+    a frozen dataclass costs several times as much to build."""
 
-    name: str
-    rack: str
-    islands: tuple[tuple[int, ...], ...]  # free GPU indices, grouped by NVLink island
-    runs_processes: bool = False
-    free: int = field(init=False, compare=False)  # how many: read in every pass, so kept
-    island_sizes: frozenset[int] = field(init=False, compare=False)
+    __slots__ = ("free", "island_sizes", "islands", "name", "rack", "runs_processes")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "free", sum(len(i) for i in self.islands))
-        object.__setattr__(self, "island_sizes", frozenset(len(i) for i in self.islands))
+    def __init__(
+        self, name: str, rack: str, islands: tuple[tuple[int, ...], ...], runs_processes: bool = False
+    ) -> None:
+        self.name = name
+        self.rack = rack
+        self.islands = islands  # free GPU indices, grouped by NVLink island
+        self.runs_processes = runs_processes
+        sizes = [len(i) for i in islands]
+        self.free = sum(sizes)  # how many: read in every pass, so kept
+        self.island_sizes = frozenset(sizes)
+
+    def _key(self) -> tuple:
+        return (self.name, self.rack, self.islands, self.runs_processes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NodeView) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"NodeView(name={self.name!r}, rack={self.rack!r}, islands={self.islands!r}, "
+            f"runs_processes={self.runs_processes!r})"
+        )
 
 
 class Score(NamedTuple):
@@ -67,14 +84,13 @@ class Placement(msgspec.Struct, frozen=True):
 
 
 def view_of(node: NodeState) -> NodeView:
-    free = set(node.free_gpus())
-    islands = tuple(tuple(i for i in island if i in free) for island in node.islands)
-    return NodeView(
-        name=node.node,
-        rack=node.rack,
-        islands=tuple(i for i in islands if i),
-        runs_processes=node.runs_processes(),
-    )
+    gpus = node.gpus
+    islands = []
+    for island in node.islands:
+        free = tuple(i for i in island if gpus[i].job is None and gpus[i].healthy)
+        if free:
+            islands.append(free)
+    return NodeView(node.node, node.rack, tuple(islands), node.executor != "sim")
 
 
 def views(state: SchedulerState) -> dict[str, NodeView]:
@@ -83,9 +99,9 @@ def views(state: SchedulerState) -> dict[str, NodeView]:
 
 
 class PassViews(NamedTuple):
-    """What a pass starts from: the views (shared with the cache: a pass copies them before it
-    shrinks them, at its first placement), free GPUs per executor kind (runs processes or not),
-    and the island index over the views."""
+    """What a pass starts from: the views (shared with the cache: a pass puts back those it
+    replaced when it ends), free GPUs per executor kind (runs processes or not), and the island
+    index over the views."""
 
     free: dict[str, NodeView]
     free_total: dict[bool, int]
@@ -121,8 +137,8 @@ class ViewCache:
         self.asleep: set[str] = set()  # up, but powered down, powering down or booting
 
     def refresh(self, state: SchedulerState) -> PassViews:
-        """The views of ``state`` (the pass copies them before it places anything: most passes
-        place nothing) and its own copy of the free totals."""
+        """The views of ``state`` (a pass replaces those of the nodes it places on and puts them
+        back when it ends: most passes place nothing) and its own copy of the free totals."""
         nodes = state.nodes
         if nodes is not self._of or state.node_clock < self._clock:
             self._of = nodes
@@ -152,7 +168,6 @@ class ViewCache:
             self._index.nodes = self._views
             for view in fresh:
                 self._index.add(view)
-        self._index.begin_pass(self._views)
         return PassViews(self._views, dict(self._totals), self._index)
 
 
@@ -218,10 +233,11 @@ class IslandIndex:
 
     Each heap entry claims "node N had F free GPUs and a free island of size S". Claims go stale
     as GPUs are taken or freed; they are checked against the current views when they surface and
-    dropped if false, so a node only needs a fresh claim pushed when its view changes. During a
-    pass (``begin_pass``) the views are the pass's own copy; a claim false for the pass but true
-    for the views the pass started from is put back at ``end_pass``, so the index stays whole
-    for the next pass whatever this one placed."""
+    dropped if false, so a node only needs a fresh claim pushed when its view changes. A pass
+    (``begin_pass``) replaces the views of the nodes it places on, keeping the ones they replaced;
+    a claim false for the pass but true for a view the pass replaced is put back at ``end_pass``
+    (once the pass has put its views back), so the index stays whole for the next pass whatever
+    this one placed."""
 
     def __init__(self, nodes: dict[str, NodeView]) -> None:
         self.nodes = nodes
@@ -234,7 +250,7 @@ class IslandIndex:
             heapq.heapify(heap)
         self._heaps = heaps
         self.entries = sum(len(h) for h in heaps.values())
-        self._base: dict[str, NodeView] | None = None
+        self._replaced: dict[str, NodeView] | None = None  # during a pass: views it replaced
         self._put_back: list[tuple[tuple[bool, int], tuple[int, str]]] = []
 
     def add(self, view: NodeView) -> None:
@@ -242,16 +258,17 @@ class IslandIndex:
             heapq.heappush(self._heaps.setdefault((view.runs_processes, size), []), (view.free, view.name))
             self.entries += 1
 
-    def begin_pass(self, pass_nodes: dict[str, NodeView]) -> None:
-        self._base, self.nodes = self.nodes, pass_nodes
+    def begin_pass(self, replaced: dict[str, NodeView]) -> None:
+        """A pass starts: it records in ``replaced`` the view each node had before it placed there."""
+        self._replaced = replaced
 
     def end_pass(self) -> None:
-        if self._base is None:
+        if self._replaced is None:
             return
         for key, entry in self._put_back:
             heapq.heappush(self._heaps[key], entry)
         self._put_back.clear()
-        self.nodes, self._base = self._base, None
+        self._replaced = None
 
     def best_island(self, spec: JobSpec) -> NodeView | None:
         """The node with the best-fitting free island for the whole job: the smallest island that
@@ -266,7 +283,7 @@ class IslandIndex:
                     if _claims(self.nodes, entry, flag, size):
                         break
                     heapq.heappop(heap)
-                    if self._base is not None and _claims(self._base, entry, flag, size):
+                    if self._replaced and _claims(self._replaced, entry, flag, size):
                         self._put_back.append(((flag, size), entry))
                     else:
                         self.entries -= 1

@@ -57,13 +57,14 @@ class Policy(abc.ABC):
     def prepare(self, state: SchedulerState) -> None:  # noqa: B027 - optional hook
         """Compute what ``key`` needs once per pass (fair share's usage table)."""
 
-    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> list[JobState]:
-        """Waiting jobs (``queue``, or all), first to try first."""
+    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> Iterable[JobState]:
+        """Waiting jobs (``queue``, or all), first to try first (a pass reads only the first few:
+        a policy may give them lazily)."""
         self.prepare(state)
         jobs = [state.jobs[j] for j in (state.queue if queue is None else queue)]
         return sorted(jobs, key=lambda j: self.rank(j, state))
 
-    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> list[JobState]:
+    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> Iterable[JobState]:
         """Waiting jobs in order, without those of ``vcs`` but for the ones in ``keep``."""
         queue = [j for vc, queued in state.queued_by_vc.items() if vc not in vcs for j in queued]
         return self.order(state, [*queue, *keep]) if queue or keep else []
@@ -85,15 +86,14 @@ class Fifo(Policy):
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return ()
 
-    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> list[JobState]:
+    def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> Iterable[JobState]:
         if queue is None and len(state.queued_priorities) <= 1:
             # One priority: the fold keeps the queue in arrival order, which is this order (no sort
-            # of a deep queue at every pass).
-            jobs = state.jobs
-            return [jobs[j] for j in state.queue]
+            # of a deep queue at every pass, and only the jobs the pass reads are looked up).
+            return map(state.jobs.__getitem__, state.queue)
         return super().order(state, queue)
 
-    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> list[JobState]:
+    def order_without(self, state: SchedulerState, vcs: set[str], keep: list[str]) -> Iterable[JobState]:
         if len(state.queued_priorities) > 1:
             return super().order_without(state, vcs, keep)
         jobs = state.jobs
@@ -101,7 +101,7 @@ class Fifo(Policy):
         if sum(map(len, others)) + len(keep) < len(state.queue) // 4:  # a few: sort them by arrival
             return sorted((jobs[j] for j in itertools.chain(*others, keep)), key=lambda job: job.order)
         kept = set(keep)
-        return [job for j in state.queue if (job := jobs[j]).spec.vc not in vcs or j in kept]
+        return (job for j in state.queue if (job := jobs[j]).spec.vc not in vcs or j in kept)
 
 
 class Sjf(Policy):

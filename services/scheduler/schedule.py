@@ -134,7 +134,7 @@ class Pass:
     quota_holds: dict[str, QuotaHold] = field(default_factory=dict)  # VC -> its quota head's reservation
     placed_by_vc: dict[str, list[JobState]] = field(default_factory=dict)  # this pass's placements
     behind_head: int = 0
-    owns_free: bool = False  # ``free`` is the pass's own copy
+    replaced: dict[str, NodeView] = field(default_factory=dict)  # views the pass replaced: put back after it
 
     @property
     def any_free(self) -> bool:
@@ -161,6 +161,7 @@ def plan(
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage())
     out, skip = work.out, work.skip
+    index.begin_pass(work.replaced)
     try:
         for position, job in enumerate(candidates(work), 1):
             if out.head is not None:
@@ -180,6 +181,7 @@ def plan(
         preempt(work)
         return work.out
     finally:
+        free.update(work.replaced)  # the views as the pass found them (the cache's)
         index.end_pass()
 
 
@@ -198,7 +200,7 @@ def consider(work: Pass, job: JobState, position: int, borrowed: int) -> None:
 # -- phase 1: candidates ------------------------------------------------------------------------------
 
 
-def candidates(work: Pass) -> list[JobState]:
+def candidates(work: Pass) -> Iterable[JobState]:
     """The waiting jobs in the policy's order. Without explanations, the jobs of VCs whose quota has
     no room for even their smallest waiting job are left out (none of them can start), but each such
     VC's first job stays, as it may preempt within its VC (or by priority)."""
@@ -313,13 +315,10 @@ def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> No
     """Take the placement's GPUs from the pass's views and record the job's ``JobPlaced``."""
     state = work.state
     work.fits.clear()
-    if not work.owns_free:
-        work.free = dict(work.free)
-        work.index.nodes = work.free
-        work.owns_free = True
     for alloc in placement.allocations:
         used = set(alloc.gpus)
         view = work.free[alloc.node]
+        work.replaced.setdefault(alloc.node, view)
         islands = tuple(t for t in (tuple(i for i in isl if i not in used) for isl in view.islands) if t)
         work.free[alloc.node] = NodeView(view.name, view.rack, islands, view.runs_processes)
         work.index.add(work.free[alloc.node])

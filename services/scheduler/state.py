@@ -210,7 +210,13 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
         state.predicted.pop(job.job, None)
         state.preempted_at.pop(job.job, None)
-    _follow_end(state, job, active)
+    if was_active != active or type(e) in _MOVES_END:
+        _follow_end(state, job, active)
+
+
+# What can move a placed job's expected end: its start, a new prediction, a resize (it accounts
+# the work done so far). Its placement and its end come with a change of ``active``.
+_MOVES_END = frozenset({ev.JobStarted, ev.JobDurationPredicted, ev.JobResized, ev.RescaleCompleted})
 
 
 def _follow_end(state: SchedulerState, job: JobState, active: bool) -> None:

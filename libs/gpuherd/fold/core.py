@@ -111,10 +111,14 @@ def _enqueue(state: ClusterState, job: JobState) -> None:
 
 
 def _dequeue(state: ClusterState, job_id: str) -> None:
-    try:
-        state.queue.remove(job_id)
-    except ValueError:
+    """Take a job out of the queue (kept in arrival order): found by bisection, not by a scan."""
+    job = state.jobs.get(job_id)
+    if job is None:
         return
+    queue, jobs = state.queue, state.jobs
+    at = bisect.bisect_left(queue, job.order, key=lambda j: jobs[j].order)
+    if at < len(queue) and queue[at] == job_id:
+        del queue[at]
 
 
 def _exists(state: ClusterState, allocations: tuple[ev.Allocation, ...]) -> bool:
