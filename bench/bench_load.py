@@ -10,26 +10,28 @@ nats-server. This benchmark plays the other two parties:
   duration), so GPUs free up and the queue keeps moving. (1,000 agent processes do not fit on one
   machine; at the log they are indistinguishable from this.)
 
-It prints submissions/s and placements/s (sustained, first to last), decision latency p50/p99 (a
-scheduler decision stored minus its cause stored, from the log's own timestamps), the scheduler's
-consumer lag (sampled each second), each service's peak memory, and checks that no job was lost:
+It prints submissions/s (verdicts received), placements/s (sustained, first to last), decision
+latency p50/p99 (a scheduler decision stored minus its cause stored, from the log's own
+timestamps), verdict latency (submit to verdict, at the submitter), the scheduler's consumer lag,
+each service's peak memory and its time to exit after SIGTERM, and checks that no job was lost:
 every accepted job submitted once, placed, and finished exactly once. The baseline, measured in
 the same run, is raw JetStream appends of the same number of events (pipelined).
 
-Targets: >= 2,000 jobs/s submitted and placed, p99 decision latency <= 50 ms, every service < 500 MB.
+Targets (2 cores): >= 2,000 submissions/s and placements/s, decision p50 <= 20 ms and p99 <= 100 ms,
+every service < 500 MB, 0 lost, and every process gone within 5 s of SIGTERM.
 
-Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512]
+Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +43,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from apps.cluster.local import Supervised, service_argv, stop_together
 from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
@@ -48,9 +51,10 @@ from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import NatsServer, free_port
 
-console = Console()
+console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("scheduler", "elastic", "memory", "analytics")
+CLEAN_EXIT_S = 5.0  # every process must be gone this long after SIGTERM
 
 
 def registration(i: int, gpus: int) -> ev.NodeRegistered:
@@ -162,13 +166,15 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> dict:
+    """The whole load; every process it starts is stopped before it returns, also when it fails."""
     rng = random.Random(args.seed)
     data_dir = Path(tempfile.mkdtemp(prefix="gpuherd-load-"))
     server = NatsServer(data_dir / "nats").start()
     ports = {name: free_port() for name in SERVICES}
     env = dict(os.environ, NATS_URL=server.url, PYTHONUNBUFFERED="1", GPUHERD_LOG_LEVEL="WARNING")
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    procs: dict[str, Supervised] = {}
+    exit_s: dict[str, float | None] = {}
     try:
         base_rate = await baseline(server.url, args.jobs)
         log_ = await open_log(server.url, name="bench-load")
@@ -176,19 +182,11 @@ async def run(args: argparse.Namespace) -> None:
         with console.status(f"registering {args.nodes} nodes x {args.gpus} GPUs"):
             await log_.append_pipelined([registration(i, args.gpus) for i in range(args.nodes)], window=512)
         for name in SERVICES:
-            argv = [
-                sys.executable,
-                "-m",
-                f"services.{name}",
-                "--nats-url",
-                server.url,
-                "--metrics-port",
-                str(ports[name]),
-            ]
+            argv = service_argv(name, "--nats-url", server.url, "--metrics-port", str(ports[name]))
             if name == "scheduler":
                 argv += ["--lost-after", "36000"]  # the fleet sends no heartbeats
-            with open(data_dir / f"{name}.log", "wb") as service_log:
-                procs[name] = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=service_log)
+            procs[name] = Supervised(name, argv, data_dir, env)
+            procs[name].start()
         client = await Client.connect(server.url, source="load", persistent=True)
         while True:  # the scheduler answers once its intake listens
             try:
@@ -221,11 +219,14 @@ async def run(args: argparse.Namespace) -> None:
 
         sampler = asyncio.create_task(sample_lag())
         accepted: list[str] = []
+        verdict_s: list[float] = []
         semaphore = asyncio.Semaphore(args.window)
 
         async def submit(spec: dict) -> None:
             async with semaphore:
+                sent = time.perf_counter()
                 verdict = await client.submit_raw(msgspec.json.encode(spec), timeout=600)
+                verdict_s.append(time.perf_counter() - sent)
             if verdict.ok and verdict.job_id:
                 accepted.append(verdict.job_id)
                 durations[verdict.job_id] = spec["duration_s"]
@@ -247,11 +248,10 @@ async def run(args: argparse.Namespace) -> None:
                 if time.monotonic() - started > args.timeout:
                     break
         total_s = time.monotonic() - started
-        sampler.cancel()
-        follower.cancel()
-        sender.cancel()
+        for background in (sampler, follower, sender):
+            background.cancel()
         metrics = {name: await scrape(port) for name, port in ports.items()}
-        memory = {name: peak_rss_mb(proc.pid) for name, proc in procs.items()}
+        memory = {name: peak_rss_mb(proc.proc.pid) for name, proc in procs.items() if proc.proc is not None}
 
         messages = [
             (seq, msg.data, stream_time(msg.reply))
@@ -262,11 +262,10 @@ async def run(args: argparse.Namespace) -> None:
         latencies = decision_latencies(messages)
         await client.close()
         await log_.close()
+        # Under load to the end: the services have just folded the last events.
+        exit_s = stop_together(list(procs.values()), timeout=30.0)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(10)
+        stop_together(list(procs.values()), timeout=5.0)  # (after a failure: whatever still runs)
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
 
@@ -274,46 +273,63 @@ async def run(args: argparse.Namespace) -> None:
     place_rate = (len(place) - 1) / (place[-1] - place[0]) if len(place) > 1 else float("nan")
     submit_rate = args.jobs / submit_s
     lost = [j for j in accepted if fleet.placed[j] < 1 or fleet.finished[j] != 1]
+    hist = metrics["scheduler"]
+    own_ms = hist["gpuherd_decision_latency_seconds_sum"] / max(1, hist["gpuherd_decision_latency_seconds_count"]) * 1e3
+    clean = all(s is not None and s <= CLEAN_EXIT_S for s in exit_s.values()) and len(exit_s) == len(SERVICES)
+    return {
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus,
+        "jobs": args.jobs,
+        "baseline_appends_per_s": base_rate,
+        "submissions_per_s": submit_rate,
+        "placements_per_s": place_rate,
+        "decision_p50_ms": quantile(latencies, 0.5) * 1e3,
+        "decision_p99_ms": quantile(latencies, 0.99) * 1e3,
+        "verdict_p50_ms": quantile(verdict_s, 0.5) * 1e3,
+        "verdict_p99_ms": quantile(verdict_s, 0.99) * 1e3,
+        "scheduler_own_mean_ms": own_ms,
+        "lag_median": statistics.median(lags or [0]),
+        "lag_max": max(lags or [0]),
+        "peak_rss_mb": memory,
+        "exit_s": exit_s,
+        "clean_shutdown": clean,
+        "accepted": len(accepted),
+        "placed": sum(1 for j in accepted if fleet.placed[j]),
+        "finished_once": sum(1 for j in accepted if fleet.finished[j] == 1),
+        "lost": len(lost),
+        "lost_jobs": lost[:5],
+        "wall_s": total_s,
+    }
 
-    table = Table(title=f"load: {args.nodes} sim nodes x {args.gpus} GPUs, {args.jobs:,} jobs through NATS")
+
+def print_table(r: dict) -> None:
+    table = Table(title=f"load: {r['nodes']:,} sim nodes x {r['gpus_per_node']} GPUs, {r['jobs']:,} jobs through NATS")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("vs baseline", justify="right")
     table.add_column("target", justify="right")
-    table.add_row("raw JetStream appends/s (baseline)", f"{base_rate:,.0f}", "1.00x", "")
-    table.add_row(
-        "submissions/s (verdict received)", f"{submit_rate:,.0f}", f"{submit_rate / base_rate:.2f}x", ">= 2,000"
+    base = r["baseline_appends_per_s"]
+    table.add_row("raw JetStream appends/s (baseline)", f"{base:,.0f}", "1.00x", "")
+    rates = (
+        ("submissions_per_s", "submissions/s (verdict received)"),
+        ("placements_per_s", "placements/s (sustained)"),
     )
-    table.add_row("placements/s (sustained)", f"{place_rate:,.0f}", f"{place_rate / base_rate:.2f}x", ">= 2,000")
-    table.add_row("decision latency p50 (ms)", f"{quantile(latencies, 0.5) * 1e3:.1f}", "", "")
-    table.add_row("decision latency p99 (ms)", f"{quantile(latencies, 0.99) * 1e3:.1f}", "", "<= 50")
-    hist = metrics["scheduler"]
-    own_ms = hist["gpuherd_decision_latency_seconds_sum"] / max(1, hist["gpuherd_decision_latency_seconds_count"]) * 1e3
-    table.add_row(
-        "scheduler's own wait+decide+append, mean (ms)",
-        f"{own_ms:.1f}",
-        "",
-        "",
-    )
-    table.add_row(
-        "consumer lag, median / max (events)", f"{statistics.median(lags or [0]):.0f} / {max(lags or [0]):.0f}", "", ""
-    )
-    for name in SERVICES:
-        table.add_row(f"peak memory {name} (MB)", f"{memory[name]:.0f}", "", "< 500")
-    placed_n = sum(1 for j in accepted if fleet.placed[j])
-    finished_n = sum(1 for j in accepted if fleet.finished[j] == 1)
-    table.add_row(
-        "accepted / placed / finished once",
-        f"{len(accepted):,} / {placed_n:,} / {finished_n:,}",
-        "",
-        "all",
-    )
-    table.add_row("jobs lost", str(len(lost)), "", "0")
-    table.add_row("wall time (s)", f"{total_s:.1f}", "", "")
-    console.print(table)
-    if lost:
-        console.print(f"[red]{len(lost)} accepted jobs were not placed and finished exactly once[/red]: {lost[:5]}")
-        sys.exit(1)
+    for key, label in rates:
+        table.add_row(label, f"{r[key]:,.0f}", f"{r[key] / base:.2f}x", ">= 2,000")
+    decisions = f"{r['decision_p50_ms']:.1f} / {r['decision_p99_ms']:.1f}"
+    table.add_row("decision latency p50 / p99 (ms)", decisions, "", "<= 20 / <= 100")
+    table.add_row("verdict latency p50 / p99 (ms)", f"{r['verdict_p50_ms']:.1f} / {r['verdict_p99_ms']:.1f}", "", "")
+    table.add_row("scheduler's own wait+decide+append, mean (ms)", f"{r['scheduler_own_mean_ms']:.1f}", "", "")
+    table.add_row("consumer lag, median / max (events)", f"{r['lag_median']:.0f} / {r['lag_max']:.0f}", "", "")
+    for name, mb in r["peak_rss_mb"].items():
+        table.add_row(f"peak memory {name} (MB)", f"{mb:.0f}", "", "< 500")
+    for name, seconds in r["exit_s"].items():
+        table.add_row(f"{name}: exit after SIGTERM (s)", "killed" if seconds is None else f"{seconds:.2f}", "", "<= 5")
+    counts = f"{r['accepted']:,} / {r['placed']:,} / {r['finished_once']:,}"
+    table.add_row("accepted / placed / finished once", counts, "", "all")
+    table.add_row("jobs lost", str(r["lost"]), "", "0")
+    table.add_row("wall time (s)", f"{r['wall_s']:.1f}", "", "")
+    Console().print(table)
 
 
 def main() -> None:
@@ -325,7 +341,17 @@ def main() -> None:
     parser.add_argument("--max-duration", type=float, default=1.0, help="longest job (seconds)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=1)
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--json", action="store_true", help="print one JSON object of the figures instead")
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    if result["lost"]:
+        lost = f"{result['lost']} accepted jobs were not placed and finished exactly once"
+        console.print(f"[red]{lost}[/red]: {result['lost_jobs']}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

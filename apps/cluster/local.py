@@ -52,14 +52,29 @@ class Supervised:
             self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_together([self], timeout)
+
+
+def stop_together(procs: list[Supervised], timeout: float = 10.0) -> dict[str, float | None]:
+    """SIGTERM every running process at once; SIGKILL those still running after ``timeout``. Each
+    process's time from SIGTERM to its exit (None: it had to be killed), by name."""
+    running = [p for p in procs if p.proc is not None and p.proc.poll() is None]
+    started = time.monotonic()
+    for p in running:
+        p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    exit_s: dict[str, float | None] = {}
+    left = list(running)
+    while left and time.monotonic() - started < timeout:
+        for p in list(left):
+            if p.proc.poll() is not None:  # type: ignore[union-attr]
+                exit_s[p.name] = time.monotonic() - started
+                left.remove(p)
+        time.sleep(0.01)
+    for p in left:
+        p.proc.kill()  # type: ignore[union-attr]
+        p.proc.wait()  # type: ignore[union-attr]
+        exit_s[p.name] = None
+    return exit_s
 
 
 def service_argv(service: str, *args: str) -> list[str]:
@@ -143,11 +158,14 @@ class LocalCluster:
         for p in self.procs:
             p.check()
 
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        if self.server is not None:
-            self.server.stop()
+    def stop(self, timeout: float = 10.0) -> dict[str, float | None]:
+        """Stop every process (all at once: each releases its lease as it goes), then the embedded
+        NATS server; each process's time to exit (None: killed after ``timeout``)."""
+        try:
+            return stop_together(self.procs, timeout)
+        finally:
+            if self.server is not None:
+                self.server.stop()
 
     def __enter__(self) -> LocalCluster:
         self.start()

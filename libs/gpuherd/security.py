@@ -153,6 +153,7 @@ def agent_permissions(node: str) -> Permissions:
         *_read_log(),
         f"{DEAD_LETTER_PREFIX}.{user}",
         _kv_write(LEASE_BUCKET, f"agent.{node}"),
+        _kv_write(SNAPSHOT_BUCKET, f"agent.{node}"),
         _kv_write(STATUS_BUCKET, f"{user}.>"),
     )
     return Permissions(publish=publish, subscribe=(_inbox(user), f"{CONTROL_PREFIX}.{node}.>"), allow_responses=True)

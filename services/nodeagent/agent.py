@@ -41,6 +41,7 @@ from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
+from gpuherd.runtime.snapshots import load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
 from services.nodeagent.control_socket import ControlSocket, control_address
@@ -61,7 +62,7 @@ from services.nodeagent.reconcile import (
     launch_for,
     reconcile,
 )
-from services.nodeagent.state import AgentState, evolve, new_state
+from services.nodeagent.state import STATE_FORMAT, AgentState, evolve, new_state
 from services.nodeagent.upkeep import NodeUpkeep
 from services.nodeagent.writer import AgentWriter
 
@@ -90,6 +91,8 @@ class Agent:
         telemetry_s: float = 5.0,
         power_hook: str | None = None,
         clock: Callable[[], float] = time.time,
+        snapshot_every: int = 5000,
+        snapshot_interval_s: float = 30.0,
     ) -> None:
         self.log = log_
         self.node = node
@@ -121,6 +124,11 @@ class Agent:
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
         self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
+        self.snapshot_every = snapshot_every  # events folded between snapshots (or snapshot_interval_s)
+        self.snapshot_interval_s = snapshot_interval_s
+        self._snapshot_seq = 0
+        self._snapshot_time = time.monotonic()
+        self._snapshotting: asyncio.Task[int | None] | None = None
         executor.node = node
         self.metrics = ServiceMetrics(f"agent-{node}")
         self.metrics_port: int | None = None
@@ -151,6 +159,7 @@ class Agent:
             await socket_.start()
         stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
+            await self.load_snapshot()
             await self.executor.recover(self._on_exit)
             await self.register()
             status = status_reporter(
@@ -172,6 +181,8 @@ class Agent:
         finally:
             for task in self._reconciling.values():
                 task.cancel()
+            if self._snapshotting is not None:
+                self._snapshotting.cancel()
             self.writer.cancel()
             self.power.cancel()
             await self.executor.shutdown()
@@ -203,9 +214,9 @@ class Agent:
 
     async def _follow(self) -> None:
         head = await self.log.last_seq()
-        if head == 0:
-            self.caught_up.set()
-        async for record in self.log.read(1, follow=True):
+        if head <= self.state.seq:  # an empty log, or a snapshot of all of it
+            await self._caught_up(self.state.seq)
+        async for record in self.log.read(self.state.seq + 1, follow=True):
             event = record.event
             self.metrics.events_consumed.inc()
             if isinstance(event, ev.Unreadable):
@@ -215,13 +226,50 @@ class Agent:
             self._remember(event, record.trace, reclaimed)
             if not self.caught_up.is_set():
                 if record.seq >= head:
-                    self.caught_up.set()
-                    self.reconcile_all()
-                    me = self.state.me
-                    if me is not None and me.status == "lost":
-                        await self.register(after_seq=record.seq)
+                    await self._caught_up(record.seq)
                 continue
             await self._react(event, record.seq)
+            self._maybe_snapshot()
+
+    async def _caught_up(self, seq: int) -> None:
+        self.caught_up.set()
+        self._maybe_snapshot()  # a restart after a long catch-up should not repeat it
+        self.reconcile_all()
+        me = self.state.me
+        if me is not None and me.status == "lost":
+            await self.register(after_seq=seq)
+
+    # -- snapshots ------------------------------------------------------------------------------
+    # What the agent folded, so a restart reads only the log's tail. Any folded state is a valid
+    # snapshot: after catching up the agent reconciles every job it knows, whatever it missed.
+
+    async def load_snapshot(self) -> None:
+        snap = await load_snapshot(self.log, self.snapshot_key, STATE_FORMAT)
+        if snap is None:
+            return
+        try:
+            state = msgspec.msgpack.decode(snap.state, type=AgentState)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("snapshot unreadable; folding the log from the start", error=str(exc))
+            return
+        if state.node == self.node:
+            self.state = state
+            self._snapshot_seq = state.seq
+
+    def _maybe_snapshot(self) -> None:
+        seq = self.state.seq
+        due = seq - self._snapshot_seq >= self.snapshot_every or (
+            seq > self._snapshot_seq and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
+        )
+        if not due or (self._snapshotting is not None and not self._snapshotting.done()):
+            return
+        self._snapshot_seq, self._snapshot_time = seq, time.monotonic()
+        data = msgspec.msgpack.encode(self.state)  # now: the state moves on while it is stored
+        self._snapshotting = asyncio.create_task(save_snapshot(self.log, self.snapshot_key, STATE_FORMAT, seq, data))
+
+    @property
+    def snapshot_key(self) -> str:
+        return f"agent.{self.node}"
 
     def _remember(self, event: ev.Event, trace: str | None, reclaimed: Any) -> None:
         """What the agent keeps beside the fold, about its own tasks."""

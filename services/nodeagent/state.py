@@ -17,6 +17,8 @@ from gpuherd import events as ev
 from gpuherd.fold import ClusterState, NodeState, apply
 from gpuherd.fold.leases import Leases, apply_lease
 
+STATE_FORMAT = 1  # of ``AgentState`` in the agent's snapshots: a snapshot of another is not read
+
 # Node events an agent folds only when they are about its own node.
 _NODE_EVENTS = (
     ev.NodeRegistered,

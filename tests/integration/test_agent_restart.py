@@ -125,3 +125,32 @@ async def test_preemption_gives_the_job_its_checkpoint_signal_and_grace(tmp_path
     assert ended.outcome == "stopped" and ended.reason == "priority"
     assert "checkpoint saved" in ended.output_tail
     assert pids_of_job("victim") == []
+
+
+async def test_a_restarted_agent_reads_only_the_log_after_its_snapshot(tmp_path: Path) -> None:
+    class Reads(MemoryLog):
+        starts: list[int] = []
+
+        def read(self, start: int = 1, **kw):  # type: ignore[override]
+            self.starts.append(start)
+            return super().read(start, **kw)
+
+    log = Reads(lease_ttl=0.5)
+    first = make_agent(log, tmp_path)
+    first.snapshot_every = 5
+    async with running(first):
+        await place(log, "done", "print('ok')")
+        await wait_until(lambda: bool(events_of(log, ev.TaskEnded)), timeout=20)
+        await log.append([ev.JobFinished(id="fin-done", job="done", attempt=0, outcome="completed")])
+        for i in range(12):  # other jobs: folded, and the snapshot follows them
+            spec = ev.JobSpec(name=f"o{i}", user="u", gpus=1, duration_s=1.0)
+            await log.append([ev.JobSubmitted(id=f"sub-o{i}", job=f"o{i}", spec=spec, intake_source="t")])
+        await wait_until(lambda: first._snapshot_seq >= len(log._records) - 5 and first._snapshotting.done())
+    saved = first._snapshot_seq
+    await asyncio.sleep(0.6)  # the old agent's lease expires
+    log.starts.clear()
+    second = make_agent(log, tmp_path)
+    async with running(second):
+        assert log.starts[0] == saved + 1, "it folded the snapshot's state, then read from there on"
+        assert set(second.state.jobs) == {f"o{i}" for i in range(12)}, "what it knows is the snapshot's"
+    assert len(events_of(log, ev.JobStarted)) == 1, "the finished job was not started again"

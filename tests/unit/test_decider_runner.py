@@ -201,8 +201,12 @@ async def test_a_pass_larger_than_one_atomic_append_is_appended_in_parts() -> No
     await until(lambda: len(placements(log)) == 5)
     stop.set()
     await task
+    seqs = [r.seq for r in log._records if isinstance(r.event, ev.JobPlaced)]
     assert len({p.based_on for p in placements(log)}) == 1, "one pass"
-    assert violations(log._records) == [] and audit(log._records, SchedulerDecider()).ok
+    assert seqs == list(range(seqs[0], seqs[0] + 5)), "its decisions stored together, in three atomic parts"
+    report = audit(log._records, SchedulerDecider())
+    assert violations(log._records) == [] and report.ok
+    assert report.decisions_checked >= 5, "the audit re-derived the pass, all of its parts"
 
 
 async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_rebuilt_from_the_log() -> None:
@@ -211,7 +215,7 @@ async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_r
     import msgspec
 
     from gpuherd.log import SNAPSHOT_BUCKET
-    from gpuherd.runtime.runner import Snapshot
+    from gpuherd.runtime.snapshots import Snapshot
 
     log = MemoryLog(duplicate_window=0)
     await log.append([node("n1", 2), submit("a", 1)])

@@ -29,6 +29,10 @@ from gpuherd.obs import get_logger
 log = get_logger("gpuherd.log")
 
 PULL = 1000
+# Messages handed on before the reader lets the event loop run its other tasks: a reader that
+# drains a full buffer without a pause would starve the reader's process of its timers, its
+# decisions and its signal handlers (a SIGTERM waits until the buffer is empty).
+YIELD_EVERY = 200
 EXPIRES_S = 5.0
 HEARTBEAT_S = 1.0
 SILENCE_S = 4.0  # no heartbeat for this long: the consumer (or the server) is gone
@@ -62,6 +66,7 @@ async def ordered_messages(
     next_seq = start
     consumer: str | None = None
     remaining = 0  # messages the open pull request may still deliver
+    handed = 0
     pull_request = msgspec.json.encode(
         {"batch": PULL, "expires": int(EXPIRES_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
     )
@@ -106,6 +111,9 @@ async def ordered_messages(
                 next_seq = seq + 1
                 if stop is not None and seq >= stop:
                     return
+                handed += 1
+                if handed % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -17,30 +17,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic
 
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, patiently, run_until_stopped
-from gpuherd.errors import LeaseLost, LogError, LogUnavailable
-from gpuherd.log import SNAPSHOT_BUCKET, AppendResult, EventLog, EventStore, Lease
+from gpuherd.aio import acquire_lease, run_until_stopped
+from gpuherd.errors import LeaseLost, LogError
+from gpuherd.log import AppendResult, EventLog, EventStore, Lease
 from gpuherd.log.interfaces import Traces
 from gpuherd.metrics import ServiceMetrics, status_reporter
 from gpuherd.obs import current_traceparent, get_logger, span_from
 from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
+from gpuherd.runtime.snapshots import load_snapshot, save_snapshot
 
 log = get_logger("gpuherd.runtime")
-
-
-class Snapshot(msgspec.Struct):
-    v: int  # the decider's STATE_FORMAT when it was taken
-    seq: int
-    state: bytes
 
 
 async def append_reliably(
@@ -114,6 +108,7 @@ class DeciderRunner(Generic[S]):
         self._wake = asyncio.Event()  # an external input arrived
         self._snapshot_seq = 0
         self._snapshot_time = time.monotonic()
+        self.snapshot_bytes = 0  # the size of the last snapshot saved
 
     @property
     def name(self) -> str:
@@ -126,37 +121,26 @@ class DeciderRunner(Generic[S]):
     # -- snapshots ------------------------------------------------------------------------
 
     async def load_snapshot(self) -> None:
-        try:
-            data = await patiently(lambda: self.log.kv_get(SNAPSHOT_BUCKET, self.name), what="snapshot", patience_s=60)
-        except LogUnavailable:
-            data = None  # only a cache: rebuilt from the log instead
-        if data is None:
+        snap = await load_snapshot(self.log, self.name, self.decider.STATE_FORMAT)
+        if snap is None:
             return
         try:
-            snap = msgspec.msgpack.decode(zlib.decompress(data), type=Snapshot)
-            if snap.v != self.decider.STATE_FORMAT:
-                log.warning(
-                    "snapshot of another state format; rebuilding from the log",
-                    snapshot_format=snap.v,
-                    this_format=self.decider.STATE_FORMAT,
-                )
-                return
             self.core.state = self.decider.decode_state(snap.state)
-            self._snapshot_seq = snap.seq
-        except (msgspec.DecodeError, msgspec.ValidationError, zlib.error) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             # A snapshot is only a cache of the log: rebuild from the start.
             log.warning("snapshot unreadable; rebuilding from the log", error=str(exc))
             self.core.state = self.decider.initial_state()
+            return
+        self._snapshot_seq = snap.seq
 
     async def save_snapshot(self) -> None:
         state = self.core.state
-        snap = Snapshot(v=self.decider.STATE_FORMAT, seq=state.seq, state=self.decider.encode_state(state))
-        data = zlib.compress(msgspec.msgpack.encode(snap), 1)
-        try:
-            await self.log.kv_put(SNAPSHOT_BUCKET, self.name, data)
-        except Exception as exc:  # a missed snapshot costs a longer catch-up, nothing else
-            log.warning("snapshot not saved", error=repr(exc), bytes=len(data))
+        size = await save_snapshot(
+            self.log, self.name, self.decider.STATE_FORMAT, state.seq, self.decider.encode_state(state)
+        )
+        if size is None:
             return
+        self.snapshot_bytes = size
         self._snapshot_seq = state.seq
         self._snapshot_time = time.monotonic()
 
