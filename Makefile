@@ -68,6 +68,7 @@ bench: install
 	$(PY) bench/bench_elastic.py
 	$(PY) bench/bench_memory.py
 	$(PY) bench/bench_load.py
+	$(PY) bench/bench_restart.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache

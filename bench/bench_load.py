@@ -39,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+import nats
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -50,6 +51,7 @@ from gpuherd.log import open_log
 from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import NatsServer, free_port
+from gpuherd.obs import configure
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +85,15 @@ def peak_rss_mb(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 class Fleet:
@@ -135,15 +146,24 @@ async def scrape(port: int) -> dict[str, float]:
 
 
 async def baseline(url: str, n: int) -> float:
-    """Raw JetStream appends of ``n`` events (pipelined): the log's own speed on this machine."""
-    log_ = await open_log(url, name="bench-baseline")
+    """Raw JetStream appends of ``n`` events (pipelined, 512 in flight, as ``append_pipelined``):
+    the log's own speed on this machine. They go to a stream of their own, where no service reads."""
+    nc = await nats.connect(url)
     try:
+        js = nc.jetstream()
+        await js.add_stream(name="BENCH_BASELINE", subjects=["bench.baseline.>"])
         events = [ev.JobCancelRequested(id=f"bench:base:{i}", at=0.0, source="bench", job=f"base{i}") for i in range(n)]
+        window = asyncio.Semaphore(512)
+
+        async def append(event: ev.Event) -> None:
+            async with window:
+                await js.publish(f"bench.baseline.{event.job}", ev.encode(event), headers={"Nats-Msg-Id": event.id})
+
         started = time.perf_counter()
-        await log_.append_pipelined(events, window=512)
+        await asyncio.gather(*(append(e) for e in events))
         return n / (time.perf_counter() - started)
     finally:
-        await log_.close()
+        await nc.close()
 
 
 def decision_latencies(messages: list[tuple[int, bytes, float]]) -> list[float]:
@@ -231,6 +251,8 @@ async def run(args: argparse.Namespace) -> dict:
                 accepted.append(verdict.job_id)
                 durations[verdict.job_id] = spec["duration_s"]
 
+        cpu0 = {name: cpu_s(proc.proc.pid) for name, proc in procs.items() if proc.proc is not None}
+        cpu0 |= {"nats-server": cpu_s(server.proc.pid), "bench": cpu_s(os.getpid())}  # type: ignore[union-attr]
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("submitting", total=args.jobs)
             started = time.monotonic()
@@ -252,6 +274,9 @@ async def run(args: argparse.Namespace) -> dict:
             background.cancel()
         metrics = {name: await scrape(port) for name, port in ports.items()}
         memory = {name: peak_rss_mb(proc.proc.pid) for name, proc in procs.items() if proc.proc is not None}
+        cpu = {name: cpu_s(proc.proc.pid) - cpu0[name] for name, proc in procs.items() if proc.proc is not None}
+        cpu["nats-server"] = cpu_s(server.proc.pid) - cpu0["nats-server"]  # type: ignore[union-attr]
+        cpu["bench (submitters, fleet)"] = cpu_s(os.getpid()) - cpu0["bench"]
 
         messages = [
             (seq, msg.data, stream_time(msg.reply))
@@ -291,6 +316,7 @@ async def run(args: argparse.Namespace) -> dict:
         "lag_median": statistics.median(lags or [0]),
         "lag_max": max(lags or [0]),
         "peak_rss_mb": memory,
+        "cpu_s": cpu,
         "exit_s": exit_s,
         "clean_shutdown": clean,
         "accepted": len(accepted),
@@ -323,13 +349,18 @@ def print_table(r: dict) -> None:
     table.add_row("consumer lag, median / max (events)", f"{r['lag_median']:.0f} / {r['lag_max']:.0f}", "", "")
     for name, mb in r["peak_rss_mb"].items():
         table.add_row(f"peak memory {name} (MB)", f"{mb:.0f}", "", "< 500")
+    cores = os.cpu_count() or 1
+    used = sum(r["cpu_s"].values())
+    for name, seconds in r["cpu_s"].items():
+        table.add_row(f"CPU {name} (s)", f"{seconds:.1f}", "", "")
+    table.add_row(f"CPU all / available on {cores} cores (s)", f"{used:.1f} / {cores * r['wall_s']:.1f}", "", "")
     for name, seconds in r["exit_s"].items():
         table.add_row(f"{name}: exit after SIGTERM (s)", "killed" if seconds is None else f"{seconds:.2f}", "", "<= 5")
     counts = f"{r['accepted']:,} / {r['placed']:,} / {r['finished_once']:,}"
     table.add_row("accepted / placed / finished once", counts, "", "all")
     table.add_row("jobs lost", str(r["lost"]), "", "0")
     table.add_row("wall time (s)", f"{r['wall_s']:.1f}", "", "")
-    Console().print(table)
+    Console(width=120).print(table)
 
 
 def main() -> None:
@@ -343,6 +374,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures instead")
     args = parser.parse_args()
+    configure("bench", level="WARNING", json=False)  # logs to stderr: stdout is the table or the JSON
     result = asyncio.run(run(args))
     if args.json:
         print(json.dumps(result))

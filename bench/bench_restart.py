@@ -43,6 +43,7 @@ from gpuherd.client import Client
 from gpuherd.log import SNAPSHOT_BUCKET, EventLog, open_log
 from gpuherd.metrics import http_get
 from gpuherd.natsd import NatsServer, free_port
+from gpuherd.obs import configure
 from gpuherd.runtime.snapshots import Snapshot
 
 console = Console(stderr=True)
@@ -74,7 +75,9 @@ def history(jobs: int, nodes: int, seed: int) -> tuple[list[ev.Event], str]:
     submissions = synthetic_jobs(jobs, cluster.total_gpus, seed, time.time() - horizon)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating the history: {jobs:,} jobs on {nodes:,} nodes", total=jobs)
-        result = simulate(submissions, cluster, "fifo", on_submit=lambda n: progress.update(task, completed=n))
+        result = simulate(
+            submissions, cluster, "fifo", start=submissions[0].at, on_submit=lambda n: progress.advance(task, n)
+        )
     node = cluster.setup_events()[0].node  # type: ignore[attr-defined]
     return [record.event for record in result.records], node
 
@@ -198,9 +201,9 @@ def print_table(r: dict) -> None:
         table.add_row(who, label, fmt(cold), fmt(warm), ratio, target)
     for who in ("scheduler", "agent"):
         snap = r[f"{who}_snapshot"]
-        size = f"{snap['stored_bytes'] / 1e6:.2f} MB stored ({snap['state_bytes'] / 1e6:.2f} MB state)"
+        size = f"{snap['stored_bytes'] / 1e3:,.1f} kB stored ({snap['state_bytes'] / 1e3:,.1f} kB state)"
         table.add_row(who, "snapshot", "", size, "", "")
-    Console().print(table)
+    Console(width=120).print(table)
     console.print(f"history appended in {r['append_s']:.1f} s")
 
 
@@ -212,6 +215,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a start may take")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures instead")
     args = parser.parse_args()
+    configure("bench", level="WARNING", json=False)  # logs to stderr: stdout is the table or the JSON
     result = asyncio.run(run(args))
     if args.json:
         print(json.dumps(result))

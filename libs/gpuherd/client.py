@@ -107,12 +107,16 @@ class Client:
         return verdict.job_id
 
     async def submit_raw(self, data: bytes, *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> Verdict:
-        """Publish raw bytes as a submission and wait for the verdict (retrying the same bytes)."""
+        """Publish raw bytes as a submission and wait for the verdict (retrying the same bytes).
+
+        Every attempt carries one message id: the intake stream keeps the first and drops the
+        retries (a busy scheduler is not handed the same submission again and again), and a spec
+        without an ``intake_id`` gets that id, so a retry never makes a second job."""
         inbox, reply = await self._reply_inbox()
         deadline = time.monotonic() + timeout
         try:
             with tracer().start_as_current_span("client.submit", attributes={"source": self.source}):
-                headers = {REPLY_HEADER: inbox}
+                headers = {REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex}
                 trace = current_traceparent()
                 if trace:
                     headers["traceparent"] = trace

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +27,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _propagator = TraceContextTextMapPropagator()
 _configured = False
+_exporting = False  # a span processor records this process's spans
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-[0-9a-f]{16}-([0-9a-f]{2})$")
 
 
 def _add_trace_ids(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +44,7 @@ def configure(
     service: str, *, level: str | None = None, json: bool = True, exporter: SpanExporter | None = None
 ) -> None:
     """Set up logging and tracing for one process. Safe to call more than once."""
-    global _configured
+    global _configured, _exporting
     level_name = (level or os.environ.get("GPUHERD_LOG_LEVEL", "INFO")).upper()
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
@@ -61,8 +65,10 @@ def configure(
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
+            _exporting = True
         elif os.environ.get("GPUHERD_TRACE_CONSOLE"):
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+            _exporting = True
         trace.set_tracer_provider(provider)
         _configured = True
 
@@ -87,3 +93,17 @@ def span_from(traceparent: str | None, name: str, **attributes: Any) -> Iterator
     parent = _propagator.extract({"traceparent": traceparent}) if traceparent else otel_context.Context()
     with tracer().start_as_current_span(name, context=parent, attributes=attributes) as span:
         yield span
+
+
+def child_traceparent(traceparent: str | None, name: str, **attributes: Any) -> str | None:
+    """The ``traceparent`` of a new span ``name``, child of ``traceparent`` (a new trace if None),
+    for what a decision appends. Where spans are exported it is a recorded SDK span; where nothing
+    records them only its ids are made (the SDK's span machinery, once per decision, was a tenth of
+    a busy scheduler's time). A process that never configured tracing passes ``traceparent`` on."""
+    if _exporting or not _configured:
+        with span_from(traceparent, name, **attributes) as span:
+            return current_traceparent() if span.get_span_context().is_valid else traceparent
+    match = _TRACEPARENT.match(traceparent) if traceparent else None
+    trace_id = match.group(1) if match else f"{random.getrandbits(128):032x}"
+    flags = match.group(2) if match else "01"
+    return f"00-{trace_id}-{random.getrandbits(64) or 1:016x}-{flags}"

@@ -32,7 +32,7 @@ TRIGGERS: frozenset[type[ev.Event]] = frozenset(
 
 class ElasticDecider(Decider[ElasticState]):
     name = "elastic"
-    STATE_FORMAT = 2
+    STATE_FORMAT = 3  # 3: placed and running elastic jobs indexed
     FOLLOWS = TRIGGERS
     REFUSES = frozenset({ev.ElasticConfigured})
     EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})

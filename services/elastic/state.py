@@ -24,6 +24,7 @@ class ElasticState(ClusterState, kw_only=True, gc=False):
     proposed: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # job -> (generation, at)
     params: dict[str, float] | None = None  # the latest applied ElasticConfigured (None: the decider's default)
     elastic_running: int = 0  # running elastic jobs: the timer ticks only while there are some
+    elastic_active: dict[str, None] = msgspec.field(default_factory=dict)  # placed or running elastic jobs
 
 
 def job_model(profile: dict) -> JobModel | None:
@@ -60,8 +61,13 @@ def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -
     elif isinstance(event, ev.JobFinished):
         for table in (state.models, state.shrunk_at, state.proposed, state.throughput):
             table.pop(event.job, None)
+    if isinstance(event, ev.JobPlaced | ev.JobFinished | ev.JobRequeued):  # (the fold's only (de)activations)
+        job = state.jobs.get(event.job)
+        if event.job in state.active and job is not None and job.spec.elastic is not None:
+            state.elastic_active[event.job] = None
+        else:
+            state.elastic_active.pop(event.job, None)
     if isinstance(event, ev.JobStarted | ev.JobFinished | ev.JobRequeued):
-        state.elastic_running = sum(
-            1 for j in state.active_jobs() if j.spec.elastic is not None and j.status == "running"
-        )
+        jobs = state.jobs
+        state.elastic_running = sum(1 for j in state.elastic_active if jobs[j].status == "running")
     return state

@@ -9,7 +9,7 @@ verdict's ``based_on`` is exactly the state it was judged on, and the audit re-j
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -49,14 +49,26 @@ def _excerpt(data: bytes) -> str:
     return data[:EXCERPT_BYTES].decode("utf-8", errors="replace")
 
 
-NodeSizes = dict[bool, list[int]]  # runs processes? -> GPUs of each registered node of that kind
+class Sizes(NamedTuple):
+    """The registered nodes of one kind: how many, their GPUs in all, the largest node's GPUs."""
+
+    nodes: int = 0
+    gpus: int = 0
+    largest: int = 0
+
+    def __add__(self, other: Sizes) -> Sizes:  # type: ignore[override]
+        return Sizes(self.nodes + other.nodes, self.gpus + other.gpus, max(self.largest, other.largest))
+
+
+NodeSizes = dict[bool, Sizes]  # runs processes? -> the registered nodes of that kind
 
 
 def node_sizes(state: SchedulerState) -> NodeSizes:
     """What intake checks a spec against; compute it once for a batch of submissions."""
-    sizes: NodeSizes = {False: [], True: []}
+    sizes: NodeSizes = {False: Sizes(), True: Sizes()}
     for node in state.nodes.values():
-        sizes[node.runs_processes()].append(len(node.gpus))
+        kind = node.runs_processes()
+        sizes[kind] += Sizes(1, len(node.gpus), len(node.gpus))
     return sizes
 
 
@@ -125,28 +137,27 @@ def _spec_problem(
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
     # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
     by_kind = by_kind if by_kind is not None else node_sizes(state)
-    sizes = [size for flag, group in by_kind.items() if can_run(spec, flag) for size in group]
-    if not sizes:
+    sizes = sum((group for flag, group in by_kind.items() if can_run(spec, flag)), Sizes())
+    if not sizes.nodes:
         need = "a `command` needs a cpu or nvml agent" if spec.command else "a sim job needs a sim agent"
         return f"no registered node can run this job ({need}); none has registered yet"
-    every = len(sizes) == len(state.nodes)
-    capacity = sum(sizes)
-    if spec.gpus > capacity:
+    every = sizes.nodes == len(state.nodes)
+    if spec.gpus > sizes.gpus:
         where = "the whole cluster has" if every else "the nodes that can run it have"
-        return f"asks for {spec.gpus} GPUs but {where} {capacity} ({len(sizes)} nodes)"
+        return f"asks for {spec.gpus} GPUs but {where} {sizes.gpus} ({sizes.nodes} nodes)"
     if spec.nodes is not None:
         if spec.nodes <= 0:
             return f"`nodes` must be at least 1, got {spec.nodes}"
         if spec.gpus % spec.nodes:
             return f"`gpus` ({spec.gpus}) must divide evenly over `nodes` ({spec.nodes})"
-        if spec.nodes > len(sizes):
-            return f"asks for {spec.nodes} nodes but the cluster has {len(sizes)}" + (
+        if spec.nodes > sizes.nodes:
+            return f"asks for {spec.nodes} nodes but the cluster has {sizes.nodes}" + (
                 "" if every else " that can run it"
             )
         per_node = spec.gpus // spec.nodes
-        if per_node > max(sizes):
+        if per_node > sizes.largest:
             largest = "the largest node" if every else "the largest node that can run it"
-            return f"asks for {per_node} GPUs per node but {largest} has {max(sizes)}"
+            return f"asks for {per_node} GPUs per node but {largest} has {sizes.largest}"
     return None
 
 

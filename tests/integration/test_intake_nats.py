@@ -133,3 +133,23 @@ async def test_submit_while_scheduler_down_is_judged_when_it_returns(cluster) ->
     await wait_state(
         log, lambda s: any(j.spec.intake_id == "late" and j.status == "completed" for j in s.jobs.values()), 30
     )
+
+
+async def test_a_submission_retried_while_the_scheduler_is_away_is_stored_once_and_makes_one_job(cluster) -> None:
+    """The client's retries carry one message id: the intake stream drops the copies, and a spec
+    without an intake id gets that id, so even a copy that got through would be the same job."""
+    services, log = cluster
+    stored_before = (await log.js.stream_info("HERD_INTAKE")).state.messages
+    services.kill("scheduler")
+    client = await Client.connect(services.url, source="teamR")
+    try:
+        with pytest.raises(SubmissionError, match="no verdict"):
+            await client.submit_raw(msgspec.json.encode(GOOD | {"name": "retried"}), timeout=1.5, attempt_timeout=0.1)
+        services.start("scheduler")
+        after = await client.submit(GOOD | {"name": "after"}, timeout=60)  # judged after every copy before it
+    finally:
+        await client.close()
+    state = await wait_state(log, lambda s: after in s.jobs, 30)
+    assert [j.spec.name for j in state.jobs.values()].count("retried") == 1
+    intake = await log.js.stream_info("HERD_INTAKE")
+    assert intake.state.messages - stored_before == 2, "the retries were dropped as duplicates"

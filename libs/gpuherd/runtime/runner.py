@@ -28,7 +28,7 @@ from gpuherd.errors import LeaseLost, LogError
 from gpuherd.log import AppendResult, EventLog, EventStore, Lease
 from gpuherd.log.interfaces import Traces
 from gpuherd.metrics import ServiceMetrics, status_reporter
-from gpuherd.obs import current_traceparent, get_logger, span_from
+from gpuherd.obs import child_traceparent, get_logger
 from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
@@ -83,7 +83,7 @@ class DeciderRunner(Generic[S]):
         decider: Decider[S],
         *,
         instance: str,
-        snapshot_every: int = 1000,
+        snapshot_every: int = 10_000,
         snapshot_interval_s: float = 10.0,
         extra_tasks: Sequence[ExtraTask] = (),
         metrics: ServiceMetrics | None = None,
@@ -276,9 +276,7 @@ class DeciderRunner(Generic[S]):
             cause = decided.cause
             trace_in = getattr(cause, "trace", None)
             cause_id = cause.event.id if hasattr(cause, "event") else str(getattr(cause, "cause", ""))
-            with span_from(trace_in, f"{self.name}.decide", cause=cause_id) as span:
-                trace = current_traceparent() if span.get_span_context().is_valid else trace_in
-            out += [trace] * len(decided.outputs)
+            out += [child_traceparent(trace_in, f"{self.name}.decide", cause=cause_id)] * len(decided.outputs)
         return out
 
     async def _commit(self, batch: list[Decided]) -> None:
