@@ -35,10 +35,12 @@ from rich.console import Console
 from rich.table import Table
 
 from apps.sim.cluster import ClusterSpec
+from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
+from apps.sim.model import HELIOS
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from services.analytics.jobs import job_table, summarize
-from services.analytics.traces import load_trace, submissions, vc_peak_demand
+from services.analytics.traces import job_id_for, load_trace, submissions, vc_peak_demand
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "philly" / "philly.csv"
@@ -161,7 +163,87 @@ def before_and_after(args: argparse.Namespace) -> None:
             f"{r['before_peak_rss_mb']:,} / {r['after_peak_rss_mb']:,}",
         )
     console.print(table)
-    console.print("* the results differ (see the closing note of the version for why)")
+    if not all(r["same_results"] for r in rows):
+        console.print("* the results differ (see the closing note of the version for why)")
+
+
+def run_peer(peer_dir: Path, data_dir: Path, policy: str, vcs: list[str]) -> tuple[float, dict]:
+    """One policy through the Helios simulator (a fresh process in its own folder): wall seconds
+    and its summary. Its last step compares all four policies' logs, so a run of one policy fails
+    there after its logs are written: only the logs count."""
+    log_dir = peer_dir / "log"
+    argv = [sys.executable, "simulator.py", "-e", "Philly", "-t", str(data_dir), "-l", str(log_dir), "-s", policy]
+    started = time.perf_counter()
+    done = subprocess.run(argv, cwd=peer_dir, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    try:
+        return wall, peer_summary(peer_results(log_dir / "Philly", policy, vcs))
+    except FileNotFoundError:
+        raise SystemExit(f"the peer wrote no {policy} logs (exit {done.returncode}):\n{done.stderr[-2000:]}") from None
+
+
+def against_peer(args: argparse.Namespace) -> None:
+    """The Helios artifact's Philly experiment through its simulator and through ``gpuherd sim``
+    with the Helios model, policy by policy, in the same run."""
+    trace, cluster = helios_workload(load_trace(args.trace), scale=args.peer_scale, limit=args.limit)
+    estimates = noisy_estimates(trace.jobs)
+    vcs = list(cluster.vcs)
+    Console(stderr=args.json).print(
+        f"{trace.describe()}; {len(trace.jobs):,} jobs in the peer's window, {cluster.total_gpus:,} GPUs on "
+        f"{cluster.total_nodes} nodes ({len(vcs)} VCs at {args.peer_scale} x their peak demand)"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpuherd-peer-") as tmp:
+        peer_dir = Path(tmp) / "peer"
+        shutil.copytree(args.peer, peer_dir, ignore=shutil.ignore_patterns("data", "log", "__pycache__"))
+        data_dir = write_peer_input(trace, cluster, estimates, peer_dir)
+        given = {job_id_for(j): s for j, s in estimates.items()}
+        for policy in args.policies.split(","):
+            peer_wall, peer = run_peer(peer_dir, data_dir, policy, vcs)
+            start = trace.origin
+            result = simulate(
+                submissions(trace, start=start), cluster, policy, start=start, model=HELIOS,
+                estimates=given if policy == "qssf" else None,
+            )  # fmt: skip
+            ours = summarize(job_table(result.records).jobs)
+            rows.append(
+                {
+                    "policy": policy,
+                    "jobs": len(trace.jobs),
+                    "peer_jct": peer["all"]["avg_jct_s"],
+                    "gpuherd_jct": ours["all"]["avg_jct_s"],
+                    "peer_queue": peer["all"]["avg_queue_s"],
+                    "gpuherd_queue": ours["all"]["avg_queue_s"],
+                    "peer_wall_s": peer_wall,
+                    "gpuherd_wall_s": result.wall_s,
+                    "per_vc": {
+                        vc: {
+                            "peer_jct": peer[vc]["avg_jct_s"], "gpuherd_jct": ours[vc]["avg_jct_s"],
+                            "peer_queue": peer[vc]["avg_queue_s"], "gpuherd_queue": ours[vc]["avg_queue_s"],
+                        }
+                        for vc in vcs if vc in peer and vc in ours
+                    },
+                }
+            )  # fmt: skip
+    if args.json:
+        print(json.dumps(rows))
+        return
+    table = Table(title="the Helios simulator (peer) and gpuherd sim --model helios, same input", title_justify="left")
+    for col in ("policy", "peer JCT / queue (s)", "gpuherd JCT / queue (s)", "ratio JCT / queue", "worst VC JCT",
+                "wall: peer / gpuherd (s)", "gpuherd x faster"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        worst = max(r["per_vc"].items(), key=lambda kv: abs(kv[1]["gpuherd_jct"] / kv[1]["peer_jct"] - 1))
+        table.add_row(
+            r["policy"],
+            f"{r['peer_jct']:,.0f} / {r['peer_queue']:,.0f}",
+            f"{r['gpuherd_jct']:,.0f} / {r['gpuherd_queue']:,.0f}",
+            f"{r['gpuherd_jct'] / r['peer_jct']:.4f} / {r['gpuherd_queue'] / max(r['peer_queue'], 1e-9):.4f}",
+            f"{worst[0]}: {worst[1]['gpuherd_jct'] / worst[1]['peer_jct']:.3f}",
+            f"{r['peer_wall_s']:.1f} / {r['gpuherd_wall_s']:.1f}",
+            f"{r['peer_wall_s'] / r['gpuherd_wall_s']:.1f}x",
+        )
+    console.print(table)
 
 
 def main() -> None:
@@ -173,8 +255,13 @@ def main() -> None:
     parser.add_argument("--determinism", action="store_true", help="run FIFO twice and compare the logs")
     parser.add_argument("--against", help="also run gpuherd at this git revision on the same workload (before/after)")
     parser.add_argument("--repeats", type=int, default=1, help="--against: runs of each version (the best counts)")
-    parser.add_argument("--json", action="store_true", help="--against: print the figures as one JSON object")
+    parser.add_argument("--json", action="store_true", help="--against/--peer: print the figures as JSON")
+    parser.add_argument("--peer", help="the Helios simulator's folder (../shared/peers/helios-qssf): side by side")
+    parser.add_argument("--peer-scale", type=float, default=0.5, help="--peer: each VC at this x its peak demand")
     args = parser.parse_args()
+    if args.peer:
+        against_peer(args)
+        return
     if args.against:
         before_and_after(args)
         return

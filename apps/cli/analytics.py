@@ -54,7 +54,22 @@ def _cluster_spec(args: argparse.Namespace, trace: Any) -> Any:
 # -- sim ---------------------------------------------------------------------------------------------
 
 
+def sim_model(args: argparse.Namespace) -> Any:
+    """The model ``--model`` names, with the switches given on the command line."""
+    from apps.sim.model import HELIOS, MODELS
+
+    checkpoint = args.checkpoint_cost
+    return MODELS[args.model].with_switches(
+        partition_vcs=args.partition_vcs,
+        backfill=args.backfill,
+        consolidate=args.consolidate,
+        per_second=args.per_second,
+        checkpoint_costs=None if checkpoint is None else (HELIOS.checkpoint_costs if checkpoint else ()),
+    )
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
+    from apps.sim.model import load_estimates
     from apps.sim.run import simulate
     from gpuherd.log.files import write_log_file
     from services.analytics import jobs as jobs_mod
@@ -64,6 +79,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)
     cluster = _cluster_spec(args, trace)
+    model = sim_model(args)
+    estimates = load_estimates(args.estimates) if args.estimates else None
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     ces = json.loads(args.ces) if args.ces is not None else None
     quiet = args.json
@@ -98,6 +115,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 start=start,
                 elastic=args.elastic,
                 memory=args.memory,
+                model=model,
+                estimates=estimates,
             )
         table = jobs_mod.job_table(result.records, name=f"sim-{policy}")
         summary = jobs_mod.summarize(table.jobs)
@@ -115,7 +134,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if out_dir is not None:
             target = out_dir / policy
             target.mkdir(parents=True, exist_ok=True)
-            write_log_file(result.records, target / "events.jsonl")
+            for part, records in result.logs.items():  # a partitioned run: one log per VC
+                folder = target / part if part else target
+                folder.mkdir(parents=True, exist_ok=True)
+                write_log_file(records, folder / "events.jsonl")
             table.jobs.to_csv(target / "jobs.csv", index=False)
             util.to_csv(target / "utilization.csv", index=False)
             (target / "summary.json").write_text(json.dumps(results[policy], indent=2))
@@ -234,6 +256,24 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--tick", type=float, default=300.0, help="virtual seconds between clock ticks")
     s.add_argument("--bucket", type=float, default=3600.0, help="utilization time bucket (s)")
     s.add_argument("--per-vc", action="store_true", help="also print per-VC tables")
+    s.add_argument(
+        "--model",
+        choices=["gpuherd", "helios"],
+        default="gpuherd",
+        help="how the cluster is modelled: gpuherd's own (as live) or the Helios simulator's (all the switches below)",
+    )
+    switches = s.add_argument_group("model switches (each overrides the model's choice)")
+    on_off = argparse.BooleanOptionalAction
+    switches.add_argument("--partition-vcs", action=on_off, help="each VC alone on its own nodes")
+    switches.add_argument("--backfill", action=on_off, help="later jobs may start ahead of a waiting head")
+    switches.add_argument("--consolidate", action=on_off, help="a job on one node, or on whole nodes if larger")
+    switches.add_argument(
+        "--per-second", action=on_off, help="decide once a second, after its ends and arrivals (whole-second durations)"
+    )
+    switches.add_argument(
+        "--checkpoint-cost", action=on_off, help="a preemption costs a restore: 7 s (1 GPU), 30 s (<= 8), 60 s (more)"
+    )
+    s.add_argument("--estimates", help="QSSF: a CSV of job_id,estimate_s to use instead of the duration model")
     s.add_argument("--out", "-o", help="write events.jsonl, jobs.csv, utilization.csv, summary.json per policy here")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.set_defaults(func=cmd_sim)

@@ -9,6 +9,7 @@ what an agent would append is returned to append. The agents read the scheduler'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpuherd import events as ev
@@ -47,6 +48,7 @@ class SimAgents:
     """Every node's agent, with a ``sim`` executor each."""
 
     boot_s: float = 300.0  # a powered-down node's time from power-up request to serving again
+    checkpoint_cost: Callable[[int], float] | None = None  # a preempted job's restore time, by its GPUs
     tasks: dict[str, SimTasks] = field(default_factory=dict)  # node -> its executor's tasks
     exited: dict[str, set[TaskKey]] = field(default_factory=dict)  # node -> tasks that ended on their own
     events: dict[str, AgentEvents] = field(default_factory=dict)
@@ -57,7 +59,7 @@ class SimAgents:
 
     def _of(self, node: str) -> tuple[SimTasks, set[TaskKey], AgentEvents]:
         if node not in self.tasks:
-            tasks = self.tasks[node] = SimTasks()
+            tasks = self.tasks[node] = SimTasks(self.checkpoint_cost)
             exited = self.exited[node] = set()
             self.events[node] = AgentEvents(node)
             self.views[node] = Tasks(tasks.ends.keys(), exited, {})  # (live views of both)

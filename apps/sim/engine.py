@@ -83,15 +83,21 @@ class Simulation:
         timers: Sequence[Timer] = (),
         boot_s: float = 300.0,
         agents: bool = True,
+        checkpoint_cost: Callable[[int], float] | None = None,
+        per_moment: bool = False,
     ) -> None:
         self.now = 0.0
+        # Decide once per moment of the clock, after all that happens at it (tasks end first, then
+        # jobs arrive), and the scheduler last: the model of simulators that step a whole second.
+        self.per_moment = per_moment
         self._records: list[Record] = []
         self.cores = [DecisionCore(d) for d in deciders]
         by_name = {core.decider.name: core for core in self.cores}
         if "scheduler" not in by_name:
             raise SimulationError("a simulation needs the scheduler's decider")
         self.scheduler = by_name["scheduler"]
-        self.agents = SimAgents(boot_s=boot_s) if agents else None  # None: the caller plays the agents
+        # None: the caller plays the agents. ``checkpoint_cost``: a preempted job's restore, by its GPUs.
+        self.agents = SimAgents(boot_s=boot_s, checkpoint_cost=checkpoint_cost) if agents else None
         self.timers = [t for t in timers if t.decider in by_name]
         self._timer_cores = {t.decider: by_name[t.decider] for t in self.timers}
         self._heap: list[tuple[float, int, str, Any]] = []
@@ -151,10 +157,14 @@ class Simulation:
             raise self._failed(core, record, exc) from exc
 
     def _decide(self) -> bool:
-        """One batch of every decider that is ready; False if none was."""
+        """One batch of every decider that is ready; False if none was. Deciding once per moment, the
+        scheduler waits until every other decider has decided on what it folded (its predictions
+        are in before the pass that ranks by them)."""
         decided = False
         for core in self.cores:
             if not core.ready():
+                continue
+            if self.per_moment and core is self.scheduler and any(c.ready() for c in self.cores if c is not core):
                 continue
             decided = True
             try:
@@ -217,15 +227,26 @@ class Simulation:
             if until is not None and at > until:
                 break
             self.now = max(self.now, at)
-            if kind == "submit":
-                self._submit(payload)
-                self._next_submission(jobs)
-                if on_submit is not None:
-                    on_submit(1)
-            elif kind == "tick":
-                self._tick(payload)
-            elif self.agents is not None:
-                self._append(self.agents.fire(kind, payload, self.now))
+            moment = [(kind, payload)]
+            if self.per_moment:  # all that happens at this moment, arrivals included as they come
+                if kind == "submit":
+                    self._next_submission(jobs)
+                while self._heap and self._heap[0][0] <= at:
+                    moment.append(heapq.heappop(self._heap)[2:])
+                    if moment[-1][0] == "submit":
+                        self._next_submission(jobs)
+                moment.sort(key=lambda item: item[0] == "submit")  # tasks end (and timers tick) first
+            for kind, payload in moment:
+                if kind == "submit":
+                    self._submit(payload)
+                    if not self.per_moment:
+                        self._next_submission(jobs)
+                    if on_submit is not None:
+                        on_submit(1)
+                elif kind == "tick":
+                    self._tick(payload)
+                elif self.agents is not None:
+                    self._append(self.agents.fire(kind, payload, self.now))
             self._drain()
             for n, timer in enumerate(self.timers):  # a timer that was not needed may be now
                 if n not in self._ticking:

@@ -8,8 +8,9 @@ judged by the real intake.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import msgspec
 
 from apps.sim.cluster import ClusterSpec
 from apps.sim.engine import Simulation, Timer
+from apps.sim.model import GPUHERD, SimModel
 from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider
@@ -35,14 +37,25 @@ SOURCE = "trace"  # the intake source trace jobs are submitted under
 
 
 def make_deciders(
-    policy: str, *, predict: bool = True, ces: dict[str, Any] | None = None, elastic: bool = False, memory: bool = False
+    policy: str,
+    *,
+    predict: bool = True,
+    ces: dict[str, Any] | None = None,
+    elastic: bool = False,
+    memory: bool = False,
+    estimates: Mapping[str, float] | None = None,
 ) -> tuple[list[Decider[Any]], list[Timer]]:
     """The deciders of a simulation and their timers: the scheduler under ``policy`` (its timer every
-    ``tick_s``, set by ``simulate``), the analytics decider (predictions, and CES when ``ces`` is
-    given: its parameters, ``{}`` for the defaults), and the elastic service and memory broker."""
+    ``tick_s``, set by ``simulate``), the analytics decider (predictions, or the ``estimates``
+    given, and CES when ``ces`` is given: its parameters, ``{}`` for the defaults), and the elastic
+    service and memory broker."""
     deciders: list[Decider[Any]] = [
         SchedulerDecider(make_policy(policy)),
-        AnalyticsDecider(predict=predict, ces=CesParams(**ces) if ces is not None else None),
+        AnalyticsDecider(
+            predict=predict or estimates is not None,
+            ces=CesParams(**ces) if ces is not None else None,
+            estimates=estimates,
+        ),
     ]
     timers: list[Timer] = []
     if elastic:
@@ -68,11 +81,11 @@ def as_submissions(jobs: Iterable[ev.JobSubmitted]) -> Iterator[Submission]:
 @dataclass
 class SimResult:
     policy: str
-    records: list[Record]
+    records: list[Record]  # the log; of a partitioned run, every VC's log one after the other
     wall_s: float
     submitted: int
     rejected: int
-    simulation: Simulation
+    logs: dict[str, list[Record]]  # each simulation's log: one ("") or, partitioned, one per VC
 
     @property
     def events(self) -> int:
@@ -93,21 +106,83 @@ def simulate(
     start: float = 0.0,
     elastic: bool = False,
     memory: bool = False,
+    model: SimModel = GPUHERD,
+    estimates: Mapping[str, float] | None = None,
 ) -> SimResult:
-    deciders, timers = make_deciders(policy, predict=predict, ces=ces, elastic=elastic, memory=memory)
+    """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says (a
+    partitioned model runs each VC as a cluster of its own, on its own nodes, one after the other)."""
+    t0 = time.perf_counter()
+    predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
+    jobs = model.jobs(submissions, cluster.gpus_per_node)
+    params = {**model.policy_params(), **(policy_params or {})}
+    run = functools.partial(
+        _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
+        on_submit=on_submit, start=start, elastic=elastic, memory=memory, model=model, estimates=estimates,
+    )  # fmt: skip
+    if not model.partition_vcs:
+        sim = run(jobs, cluster)
+        logs = {"": list(sim.records)}
+        submitted, rejected = sim.submitted, sim.rejected
+    else:
+        by_vc: dict[str, list[ev.JobSubmitted]] = {vc: [] for vc in cluster.vcs}
+        outside: list[ev.JobSubmitted] = []
+        for job in jobs:
+            by_vc.get(job.spec.vc, outside).append(job)
+        logs, submitted, rejected = {}, 0, 0
+        for vc, spec in cluster.vcs.items():
+            own = ClusterSpec(vcs={vc: spec}, gpus_per_node=cluster.gpus_per_node, island=cluster.island)
+            sim = run(by_vc[vc], own)
+            logs[vc] = list(sim.records)
+            submitted, rejected = submitted + sim.submitted, rejected + sim.rejected
+        if outside:  # jobs of a VC the cluster lacks: intake rejects them, as it would live
+            sim = run(outside, msgspec.structs.replace(cluster, vcs=dict(list(cluster.vcs.items())[:1])))
+            logs["(unknown VCs)"] = list(sim.records)
+            submitted, rejected = submitted + sim.submitted, rejected + sim.rejected
+    records = [r for log in logs.values() for r in log]
+    return SimResult(
+        policy=policy,
+        records=records,
+        wall_s=time.perf_counter() - t0,
+        submitted=submitted,
+        rejected=rejected,
+        logs=logs,
+    )
+
+
+def _simulate(
+    jobs: Iterable[ev.JobSubmitted],
+    cluster: ClusterSpec,
+    *,
+    policy: str,
+    predict: bool,
+    ces: dict[str, Any] | None,
+    tick_s: float,
+    boot_s: float,
+    policy_params: dict[str, float],
+    on_submit: Callable[[int], None] | None,
+    start: float,
+    elastic: bool,
+    memory: bool,
+    model: SimModel,
+    estimates: Mapping[str, float] | None,
+) -> Simulation:
+    deciders, timers = make_deciders(
+        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates
+    )
     timers = [Timer("scheduler", ev.ClockTicked, tick_s), *timers]
     if ces is not None:
         timers.append(Timer("analytics", ev.AnalyticsTicked, tick_s))
-    sim = Simulation(deciders, timers=timers, boot_s=boot_s)
-    setup = [*cluster.setup_events(), ev.PolicyConfigured(policy=policy, params=dict(policy_params or {}))]
-    t0 = time.perf_counter()
-    sim.setup(setup, at=start)
-    sim.run(as_submissions(submissions), on_submit=on_submit)
-    return SimResult(
-        policy=policy,
-        records=list(sim.records),
-        wall_s=time.perf_counter() - t0,
-        submitted=sim.submitted,
-        rejected=sim.rejected,
-        simulation=sim,
+    sim = Simulation(
+        deciders,
+        timers=timers,
+        boot_s=boot_s,
+        checkpoint_cost=model.checkpoint_cost if model.checkpoint_costs else None,
+        per_moment=model.per_second,
     )
+    setup = [
+        *cluster.setup_events(),
+        ev.PolicyConfigured(policy=policy, backfill=model.backfill, params=dict(policy_params)),
+    ]
+    sim.setup(setup, at=start)
+    sim.run(as_submissions(jobs), on_submit=on_submit)
+    return sim

@@ -15,6 +15,8 @@ change only in ``evolve``, so a replay rebuilds them exactly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gpuherd import events as ev
 from gpuherd.fold import TERMINAL
 from gpuherd.runtime.decider import Decider
@@ -29,9 +31,14 @@ class AnalyticsDecider(Decider[AnalyticsState]):
     FOLLOWS = frozenset({ev.JobSubmitted, ev.AnalyticsTicked})
     EMITS = frozenset({ev.JobDurationPredicted, ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.AnalyticsTicked})
 
-    def __init__(self, *, predict: bool = True, ces: CesParams | None = None) -> None:
+    def __init__(
+        self, *, predict: bool = True, ces: CesParams | None = None, estimates: Mapping[str, float] | None = None
+    ) -> None:
         self.predict = predict
         self.ces = ces  # None: no energy saving
+        # Given estimates (intake id -> seconds), e.g. another system's, instead of the model's:
+        # a job without one gets the model's prediction.
+        self.estimates = estimates
 
     def follows(self, event: ev.Event) -> bool:
         kind = type(event)
@@ -57,6 +64,9 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             # folded): it is still forecast, as long as it has not ended.
             if job is None or job.status in TERMINAL or event.job in state.predicted:
                 return []
+            given = self.estimates.get(job.spec.intake_id or "") if self.estimates is not None else None
+            if given is not None:
+                return [ev.JobDurationPredicted(job=event.job, seconds=given, model="given", basis="estimates file")]
             guess = state.model.predict(features(job))
             return [ev.JobDurationPredicted(job=event.job, seconds=guess.seconds, model=MODEL_NAME, basis=guess.basis)]
         if isinstance(event, ev.AnalyticsTicked) and self.ces is not None:

@@ -5,6 +5,7 @@ timers, the simulator on its virtual clock (``apps/sim``)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from gpuherd.events import GpuInfo, declared_gpus
 from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
@@ -18,16 +19,19 @@ def remaining_s(launch: TaskLaunch) -> float:
 
 
 class SimTasks:
-    """Which sim tasks run and when each ends."""
+    """Which sim tasks run and when each ends. With a ``checkpoint_cost`` (a job's GPUs -> seconds),
+    each attempt after the first also restores its checkpoint: every preemption costs that much more."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoint_cost: Callable[[int], float] | None = None) -> None:
         self.ends: dict[TaskKey, float] = {}
+        self.checkpoint_cost = checkpoint_cost
 
     def start(self, launch: TaskLaunch, now: float) -> float | None:
         """When the task ends; None if it runs already."""
         if launch.key in self.ends:
             return None
-        end = now + remaining_s(launch)
+        restores = launch.key.attempt * self.checkpoint_cost(launch.spec.gpus) if self.checkpoint_cost else 0.0
+        end = now + remaining_s(launch) + restores
         self.ends[launch.key] = end
         return end
 
