@@ -36,7 +36,7 @@ from rich.table import Table
 
 from apps.sim.cluster import ClusterSpec
 from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
-from apps.sim.model import HELIOS
+from apps.sim.model import HELIOS, MODELS
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from services.analytics.jobs import job_table, summarize
@@ -256,6 +256,7 @@ def main() -> None:
     parser.add_argument("--against", help="also run gpuherd at this git revision on the same workload (before/after)")
     parser.add_argument("--repeats", type=int, default=1, help="--against: runs of each version (the best counts)")
     parser.add_argument("--json", action="store_true", help="--against/--peer: print the figures as JSON")
+    parser.add_argument("--model", default="gpuherd", choices=sorted(MODELS), help="how the cluster is modelled")
     parser.add_argument("--peer", help="the Helios simulator's folder (../shared/peers/helios-qssf): side by side")
     parser.add_argument("--peer-scale", type=float, default=0.5, help="--peer: each VC at this x its peak demand")
     args = parser.parse_args()
@@ -282,7 +283,8 @@ def main() -> None:
         summaries: dict[str, dict] = {}
         preemptions: dict[str, int] = {}
         for policy in policies:
-            result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin)
+            model = MODELS[args.model]
+            result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, model=model)
             walls[policy] = result.wall_s
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             # Keep what the tables need, not the run: one policy's log and states at a time in memory.

@@ -9,8 +9,11 @@ judged by the real intake.
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +52,10 @@ def make_deciders(
     ``tick_s``, set by ``simulate``), the analytics decider (predictions, or the ``estimates``
     given, and CES when ``ces`` is given: its parameters, ``{}`` for the defaults), and the elastic
     service and memory broker."""
-    deciders: list[Decider[Any]] = [
-        SchedulerDecider(make_policy(policy)),
-        AnalyticsDecider(
-            predict=predict or estimates is not None,
-            ces=CesParams(**ces) if ces is not None else None,
-            estimates=estimates,
-        ),
-    ]
+    deciders: list[Decider[Any]] = [SchedulerDecider(make_policy(policy))]
+    if predict or estimates is not None or ces is not None:  # (else it would only fold)
+        energy = CesParams(**ces) if ces is not None else None
+        deciders.append(AnalyticsDecider(predict=predict or estimates is not None, ces=energy, estimates=estimates))
     timers: list[Timer] = []
     if elastic:
         deciders.append(ElasticDecider())
@@ -108,19 +107,21 @@ def simulate(
     memory: bool = False,
     model: SimModel = GPUHERD,
     estimates: Mapping[str, float] | None = None,
+    workers: int | None = None,
 ) -> SimResult:
-    """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says (a
-    partitioned model runs each VC as a cluster of its own, on its own nodes, one after the other)."""
+    """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
+    model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
+    one per core), since nothing passes between them; the logs are the same either way."""
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
     jobs = model.jobs(submissions, cluster.gpus_per_node)
     params = {**model.policy_params(), **(policy_params or {})}
     run = functools.partial(
         _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
-        on_submit=on_submit, start=start, elastic=elastic, memory=memory, model=model, estimates=estimates,
+        start=start, elastic=elastic, memory=memory, model=model, estimates=estimates,
     )  # fmt: skip
     if not model.partition_vcs:
-        sim = run(jobs, cluster)
+        sim = run(jobs, cluster, on_submit=on_submit)
         logs = {"": list(sim.records)}
         submitted, rejected = sim.submitted, sim.rejected
     else:
@@ -128,16 +129,17 @@ def simulate(
         outside: list[ev.JobSubmitted] = []
         for job in jobs:
             by_vc.get(job.spec.vc, outside).append(job)
-        logs, submitted, rejected = {}, 0, 0
-        for vc, spec in cluster.vcs.items():
-            own = ClusterSpec(vcs={vc: spec}, gpus_per_node=cluster.gpus_per_node, island=cluster.island)
-            sim = run(by_vc[vc], own)
-            logs[vc] = list(sim.records)
-            submitted, rejected = submitted + sim.submitted, rejected + sim.rejected
+        parts = {
+            vc: (by_vc[vc], ClusterSpec(vcs={vc: spec}, gpus_per_node=cluster.gpus_per_node, island=cluster.island))
+            for vc, spec in cluster.vcs.items()
+        }
         if outside:  # jobs of a VC the cluster lacks: intake rejects them, as it would live
-            sim = run(outside, msgspec.structs.replace(cluster, vcs=dict(list(cluster.vcs.items())[:1])))
-            logs["(unknown VCs)"] = list(sim.records)
-            submitted, rejected = submitted + sim.submitted, rejected + sim.rejected
+            first = dict(list(cluster.vcs.items())[:1])
+            parts["(unknown VCs)"] = (outside, msgspec.structs.replace(cluster, vcs=first))
+        logs, submitted, rejected = {}, 0, 0
+        for vc, (log, n, refused) in _partitions(run, parts, on_submit, workers):
+            logs[vc] = log
+            submitted, rejected = submitted + n, rejected + refused
     records = [r for log in logs.values() for r in log]
     return SimResult(
         policy=policy,
@@ -147,6 +149,37 @@ def simulate(
         rejected=rejected,
         logs=logs,
     )
+
+
+Part = tuple[list[ev.JobSubmitted], ClusterSpec]
+_LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.AnyEvent]])
+
+
+def _partitions(
+    run: Callable[..., Simulation], parts: dict[str, Part], on_submit: Callable[[int], None] | None, workers: int | None
+) -> Iterator[tuple[str, tuple[list[Record], int, int]]]:
+    """Each VC's simulation: (its log, jobs submitted, rejected), in the VCs' order."""
+    workers = min(len(parts), workers or os.cpu_count() or 1)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for vc, (jobs, cluster) in parts.items():
+            sim = run(jobs, cluster, on_submit=on_submit)
+            yield vc, (list(sim.records), sim.submitted, sim.rejected)
+        return
+    # Largest first, so the longest run starts at once; logs cross back as msgpack (fast both ways).
+    order = sorted(parts, key=lambda vc: -len(parts[vc][0]))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {vc: pool.submit(_simulate_encoded, run, *parts[vc]) for vc in order}
+        for vc in parts:
+            data, submitted, rejected = futures[vc].result()
+            if on_submit is not None:
+                on_submit(submitted)
+            yield vc, ([Record(seq, event) for seq, event in _LOG.decode(data)], submitted, rejected)
+
+
+def _simulate_encoded(run: Callable[..., Simulation], jobs: list[ev.JobSubmitted], cluster: ClusterSpec) -> tuple:
+    sim = run(jobs, cluster, on_submit=None)  # (its progress is reported when it is done)
+    log = msgspec.msgpack.encode([(r.seq, r.event) for r in sim.records])
+    return log, sim.submitted, sim.rejected
 
 
 def _simulate(

@@ -132,3 +132,13 @@ def test_the_helios_model_sees_jobs_as_the_peer_does() -> None:
     seen = list(HELIOS.jobs([job(4, 10.2), job(16, 0.4), job(12, 7.0)], gpus_per_node=8))
     assert [(j.spec.nodes, j.spec.duration_s) for j in seen] == [(1, 11.0), (2, 1.0), (None, 7.0)]
     assert [j.spec for j in GPUHERD.jobs([job(4, 10.2)], gpus_per_node=8)] == [job(4, 10.2).spec], "as submitted"
+
+
+def test_vcs_simulated_in_parallel_give_the_logs_of_one_process() -> None:
+    trace, cluster = helios_workload(load_trace(SAMPLE))
+    runs = [
+        simulate(submissions(trace, start=trace.origin), cluster, "srtf", start=trace.origin, model=HELIOS, workers=n)
+        for n in (1, 2)
+    ]
+    assert list(runs[0].logs) == list(runs[1].logs) == list(cluster.vcs)
+    assert [r.event for r in runs[0].records] == [r.event for r in runs[1].records]
