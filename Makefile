@@ -69,6 +69,7 @@ bench: install
 	$(PY) bench/bench_memory.py
 	$(PY) bench/bench_load.py
 	$(PY) bench/bench_restart.py
+	$(PY) bench/bench_forecast.py
 
 clean:
 	rm -rf .gpuherd .pytest_cache .ruff_cache

@@ -16,16 +16,29 @@ from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError, LogUnavailable
 from gpuherd.log import Record
+from services.scheduler.forecast import forecast_starts
 
 
-def why_waiting(records: list[Record]) -> tuple[str, dict[str, Any]]:
-    """The policy in force and why each waiting job waits: the scheduler's own pass, on the state
-    its own fold makes of the log."""
+def why_waiting(records: list[Record], *, forecast: bool = True) -> tuple[str, dict[str, Any], dict[str, float]]:
+    """The policy in force, why each waiting job waits (the scheduler's own pass, on the state its
+    own fold makes of the log), and when each is expected to start (``forecast_starts``)."""
     scheduler = make_decider("scheduler")
     state = replay_state(scheduler, records)
+    policy = scheduler.policy_for(state)
     if not state.queue:
-        return scheduler.policy_for(state).name, {}
-    return scheduler.policy_for(state).name, scheduler.plan(state).pending
+        return policy.name, {}, {}
+    starts = forecast_starts(state, policy) if forecast else {}
+    return policy.name, scheduler.plan(state).pending, starts
+
+
+def _in(at: float | None, now: float) -> str:
+    return "?" if at is None else f"in {max(0.0, at - now):,.0f}s"
+
+
+def _starts_in(at: float | None, now: float) -> str:
+    if at is None:
+        return "unknown (it waits for a job of unknown duration)"
+    return f"{fmt_time(at)} (in {max(0.0, at - now):,.0f}s)"
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -49,7 +62,7 @@ def cmd_why(args: argparse.Namespace) -> int:
     job = state.jobs.get(args.job)
     if job is None:
         raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
-    policy, why = why_waiting(records) if job.status == "pending" else ("", {})
+    policy, why, starts = why_waiting(records) if job.status == "pending" else ("", {}, {})
     pending = why.get(job.job)
     answer: dict[str, Any] = {"job": job.job, "status": job.status, "attempt": job.attempt}
     if pending is not None:
@@ -59,6 +72,7 @@ def cmd_why(args: argparse.Namespace) -> int:
             "position": pending.position,
             "waiting": len(state.queue),
             "policy": policy,
+            "estimated_start": starts.get(job.job),
         }
     elif job.status == "pending":
         answer["why"] = "nothing holds it back: it is placed on the scheduler's next pass"
@@ -71,7 +85,8 @@ def cmd_why(args: argparse.Namespace) -> int:
         console.print(
             f"{job.job} ({job.spec.name}) waits: [bold]{pending.kind}[/bold] - {pending.detail}\n"
             f"position {pending.position} of {len(state.queue)} waiting jobs in {policy} order; "
-            f"waiting {state.now - job.waiting_since:.0f}s"
+            f"waiting {state.now - job.waiting_since:.0f}s\n"
+            f"expected to start: {_starts_in(starts.get(job.job), state.now)}"
         )
     else:
         console.print(f"{job.job} ({job.spec.name}) is {job.status}: {answer['why']}")
@@ -80,15 +95,20 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     state, records = read_cluster(args)
-    _, pending = why_waiting(records)
+    _, pending, starts = why_waiting(records)
     jobs = sorted(state.jobs.values(), key=lambda j: j.order)
     if args.status:
         jobs = [j for j in jobs if j.status == args.status]
     if args.json:
-        print_json([msgspec.to_builtins(j) for j in jobs])
+        out = [msgspec.to_builtins(j) for j in jobs]
+        for row, j in zip(out, jobs, strict=True):
+            if j.status == "pending":
+                row["estimated_start"] = starts.get(j.job)
+        print_json(out)
         return 0
     table = Table(title=f"jobs ({len(jobs)})")
-    for col in ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "nodes", "why"):
+    columns = ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "starts")
+    for col in (*columns, "nodes", "why"):
         table.add_column(col)
     for j in jobs[-args.limit :]:
         waited = (j.first_placed_at or state.now) - j.submitted_at
@@ -110,6 +130,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             str(j.attempt),
             fmt_time(j.submitted_at),
             f"{waited:.1f}",
+            _in(starts.get(j.job), state.now) if j.status == "pending" else "",
             nodes,
             why,
         )

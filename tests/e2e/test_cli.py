@@ -209,6 +209,8 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
     over = submit({"name": "over", "user": "ana", "gpus": 1, "duration_s": 0.5, "vc": "vision"})
     wait_for(lambda: why(over).get("kind") == "quota")
     assert "VC vision uses 2 of its 2 GPUs" in why(over)["why"]
+    expected = why(over)["estimated_start"]  # when holder, 60 s long, is expected to end
+    assert expected is not None and time.time() - 5 < expected < time.time() + 61
     assert "quota" in cli(data, "jobs").stdout
     nodes = {n["node"]: n for n in json.loads(cli(data, "nodes", "--json").stdout)}
     assert nodes["node-1"]["status"] == "up" and nodes["node-2"]["status"] == "drained"
