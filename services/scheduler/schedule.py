@@ -591,9 +591,9 @@ def _victims(
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
     cap = state.scheduling.param("max_preemptions_per_hour")
-    for running in state.active_jobs():
-        if same_vc and running.spec.vc != job.spec.vc:
-            continue
+    jobs = state.jobs
+    pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {})) if same_vc else state.active_jobs()
+    for running in pool:
         if running.preempt_reason is not None or running.stopping():
             continue
         outranked = (
