@@ -163,7 +163,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 _table(f"{policy} per VC", jobs_mod.SUMMARY_HEADER, jobs_mod.summary_rows(r["summary"], keys))
             )
     if out_dir is not None:
-        console.print(f"wrote {out_dir}/<policy>/events.jsonl (replay: gpuherd replay --log ... --audit), jobs.csv")
+        logs = "<policy>/<vc>/events.jsonl (one log per VC)" if model.partition_vcs else "<policy>/events.jsonl"
+        console.print(f"wrote {out_dir}/{logs} (replay: gpuherd replay --log ... --audit), jobs.csv")
     return 0
 
 

@@ -142,3 +142,23 @@ def test_vcs_simulated_in_parallel_give_the_logs_of_one_process() -> None:
     ]
     assert list(runs[0].logs) == list(runs[1].logs) == list(cluster.vcs)
     assert [r.event for r in runs[0].records] == [r.event for r in runs[1].records]
+
+
+def test_gpuherd_sim_takes_the_model_and_its_switches(tmp_path: Path) -> None:
+    import json
+
+    from apps.cli import build_parser
+    from gpuherd.log.files import read_log_file
+
+    args = build_parser().parse_args(
+        ["sim", str(SAMPLE), "--model", "helios", "--backfill", "--limit", "200", "--out", str(tmp_path), "--json"]
+    )
+    assert args.func(args) == 0
+    summary = json.loads((tmp_path / "fifo" / "summary.json").read_text())
+    assert summary["submitted"] == 200
+    logs = sorted(p.parent.name for p in (tmp_path / "fifo").glob("*/events.jsonl"))
+    assert logs and set(logs) <= {str(vc) for vc in load_trace(SAMPLE).jobs["vc"].unique()}, "one log per VC"
+    policy = [r.event for r in read_log_file(tmp_path / "fifo" / logs[0] / "events.jsonl")]
+    configured = next(e for e in policy if e.__class__.__name__ == "PolicyConfigured")
+    assert configured.backfill is True, "--backfill overrides the model's choice"
+    assert configured.params["preemption_grace_s"] == 0.0
