@@ -59,8 +59,10 @@ def forecast_starts(
             break  # nothing is expected to end: the rest cannot be told
         end = max(now, ending[0][0])
         while sim.ends and sim.ends[0][0] <= end:  # everything that ends by then
-            _, job_id = sim.ends[0]
-            job = sim.jobs[job_id]
-            fold(ev.JobFinished(at=end, job=job_id, attempt=job.attempt, outcome="completed"))
+            first = sim.ends[0]
+            job = sim.jobs[first[1]]
+            fold(ev.JobFinished(at=end, job=job.job, attempt=job.attempt, outcome="completed"))
+            if sim.ends and sim.ends[0] == first:  # (the fold did not end it: stop rather than spin)
+                return starts
         now = end
     return starts
