@@ -95,7 +95,7 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     state, records = read_cluster(args)
-    _, pending, starts = why_waiting(records)
+    _, pending, starts = why_waiting(records, forecast=args.status in (None, "pending"))
     jobs = sorted(state.jobs.values(), key=lambda j: j.order)
     if args.status:
         jobs = [j for j in jobs if j.status == args.status]

@@ -32,6 +32,7 @@ import pandas as pd
 
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
+from services.analytics.traces import job_id_for
 
 
 class SimModelError(GpuherdError):
@@ -103,8 +104,6 @@ MODELS = {"gpuherd": GPUHERD, "helios": HELIOS}
 
 def load_estimates(path: str | Path) -> dict[str, float]:
     """A CSV of ``job_id,estimate_s`` (the trace's job ids): each job's intake id -> its estimate."""
-    from services.analytics.traces import job_id_for
-
     try:
         table = pd.read_csv(path, usecols=["job_id", "estimate_s"], dtype={"job_id": str})
     except (OSError, ValueError) as exc:

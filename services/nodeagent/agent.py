@@ -41,7 +41,7 @@ from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
-from gpuherd.runtime.snapshots import load_snapshot, save_snapshot
+from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
 from services.nodeagent.control_socket import ControlSocket, control_address
@@ -124,10 +124,7 @@ class Agent:
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
         self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
-        self.snapshot_every = snapshot_every  # events folded between snapshots (or snapshot_interval_s)
-        self.snapshot_interval_s = snapshot_interval_s
-        self._snapshot_seq = 0
-        self._snapshot_time = time.monotonic()
+        self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self._snapshotting: asyncio.Task[int | None] | None = None
         executor.node = node
         self.metrics = ServiceMetrics(f"agent-{node}")
@@ -254,16 +251,13 @@ class Agent:
             return
         if state.node == self.node:
             self.state = state
-            self._snapshot_seq = state.seq
+            self.snapshots.seq = state.seq
 
     def _maybe_snapshot(self) -> None:
         seq = self.state.seq
-        due = seq - self._snapshot_seq >= self.snapshot_every or (
-            seq > self._snapshot_seq and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
-        )
-        if not due or (self._snapshotting is not None and not self._snapshotting.done()):
+        if not self.snapshots.due(seq) or (self._snapshotting is not None and not self._snapshotting.done()):
             return
-        self._snapshot_seq, self._snapshot_time = seq, time.monotonic()
+        self.snapshots.taken(seq)
         data = msgspec.msgpack.encode(self.state)  # now: the state moves on while it is stored
         self._snapshotting = asyncio.create_task(save_snapshot(self.log, self.snapshot_key, STATE_FORMAT, seq, data))
 

@@ -31,7 +31,7 @@ def forecast_starts(
     """Each waiting job's (of ``jobs``, default all) estimated start time; jobs without one are
     left out (their start depends on a job of unknown duration, or lies beyond ``max_passes``)."""
     decider = SchedulerDecider(policy)  # its fold, with its checks
-    sim = msgspec.msgpack.decode(msgspec.msgpack.encode(state), type=SchedulerState)  # a copy to run forward
+    sim = decider.decode_state(decider.encode_state(state))  # a copy to run forward
     wanted = set(sim.queue if jobs is None else jobs) & set(sim.queue)
     starts: dict[str, float] = {}
     views = ViewCache()

@@ -56,7 +56,7 @@ class Sizes(NamedTuple):
     gpus: int = 0
     largest: int = 0
 
-    def __add__(self, other: Sizes) -> Sizes:  # type: ignore[override]
+    def plus(self, other: Sizes) -> Sizes:
         return Sizes(self.nodes + other.nodes, self.gpus + other.gpus, max(self.largest, other.largest))
 
 
@@ -68,7 +68,7 @@ def node_sizes(state: SchedulerState) -> NodeSizes:
     sizes: NodeSizes = {False: Sizes(), True: Sizes()}
     for node in state.nodes.values():
         kind = node.runs_processes()
-        sizes[kind] += Sizes(1, len(node.gpus), len(node.gpus))
+        sizes[kind] = sizes[kind].plus(Sizes(1, len(node.gpus), len(node.gpus)))
     return sizes
 
 
@@ -137,7 +137,10 @@ def _spec_problem(
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
     # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
     by_kind = by_kind if by_kind is not None else node_sizes(state)
-    sizes = sum((group for flag, group in by_kind.items() if can_run(spec, flag)), Sizes())
+    sizes = Sizes()
+    for runs_processes, group in by_kind.items():
+        if can_run(spec, runs_processes):
+            sizes = sizes.plus(group)
     if not sizes.nodes:
         need = "a `command` needs a cpu or nvml agent" if spec.command else "a sim job needs a sim agent"
         return f"no registered node can run this job ({need}); none has registered yet"

@@ -137,7 +137,7 @@ async def test_a_restarted_agent_reads_only_the_log_after_its_snapshot(tmp_path:
 
     log = Reads(lease_ttl=0.5)
     first = make_agent(log, tmp_path)
-    first.snapshot_every = 5
+    first.snapshots.every = 5
     async with running(first):
         await place(log, "done", "print('ok')")
         await wait_until(lambda: bool(events_of(log, ev.TaskEnded)), timeout=20)
@@ -145,8 +145,8 @@ async def test_a_restarted_agent_reads_only_the_log_after_its_snapshot(tmp_path:
         for i in range(12):  # other jobs: folded, and the snapshot follows them
             spec = ev.JobSpec(name=f"o{i}", user="u", gpus=1, duration_s=1.0)
             await log.append([ev.JobSubmitted(id=f"sub-o{i}", job=f"o{i}", spec=spec, intake_source="t")])
-        await wait_until(lambda: first._snapshot_seq >= len(log._records) - 5 and first._snapshotting.done())
-    saved = first._snapshot_seq
+        await wait_until(lambda: first.snapshots.seq >= len(log._records) - 5 and first._snapshotting.done())
+    saved = first.snapshots.seq
     await asyncio.sleep(0.6)  # the old agent's lease expires
     log.starts.clear()
     second = make_agent(log, tmp_path)

@@ -32,7 +32,7 @@ from gpuherd.obs import child_traceparent, get_logger
 from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
-from gpuherd.runtime.snapshots import load_snapshot, save_snapshot
+from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 
 log = get_logger("gpuherd.runtime")
 
@@ -93,8 +93,7 @@ class DeciderRunner(Generic[S]):
         self.log = log_
         self.decider = decider
         self.instance = instance
-        self.snapshot_every = snapshot_every
-        self.snapshot_interval_s = snapshot_interval_s
+        self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self.extra_tasks = list(extra_tasks)
         self.core = DecisionCore(decider)
         self.is_leader = False
@@ -106,8 +105,6 @@ class DeciderRunner(Generic[S]):
         self.on_refused = on_refused  # an external input whose verdict the log refused
         self._lease: Lease | None = None
         self._wake = asyncio.Event()  # an external input arrived
-        self._snapshot_seq = 0
-        self._snapshot_time = time.monotonic()
         self.snapshot_bytes = 0  # the size of the last snapshot saved
 
     @property
@@ -131,7 +128,7 @@ class DeciderRunner(Generic[S]):
             log.warning("snapshot unreadable; rebuilding from the log", error=str(exc))
             self.core.state = self.decider.initial_state()
             return
-        self._snapshot_seq = snap.seq
+        self.snapshots.seq = snap.seq
 
     async def save_snapshot(self) -> None:
         state = self.core.state
@@ -141,8 +138,7 @@ class DeciderRunner(Generic[S]):
         if size is None:
             return
         self.snapshot_bytes = size
-        self._snapshot_seq = state.seq
-        self._snapshot_time = time.monotonic()
+        self.snapshots.taken(state.seq)
 
     # -- lease ---------------------------------------------------------------------------------
 
@@ -229,7 +225,7 @@ class DeciderRunner(Generic[S]):
         """Forget everything folded: a standby that leads again starts from the snapshot and the log."""
         self.core = DecisionCore(self.decider)
         self.caught_up = asyncio.Event()
-        self._snapshot_seq = 0
+        self.snapshots.seq = 0
         self._coalesced_seen = 0
 
     def offer(self, external: Any) -> None:
@@ -345,9 +341,5 @@ class DeciderRunner(Generic[S]):
     async def _maybe_snapshot(self) -> None:
         if not self.core.quiescent():
             return  # only a quiescent state is a valid snapshot: everything in it is decided
-        seq = self.state.seq
-        due = seq - self._snapshot_seq >= self.snapshot_every or (
-            seq > self._snapshot_seq and time.monotonic() - self._snapshot_time >= self.snapshot_interval_s
-        )
-        if due:
+        if self.snapshots.due(self.state.seq):
             await self.save_snapshot()

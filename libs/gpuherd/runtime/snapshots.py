@@ -7,7 +7,9 @@ be rebuilt, so it is never trusted beyond what it says it is.
 
 from __future__ import annotations
 
+import time
 import zlib
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -55,3 +57,20 @@ async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, 
         log.warning("snapshot not saved", key=key, error=repr(exc), bytes=len(data))
         return None
     return len(data)
+
+
+@dataclass
+class Cadence:
+    """When a fold's next snapshot is due: ``every`` events after the last one, or ``interval_s``
+    after it if anything was folded since (a quiet fold is not snapshotted again and again)."""
+
+    every: int
+    interval_s: float
+    seq: int = 0  # the sequence the last snapshot (saved or loaded) was folded to
+    at: float = field(default_factory=time.monotonic)
+
+    def due(self, seq: int) -> bool:
+        return seq - self.seq >= self.every or (seq > self.seq and time.monotonic() - self.at >= self.interval_s)
+
+    def taken(self, seq: int) -> None:
+        self.seq, self.at = seq, time.monotonic()
