@@ -3,15 +3,19 @@
 #   secrets/<user>   one file per user, mounted as a compose secret into that user's container only;
 #   secrets.env      all of them as GPUHERD_PW_<USER>=..., read by the NATS servers alone (they
 #                    substitute them into accounts.conf).
+# and the secrets that are not NATS users, each a compose secret of one container only:
+#   secrets/grafana-admin     Grafana's admin password (user admin);
+#   secrets/dashboard-token   the dashboard's operator token (used only with docker-compose.operator.yml).
 # Never committed. Existing passwords are kept, so they survive `make down && make up`.
 set -eu
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="$HERE/secrets"
 ENV="$HERE/secrets.env"
-USERS="admin reader sys scheduler elastic memory analytics agent-gpu-1 agent-sim-1 agent-sim-2 agent-cpu-1 submit-ci submit-notebook"
+USERS="admin reader sys scheduler elastic memory analytics dashboard agent-gpu-1 agent-sim-1 agent-sim-2 agent-cpu-1 submit-ci submit-notebook"
+OTHERS="grafana-admin dashboard-token"  # not NATS users: never in secrets.env
 mkdir -p "$DIR"
 chmod 700 "$DIR"
-for user in $USERS; do
+for user in $USERS $OTHERS; do
   if [ ! -s "$DIR/$user" ]; then
     od -An -N18 -tx1 /dev/urandom | tr -d ' \n' > "$DIR/$user"
     chmod 644 "$DIR/$user"  # the directory keeps other host users out; the container's user must read it
@@ -25,3 +29,4 @@ done
 } > "$ENV"
 chmod 600 "$ENV"
 echo "NATS passwords in $DIR (one per user) and $ENV (for the NATS servers)"
+echo "Grafana: user admin, password in $DIR/grafana-admin; dashboard operator token in $DIR/dashboard-token"
