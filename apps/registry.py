@@ -17,6 +17,7 @@ from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider, replay
 from services.analytics import service as analytics_service
 from services.analytics.decide import AnalyticsDecider
+from services.dashboard import service as dashboard_service
 from services.elastic import service as elastic_service
 from services.elastic.decide import ElasticDecider
 from services.memory import service as memory_service
@@ -96,6 +97,14 @@ OPERATOR_EMITS: frozenset[type[ev.Event]] = frozenset(
 )
 
 
+def _serve_dashboard(argv: list[str] | None = None) -> None:
+    """The dashboard with the scheduler's queue explanation and the audit (``apps.dashboard``, which
+    uses this registry, so it is imported when the dashboard starts)."""
+    from apps.dashboard import TOOLS
+
+    dashboard_service.main(argv, tools=TOOLS)
+
+
 def _decider_service(name: str, module: Any, decider: type[Decider[Any]], about: str) -> Service:
     return Service(name, module.main, module.build_parser, decider, decider.FOLLOWS, decider.EMITS, about)
 
@@ -119,6 +128,15 @@ SERVICES: dict[str, Service] = {
             AGENT_FOLLOWS,
             AGENT_EMITS,
             "runs a node's part of every job",
+        ),
+        Service(
+            "dashboard",
+            _serve_dashboard,
+            dashboard_service.build_parser,
+            None,
+            frozenset(),
+            frozenset(),  # (its operator actions are operator commands, as the CLI's)
+            "the live web dashboard and its JSON API (a reader of the log)",
         ),
     )
 }

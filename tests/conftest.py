@@ -56,3 +56,18 @@ def local_nats(tmp_path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say loudly when the browser tests could not run (no Chromium here), rather than a quiet 's'."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "BROWSER TESTS SKIPPED" in str(r.longrepr)]
+    if skipped:
+        line = "!" * 100
+        terminalreporter.write_line(line, red=True, bold=True)
+        terminalreporter.write_line(
+            f"{len(skipped)} BROWSER TESTS WERE SKIPPED: no Chromium on this machine. "
+            "Install Debian's chromium (.ci/run does, as root) to test the dashboard in a browser.",
+            red=True,
+            bold=True,
+        )
+        terminalreporter.write_line(line, red=True, bold=True)

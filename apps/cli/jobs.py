@@ -14,8 +14,9 @@ from apps.cli.common import client_call, console, fmt_time, open_cli_log, print_
 from apps.registry import make_decider, replay_state
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
-from gpuherd.errors import GpuherdError, LogUnavailable
+from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
+from gpuherd.output import fetch_output
 from services.scheduler.forecast import forecast_starts
 
 
@@ -151,16 +152,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 raise GpuherdError(f"job {args.job} has never been placed, so it has no output yet")
             if args.attempt is not None:
                 placed = [p for p in placed if p.attempt == args.attempt]
-            answers = []
-            for event in placed:
-                for alloc in event.allocations:
-                    request = {"job": args.job, "attempt": event.attempt, "max_bytes": args.bytes}
-                    try:
-                        raw = await log_.request(f"{alloc.node}.logs", msgspec.json.encode(request), timeout=5)
-                        answer = msgspec.json.decode(raw)
-                    except LogUnavailable as exc:
-                        answer = {"ok": False, "error": f"{exc}; its files are under the agent's data folder"}
-                    answers.append({"node": alloc.node, "attempt": event.attempt, **answer})
+            placements = [(p.attempt, [a.node for a in p.allocations]) for p in placed]
+            answers = await fetch_output(log_, args.job, placements, max_bytes=args.bytes)
             return answers
         finally:
             await log_.close()

@@ -13,6 +13,7 @@ from rich.table import Table
 from apps.cli.common import console, nats_url_of, open_cli_log
 from gpuherd.errors import GpuherdError
 from gpuherd.log import STATUS_BUCKET, open_log
+from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceStatus
 from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, check_token, render_accounts
 
@@ -28,7 +29,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
                 key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
             )
-            return {"services": statuses, "nats": await _nats_view(log_)}
+            return {"services": statuses, "nats": await nats_overview(log_)}
         finally:
             await log_.close()
 
@@ -84,42 +85,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     for problem in view["degraded"]:
         console.print(f"[red]degraded:[/red] {problem}", highlight=False)
     return 1 if view["degraded"] else 0
-
-
-async def _nats_view(log_: Any) -> dict[str, Any]:
-    """The connected server and each stream's replicas, from JetStream's own stream info."""
-    nc = log_.nc
-    info = getattr(nc, "_server_info", {}) or {}
-    streams = []
-    for config in log_.stream_configs():
-        try:
-            si = await log_.js.stream_info(config.name)
-        except Exception as exc:  # a stream missing or without a leader: show it, do not fail the command
-            streams.append(
-                {"name": config.name, "messages": 0, "bytes": 0, "replicas": 0, "leader": f"? ({exc!r})", "peers": []}
-            )
-            continue
-        cluster = si.cluster
-        peers = [
-            {"name": p.name, "current": bool(p.current), "offline": bool(p.offline), "lag": int(p.lag or 0)}
-            for p in ((cluster.replicas or []) if cluster else [])
-        ]
-        streams.append(
-            {
-                "name": config.name,
-                "messages": int(si.state.messages),
-                "bytes": int(si.state.bytes),
-                "replicas": int(si.config.num_replicas or 1),
-                "leader": cluster.leader if cluster else info.get("server_name", ""),
-                "peers": peers,
-            }
-        )
-    return {
-        "server": info.get("server_name", nc.connected_url.netloc if nc.connected_url else "?"),
-        "version": info.get("version", "?"),
-        "cluster": info.get("cluster", ""),
-        "streams": streams,
-    }
 
 
 def _size(n: int) -> str:

@@ -96,6 +96,8 @@ class ClusterLayout(msgspec.Struct, kw_only=True):
     policy: str | None = None  # recorded at start when given; else the log's policy stays
     lost_after_s: float = 10.0
     agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
+    ui_port: int | None = None  # the dashboard's port (0: any free one; None: no dashboard)
+    ui_token_file: str | None = None  # the dashboard's operator token (None: read-only)
 
 
 class LocalCluster:
@@ -112,6 +114,22 @@ class LocalCluster:
     @property
     def log_dir(self) -> Path:
         return self.data_dir / "logs"
+
+    @property
+    def dashboard_url_file(self) -> Path:
+        return self.data_dir / "dashboard.url"
+
+    def dashboard_url(self, timeout: float = 20.0) -> str | None:
+        """The dashboard's URL once it serves (None: no dashboard, or not serving within ``timeout``)."""
+        if self.layout.ui_port is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.dashboard_url_file.exists() and (url := self.dashboard_url_file.read_text().strip()):
+                return url
+            self.supervise_once()
+            time.sleep(0.1)
+        return None
 
     def start(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +149,12 @@ class LocalCluster:
             Supervised("elastic", service_argv("elastic", "--nats-url", self.url), self.log_dir, env),
             Supervised("memory", service_argv("memory", "--nats-url", self.url), self.log_dir, env),
         ]
+        if lay.ui_port is not None:
+            self.dashboard_url_file.unlink(missing_ok=True)
+            ui = ("--nats-url", self.url, "--port", str(lay.ui_port), "--url-file", str(self.dashboard_url_file))
+            ui += ("--report-dir", str(self.data_dir / "report"))
+            ui += ("--operator-token-file", lay.ui_token_file) if lay.ui_token_file else ()
+            self.procs.append(Supervised("dashboard", service_argv("dashboard", *ui), self.log_dir, env))
         for i in range(1, lay.sim_agents + 1):
             self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
         for i in range(1, lay.cpu_agents + 1):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -43,6 +44,21 @@ async def configure_vcs(url: str, vcs: list[VcFileEntry]) -> None:
         await client.close()
 
 
+def _free_or_any(port: int) -> int | None:
+    """The dashboard's port: ``port`` if free, else any free one (said); None for no dashboard."""
+    if port < 0:
+        return None
+    if port == 0:
+        return 0
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            console.print(f"[yellow]port {port} is taken: the dashboard takes a free one[/yellow]")
+            return 0
+    return port
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and data_dir.exists():
@@ -55,6 +71,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         nvml_agents=1 if args.nvml else 0,
         policy=args.policy,
         lost_after_s=args.lost_after,
+        ui_port=_free_or_any(args.ui_port),
+        ui_token_file=args.ui_token_file,
     )
     vcs = load_vc_file(args.vcs) if args.vcs else []
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
@@ -73,6 +91,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         + f" (logs in {cluster.log_dir})"
     )
 
+    if layout.ui_port is not None:
+        ui = cluster.dashboard_url()
+        where = ui or f"not serving yet (see {cluster.log_dir / 'dashboard.log'})"
+        console.print(f"dashboard: {where}" + ("" if args.ui_token_file else " (read-only)"))
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

@@ -12,6 +12,9 @@ The roles (user names in parentheses):
   intake and answers submitters.
 - **reader** (``reader``): the read-only CLI (``jobs``, ``events``, ``replay --audit``, ``status``):
   reads everything, appends nothing.
+- **dashboard** (``dashboard``): the web dashboard: what the reader may, plus its own status entry
+  and the operator commands its pages offer (cancel a job, drain and undrain a node), which it
+  sends only for a request carrying its operator token.
 - **admin** (``admin``): everything; creates the streams (``gpuherd log init``) and records
   operator events (VCs, policy, drains, cancels).
 
@@ -169,8 +172,19 @@ def reader_permissions() -> Permissions:
     return Permissions(publish=(*_read_log(), f"{CONTROL_PREFIX}.>"), subscribe=(_inbox("reader"),))
 
 
+# The HERD subjects of the operator commands the dashboard offers (JobCancelRequested, NodeDrained,
+# NodeUndrained): each aggregate's own subject, never an agent's ``.by.<node>`` one.
+DASHBOARD_APPENDS = ("herd.job.*", "herd.node.*")
+
+
+def dashboard_permissions() -> Permissions:
+    publish = (*_read_log(), f"{CONTROL_PREFIX}.>", *DASHBOARD_APPENDS, _kv_write(STATUS_BUCKET, "dashboard.>"))
+    return Permissions(publish=publish, subscribe=(_inbox("dashboard"),))
+
+
 def users(nodes: Iterable[str], sources: Iterable[str]) -> list[User]:
     out = [User("admin", "admin", None), User("reader", "reader", reader_permissions())]
+    out.append(User("dashboard", "dashboard", dashboard_permissions()))
     out += [User(s, "service", service_permissions(s)) for s in SERVICES]
     out += [User(f"agent-{n}", "agent", agent_permissions(n)) for n in nodes]
     out += [User(f"submit-{s}", "submitter", submitter_permissions(s)) for s in sources]

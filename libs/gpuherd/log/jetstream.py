@@ -456,7 +456,8 @@ class JetStreamLog(EventLog):
                 event = ev.decode(msg.data)
             except EventDecodeError as exc:
                 event = ev.Unreadable(stored_subject=msg.subject, reason=str(exc), data=msg.data)
-            yield Record(seq, event, headers.get(TRACEPARENT) if headers else None)
+            trace = headers.get(TRACEPARENT) if headers else None
+            yield Record(seq, event, trace, stream_time(msg.reply) if msg.reply else None)
 
     async def last_seq(self) -> int:
         # A server failing over or a stream electing its leader answers late: wait for it (what

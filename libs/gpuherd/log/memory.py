@@ -88,7 +88,7 @@ class MemoryLog(EventLog):
         single = trace is None or isinstance(trace, str)
         for n, event in enumerate(events):
             seq = len(self._records) + 1
-            self._records.append(Record(seq, event, trace if single else trace_of(trace, n)))
+            self._records.append(Record(seq, event, trace if single else trace_of(trace, n), now))
             self._subject_last[event.subject()] = seq
             if event.id:
                 self._ids[event.id] = (seq, now)

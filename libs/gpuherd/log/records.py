@@ -15,6 +15,7 @@ class Record(NamedTuple):
     seq: int
     event: Event
     trace: str | None = None  # W3C traceparent that travelled with the event
+    stored_at: float | None = None  # when the log stored it (Unix seconds), where the log says
 
 
 class AppendResult(msgspec.Struct, frozen=True):

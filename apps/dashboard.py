@@ -1,0 +1,65 @@
+"""What the dashboard service uses of other services' code, wired here (services never import each
+other): the scheduler's explanation of its queue (its own fold, pass and forecast, what ``gpuherd
+why`` says) and the audit of every auditable decider (what ``gpuherd replay --audit`` does)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from apps.registry import AUDITABLE, make_decider
+from gpuherd import events as ev
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
+from services.dashboard.queue import QueueAnswer, Waiting
+from services.dashboard.service import Tools
+from services.scheduler.decide import SchedulerDecider
+from services.scheduler.forecast import forecast_starts
+
+FORECAST_EVERY_S = 2.0  # a forecast runs the policy forward: at most this often while the log moves
+
+
+class SchedulerQueue:
+    """The scheduler's own state, folded by its own fold, explained by its own pass."""
+
+    def __init__(self) -> None:
+        self.decider = make_decider("scheduler")
+        assert isinstance(self.decider, SchedulerDecider)
+        self.state = self.decider.initial_state()
+        self._forecast: dict[str, float] = {}
+        self._forecast_at = -FORECAST_EVERY_S
+
+    def fold(self, seq: int, event: ev.Event) -> None:
+        self.state = self.decider.evolve(self.state, seq, event)
+
+    def explain(self) -> QueueAnswer:
+        state = self.state
+        policy = self.decider.policy_for(state)
+        fair = {key.removeprefix("vc:"): state.past_usage(key) for key in state.usage if key.startswith("vc:")}
+        if not state.queue:
+            return QueueAnswer(policy=policy.name, waiting=[], fair_share=fair)
+        pending = self.decider.plan(state).pending
+        if time.monotonic() - self._forecast_at >= FORECAST_EVERY_S:
+            self._forecast = forecast_starts(state, policy)
+            self._forecast_at = time.monotonic()
+        starts = self._forecast
+        rows = sorted(
+            (Waiting(job, p.position, p.kind, p.detail, starts.get(job)) for job, p in pending.items()),
+            key=lambda w: w.position,
+        )
+        return QueueAnswer(policy=policy.name, waiting=rows, fair_share=fair)
+
+
+def audit_all(records: Sequence[Record]) -> dict[str, Any]:
+    """Every auditable decider's audit of the log: clean, or its mismatches."""
+    reports = {name: audit(records, make_decider(name)) for name in AUDITABLE}
+    return {
+        "ok": all(r.ok for r in reports.values()),
+        "deciders": {name: msgspec.to_builtins(r) | {"ok": r.ok} for name, r in reports.items()},
+    }
+
+
+TOOLS = Tools(queue=SchedulerQueue, audit=audit_all)

@@ -1,0 +1,58 @@
+"""What the queue view asks of the scheduler's policy: each waiting job's position, why it waits and
+when it is expected to start.
+
+The dashboard is a service and never imports another service, so the scheduler's own pass is handed
+in by the composition layer (``apps.views.SchedulerQueue``: the scheduler decider's fold, its
+``plan`` and ``forecast_starts``). Without one (the dashboard alone, in its own tests) the queue is
+shown in submission order with no reasons: ``SubmissionOrder``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    """One waiting job as the policy sees it (``gpuherd why``'s answer)."""
+
+    job: str
+    position: int  # in the policy's order, 1 = next
+    kind: str  # why it waits, one word (quota, capacity, gang, ...)
+    why: str  # the scheduler's words
+    estimated_start: float | None = None  # None: it waits for a job of unknown duration
+
+
+class QueueAnswer(msgspec.Struct, frozen=True):
+    policy: str
+    waiting: list[Waiting]
+    fair_share: dict[str, float] = {}  # VC -> decayed GPU-seconds of past use
+
+
+class QueueExplainer(Protocol):
+    """Folds the log as the scheduler does and explains its queue."""
+
+    def fold(self, seq: int, event: ev.Event) -> None: ...
+
+    def explain(self) -> QueueAnswer: ...
+
+
+class SubmissionOrder:
+    """No policy at hand: waiting jobs in submission order, their reason unknown."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self._state = state  # the dashboard's own fold (it folds it; this only reads it)
+
+    def fold(self, seq: int, event: ev.Event) -> None:
+        return None
+
+    def explain(self) -> QueueAnswer:
+        rows = [
+            Waiting(job=job, position=n, kind="unknown", why="no scheduler policy is loaded in this dashboard")
+            for n, job in enumerate(self._state.queue, 1)
+        ]
+        return QueueAnswer(policy="submission order", waiting=rows)

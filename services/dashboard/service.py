@@ -1,0 +1,238 @@
+"""The live dashboard: a reader of the log that keeps its view in memory and serves it over HTTP.
+
+It reads the log from the start and then follows it, follows telemetry (GPU samples, training
+progress), and answers pages, ``/api/`` and a server-sent event stream from memory. It needs the
+``reader`` NATS role, plus appending operator commands when started with an operator token (the
+``dashboard`` role in ``gpuherd.security``). It makes no decision, so it needs no lease: any number
+of them may run.
+
+The scheduler's explanation of the queue and the audit are other services' code: the composition
+layer hands them in (``Tools``); without them the queue is shown in submission order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gpuherd.client import Client
+from gpuherd.log import STATUS_BUCKET, EventLog, Record, open_log
+from gpuherd.log.health import nats_overview
+from gpuherd.metrics import STATUS_EVERY_S, ServiceMetrics, ServiceStatus
+from gpuherd.obs import configure, get_logger
+from gpuherd.output import fetch_output
+from services.dashboard.queue import QueueExplainer
+from services.dashboard.server import Actions, Backend, make_app
+from services.dashboard.view import DashboardView
+
+log = get_logger("gpuherd.dashboard")
+DEFAULT_PORT = 8080
+FOLD_YIELD_EVERY = 500  # events folded between two looks at pending requests while catching up
+TELEMETRY_SINCE_S = 600.0
+OUTPUT_BYTES = 65536  # the last bytes of each rank's output a job page shows
+
+
+@dataclass(frozen=True)
+class Tools:
+    """Other services' code the dashboard uses, handed in by the composition layer."""
+
+    queue: Callable[[], QueueExplainer] | None = None  # a fresh explainer folding from the start
+    audit: Callable[[Sequence[Record]], dict[str, Any]] | None = None  # the audit of a whole log
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuherd serve dashboard", description="gpuherd live web dashboard (read-only unless given a token)"
+    )
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free one)")
+    parser.add_argument(
+        "--operator-token-file",
+        default=None,
+        help="a file holding the operator token; without one the dashboard is read-only",
+    )
+    parser.add_argument("--report-dir", default=None, help="a folder of reports (gpuherd report / sim) to show")
+    parser.add_argument("--url-file", default=None, help="write the URL it serves on to this file once ready")
+    return parser
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    token = Path(path).read_text().strip()
+    if len(token) < 16:
+        raise ValueError(f"the operator token in {path} is too short: use at least 16 characters")
+    return token
+
+
+class Dashboard:
+    def __init__(
+        self,
+        log_: EventLog,
+        *,
+        tools: Tools,
+        operator_token: str | None = None,
+        reports_dir: Path | None = None,
+    ) -> None:
+        self.log = log_
+        self.tools = tools
+        self.view = DashboardView(tools.queue() if tools.queue is not None else None)
+        self.metrics = ServiceMetrics("dashboard")
+        self.metrics.watch_cluster(lambda: self.view.state)
+        self.caught_up = False
+        self.operator_token = operator_token
+        self.reports_dir = reports_dir
+        self.client = Client(getattr(log_, "nc", None), source="dashboard")
+
+    def backend(self) -> Backend:
+        return Backend(
+            view=self.view,
+            ready=lambda: self.caught_up,
+            services=self.services,
+            audit=self.audit if self.tools.audit is not None else None,
+            actions=Actions(cancel=self.client.cancel, drain=self._drain),
+            metrics=self.metrics.render,
+            output=self.output,
+            operator_token=self.operator_token,
+            reports_dir=self.reports_dir,
+        )
+
+    async def output(self, job: str) -> list[dict[str, Any]]:
+        return await fetch_output(self.log, job, self.view.placements.get(job, []), max_bytes=OUTPUT_BYTES)
+
+    async def _drain(self, node: str, reason: str, undrain: bool) -> None:
+        await self.client.drain(node, reason, undrain=undrain)
+
+    async def follow_log(self) -> None:
+        head = await self.log.last_seq()
+        if head == 0:
+            self.caught_up = True
+        n = 0
+        async for record in self.log.read(1, follow=True):
+            self.view.fold(record.seq, record.event, record.stored_at)
+            self.metrics.events_consumed.inc()
+            self.metrics.folded_seq.set(record.seq)
+            if not self.caught_up and record.seq >= head:
+                self.caught_up = True
+                log.info("caught up with the log", seq=record.seq, jobs=len(self.view.state.jobs))
+            n += 1
+            if n % FOLD_YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let pages be answered while a long log is folded
+
+    async def follow_telemetry(self) -> None:
+        while True:
+            try:
+                async for delivery in self.log.telemetry(">", since_s=TELEMETRY_SINCE_S):
+                    subject = delivery.subject.removeprefix("herd.telemetry.")
+                    if subject.endswith(".heartbeat"):
+                        continue
+                    with contextlib.suppress(msgspec.DecodeError, TypeError, ValueError):
+                        self.view.telemetry(subject, msgspec.json.decode(delivery.data))
+            except Exception as exc:  # telemetry is best effort: follow it again after a pause
+                log.warning("telemetry follow stopped", error=repr(exc))
+                await asyncio.sleep(2.0)
+
+    async def services(self) -> dict[str, Any]:
+        entries = await self.log.kv_entries(STATUS_BUCKET)
+        statuses = sorted(
+            (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
+            key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
+        )
+        dead = await self.log.dead_letters()
+        nats = await nats_overview(self.log) if hasattr(self.log, "js") else {"streams": []}
+        return {
+            "now": time.time(),
+            "services": [msgspec.to_builtins(s) for s in statuses],
+            "nats": nats,
+            "dead_letters": [msgspec.to_builtins(d) for d in dead[-50:]],
+            "dead_letter_count": len(dead),
+        }
+
+    async def audit(self) -> dict[str, Any]:
+        assert self.tools.audit is not None
+        records = await self.log.read_all()
+        started = time.perf_counter()
+        result = await asyncio.to_thread(self.tools.audit, records)
+        return result | {"events": len(records), "took_s": time.perf_counter() - started, "at": time.time()}
+
+    async def report_status(self, port: int) -> None:
+        key = f"dashboard.{socket.gethostname()}-{os.getpid()}"
+        started = time.time()
+        while True:
+            with contextlib.suppress(Exception):
+                head = await self.log.last_seq()
+                seq = self.view.state.seq
+                status = ServiceStatus(
+                    service="dashboard",
+                    instance=key.removeprefix("dashboard."),
+                    role="reader",
+                    seq=seq,
+                    head=head,
+                    lag=max(0, head - seq),
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    metrics_url=f"http://{socket.gethostname()}:{port}/metrics",
+                    started_at=started,
+                    updated_at=time.time(),
+                )
+                self.metrics.consumer_lag.set(status.lag)
+                await self.log.kv_put(STATUS_BUCKET, key, msgspec.json.encode(status))
+            await asyncio.sleep(STATUS_EVERY_S)
+
+
+async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> None:
+    token = read_token(args.operator_token_file)
+    log_ = await open_log(args.nats_url, name="gpuherd-dashboard", persistent=True)
+    dashboard = Dashboard(
+        log_, tools=tools, operator_token=token, reports_dir=Path(args.report_dir) if args.report_dir else None
+    )
+    runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    url = f"http://{args.host if args.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}/"
+    log.info("dashboard serving", url=url, actions=token is not None)
+    tasks = [
+        asyncio.create_task(dashboard.follow_log()),
+        asyncio.create_task(dashboard.follow_telemetry()),
+        asyncio.create_task(dashboard.report_status(port)),
+    ]
+    if args.url_file:
+        Path(args.url_file).write_text(url)
+    try:
+        waiting = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([waiting, tasks[0]], return_when=asyncio.FIRST_COMPLETED)
+        if tasks[0] in done and not waiting.done():
+            tasks[0].result()  # the log follow ended: say why
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await runner.cleanup()
+        await log_.close()
+
+
+def main(argv: list[str] | None = None, *, tools: Tools | None = None) -> None:
+    from gpuherd.aio import serve_until_signal
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure("dashboard")
+    try:
+        read_token(args.operator_token_file)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--operator-token-file: {exc}")
+    asyncio.run(serve_until_signal(lambda stop: serve(args, tools or Tools(), stop)))

@@ -1,0 +1,405 @@
+"""The dashboard's read model: the log folded into what its pages show.
+
+It folds the core state every reader keeps (nodes, GPUs, jobs, VCs; finished jobs retained, since
+the pages show history) plus what only the pages need: each job's timeline (compact entries, the
+event itself stays in the log), its rescales and memory leases, placements and decision latencies
+of the recent past, and a sampled history of busy GPUs by VC and queue length. Telemetry (GPU
+samples, training progress) is kept as short rings per GPU and per job.
+
+Nothing here does I/O or reads a clock: times are the events' own (``state.now``), so the same log
+gives the same view. Every method that answers a page returns plain data (what ``/api/`` encodes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.fold import ClusterState, JobState, apply
+from gpuherd.fold.state import NodeState
+from gpuherd.log import Record
+from gpuherd.metrics import gpu_state
+from services.dashboard.queue import QueueAnswer, QueueExplainer, SubmissionOrder
+
+GPU_STATES = ("free", "busy", "unhealthy", "drained", "powered_off", "lost")
+HISTORY_BUCKET_S = 60.0  # one history sample per minute of log time
+HISTORY_POINTS = 24 * 60  # a day of samples
+RECENT_S = 60.0  # "per minute" figures look this far back
+LATENCY_SAMPLES = 2_000
+CAUSES_KEPT = 20_000  # recent event ids -> time, to measure decision latency
+SAMPLES_PER_GPU = 120
+PROGRESS_POINTS = 300
+PROGRESS_JOBS = 500  # jobs whose progress is kept (the most recently reporting)
+
+# The events a job's timeline shows, and what each says in a word.
+_TIMELINE: dict[type[ev.Event], str] = {
+    ev.JobSubmitted: "submitted",
+    ev.JobRejected: "rejected",
+    ev.JobDurationPredicted: "predicted",
+    ev.JobPlaced: "placed",
+    ev.JobStarted: "started",
+    ev.JobPreempted: "preempted",
+    ev.JobRequeued: "requeued",
+    ev.JobResized: "resized",
+    ev.RescaleCompleted: "rescaled",
+    ev.RescaleFailed: "rescale failed",
+    ev.WorkerLost: "worker lost",
+    ev.TaskEnded: "task ended",
+    ev.JobCancelRequested: "cancel requested",
+    ev.JobFinished: "finished",
+    ev.MemoryLeaseGranted: "memory lease granted",
+    ev.MemoryLeaseRevoked: "memory lease revoked",
+    ev.MemoryLeaseReleased: "memory lease released",
+    ev.MemoryLeaseDenied: "memory lease denied",
+}
+
+
+def _detail(event: ev.Event) -> str:
+    """A line on what the event says beyond its type."""
+    match event:
+        case ev.JobPlaced():
+            nodes = ", ".join(sorted({a.node for a in event.allocations}))
+            return f"attempt {event.attempt} on {nodes}" + (f": {event.reason}" if event.reason else "")
+        case ev.JobStarted():
+            return f"attempt {event.attempt} on {event.node}"
+        case ev.JobFinished():
+            return f"{event.outcome}" + (f": {event.reason}" if event.reason else "")
+        case ev.TaskEnded():
+            return f"{event.node}: {event.outcome}" + (f" ({event.reason})" if event.reason else "")
+        case ev.JobRequeued() | ev.JobPreempted() | ev.JobRejected() | ev.JobCancelRequested():
+            return str(getattr(event, "reason", ""))
+        case ev.JobDurationPredicted():
+            return f"{event.seconds:,.0f} s ({event.model}: {event.basis})"
+        case ev.JobResized():
+            return f"generation {event.generation}: {event.kind}"
+        case ev.RescaleCompleted():
+            return f"{event.world_before} -> {event.world} workers"
+        case ev.RescaleFailed() | ev.WorkerLost():
+            return str(getattr(event, "reason", ""))
+        case _:
+            return ""
+
+
+class TimelineEntry(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    at: float
+    what: str
+    id: str
+    source: str
+    cause: str
+    based_on: int
+    detail: str
+
+
+class GpuSample(msgspec.Struct, array_like=True, gc=False):
+    at: float
+    utilization: float | None
+    memory_used_mb: float | None
+    power_w: float | None
+    temperature_c: float | None
+
+
+class DashboardView:
+    def __init__(self, queue: QueueExplainer | None = None) -> None:
+        self.state = ClusterState(retain_finished=True)
+        self.queue: QueueExplainer = queue if queue is not None else SubmissionOrder(self.state)
+        self.timelines: dict[str, list[TimelineEntry]] = {}
+        self.rescales: dict[str, list[dict[str, Any]]] = {}
+        self.leases: dict[str, dict[str, dict[str, Any]]] = {}  # job -> lease id -> what became of it
+        self.placements: dict[str, list[tuple[int, list[str]]]] = {}  # job -> (attempt, nodes) it was placed on
+        self.placed_at: deque[float] = deque()  # JobPlaced times in the last RECENT_S
+        self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # decision - its cause, seconds
+        self._cause_at: OrderedDict[str, float] = OrderedDict()
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
+        self._bucket: float | None = None
+        self.gpu_samples: dict[tuple[str, int], deque[GpuSample]] = {}
+        self.progress: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
+        self.version = 0  # goes up at every change a page may show
+        self.last_audit: dict[str, Any] | None = None
+        self._queue_cache: tuple[int, QueueAnswer] | None = None
+
+    # -- folding ---------------------------------------------------------------------------------
+
+    def fold(self, seq: int, event: ev.Event, stored_at: float | None = None) -> None:
+        """Fold one record; ``stored_at`` (when the log stored it) times decisions against their
+        causes (a log without it, a simulation's, times them by the events' own clock)."""
+        state = self.state
+        self._sample_history(event.at)
+        apply(state, seq, event)
+        self.queue.fold(seq, event)
+        self.version += 1
+        stamp = event.at if stored_at is None else stored_at
+        if event.id:
+            self._cause_at[event.id] = stamp
+            if len(self._cause_at) > CAUSES_KEPT:
+                self._cause_at.popitem(last=False)
+        what = _TIMELINE.get(type(event))
+        job = getattr(event, "job", None)
+        if what is not None and job is not None:
+            cause = getattr(event, "cause", "")
+            entry = TimelineEntry(
+                seq, event.at, what, event.id, event.source, cause, getattr(event, "based_on", 0), _detail(event)
+            )
+            self.timelines.setdefault(job, []).append(entry)
+        if isinstance(event, ev.JobPlaced):
+            self._placed(event, stamp)
+        elif isinstance(event, ev.RescaleCompleted):
+            row = {"at": event.at, "generation": event.generation, "node": event.node}
+            row |= {"world_before": event.world_before, "world": event.world, "times": event.times}
+            self.rescales.setdefault(event.job, []).append(row | event.durations())
+        elif isinstance(event, ev.RescaleFailed):
+            row = {"at": event.at, "generation": event.generation, "failed": event.reason}
+            self.rescales.setdefault(event.job, []).append(row)
+        elif isinstance(
+            event, ev.MemoryLeaseGranted | ev.MemoryLeaseRevoked | ev.MemoryLeaseReleased | ev.MemoryLeaseReclaimed
+        ):
+            self._lease(event)
+
+    def fold_all(self, records: Iterable[Record]) -> None:
+        for record in records:
+            self.fold(record.seq, record.event, record.stored_at)
+
+    def _placed(self, event: ev.JobPlaced, stamp: float) -> None:
+        nodes = list(dict.fromkeys(a.node for a in event.allocations))
+        self.placements.setdefault(event.job, []).append((event.attempt, nodes))
+        self.placed_at.append(event.at)
+        self._forget_old(event.at)
+        cause_at = self._cause_at.get(event.cause)
+        if cause_at is not None:
+            self.latencies.append(max(0.0, stamp - cause_at))
+
+    def _forget_old(self, now: float) -> None:
+        while self.placed_at and self.placed_at[0] < now - RECENT_S:
+            self.placed_at.popleft()
+
+    def _lease(self, event: ev.Event) -> None:
+        lease_id = getattr(event, "lease", "")
+        job = getattr(event, "job", "")
+        leases = self.leases.setdefault(job, {})
+        if isinstance(event, ev.MemoryLeaseGranted):
+            leases[lease_id] = {"lease": lease_id, "granted_at": event.at, "state": "granted"}
+            kept = ("shares", "gpu", "node", "expires_at")
+            leases[lease_id] |= {k: v for k, v in msgspec.to_builtins(event).items() if k in kept}
+        elif lease_id in leases:
+            leases[lease_id]["state"] = type(event).__name__.removeprefix("MemoryLease").lower()
+            leases[lease_id]["ended_at"] = event.at
+
+    def _sample_history(self, at: float) -> None:
+        """One sample per HISTORY_BUCKET_S of log time: busy GPUs by VC and queue length at its start."""
+        bucket = at // HISTORY_BUCKET_S * HISTORY_BUCKET_S
+        if self._bucket is not None and bucket <= self._bucket:
+            return
+        if self._bucket is not None:
+            busy: Counter[str] = Counter()
+            for job in self.state.active_jobs():
+                busy[job.spec.vc] += job.held or len(job.allocations)
+            self.history.append({"at": bucket, "queue": len(self.state.queue), "busy": dict(busy)})
+        self._bucket = bucket
+
+    def telemetry(self, subject: str, data: dict[str, Any]) -> None:
+        """A telemetry sample: ``<node>.gpus`` (GPU samples) or ``<node>.job.<id>`` (progress)."""
+        parts = subject.split(".")
+        if len(parts) >= 2 and parts[1] == "gpus":
+            node, at = str(data.get("node", parts[0])), float(data.get("at", 0.0))
+            for gpu in data.get("gpus", []):
+                ring = self.gpu_samples.setdefault((node, int(gpu.get("index", 0))), deque(maxlen=SAMPLES_PER_GPU))
+                ring.append(
+                    GpuSample(
+                        at,
+                        gpu.get("utilization_pct"),
+                        gpu.get("memory_used_mb"),
+                        gpu.get("power_w"),
+                        gpu.get("temperature_c"),
+                    )
+                )
+            self.version += 1
+        elif len(parts) >= 3 and parts[1] == "job":
+            job = str(data.get("job", parts[2]))
+            ring = self.progress.pop(job, None) or deque(maxlen=PROGRESS_POINTS)
+            ring.append({"at": data.get("at"), "step": data.get("step"), **(data.get("values") or {})})
+            self.progress[job] = ring  # most recent last
+            while len(self.progress) > PROGRESS_JOBS:
+                self.progress.popitem(last=False)
+            self.version += 1
+
+    # -- answers ---------------------------------------------------------------------------------
+
+    def queue_answer(self) -> QueueAnswer:
+        """The scheduler's explanation of the queue, worked out again only after the log moved on."""
+        if self._queue_cache is None or self._queue_cache[0] != self.state.seq:
+            self._queue_cache = (self.state.seq, self.queue.explain())
+        return self._queue_cache[1]
+
+    def overview(self) -> dict[str, Any]:
+        state = self.state
+        gpus = dict.fromkeys(GPU_STATES, 0)
+        for node in state.nodes.values():
+            for slot in node.gpus:
+                gpus[gpu_state(node, slot)] += 1
+        jobs = Counter(j.status for j in state.active_jobs())
+        self._forget_old(state.now)
+        ordered = sorted(self.latencies)
+        return {
+            "seq": state.seq,
+            "now": state.now,
+            "gpus": gpus,
+            "jobs": {"running": jobs["running"], "placed": jobs["placed"], "waiting": len(state.queue)}
+            | {"ended": dict(state.ended)},
+            "placements_per_min": len(self.placed_at) * 60.0 / RECENT_S,
+            "decision_latency_s": {"p50": _quantile(ordered, 0.5), "p99": _quantile(ordered, 0.99), "n": len(ordered)},
+            "audit": self.last_audit,
+            "racks": self.heatmap(),
+        }
+
+    def heatmap(self) -> list[dict[str, Any]]:
+        """Every GPU, by rack, node and NVLink island: its state and job."""
+        racks: dict[str, list[dict[str, Any]]] = {}
+        for node in sorted(self.state.nodes.values(), key=lambda n: (n.rack, n.node)):
+            islands = node.islands or [[g.info.index for g in node.gpus]]
+            slots = {g.info.index: g for g in node.gpus}
+            groups = [
+                [[i, gpu_state(node, slots[i]), slots[i].job] for i in island if i in slots] for island in islands
+            ]
+            racks.setdefault(node.rack, []).append({"node": node.node, "status": node.status, "islands": groups})
+        return [{"rack": rack, "nodes": nodes} for rack, nodes in racks.items()]
+
+    def queue_view(self) -> dict[str, Any]:
+        answer = self.queue_answer()
+        state = self.state
+        rows = []
+        for w in answer.waiting:
+            job = state.jobs.get(w.job)
+            if job is None:
+                continue
+            row = msgspec.to_builtins(w)
+            spec = job.spec
+            row |= {"name": spec.name, "user": spec.user, "vc": spec.vc, "gpus": job.gpus}
+            row["waiting_s"] = max(0.0, state.now - job.waiting_since)
+            rows.append(row)
+        return {"policy": answer.policy, "now": state.now, "waiting": rows}
+
+    def job_row(self, job: JobState) -> dict[str, Any]:
+        """A job as ``gpuherd jobs --json`` gives it (with its estimated start while it waits)."""
+        row = msgspec.to_builtins(job)
+        if job.status == "pending":
+            row["estimated_start"] = self._estimates().get(job.job)
+        return row
+
+    def _estimates(self) -> dict[str, float | None]:
+        return {w.job: w.estimated_start for w in self.queue_answer().waiting}
+
+    def jobs(
+        self,
+        *,
+        status: str | None = None,
+        user: str | None = None,
+        vc: str | None = None,
+        name: str | None = None,
+        sort: str = "-order",
+        limit: int = 200,
+        offset: int = 0,
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """Jobs matching the filters (``name``: a part of it), sorted; the count of all matches and a page."""
+        found: list[JobState] = [
+            j
+            for j in self.state.jobs.values()
+            if (status is None or j.status == status)
+            and (user is None or j.spec.user == user)
+            and (vc is None or j.spec.vc == vc)
+            and (name is None or name.lower() in j.spec.name.lower())
+        ]
+        key = sort.removeprefix("-")
+        if key not in _SORTS:
+            raise ValueError(f"cannot sort jobs by {key!r}; by one of {', '.join(_SORTS)}")
+        found.sort(key=_SORTS[key], reverse=sort.startswith("-"))
+        return len(found), [self.job_row(j) for j in found[offset : offset + limit]]
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            return None
+        row = self.job_row(job)
+        waiting = next((w for w in self.queue_answer().waiting if w.job == job_id), None)
+        if waiting is not None:
+            row["why"] = waiting.why
+            row["position"] = waiting.position
+        else:
+            row["why"] = job.reason or job.placement_reason or job.status
+        row["timeline"] = [msgspec.structs.asdict(e) for e in self.timelines.get(job_id, [])]
+        row["rescales"] = self.rescales.get(job_id, [])
+        row["leases"] = list(self.leases.get(job_id, {}).values())
+        row["progress"] = list(self.progress.get(job_id, ()))
+        return row
+
+    def nodes(self) -> list[dict[str, Any]]:
+        out = []
+        for node in sorted(self.state.nodes.values(), key=lambda n: n.node):
+            row = msgspec.to_builtins(node)
+            for gpu, slot in zip(row["gpus"], node.gpus, strict=True):
+                gpu["state"] = gpu_state(node, slot)
+                samples = self.gpu_samples.get((node.node, slot.info.index))
+                gpu["samples"] = [msgspec.structs.astuple(s) for s in samples] if samples else []
+            out.append(row)
+        return out
+
+    def node(self, name: str) -> NodeState | None:
+        return self.state.nodes.get(name)
+
+    def vcs(self) -> list[dict[str, Any]]:
+        state = self.state
+        fair = self.queue_answer().fair_share
+        in_use: Counter[str] = Counter()
+        borrowed: Counter[str] = Counter()
+        for job in state.active_jobs():
+            in_use[job.spec.vc] += job.held or len(job.allocations)
+            borrowed[job.spec.vc] += job.borrowed
+        waiting = Counter(state.jobs[j].spec.vc for j in state.queue)
+        waiting_gpus: Counter[str] = Counter()
+        for j in state.queue:
+            waiting_gpus[state.jobs[j].spec.vc] += state.jobs[j].gpus
+        names = sorted(set(state.vcs) | set(in_use) | set(waiting))
+        return [
+            {
+                "vc": vc,
+                "gpu_quota": state.vcs[vc].gpu_quota if vc in state.vcs else None,
+                "can_borrow": state.vcs[vc].can_borrow if vc in state.vcs else True,
+                "weight": state.vcs[vc].weight if vc in state.vcs else 1.0,
+                "in_use": in_use[vc],
+                "borrowed": borrowed[vc],
+                "waiting_jobs": waiting[vc],
+                "waiting_gpus": waiting_gpus[vc],
+                "fair_share_gpu_s": fair.get(vc, 0.0),
+            }
+            for vc in names
+        ]
+
+    def history_view(self) -> dict[str, Any]:
+        points = list(self.history)
+        vcs = sorted({vc for p in points for vc in p["busy"]})
+        return {
+            "bucket_s": HISTORY_BUCKET_S,
+            "at": [p["at"] for p in points],
+            "queue": [p["queue"] for p in points],
+            "busy": {vc: [p["busy"].get(vc, 0) for p in points] for vc in vcs},
+        }
+
+
+_SORTS: dict[str, Any] = {
+    "order": lambda j: j.order,
+    "submitted": lambda j: j.submitted_at,
+    "gpus": lambda j: j.gpus,
+    "status": lambda j: j.status,
+    "user": lambda j: j.spec.user,
+    "name": lambda j: j.spec.name,
+    "vc": lambda j: j.spec.vc,
+}
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

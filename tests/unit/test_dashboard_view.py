@@ -1,0 +1,186 @@
+"""The dashboard's read model and its HTTP side, on hand-made histories (the live service and the
+pages in a browser are tested in tests/e2e/test_dashboard_browser.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from apps.dashboard import SchedulerQueue
+from gpuherd import events as ev
+from gpuherd.log import Record
+from services.dashboard.server import Actions, Backend, make_app
+from services.dashboard.view import HISTORY_BUCKET_S, DashboardView
+from tests.helpers import node, submit
+
+TOKEN = "a-token-of-sixteen-chars"
+
+
+def placed(job: str, node_name: str, gpus: tuple[int, ...], *, at: float, cause: str, attempt: int = 0) -> ev.JobPlaced:
+    return ev.JobPlaced(
+        id=f"place-{job}-{attempt}",
+        at=at,
+        source="scheduler",
+        cause=cause,
+        based_on=1,
+        job=job,
+        attempt=attempt,
+        allocations=(ev.Allocation(node_name, gpus),),
+    )
+
+
+def history() -> list[Record]:
+    events: list[ev.Event] = [
+        node("n1", 4, island=2, rack="r1"),
+        node("n2", 4, rack="r2"),
+        submit("a", 4, at=10.0),
+        submit("b", 8, at=20.0),
+        submit("c", 2, at=30.0),
+    ]
+    events.append(placed("a", "n1", (0, 1, 2, 3), at=12.0, cause=events[2].id))
+    events.append(ev.JobStarted(id="start-a", at=13.0, source="agent.n1", job="a", attempt=0, node="n1"))
+    events.append(placed("c", "n2", (0, 1), at=200.0, cause=events[4].id))
+    finished = ev.JobFinished(id="fin-a", at=300.0, source="scheduler", job="a", attempt=0, outcome="completed")
+    events.append(finished)
+    return [Record(seq, event) for seq, event in enumerate(events, 1)]
+
+
+def folded(queue: Any = None) -> DashboardView:
+    view = DashboardView(queue)
+    view.fold_all(history())
+    return view
+
+
+def test_the_overview_counts_gpus_and_jobs_and_maps_every_gpu() -> None:
+    view = folded()
+    o = view.overview()
+    assert o["gpus"] == {"free": 6, "busy": 2, "unhealthy": 0, "drained": 0, "powered_off": 0, "lost": 0}
+    assert o["jobs"]["waiting"] == 1 and o["jobs"]["placed"] == 1 and o["jobs"]["ended"] == {"completed": 1}
+    racks = {r["rack"]: r["nodes"] for r in o["racks"]}
+    assert [n["node"] for n in racks["r1"]] == ["n1"]
+    assert [[gpu[0] for gpu in island] for island in racks["r1"][0]["islands"]] == [[0, 1], [2, 3]]
+    busy = [gpu for island in racks["r2"][0]["islands"] for gpu in island if gpu[1] == "busy"]
+    assert busy == [[0, "busy", "c"], [1, "busy", "c"]]
+    # Decision latency: each placement against its cause (no stored times here: the events' clock).
+    assert sorted(view.latencies) == [2.0, 170.0]
+
+
+def test_a_job_has_its_timeline_with_causes_and_where_it_ran() -> None:
+    view = folded()
+    job = view.job("a")
+    assert job is not None and job["status"] == "completed"
+    assert [e["what"] for e in job["timeline"]] == ["submitted", "placed", "started", "finished"]
+    assert job["timeline"][1]["cause"] == job["timeline"][0]["id"]
+    assert view.placements["a"] == [(0, ["n1"])]
+    assert view.job("nope") is None
+
+
+def test_jobs_filter_and_sort_and_refuse_an_unknown_sort() -> None:
+    view = folded()
+    total, rows = view.jobs(status="pending")
+    assert total == 1 and rows[0]["job"] == "b"
+    assert [r["job"] for r in view.jobs(sort="-gpus")[1]] == ["b", "a", "c"]
+    assert [r["job"] for r in view.jobs(sort="order", limit=2)[1]] == ["a", "b"]
+    assert view.jobs(name="B")[0] == 1  # a part of the name, any case
+    with pytest.raises(ValueError, match="cannot sort jobs by 'colour'"):
+        view.jobs(sort="colour")
+
+
+def test_history_samples_busy_gpus_by_vc_and_the_queue_once_a_bucket() -> None:
+    view = folded()
+    h = view.history_view()
+    # A sample as each bucket with events begins: the state at its start (before its events).
+    assert h["at"] == [3 * HISTORY_BUCKET_S, 5 * HISTORY_BUCKET_S]
+    assert h["queue"] == [2, 1]
+    assert h["busy"] == {"default": [4, 6]}  # a; then a and c, before a finished
+
+
+def test_the_queue_is_the_schedulers_own_explanation() -> None:
+    view = folded(SchedulerQueue())
+    q = view.queue_view()
+    assert q["policy"] == "fifo"
+    [row] = q["waiting"]
+    assert row["job"] == "b" and row["position"] == 1 and row["gpus"] == 8
+    assert row["kind"] and row["why"]  # the scheduler's words (8 GPUs on one node of 4: never fits here)
+    assert view.job("b")["why"] == row["why"]
+
+
+def test_telemetry_keeps_short_rings_per_gpu_and_per_job() -> None:
+    view = folded()
+    for n in range(200):
+        view.telemetry("n1.gpus", {"node": "n1", "at": n, "gpus": [{"index": 0, "utilization_pct": n}]})
+        view.telemetry("n1.job.a", {"job": "a", "at": n, "step": n, "values": {"loss": 1.0 / (n + 1)}})
+    samples = next(n for n in view.nodes() if n["node"] == "n1")["gpus"][0]["samples"]
+    assert len(samples) == 120 and samples[-1][1] == 199
+    assert view.job("a")["progress"][-1]["loss"] == pytest.approx(1 / 200)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Any]:
+    clients = []
+
+    async def make(token: str | None) -> TestClient:
+        async def never(*args: Any) -> None:
+            raise AssertionError("an action ran that should have been refused")
+
+        async def no_services() -> dict[str, Any]:
+            return {}
+
+        async def no_output(job: str) -> list[dict[str, Any]]:
+            return []
+
+        backend = Backend(
+            view=folded(),
+            ready=lambda: True,
+            services=no_services,
+            audit=None,
+            actions=Actions(cancel=never, drain=never),
+            metrics=lambda: b"",
+            output=no_output,
+            operator_token=token,
+        )
+        c = TestClient(TestServer(make_app(backend)))
+        await c.start_server()
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+async def test_the_api_answers_with_json_and_a_strict_content_policy(client: Any) -> None:
+    c = await client(None)
+    response = await c.get("/api/jobs?status=pending")
+    assert response.status == 200 and response.headers["X-Total-Count"] == "1"
+    assert [j["job"] for j in await response.json()] == ["b"]
+    assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+    assert (await c.get("/api/jobs/nope")).status == 404
+    assert (await c.get("/api/jobs?sort=colour")).status == 400
+    assert (await c.get("/api/audit", allow_redirects=False)).status == 200
+    assert (await c.post("/api/audit")).status == 501  # no deciders handed in: it says so
+    page = await c.get("/")
+    assert page.status == 200 and "gpuherd" in await page.text()
+    assert (await c.get("/static/vendor/uPlot.iife.min.js")).status == 200
+
+
+async def test_actions_are_refused_without_the_token(client: Any) -> None:
+    read_only = await client(None)
+    response = await read_only.post("/api/nodes/n1/drain")
+    assert response.status == 403 and "read-only" in (await response.json())["error"]
+    guarded = await client(TOKEN)
+    assert (await guarded.post("/api/nodes/n1/drain")).status == 401
+    wrong = await guarded.post("/api/jobs/a/cancel", headers={"Authorization": "Bearer not-the-token-at-all"})
+    assert wrong.status == 401
+
+
+async def test_the_stream_says_when_the_view_changed(client: Any) -> None:
+    c = await client(None)
+    response = await c.get("/api/stream")
+    first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+    assert first.startswith(b"event: change\ndata: ") and b'"seq": 9' in first
+    response.close()
