@@ -33,7 +33,10 @@ local: install
 	$(VENV)/bin/gpuherd up --agents 2 --gpus-per-node 8
 
 ## up: the compose deployment (3-node JetStream cluster, services, agents of PROFILES=sim,cpu[,gpu])
-up: infra/secrets.env
+# make-secrets.sh is run every time: it keeps what exists and adds what a newer deployment needs
+# (a new NATS user, the Grafana password, the dashboard's operator token).
+up:
+	infra/make-secrets.sh
 	@command -v docker >/dev/null || { echo "make up needs Docker Engine with Compose v2.24+; make local runs it all on this machine"; exit 1; }
 	COMPOSE_PROFILES=$(PROFILES) $(COMPOSE) up --detach --build --wait
 

@@ -66,6 +66,10 @@ class ServiceMetrics:
         self.nats_connected = Gauge("gpuherd_nats_connected", "1 while connected to NATS", registry=r)
         self.healthy = True  # set False by a loop that found itself broken
 
+    def watch_connection(self, is_connected: Callable[[], bool]) -> None:
+        """``gpuherd_nats_connected`` read at scrape time (not only when a health check asks)."""
+        self.nats_connected.set_function(lambda: 1.0 if is_connected() else 0.0)
+
     def watch_cluster(self, get_state: Callable[[], Any]) -> None:
         """Expose jobs and GPUs by state from a ``ClusterState`` read at scrape time (never on the hot path)."""
         self.registry.register(_ClusterCollector(get_state))
@@ -112,6 +116,19 @@ class _ClusterCollector(Collector):
         for name in ("free", "busy", "unhealthy", "drained", "powered_off", "lost"):
             gpus.add_metric([name], by_state.get(name, 0))
         yield gpus
+        queue_jobs = GaugeMetricFamily("gpuherd_queue_jobs", "Waiting jobs per VC", labels=["vc"])
+        queue_gpus = GaugeMetricFamily("gpuherd_queue_gpus", "GPUs the waiting jobs ask for, per VC", labels=["vc"])
+        waiting = dict.fromkeys(state.vcs, 0)
+        asked = dict.fromkeys(state.vcs, 0)
+        for job in state.waiting():
+            vc = job.spec.vc
+            waiting[vc] = waiting.get(vc, 0) + 1
+            asked[vc] = asked.get(vc, 0) + job.spec.gpus
+        for vc in sorted(waiting):
+            queue_jobs.add_metric([vc], waiting[vc])
+            queue_gpus.add_metric([vc], asked[vc])
+        yield queue_jobs
+        yield queue_gpus
 
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]

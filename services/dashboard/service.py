@@ -91,6 +91,7 @@ class Dashboard:
         self.view = DashboardView(tools.queue() if tools.queue is not None else None)
         self.metrics = ServiceMetrics("dashboard")
         self.metrics.watch_cluster(lambda: self.view.state)
+        self.metrics.watch_connection(log_.is_connected)
         self.caught_up = False
         self.operator_token = operator_token
         self.reports_dir = reports_dir

@@ -184,3 +184,19 @@ async def test_the_stream_says_when_the_view_changed(client: Any) -> None:
     first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
     assert first.startswith(b"event: change\ndata: ") and b'"seq": 9' in first
     response.close()
+
+
+def test_metrics_say_the_queue_per_vc_and_the_connection_at_every_scrape() -> None:
+    from gpuherd.metrics import ServiceMetrics, parse_metrics
+
+    view = folded()
+    metrics = ServiceMetrics("dashboard")
+    metrics.watch_cluster(lambda: view.state)
+    connected = [True]
+    metrics.watch_connection(lambda: connected[0])
+    scraped = parse_metrics(metrics.render().decode())
+    assert scraped['gpuherd_queue_jobs{vc="default"}'] == 1
+    assert scraped['gpuherd_queue_gpus{vc="default"}'] == 8
+    assert scraped["gpuherd_nats_connected"] == 1
+    connected[0] = False
+    assert parse_metrics(metrics.render().decode())["gpuherd_nats_connected"] == 0

@@ -100,6 +100,7 @@ class DeciderRunner(Generic[S]):
         self.caught_up = asyncio.Event()
         self.decisions_appended = 0
         self.metrics = metrics or ServiceMetrics(decider.name)
+        self.metrics.watch_connection(lambda: self.log.is_connected())
         self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
@@ -171,7 +172,6 @@ class DeciderRunner(Generic[S]):
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Alive: connected to NATS and no loop found itself broken (standbys are healthy too)."""
         connected = self.log.is_connected()
-        self.metrics.nats_connected.set(1 if connected else 0)
         ok = connected and self.metrics.healthy
         return ok, {"service": self.name, "nats_connected": connected, "role": self.role(), "seq": self.state.seq}
 
