@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import resource
@@ -38,8 +37,7 @@ from apps.sim.cluster import ClusterSpec
 from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
 from apps.sim.model import HELIOS, MODELS
 from apps.sim.run import simulate
-from gpuherd import events as ev
-from services.analytics.jobs import job_table, summarize
+from services.analytics.jobs import summarize
 from services.analytics.traces import job_id_for, load_trace, submissions, vc_peak_demand
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +61,13 @@ trace = load_trace(trace_path)
 if limit:
     trace.jobs = trace.jobs.head(limit)
 cluster = ClusterSpec.from_peaks(vc_peak_demand(trace), scale=scale)
-result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin)
-summary = summarize(job_table(result.records).jobs)["all"]
+try:  # runs that keep no log (their job table built as they go), where the version has them
+    result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, keep_log=False)
+    table = result.table
+except TypeError:
+    result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin)
+    table = job_table(result.records)
+summary = summarize(table.jobs)["all"]
 print(json.dumps({
     "wall_s": result.wall_s, "events": result.events, "submitted": result.submitted,
     "avg_jct_s": summary["avg_jct_s"], "avg_queue_s": summary["avg_queue_s"],
@@ -72,13 +75,6 @@ print(json.dumps({
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
 }))
 """
-
-
-def digest(records: list) -> str:
-    h = hashlib.blake2b(digest_size=12)
-    for r in records:
-        h.update(ev.encode(r.event))
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -203,9 +199,9 @@ def against_peer(args: argparse.Namespace) -> None:
             start = trace.origin
             result = simulate(
                 submissions(trace, start=start), cluster, policy, start=start, model=HELIOS,
-                estimates=given if policy == "qssf" else None,
+                estimates=given if policy == "qssf" else None, keep_log=False,
             )  # fmt: skip
-            ours = summarize(job_table(result.records).jobs)
+            ours = summarize(result.table.jobs)
             rows.append(
                 {
                     "policy": policy,
@@ -284,12 +280,15 @@ def main() -> None:
         preemptions: dict[str, int] = {}
         for policy in policies:
             model = MODELS[args.model]
-            result = simulate(submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, model=model)
+            result = simulate(
+                submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, model=model,
+                keep_log=False, digest=True,
+            )  # fmt: skip
             walls[policy] = result.wall_s
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            # Keep what the tables need, not the run: one policy's log and states at a time in memory.
-            digests[policy] = digest(result.records)
-            jobs = job_table(result.records).jobs
+            # Keep what the tables need, not the run: no log, one policy's states at a time in memory.
+            digests[policy] = result.digest
+            jobs = result.table.jobs
             summaries[policy] = summarize(jobs)
             preemptions[policy] = int(jobs["preemptions"].sum())
             submitted, events = result.submitted, result.events
@@ -309,8 +308,11 @@ def main() -> None:
         console.print(speed)
         if args.determinism:
             t0 = time.perf_counter()
-            again = simulate(submissions(trace, start=trace.origin), cluster, policies[0], start=trace.origin)
-            same = digest(again.records) == digests[policies[0]]
+            again = simulate(
+                submissions(trace, start=trace.origin), cluster, policies[0], start=trace.origin,
+                model=MODELS[args.model], keep_log=False, digest=True,
+            )  # fmt: skip
+            same = again.digest == digests[policies[0]]
             console.print(
                 f"determinism: {policies[0]} run twice -> identical logs: {same} ({time.perf_counter() - t0:.1f}s)"
             )

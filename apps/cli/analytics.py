@@ -117,8 +117,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 memory=args.memory,
                 model=model,
                 estimates=estimates,
+                keep_log=out_dir is not None,  # (no event file: keep only the job table, far less memory)
             )
-        table = jobs_mod.job_table(result.records, name=f"sim-{policy}")
+        table = result.table
+        table.name = f"sim-{policy}"
         summary = jobs_mod.summarize(table.jobs)
         capacity = {vc: cluster.vc_gpus(vc) for vc in cluster.vcs}
         util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket)

@@ -85,12 +85,19 @@ class Simulation:
         agents: bool = True,
         checkpoint_cost: Callable[[int], float] | None = None,
         per_moment: bool = False,
+        keep_log: bool = True,
+        sinks: Sequence[Callable[[Record], None]] = (),
     ) -> None:
         self.now = 0.0
+        # ``keep_log`` False: a record is dropped once every core, the agents and ``sinks`` (which see
+        # every record, in order) have had it; a long run then holds its states, not its history.
+        self.keep_log = keep_log
+        self.sinks = tuple(sinks)
+        self.appended = 0  # records appended so far (the last seq)
         # Decide once per moment of the clock, after all that happens at it (tasks end first, then
         # jobs arrive), and the scheduler last: the model of simulators that step a whole second.
         self.per_moment = per_moment
-        self._records: list[Record] = []
+        self._records: list[Record] = []  # the log (keep_log), else the records not yet fed
         self.cores = [DecisionCore(d) for d in deciders]
         by_name = {core.decider.name: core for core in self.cores}
         if "scheduler" not in by_name:
@@ -102,7 +109,7 @@ class Simulation:
         self._timer_cores = {t.decider: by_name[t.decider] for t in self.timers}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._order = itertools.count()
-        self._fed = 0  # records handed to the cores and the agents so far
+        self._fed = 0  # records of ``_records`` handed to the cores, the agents and the sinks
         self._more_jobs = False
         self._ticking: set[int] = set()  # timers with a tick on the heap
         self.submitted = 0
@@ -116,10 +123,10 @@ class Simulation:
     def _append(self, events: list[ev.Event]) -> tuple[int, ...]:
         if not events:
             return ()
-        records = self._records
-        first = len(records) + 1
-        records.extend(Record(seq, event) for seq, event in enumerate(events, first))
-        return tuple(range(first, len(records) + 1))
+        first = self.appended + 1
+        self._records.extend(Record(seq, event) for seq, event in enumerate(events, first))
+        self.appended += len(events)
+        return tuple(range(first, self.appended + 1))
 
     def _drain(self) -> None:
         """What the live runners and agents do between two moments of the clock: fold every record
@@ -149,6 +156,11 @@ class Simulation:
                 for at, kind, payload in timers:
                     self._push(at, kind, payload)
                 self._append(out)
+            for sink in self.sinks:
+                sink(record)
+        if not self.keep_log:
+            records.clear()
+            self._fed = 0
 
     def _fold(self, core: DecisionCore[Any], record: Record) -> None:
         try:
@@ -310,7 +322,8 @@ class Simulation:
 
     @property
     def records(self) -> Sequence[Record]:
-        return self._records
+        """The log (empty when the simulation keeps none: see ``sinks``)."""
+        return self._records if self.keep_log else ()
 
     def state_of(self, name: str) -> Any:
         for core in self.cores:

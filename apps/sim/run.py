@@ -9,13 +9,14 @@ judged by the real intake.
 from __future__ import annotations
 
 import functools
+import hashlib
 import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -27,7 +28,9 @@ from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider
 from services.analytics.ces import CesParams
 from services.analytics.decide import AnalyticsDecider
+from services.analytics.jobs import JobTable, merge_tables
 from services.analytics.predict import UNKNOWN
+from services.analytics.traces import Trace
 from services.elastic.decide import ElasticDecider
 from services.elastic.service import TICK_S as ELASTIC_TICK_S
 from services.memory.decide import MemoryDecider
@@ -80,15 +83,25 @@ def as_submissions(jobs: Iterable[ev.JobSubmitted]) -> Iterator[Submission]:
 @dataclass
 class SimResult:
     policy: str
-    records: list[Record]  # the log; of a partitioned run, every VC's log one after the other
+    records: list[Record]  # the log; of a partitioned run, every VC's log one after the other ([]: not kept)
     wall_s: float
     submitted: int
     rejected: int
     logs: dict[str, list[Record]]  # each simulation's log: one ("") or, partitioned, one per VC
+    table: Trace  # the job table, folded as the simulation ran (so a run need not keep its log)
+    events: int  # records appended, kept or not
+    digest: str = ""  # with ``digest``: a hash of every event in order (partitioned: of each VC's, in order)
 
-    @property
-    def events(self) -> int:
-        return len(self.records)
+
+class _Part(NamedTuple):
+    """One simulation's outcome: its log (or none), job table, event count, digest, counts."""
+
+    log: list[Record]
+    table: Trace
+    events: int
+    digest: str
+    submitted: int
+    rejected: int
 
 
 def simulate(
@@ -108,78 +121,93 @@ def simulate(
     model: SimModel = GPUHERD,
     estimates: Mapping[str, float] | None = None,
     workers: int | None = None,
+    keep_log: bool = True,
+    digest: bool = False,
 ) -> SimResult:
     """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
     model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
-    one per core), since nothing passes between them; the logs are the same either way."""
+    one per core), since nothing passes between them; the logs are the same either way.
+    ``keep_log`` False keeps no log (only the job table, built as it runs: far less memory);
+    ``digest`` hashes every event (to compare runs without keeping them)."""
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
     jobs = model.jobs(submissions, cluster.gpus_per_node)
     params = {**model.policy_params(), **(policy_params or {})}
     run = functools.partial(
         _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
-        start=start, elastic=elastic, memory=memory, model=model, estimates=estimates,
+        start=start, elastic=elastic, memory=memory, model=model, estimates=estimates, keep_log=keep_log,
+        digest=digest,
     )  # fmt: skip
     if not model.partition_vcs:
-        sim = run(jobs, cluster, on_submit=on_submit)
-        logs = {"": list(sim.records)}
-        submitted, rejected = sim.submitted, sim.rejected
+        parts = {"": run(jobs, cluster, on_submit=on_submit)}
     else:
         by_vc: dict[str, list[ev.JobSubmitted]] = {vc: [] for vc in cluster.vcs}
         outside: list[ev.JobSubmitted] = []
         for job in jobs:
             by_vc.get(job.spec.vc, outside).append(job)
-        parts = {
+        inputs = {
             vc: (by_vc[vc], ClusterSpec(vcs={vc: spec}, gpus_per_node=cluster.gpus_per_node, island=cluster.island))
             for vc, spec in cluster.vcs.items()
         }
         if outside:  # jobs of a VC the cluster lacks: intake rejects them, as it would live
             first = dict(list(cluster.vcs.items())[:1])
-            parts["(unknown VCs)"] = (outside, msgspec.structs.replace(cluster, vcs=first))
-        logs, submitted, rejected = {}, 0, 0
-        for vc, (log, n, refused) in _partitions(run, parts, on_submit, workers):
-            logs[vc] = log
-            submitted, rejected = submitted + n, rejected + refused
-    records = [r for log in logs.values() for r in log]
+            inputs["(unknown VCs)"] = (outside, msgspec.structs.replace(cluster, vcs=first))
+        parts = dict(_partitions(run, inputs, on_submit, workers))
+    logs = {vc: part.log for vc, part in parts.items()}
+    if len(parts) == 1:
+        (only,) = parts.values()
+        table, hashed = only.table, only.digest
+    else:
+        table = merge_tables([p.table for p in parts.values()], name="log")
+        hashed = _digest_of(p.digest for p in parts.values()) if digest else ""
     return SimResult(
         policy=policy,
-        records=records,
+        records=[r for log in logs.values() for r in log],
         wall_s=time.perf_counter() - t0,
-        submitted=submitted,
-        rejected=rejected,
+        submitted=sum(p.submitted for p in parts.values()),
+        rejected=sum(p.rejected for p in parts.values()),
         logs=logs,
+        table=table,
+        events=sum(p.events for p in parts.values()),
+        digest=hashed,
     )
 
 
-Part = tuple[list[ev.JobSubmitted], ClusterSpec]
+def _digest_of(parts: Iterable[str]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for part in parts:
+        h.update(part.encode())
+    return h.hexdigest()
+
+
+Inputs = tuple[list[ev.JobSubmitted], ClusterSpec]
 _LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.AnyEvent]])
 
 
 def _partitions(
-    run: Callable[..., Simulation], parts: dict[str, Part], on_submit: Callable[[int], None] | None, workers: int | None
-) -> Iterator[tuple[str, tuple[list[Record], int, int]]]:
-    """Each VC's simulation: (its log, jobs submitted, rejected), in the VCs' order."""
-    workers = min(len(parts), workers or os.cpu_count() or 1)
+    run: Callable[..., _Part], inputs: dict[str, Inputs], on_submit: Callable[[int], None] | None, workers: int | None
+) -> Iterator[tuple[str, _Part]]:
+    """Each VC's simulation, in the VCs' order."""
+    workers = min(len(inputs), workers or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        for vc, (jobs, cluster) in parts.items():
-            sim = run(jobs, cluster, on_submit=on_submit)
-            yield vc, (list(sim.records), sim.submitted, sim.rejected)
+        for vc, (jobs, cluster) in inputs.items():
+            yield vc, run(jobs, cluster, on_submit=on_submit)
         return
     # Largest first, so the longest run starts at once; logs cross back as msgpack (fast both ways).
-    order = sorted(parts, key=lambda vc: -len(parts[vc][0]))
+    order = sorted(inputs, key=lambda vc: -len(inputs[vc][0]))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {vc: pool.submit(_simulate_encoded, run, *parts[vc]) for vc in order}
-        for vc in parts:
-            data, submitted, rejected = futures[vc].result()
+        futures = {vc: pool.submit(_simulate_encoded, run, *inputs[vc]) for vc in order}
+        for vc in inputs:
+            data, part = futures[vc].result()
             if on_submit is not None:
-                on_submit(submitted)
-            yield vc, ([Record(seq, event) for seq, event in _LOG.decode(data)], submitted, rejected)
+                on_submit(part.submitted)
+            yield vc, part._replace(log=[Record(seq, event) for seq, event in _LOG.decode(data)] if data else [])
 
 
-def _simulate_encoded(run: Callable[..., Simulation], jobs: list[ev.JobSubmitted], cluster: ClusterSpec) -> tuple:
-    sim = run(jobs, cluster, on_submit=None)  # (its progress is reported when it is done)
-    log = msgspec.msgpack.encode([(r.seq, r.event) for r in sim.records])
-    return log, sim.submitted, sim.rejected
+def _simulate_encoded(run: Callable[..., _Part], jobs: list[ev.JobSubmitted], cluster: ClusterSpec) -> tuple:
+    part = run(jobs, cluster, on_submit=None)  # (its progress is reported when it is done)
+    data = msgspec.msgpack.encode([(r.seq, r.event) for r in part.log]) if part.log else b""
+    return data, part._replace(log=[])
 
 
 def _simulate(
@@ -198,19 +226,29 @@ def _simulate(
     memory: bool,
     model: SimModel,
     estimates: Mapping[str, float] | None,
-) -> Simulation:
+    keep_log: bool,
+    digest: bool,
+) -> _Part:
     deciders, timers = make_deciders(
         policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates
     )
     timers = [Timer("scheduler", ev.ClockTicked, tick_s), *timers]
     if ces is not None:
         timers.append(Timer("analytics", ev.AnalyticsTicked, tick_s))
+    table = JobTable()
+    sinks: list[Callable[[Record], None]] = [lambda record: table.add(record.event)]
+    hasher = hashlib.blake2b(digest_size=12)
+    if digest:
+        encode = msgspec.msgpack.Encoder().encode
+        sinks.append(lambda record: hasher.update(encode(record.event)))
     sim = Simulation(
         deciders,
         timers=timers,
         boot_s=boot_s,
         checkpoint_cost=model.checkpoint_cost if model.checkpoint_costs else None,
         per_moment=model.per_second,
+        keep_log=keep_log,
+        sinks=sinks,
     )
     setup = [
         *cluster.setup_events(),
@@ -218,4 +256,5 @@ def _simulate(
     ]
     sim.setup(setup, at=start)
     sim.run(as_submissions(jobs), on_submit=on_submit)
-    return sim
+    hashed = hasher.hexdigest() if digest else ""
+    return _Part(list(sim.records), table.trace(), sim.appended, hashed, sim.submitted, sim.rejected)

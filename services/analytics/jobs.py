@@ -11,7 +11,7 @@ counts). Jobs still open at the end of the log have no end and count as ``runnin
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -21,7 +21,7 @@ from gpuherd.log import Record
 from services.analytics.traces import COLUMNS, Trace
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     job: str
     spec: ev.JobSpec
@@ -34,35 +34,35 @@ class _Job:
     preemptions: int = 0
     attempts: int = 0
     predicted_s: float | None = None
-    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _close_attempt(job: _Job, at: float) -> None:
     if job.attempt_start is not None:
         job.run_s += max(0.0, at - job.attempt_start)
-        job.intervals.append((job.attempt_start, at))
         job.attempt_start = None
 
 
-def job_table(records: Iterable[Record] | Iterable[ev.Event], *, name: str = "log") -> Trace:
-    """Fold a log's job events into the normalized table (plus columns ``jct``, ``run``,
-    ``preemptions``, ``attempts``, ``predicted``). Rejected submissions count as not used."""
-    jobs: dict[str, _Job] = {}
-    rejected = 0
-    rows_read = 0
-    for item in records:
-        event = item.event if isinstance(item, Record) else item
+class JobTable:
+    """The job table folded one event at a time, so a simulation can build it as it runs and keep
+    no log (``job_table`` folds a whole log at once)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, _Job] = {}
+        self.rejected = 0
+        self.rows_read = 0
+
+    def add(self, event: ev.Event) -> None:
         if isinstance(event, ev.JobSubmitted):
-            rows_read += 1
-            jobs.setdefault(event.job, _Job(job=event.job, spec=event.spec, submit=event.at))
-            continue
+            self.rows_read += 1
+            self.jobs.setdefault(event.job, _Job(job=event.job, spec=event.spec, submit=event.at))
+            return
         if isinstance(event, ev.JobRejected):
-            rows_read += 1
-            rejected += 1
-            continue
-        job = jobs.get(getattr(event, "job", ""))
+            self.rows_read += 1
+            self.rejected += 1
+            return
+        job = self.jobs.get(getattr(event, "job", ""))
         if job is None:
-            continue
+            return
         if isinstance(event, ev.JobStarted):
             if job.attempt_start is None and job.state != "running":
                 job.attempt_start = event.at
@@ -81,37 +81,59 @@ def job_table(records: Iterable[Record] | Iterable[ev.Event], *, name: str = "lo
             job.state = event.outcome
         elif isinstance(event, ev.JobDurationPredicted):
             job.predicted_s = event.seconds
-    rows = []
-    for job in jobs.values():
-        jct = None if job.end is None else job.end - job.submit
-        rows.append(
-            {
-                "job_id": job.job,
-                "submit_time": job.submit,
-                "start_time": job.start,
-                "end_time": job.end,
-                "duration": job.run_s,
-                "queue": None if jct is None else jct - job.run_s,
-                "gpus": job.spec.gpus,
-                "gpu_request": float(job.spec.gpus),
-                "cpus": None,
-                "nodes": job.spec.nodes,
-                "user": job.spec.user or None,
-                "vc": job.spec.vc,
-                "name": job.spec.name or None,
-                "state": job.state,
-                "jct": jct,
-                "preemptions": job.preemptions,
-                "attempts": job.attempts,
-                "predicted": job.predicted_s,
-            }
-        )
-    extra = {"jct": "float64", "preemptions": "int64", "attempts": "int64", "predicted": "float64"}
-    columns = {**COLUMNS, **extra}
-    df = pd.DataFrame(rows, columns=list(columns))
-    df = df.astype(columns).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
+
+    def trace(self, name: str = "log") -> Trace:
+        """The table of every job added so far (plus columns ``jct``, ``run``, ``preemptions``,
+        ``attempts``, ``predicted``). Rejected submissions count as not used."""
+        rows = []
+        for job in self.jobs.values():
+            jct = None if job.end is None else job.end - job.submit
+            rows.append(
+                {
+                    "job_id": job.job,
+                    "submit_time": job.submit,
+                    "start_time": job.start,
+                    "end_time": job.end,
+                    "duration": job.run_s,
+                    "queue": None if jct is None else jct - job.run_s,
+                    "gpus": job.spec.gpus,
+                    "gpu_request": float(job.spec.gpus),
+                    "cpus": None,
+                    "nodes": job.spec.nodes,
+                    "user": job.spec.user or None,
+                    "vc": job.spec.vc,
+                    "name": job.spec.name or None,
+                    "state": job.state,
+                    "jct": jct,
+                    "preemptions": job.preemptions,
+                    "attempts": job.attempts,
+                    "predicted": job.predicted_s,
+                }
+            )
+        df = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+        df = df.astype(TABLE_COLUMNS).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
+        reasons = {"rejected at intake": self.rejected} if self.rejected else {}
+        return Trace(name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True)
+
+
+TABLE_COLUMNS = {**COLUMNS, "jct": "float64", "preemptions": "int64", "attempts": "int64", "predicted": "float64"}
+
+
+def job_table(records: Iterable[Record] | Iterable[ev.Event], *, name: str = "log") -> Trace:
+    """Fold a log's job events into the normalized table (see ``JobTable``)."""
+    table = JobTable()
+    for item in records:
+        table.add(item.event if isinstance(item, Record) else item)
+    return table.trace(name)
+
+
+def merge_tables(tables: Sequence[Trace], *, name: str) -> Trace:
+    """One table of several runs' (a partitioned simulation's VCs), in submission order."""
+    df = pd.concat([t.jobs for t in tables], ignore_index=True) if tables else JobTable().trace().jobs
+    df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
+    rejected = sum(t.rejected.get("rejected at intake", 0) for t in tables)
     reasons = {"rejected at intake": rejected} if rejected else {}
-    return Trace(name=name, jobs=df, rows_read=rows_read, rejected=reasons, absolute_time=True)
+    return Trace(name=name, jobs=df, rows_read=sum(t.rows_read for t in tables), rejected=reasons, absolute_time=True)
 
 
 # -- summaries ---------------------------------------------------------------------------------------
