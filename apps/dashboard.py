@@ -20,6 +20,7 @@ from services.scheduler.decide import SchedulerDecider
 from services.scheduler.forecast import forecast_starts
 
 FORECAST_EVERY_S = 2.0  # a forecast runs the policy forward: at most this often while the log moves
+PLAN_EVERY_S = 0.5  # the pass that explains the queue: at most this often (pages follow within a second)
 
 
 class SchedulerQueue:
@@ -31,11 +32,24 @@ class SchedulerQueue:
         self.state = self.decider.initial_state()
         self._forecast: dict[str, float] = {}
         self._forecast_at = -FORECAST_EVERY_S
+        self._answer: tuple[float, int, QueueAnswer] | None = None  # (when, seq, answer)
 
     def fold(self, seq: int, event: ev.Event) -> None:
         self.state = self.decider.evolve(self.state, seq, event)
 
     def explain(self) -> QueueAnswer:
+        """The queue explained; while the log moves fast, the last answer for up to PLAN_EVERY_S (a
+        pass over thousands of waiting jobs costs what a page refresh should not, ten times a second)."""
+        now = time.monotonic()
+        if self._answer is not None:
+            at, seq, answer = self._answer
+            if seq == self.state.seq or now - at < PLAN_EVERY_S:
+                return answer
+        answer = self._explain()
+        self._answer = (now, self.state.seq, answer)
+        return answer
+
+    def _explain(self) -> QueueAnswer:
         state = self.state
         policy = self.decider.policy_for(state)
         fair = {key.removeprefix("vc:"): state.past_usage(key) for key in state.usage if key.startswith("vc:")}

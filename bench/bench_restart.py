@@ -51,12 +51,12 @@ SCHEDULER_TARGET_S = 3.0
 AGENT_TARGET_S = 2.0
 
 
-def synthetic_jobs(n: int, gpus: int, seed: int, start: float) -> list[ev.JobSubmitted]:
-    """``n`` jobs arriving at about 75% of the cluster's capacity: 1-8 GPUs, 1 min to 1 h."""
+def synthetic_jobs(n: int, gpus: int, seed: int, start: float, load: float = 0.75) -> list[ev.JobSubmitted]:
+    """``n`` jobs arriving at about ``load`` of the cluster's capacity: 1-8 GPUs, 1 min to 1 h."""
     rng = random.Random(seed)
     sizes = [1] * 50 + [2] * 20 + [4] * 15 + [8] * 15
     mean_gpus, mean_s = sum(sizes) / len(sizes), 1830.0
-    rate = 0.75 * gpus / (mean_gpus * mean_s)
+    rate = load * gpus / (mean_gpus * mean_s)
     at, out = start, []
     for i in range(n):
         at += rng.expovariate(rate)

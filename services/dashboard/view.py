@@ -194,11 +194,14 @@ class DashboardView:
         if self._bucket is not None and bucket <= self._bucket:
             return
         if self._bucket is not None:
-            busy: Counter[str] = Counter()
-            for job in self.state.active_jobs():
-                busy[job.spec.vc] += job.held or len(job.allocations)
-            self.history.append({"at": bucket, "queue": len(self.state.queue), "busy": dict(busy)})
+            self.history.append({"at": bucket, "queue": len(self.state.queue), "busy": self._busy_by_vc()})
         self._bucket = bucket
+
+    def _busy_by_vc(self) -> dict[str, int]:
+        busy: Counter[str] = Counter()
+        for job in self.state.active_jobs():
+            busy[job.spec.vc] += job.held or len(job.allocations)
+        return dict(busy)
 
     def telemetry(self, subject: str, data: dict[str, Any]) -> None:
         """A telemetry sample: ``<node>.gpus`` (GPU samples) or ``<node>.job.<id>`` (progress)."""
@@ -378,7 +381,8 @@ class DashboardView:
         ]
 
     def history_view(self) -> dict[str, Any]:
-        points = list(self.history)
+        """The samples so far, and the state now as the last point."""
+        points = [*self.history, {"at": self.state.now, "queue": len(self.state.queue), "busy": self._busy_by_vc()}]
         vcs = sorted({vc for p in points for vc in p["busy"]})
         return {
             "bucket_s": HISTORY_BUCKET_S,

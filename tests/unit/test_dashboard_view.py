@@ -93,10 +93,10 @@ def test_jobs_filter_and_sort_and_refuse_an_unknown_sort() -> None:
 def test_history_samples_busy_gpus_by_vc_and_the_queue_once_a_bucket() -> None:
     view = folded()
     h = view.history_view()
-    # A sample as each bucket with events begins: the state at its start (before its events).
-    assert h["at"] == [3 * HISTORY_BUCKET_S, 5 * HISTORY_BUCKET_S]
-    assert h["queue"] == [2, 1]
-    assert h["busy"] == {"default": [4, 6]}  # a; then a and c, before a finished
+    # A sample as each bucket with events begins (the state at its start, before its events), and now.
+    assert h["at"] == [3 * HISTORY_BUCKET_S, 5 * HISTORY_BUCKET_S, 300.0]
+    assert h["queue"] == [2, 1, 1]
+    assert h["busy"] == {"default": [4, 6, 2]}  # a; a and c, before a finished; c
 
 
 def test_the_queue_is_the_schedulers_own_explanation() -> None:

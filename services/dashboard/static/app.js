@@ -256,12 +256,12 @@ views.nodes = async () => {
           ? h("button", { "data-testid": `undrain-${n.node}`, onclick: () => act(`/api/nodes/${encodeURIComponent(n.node)}/undrain`, "") }, "undrain")
           : h("button", { class: "danger", "data-testid": `drain-${n.node}`, onclick: () => act(`/api/nodes/${encodeURIComponent(n.node)}/drain`, "drained from the dashboard") }, "drain")) : null),
       n.reason ? h("div", { class: "dim" }, n.reason) : null,
-      h("div", { class: "gpurow dim" }, "GPU", "state", "job", "util %", "mem MB", "power W", "temp C"),
+      h("div", { class: "gpurow dim" }, ["GPU", "state", "job", "util %", "mem MB", "power W", "temp C"].map((t) => h("span", {}, t))),
       n.gpus.map((g) => {
         const s = g.samples || [];
         const last = s.length ? s[s.length - 1] : null;
         const col = (i) => h("span", { title: last && last[i] !== null ? String(last[i]) : "no samples" }, spark(s.map((x) => x[i])));
-        return h("div", { class: "gpurow" }, `GPU ${g.info.index}`, h("span", { class: `badge` }, h("span", { class: `gpu state-${g.state}` }), ` ${g.state}`),
+        return h("div", { class: "gpurow" }, h("span", {}, `GPU ${g.info.index}`), h("span", { class: `badge` }, h("span", { class: `gpu state-${g.state}` }), ` ${g.state}`),
           h("span", {}, g.job ? jobLink(g.job) : "", g.healthy ? "" : h("span", { class: "dim" }, ` ${g.health_reason}`)), col(1), col(2), col(3), col(4));
       })))));
 };
