@@ -204,32 +204,36 @@ def make_app(backend: Backend) -> web.Application:
             return ""
         return str(body.get("reason", "")) if isinstance(body, dict) else ""
 
-    async def act(request: web.Request, call: Callable[[], Awaitable[None]], done: str) -> web.Response:
-        try:
-            await call()
-        except GpuherdError as exc:
-            return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
-        return _json({"ok": True, "done": done})
+    Action = Callable[[web.Request, str], tuple[Callable[[], Awaitable[None]], str]]
 
-    async def cancel(request: web.Request) -> web.Response:
-        refused = authorized(request)
-        if refused is not None:
-            return refused
-        job_id = request.match_info["job"]
-        reason = await reason_of(request) or "cancelled from the dashboard"
-        return await act(request, lambda: backend.actions.cancel(job_id, reason), f"cancel requested for {job_id}")
+    def operator_action(what: Action, default_reason: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """A POST that acts: refused without the token, else ``what(request, reason)`` gives the client
+        call to make and what to say once made; the client's own checks answer 404 or 400."""
 
-    def drain_handler(undrain: bool) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
             refused = authorized(request)
             if refused is not None:
                 return refused
-            node = request.match_info["node"]
-            reason = await reason_of(request) or "drained from the dashboard"
-            what = f"{'undrained' if undrain else 'drained'} {node}"
-            return await act(request, lambda: backend.actions.drain(node, reason, undrain), what)
+            call, done = what(request, await reason_of(request) or default_reason)
+            try:
+                await call()
+            except GpuherdError as exc:
+                return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
+            return _json({"ok": True, "done": done})
 
         return handle
+
+    def cancel(request: web.Request, reason: str) -> tuple[Callable[[], Awaitable[None]], str]:
+        job_id = request.match_info["job"]
+        return (lambda: backend.actions.cancel(job_id, reason)), f"cancel requested for {job_id}"
+
+    def drain(undrain: bool) -> Action:
+        def call(request: web.Request, reason: str) -> tuple[Callable[[], Awaitable[None]], str]:
+            node = request.match_info["node"]
+            done = f"{'undrained' if undrain else 'drained'} {node}"
+            return (lambda: backend.actions.drain(node, reason, undrain)), done
+
+        return call
 
     async def whoami(request: web.Request) -> web.Response:
         return _json({"actions": backend.operator_token is not None, "ready": backend.ready()})
@@ -243,10 +247,10 @@ def make_app(backend: Backend) -> web.Application:
     app.router.add_get("/api/jobs", jobs)
     app.router.add_get("/api/jobs/{job}", job)
     app.router.add_get("/api/jobs/{job}/output", output)
-    app.router.add_post("/api/jobs/{job}/cancel", cancel)
+    app.router.add_post("/api/jobs/{job}/cancel", operator_action(cancel, "cancelled from the dashboard"))
     app.router.add_get("/api/nodes", nodes)
-    app.router.add_post("/api/nodes/{node}/drain", drain_handler(undrain=False))
-    app.router.add_post("/api/nodes/{node}/undrain", drain_handler(undrain=True))
+    app.router.add_post("/api/nodes/{node}/drain", operator_action(drain(False), "drained from the dashboard"))
+    app.router.add_post("/api/nodes/{node}/undrain", operator_action(drain(True), ""))
     app.router.add_get("/api/vcs", vcs)
     app.router.add_get("/api/history", history)
     app.router.add_get("/api/services", services)

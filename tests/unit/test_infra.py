@@ -21,34 +21,12 @@ from apps.cli import build_parser
 from apps.registry import SERVICES
 from gpuherd.natsd import find_binary
 from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, password_env, render_accounts, users
-
-INFRA = Path(__file__).resolve().parents[2] / "infra"
-_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?::?-([^}]*))?\}")
-
-
-def _dotenv() -> dict[str, str]:
-    values = {}
-    for line in (INFRA / ".env").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
-
-
-def _interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's ``${VAR:-default}`` interpolation, as `docker compose` does it with infra/.env."""
-    if isinstance(value, str):
-        return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
-    if isinstance(value, list):
-        return [_interpolate(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: _interpolate(v, env) for k, v in value.items()}
-    return value
+from tests.compose_file import INFRA, load_compose
 
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return _interpolate(yaml.safe_load((INFRA / "docker-compose.yml").read_text()), _dotenv())
+    return load_compose()
 
 
 def _gpuherd_services(compose: dict[str, Any]) -> dict[str, Any]:

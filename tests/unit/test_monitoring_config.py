@@ -23,8 +23,8 @@ from apps.registry import SERVICES
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState
 from gpuherd.metrics import ServiceMetrics
+from tests.compose_file import INFRA, load_compose
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
 PROMETHEUS_DIR = INFRA / "prometheus"
 GRAFANA_DIR = INFRA / "grafana"
 DASHBOARD = GRAFANA_DIR / "dashboards" / "gpuherd.json"
@@ -50,7 +50,6 @@ _SUFFIXES: dict[str, tuple[str, ...]] = {
     "summary": ("", "_sum", "_count", "_created"),
     "info": ("_info",),
 }
-_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?::?-([^}]*))?\}")
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -107,26 +106,6 @@ def label_values(expr: str, label: str) -> set[str]:
     return values
 
 
-def _dotenv() -> dict[str, str]:
-    values = {}
-    for line in (INFRA / ".env").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
-
-
-def _interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's ``${VAR:-default}`` with infra/.env, as `docker compose` would do it."""
-    if isinstance(value, str):
-        return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
-    if isinstance(value, list):
-        return [_interpolate(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: _interpolate(v, env) for k, v in value.items()}
-    return value
-
-
 def _load(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
 
@@ -179,7 +158,7 @@ def _rule_exprs() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return _interpolate(_load(INFRA / "docker-compose.yml"), _dotenv())
+    return load_compose()
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +293,7 @@ def test_dashboard_is_read_only_unless_the_operator_file_is_added(compose: dict[
     assert command[:2] == ["serve", "dashboard"] and "--operator-token-file" not in command
     assert command[command.index("--port") + 1] == "8080" and command[command.index("--host") + 1] == "0.0.0.0"
     assert dashboard["environment"]["NATS_USER"] == "dashboard"
-    operator = _interpolate(_load(INFRA / "docker-compose.operator.yml"), _dotenv())
+    operator = load_compose("docker-compose.operator.yml")
     schema_file = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor" / "compose-spec.json"
     schema = json.loads(schema_file.read_text())
     errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(operator))

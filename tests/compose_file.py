@@ -1,0 +1,38 @@
+"""The compose deployment's files as `docker compose` reads them (no Docker needed): YAML with
+``${VAR:-default}`` interpolated from infra/.env."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?::?-([^}]*))?\}")
+
+
+def dotenv() -> dict[str, str]:
+    values = {}
+    for line in (INFRA / ".env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ``${VAR:-default}`` interpolation, as `docker compose` does it with infra/.env."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def load_compose(name: str = "docker-compose.yml") -> Any:
+    """A compose file of infra/, interpolated."""
+    return interpolate(yaml.safe_load((INFRA / name).read_text()), dotenv())
