@@ -47,6 +47,14 @@ def rescale_rows(records: Iterable[Record], job: str | None = None) -> list[dict
     return list(rows.values())
 
 
+def phase_cell(row: dict[str, Any], phase: str) -> str:
+    """A phase's seconds; a rescale that failed or is still under way has none (said so, not left blank).
+    Every completed rescale has every phase (``RescaleCompleted`` v2; older records are completed on read)."""
+    if phase in row:
+        return f"{row[phase]:.3f}"
+    return "…" if row["outcome"] == "in flight" else "-"
+
+
 def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = False) -> Any:
     """A rich table of ``rescale_rows``; ``compact``: the pause and the total only (a narrow terminal)."""
     import time
@@ -67,7 +75,7 @@ def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = Fal
             row["gpus"],
             time.strftime("%H:%M:%S", time.localtime(row["decided_at"])),
             row["outcome"],
-            *(f"{row[p]:.3f}" if p in row else "" for p in phases),
+            *(phase_cell(row, p) for p in phases),
         ]
         table.add_row(*cells, *(() if compact else (row["reason"],)))
     return table

@@ -80,7 +80,9 @@ class JobMessages:
                 node=self.node,
                 world=message.world,
                 world_before=message.world_before,
-                times={k: v for k, v in message.times.items() if v},
+                # Every phase, so pause and total can always be told (a stamp the worker lacks
+                # takes the next one's: complete_phase_times).
+                times=ev.complete_phase_times(message.times, fallback=message.at or self.writer.clock()),
                 samples_per_s_before=message.samples_per_s_before,
             )
         elif message.event == "failed":

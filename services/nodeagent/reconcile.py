@@ -211,7 +211,8 @@ def simulated_rescale(job: JobState, node: str, now: float, events: AgentEvents)
         now,
         world=len(job.workers),
         world_before=sum(len(a.gpus) for a in job.committed),
-        times={"decided": job.rescaled_at or now, "first_step": now},
+        # Nothing to switch: every phase after the decision happens at once, now.
+        times=ev.complete_phase_times({"decided": job.rescaled_at or now, "first_step": now}),
     )
     return [Record(done)]
 

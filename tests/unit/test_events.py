@@ -63,7 +63,7 @@ SAMPLES: list[ev.Event] = [
         node="n1",
         world=3,
         world_before=2,
-        times={"decided": 1.0, "quiesced": 2.0, "first_step": 2.5},
+        times={"decided": 1.0, "noticed": 1.1, "quiesced": 2.0, "reformed": 2.1, "restored": 2.2, "first_step": 2.5},
         samples_per_s_before=640.0,
     ),
     ev.RescaleFailed(id="z4", job="j1", attempt=0, generation=1, node="n1", reason="timeout", step=40),
@@ -224,3 +224,30 @@ def test_verdicts_of_v1_were_judged_by_the_first_intake_rules() -> None:
     rejected = ev.decode(_v1("JobRejected", "scheduler", intake_source="cli", intake_seq=1, reason="bad"))
     assert isinstance(rejected, ev.JobRejected) and rejected.intake_rules == 1 and rejected.payload_size == 0
     assert ev.JobSubmitted(job="j", spec=ev.JobSpec(**spec), intake_source="cli").intake_rules == ev.INTAKE_RULES
+
+
+def test_a_rescale_record_of_v1_gets_every_phase_a_missing_one_taking_the_next_one_s_stamp() -> None:
+    simulated = (
+        b'{"type":"RescaleCompleted","id":"r1","at":10.5,"source":"agent.n1","v":1,"job":"j","attempt":0,'
+        b'"generation":1,"node":"n1","world":8,"world_before":2,"times":{"decided":10.0,"first_step":10.5}}'
+    )
+    event = ev.decode(simulated)
+    assert isinstance(event, ev.RescaleCompleted) and event.v == ev.RescaleCompleted.VERSION == 2
+    assert list(event.times) == list(ev.RESCALE_PHASES)
+    # A simulated switch is instantaneous: everything after the decision happens at its first step.
+    assert event.durations()["notice_s"] == 0.5 and event.durations()["pause_s"] == 0.0
+    # A job grown before its first generation formed reported no quiesce: it stood still from re-forming on.
+    unformed = simulated.replace(
+        b'"times":{"decided":10.0,"first_step":10.5}',
+        b'"times":{"decided":10.0,"noticed":11.0,"reformed":12.0,"restored":12.5,"first_step":13.0}',
+    )
+    times = ev.decode(unformed).times  # type: ignore[attr-defined]
+    assert times["quiesced"] == times["reformed"] == 12.0
+    assert ev.decode(unformed).durations()["pause_s"] == 1.0  # type: ignore[attr-defined]
+    assert ev.decode(ev.encode(ev.decode(unformed))) == ev.decode(unformed)
+
+
+def test_complete_phase_times_fills_forward_from_the_next_known_and_falls_back_at_the_end() -> None:
+    assert ev.complete_phase_times({}, fallback=7.0) == dict.fromkeys(ev.RESCALE_PHASES, 7.0)
+    out = ev.complete_phase_times({"noticed": 2.0, "restored": 4.0, "first_step": None})
+    assert out == {"decided": 2.0, "noticed": 2.0, "quiesced": 4.0, "reformed": 4.0, "restored": 4.0, "first_step": 4.0}

@@ -24,12 +24,14 @@ from gpuherd.events.cluster import (
 )
 from gpuherd.events.codec import EVENT_TYPES, AnyEvent, Unreadable, decode, encode, upcast
 from gpuherd.events.elastic import (
+    RESCALE_PHASES,
     ElasticConfigured,
     JobResized,
     RescaleCompleted,
     RescaleFailed,
     RescaleProposed,
     WorkerLost,
+    complete_phase_times,
 )
 from gpuherd.events.jobs import (
     INTAKE_RULES,
@@ -94,6 +96,7 @@ __all__ = [
     "INTAKE_RULES",
     "MAX_OUTPUT_TAIL",
     "MEMORY_TIERS",
+    "RESCALE_PHASES",
     "SCHEDULING_RULES",
     "TICK_ONLY_TIMEOUT_S",
     "Allocation",
@@ -159,6 +162,7 @@ __all__ = [
     "Unreadable",
     "VcConfigured",
     "WorkerLost",
+    "complete_phase_times",
     "declared_gpus",
     "decode",
     "encode",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import msgspec
 
-from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by
+from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by, upcaster
 from gpuherd.events.values import Allocation, Rendezvous, RescaleKind
 
 
@@ -47,9 +50,39 @@ class JobResized(Decision, kw_only=True, frozen=True):
         return f"herd.job.{self.job}"
 
 
+RESCALE_PHASES = ("decided", "noticed", "quiesced", "reformed", "restored", "first_step")
+"""The stamps of a rescale, in order: the scheduler committed it; the new rank 0 saw the plan;
+training stopped at the old size (state committed in memory); the new group is up; the source's
+state is in place on every rank; the first step at the new size is done."""
+
+
+def complete_phase_times(times: Mapping[str, float | None], *, fallback: float = 0.0) -> dict[str, float]:
+    """A stamp for every phase of ``RESCALE_PHASES``. A phase the record lacks took no time of its
+    own: it gets the stamp of the next phase that has one (of the last known one at the end;
+    ``fallback`` when none is known). Records of version 1 lacked some: a simulated switch had only
+    ``decided`` and ``first_step`` (it is instantaneous: everything happens at its first step), and a
+    job grown before its first generation had formed had no ``quiesced``."""
+    known = {name: float(stamp) for name in RESCALE_PHASES if (stamp := times.get(name))}
+    out: dict[str, float] = {}
+    later: float | None = None
+    for name in reversed(RESCALE_PHASES):
+        later = known.get(name, later)
+        if later is not None:
+            out[name] = later
+    last = next((known[name] for name in reversed(RESCALE_PHASES) if name in known), fallback)
+    return {name: out.get(name, last) for name in RESCALE_PHASES}
+
+
 class RescaleCompleted(Event, kw_only=True, frozen=True):
-    """The job's new rank 0 finished its first step at the new size. ``times`` are wall-clock
-    (event-time) stamps of each phase: decided, noticed, quiesced, reformed, restored, first_step."""
+    """The job's new rank 0 finished its first step at the new size. ``times`` holds the wall-clock
+    (event-time) stamp of every phase of ``RESCALE_PHASES`` (decided, noticed, quiesced, reformed,
+    restored, first_step), so the pause and the total of every rescale can be told.
+
+    v2: every phase is there (v1 records lacked some; the upcaster completes them as
+    ``complete_phase_times`` says)."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
 
     job: str
     attempt: int
@@ -71,10 +104,18 @@ class RescaleCompleted(Event, kw_only=True, frozen=True):
             "reform_s": ("quiesced", "reformed"),
             "restore_s": ("reformed", "restored"),
             "first_step_s": ("restored", "first_step"),
-            "pause_s": ("quiesced", "first_step"),
+            "pause_s": ("quiesced", "first_step"),  # training stood still at either size
             "total_s": ("decided", "first_step"),
         }
         return {name: t[b] - t[a] for name, (a, b) in pairs.items() if a in t and b in t}
+
+
+@upcaster("RescaleCompleted", 1)
+def _rescale_completed_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    times = raw.get("times") if isinstance(raw.get("times"), dict) else {}
+    raw["times"] = complete_phase_times(times, fallback=float(raw.get("at") or 0.0))
+    raw["v"] = 2
+    return raw
 
 
 class RescaleFailed(Event, kw_only=True, frozen=True):
