@@ -40,7 +40,10 @@ class Services:
         self.specs: dict[str, list[str]] = {
             "scheduler": ["-m", "services.scheduler", "--nats-url", nats_url, "--lost-after", str(lost_after)],
         }
-        ports = random.randrange(20000, 60000, 100)  # tests may share a machine: no fixed rendezvous ports
+        # Tests may share a machine: no fixed rendezvous ports. And none of the kernel's ephemeral ports
+        # (32768-60999 on Linux): a connection's local port (gloo's, NATS's) could hold one when a
+        # generation's store opens there ("cannot open the store").
+        ports = random.randrange(20000, 32000, 100)
         for i in range(1, agents + 1):
             self.specs[f"agent-{i}"] = [
                 *("-m", "services.nodeagent", "--nats-url", nats_url, "--node", f"n{i}", "--gpus", str(gpus)),

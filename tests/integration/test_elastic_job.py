@@ -143,8 +143,9 @@ async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nat
         completed = [r for r in _records(records, ev.RescaleCompleted) if r.job == job_id]
         assert [(c.generation, c.world_before, c.world) for c in completed] == [(1, 2, 3), (2, 3, 2), (3, 2, 1)]
         for done in completed:
+            assert list(done.times) == list(ev.RESCALE_PHASES)  # every phase, the grow onto n2 too
             phases = done.durations()
-            assert all(v >= 0 for v in phases.values()), phases
+            assert all(v >= 0 for v in phases.values()) and {"pause_s", "total_s"} <= set(phases), phases
         lost = _records(records, ev.WorkerLost)
         assert [(w.node, w.gpu, w.exit_code) for w in lost] == [(home, 1, -9)]
         assert violations(records) == []

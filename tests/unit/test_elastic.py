@@ -456,3 +456,59 @@ def test_a_plan_file_gives_the_newest_whole_plan_the_agent_wrote(tmp_path: Path)
     assert plans.latest() is not None and plans.latest().generation == 1
     path.write_text(_plan(0, "ab", 29500, "a").to_json())  # an older plan does not replace a newer one
     assert plans.latest().generation == 1
+
+
+class _Plans:
+    """Plans handed over by the test, newest last."""
+
+    def __init__(self, *plans: ElasticPlan) -> None:
+        self.plans = list(plans)
+
+    def latest(self) -> ElasticPlan | None:
+        return self.plans[-1] if self.plans else None
+
+
+def _switch_while_the_port_is_held(ports: list[int], out: mp.Queue) -> None:
+    """One worker: generation 0, then generation 1 at a port another process still listens on for a second."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plans = _Plans(ElasticPlan(0, ("a",), "127.0.0.1", ports[0], "a"))
+    reports: list[dict] = []
+    membership = Membership("a", plans, reform_timeout_s=30.0, reporter=reports.append)
+    state = ElasticState(model, optimizer, sampler=ElasticSampler(8, 4), membership=membership)
+    assert state.sync()
+    state.finish_step()
+    held = socket.socket()
+    held.bind(("0.0.0.0", ports[1]))
+    held.listen()
+    plans.plans.append(ElasticPlan(1, ("a",), "127.0.0.1", ports[1], "a", decided_at=time.time()))
+    threading.Timer(1.0, held.close).start()  # the port's last holder goes away a second later
+    switched = state.sync()
+    state.finish_step()
+    assert state.sync()  # the first step at the new generation is done: its rank 0 reports it
+    generation = membership.current.generation if membership.current is not None else -1
+    membership.close()
+    out.put((switched, generation, reports))
+
+
+@pytest.mark.timeout(120)
+def test_a_generation_s_store_opens_once_its_port_is_free_instead_of_failing_the_switch() -> None:
+    """A port still held (by a process that is ending, in TIME_WAIT) delays the switch; it does not
+    fail it: the host tries again, bounded, and the rescale completes."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    proc = context.Process(target=_switch_while_the_port_is_held, args=(_free_ports(2), out))
+    proc.start()
+    try:
+        switched, generation, reports = out.get(timeout=90)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert switched and generation == 1
+    assert [r["event"] for r in reports] == ["completed"]  # no "failed": no rollback was needed
+    assert set(reports[0]["times"]) == {"decided", "noticed", "quiesced", "reformed", "restored", "first_step"}
+    assert all(reports[0]["times"].values())

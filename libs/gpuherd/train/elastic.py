@@ -26,6 +26,7 @@ import io
 import itertools
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -479,6 +480,33 @@ def _wait_for_port(
             time.sleep(poll_s)
 
 
+STORE_GENERATION_KEY = "gpuherd/generation"
+STORE_TRY_S = 5.0  # one try at connecting to a generation's store
+STORE_RETRY_EVERY_S = 0.5  # between tries at opening a store whose port is busy
+
+
+def _store_client(addr: str, port: int, try_s: float, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Connect to the store at ``addr:port`` within ``try_s`` (TimeoutError otherwise). The client
+    connects in a thread of its own: against a listener that is not a store, the handshake never
+    ends, whatever its timeout says; such a thread is left behind, blocked, and costs one socket."""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(addr, port, None, False, timeout=timeout)
+        except Exception as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect, name=f"store-client-{port}", daemon=True)
+    thread.start()
+    thread.join(try_s)
+    if "error" in box:
+        raise box["error"]
+    if "store" not in box:
+        raise TimeoutError(f"{addr}:{port} did not answer as a store within {try_s:.0f}s")
+    return box["store"]
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
@@ -505,6 +533,7 @@ class Membership:
         join_timeout_s: float = 300.0,
         recover_timeout_s: float = 120.0,
         poll_s: float = 0.02,
+        store_retry_s: float | None = None,
         reporter: Reporter | None = None,
     ) -> None:
         self.worker = worker
@@ -515,6 +544,10 @@ class Membership:
         self.join_timeout_s = join_timeout_s
         self.recover_timeout_s = recover_timeout_s
         self.poll_s = poll_s
+        # How long opening or reaching a generation's store is retried before the switch is given up
+        # (a port still held by a process that is ending, a host that is late): bounded, so that the
+        # scheduler's rollback (a new port) still comes.
+        self.store_retry_s = reform_timeout_s if store_retry_s is None else store_retry_s
         self.report = reporter or _report_to_agent
         self.current: ElasticPlan | None = None
         self.left = False
@@ -525,7 +558,8 @@ class Membership:
         self._noticed: dict[int, float] = {}
         self._pending: RescalePhases | None = None
         self._step_times: list[float] = []
-        self._unhostable: set[int] = set()  # generations whose store this worker could not open
+        self._unhostable: set[int] = set()  # generations whose store this worker gave up opening
+        self._host_failing: dict[int, tuple[float, float]] = {}  # generation -> (first failure, next try)
         self._batch: int | None = None  # the global batch (for the throughput reported at a rescale)
 
     # -- what the training loop sees ---------------------------------------------------------------
@@ -607,15 +641,28 @@ class Membership:
             return 1
         if plan.rank_of(self.worker) != 0:
             return 0
+        if plan.generation in self._unhostable:
+            return 0
+        first, next_try = self._host_failing.get(plan.generation, (0.0, 0.0))
+        now = time.monotonic()
+        if now < next_try:
+            return 0  # training goes on; the store is tried again at a later step boundary
         try:
             store = self._host(plan)
             return int(store.check([f"ready/{j}" for j in plan.joiners]))
         except Exception as exc:
-            # No store, no switch: say so once, and the scheduler commits a rollback generation (a
-            # new port) that replaces this plan. Training goes on meanwhile.
-            if plan.generation not in self._unhostable:
+            # The port may still be held (a process that is ending, a connection in TIME_WAIT):
+            # try again, at most every half second, for store_retry_s. Then no store, no switch:
+            # say so once, and the scheduler commits a rollback generation (a new port) that
+            # replaces this plan. Training goes on meanwhile.
+            first = first or now
+            self._host_failing[plan.generation] = (first, now + STORE_RETRY_EVERY_S)
+            if now - first >= self.store_retry_s:
                 self._unhostable.add(plan.generation)
-                reason = f"cannot open the store at {plan.addr}:{plan.port}: {_first_line(exc)}"
+                reason = (
+                    f"cannot open the store at {plan.addr}:{plan.port} (tried for {now - first:.0f}s): "
+                    f"{_first_line(exc)}"
+                )
                 self.report({"event": "failed", "generation": plan.generation, "reason": reason})
             return 0
 
@@ -632,7 +679,7 @@ class Membership:
                 timeout=datetime.timedelta(seconds=self.reform_timeout_s),
                 wait_for_workers=False,
             )
-            store.set("gpuherd/generation", str(plan.generation))
+            store.set(STORE_GENERATION_KEY, str(plan.generation))
             self._store = (plan.generation, store)
         return self._store[1]
 
@@ -695,16 +742,7 @@ class Membership:
     def _form(self, plan: ElasticPlan, *, joining: bool) -> None:
         rank = plan.rank_of(self.worker)
         timeout = datetime.timedelta(seconds=self.join_timeout_s if joining else self.reform_timeout_s)
-        if rank == 0:
-            store = self._host(plan)
-        else:
-            # Poll for the host's port ourselves: the store client backs off for long between tries,
-            # and a new worker must be ready the moment the host opens the store.
-            _wait_for_port(plan.addr, plan.port, timeout.total_seconds(), self.poll_s, lambda: self._superseded(plan))
-            store = dist.TCPStore(plan.addr, plan.port, None, False, timeout=timeout)
-            found = store.get("gpuherd/generation").decode()
-            if found != str(plan.generation):
-                raise ElasticError(f"{plan.addr}:{plan.port} serves generation {found}, not {plan.generation}")
+        store = self._host_patiently(plan) if rank == 0 else self._connect(plan, timeout)
         if self.worker in plan.joiners:
             store.set(f"ready/{self.worker}", "1")
         dist.init_process_group(
@@ -714,6 +752,52 @@ class Membership:
             world_size=plan.world,
             timeout=timeout,
         )
+
+    def _host_patiently(self, plan: ElasticPlan) -> dist.TCPStore:
+        """Open the generation's store, trying again for ``store_retry_s`` while its port is busy."""
+        deadline = time.monotonic() + self.store_retry_s
+        while True:
+            try:
+                return self._host(plan)
+            except dist.DistError as exc:
+                if self._superseded(plan):
+                    raise ElasticError(f"a newer plan replaced generation {plan.generation}") from exc
+                if time.monotonic() > deadline:
+                    raise ElasticError(
+                        f"cannot open the store at {plan.addr}:{plan.port} (tried for {self.store_retry_s:.0f}s): "
+                        f"{_first_line(exc)}"
+                    ) from exc
+                time.sleep(STORE_RETRY_EVERY_S)
+
+    def _connect(self, plan: ElasticPlan, timeout: datetime.timedelta) -> dist.TCPStore:
+        """A client of the generation's store, once its host serves this generation. The host may be
+        late (still starting, or retrying a busy port), and until it listens another process may
+        hold the port: each try is bounded (a client of something that is not a store would wait
+        forever), and tries go on until ``timeout`` or a newer plan."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        superseded = lambda: self._superseded(plan)  # noqa: E731
+        problem = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            # Poll for the host's port ourselves: the store client backs off for long between tries,
+            # and a new worker must be ready the moment the host opens the store.
+            _wait_for_port(plan.addr, plan.port, max(left, 0.0), self.poll_s, superseded)
+            try:
+                store = _store_client(plan.addr, plan.port, min(max(left, 1.0), STORE_TRY_S), timeout)
+                found = store.get(STORE_GENERATION_KEY).decode() if store.check([STORE_GENERATION_KEY]) else None
+                if found == str(plan.generation):
+                    return store
+                problem = "it serves no generation yet" if found is None else f"it serves generation {found}"
+            except (dist.DistError, TimeoutError) as exc:
+                problem = _first_line(exc)
+            if superseded():
+                raise ElasticError(f"a newer plan replaced generation {plan.generation}")
+            if time.monotonic() > deadline:
+                raise ElasticError(
+                    f"no store for generation {plan.generation} at {plan.addr}:{plan.port} within "
+                    f"{timeout.total_seconds():.0f}s: {problem}"
+                )
+            time.sleep(max(self.poll_s, 0.05))
 
     def _superseded(self, plan: ElasticPlan) -> bool:
         newest = self.plans.latest()
@@ -767,9 +851,13 @@ class Membership:
         plan = self._wait(lambda p: p.rank_of(self.worker) >= 0, self.join_timeout_s)
         if plan is None:
             raise ElasticError(f"worker {self.worker} found no plan naming it within {self.join_timeout_s:.0f}s")
+        phases = self._phases(plan)
+        # Nothing trained at an older size here (the job grew before its first generation formed,
+        # or this worker joins): from now on it stands still until its first step at the new size.
+        phases.quiesced_at = time.time()
         if self.worker not in plan.joiners:
-            return self._enter(state, plan, state.capture(), self._phases(plan))
-        return self._enter(state, plan, None, self._phases(plan))
+            return self._enter(state, plan, state.capture(), phases)
+        return self._enter(state, plan, None, phases)
 
     def _leave(self, plan: ElasticPlan) -> None:
         self.left = True
