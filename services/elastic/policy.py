@@ -11,8 +11,10 @@ Two rules, in this order:
 
 Hysteresis: a job is resized at most once per ``min_interval_s``, and after shrinking for
 waiting jobs it does not grow again for ``hold_after_shrink_s`` (so it is not grown into the GPUs
-that just freed and shrunk again at once). Sizes are only those the job may take
-(``Elastic.sizes()``: the global batch stays whole).
+that just freed and shrunk again at once). With ``grow_after_start_s``, a job is not grown before
+it has run that long (its first generation forms and trains first, so that its first grow is a
+rescale of a running job, with its throughput measured, rather than a bigger start). Sizes are
+only those the job may take (``Elastic.sizes()``: the global batch stays whole).
 
 **Predicted throughput** at ``w`` workers, for a step of global batch ``G``:
 ``step(w) = compute_per_sample * G / w + allreduce(grad_bytes, w)``, with a ring all-reduce of
@@ -36,6 +38,7 @@ class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     hold_after_shrink_s: float = 300.0  # no grow this soon after a shrink for waiting jobs
     grow_efficiency: float = 0.6  # per-GPU throughput at the new size / at the current size, at least
     retry_s: float = 30.0  # propose again when the scheduler did not act on a proposal
+    grow_after_start_s: float = 0.0  # no grow of a job that started less than this ago
     bandwidth_bytes_per_s: float = 5e9  # all-reduce bandwidth per worker (NVLink/IB: more; gloo on CPU: less)
     latency_s: float = 5e-5  # per ring hop
 
@@ -161,6 +164,8 @@ def _grow_into_idle(state: ElasticState, jobs: list[JobState], params: ElasticPa
     options = []
     for job in jobs:
         if state.now - state.shrunk_at.get(job.job, -1e18) < params.hold_after_shrink_s:
+            continue
+        if job.started_at is not None and state.now - job.started_at < params.grow_after_start_s:
             continue
         size = len(job.workers)
         free = _free(state, job)

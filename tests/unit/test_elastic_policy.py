@@ -137,3 +137,12 @@ def test_parameters_it_cannot_apply_are_refused_and_change_nothing() -> None:
     old = msgspec.structs.replace(bad, unchecked=True)  # recorded before commands were checked
     decider.evolve(state, 2, old)
     assert decider.decide(state, old) == [] and decider.params_for(state) == ElasticParams(), "the default, as then"
+
+
+def test_a_job_is_grown_only_once_it_has_run_grow_after_start_s() -> None:
+    settled = msgspec.structs.replace(PARAMS, grow_after_start_s=30.0)
+    log = started()  # the job started at t=0
+    assert decide(_state(_at(log, 10.0)), settled) == []  # its first generation still forms and trains
+    (proposal,) = decide(_state(_at(log, 31.0)), settled)
+    assert proposal.gpus == 3
+    assert [p.gpus for p in decide(_state(_at(log, 10.0)), PARAMS)] == [3]  # 0, the default: at once
