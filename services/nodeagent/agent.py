@@ -127,11 +127,23 @@ class Agent:
         self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self._snapshotting: asyncio.Task[int | None] | None = None
         executor.node = node
+        if hasattr(executor, "idle_gpus"):  # warm workers pin to idle GPUs (process executors)
+            executor.idle_gpus = self._idle_gpus
         self.metrics = ServiceMetrics(f"agent-{node}")
         self.metrics_port: int | None = None
         registry = self.metrics.registry
         tasks_running = Gauge("gpuherd_agent_tasks_running", "Tasks this agent runs now", registry=registry)
         tasks_running.set_function(lambda: len(self.executor.running()))
+        warm = Gauge("gpuherd_agent_warm_workers", "Warm workers waiting in this node's pool", registry=registry)
+        warm.set_function(lambda: self.upkeep.warm_pool().get("warm", 0))
+        warm_memory = Gauge(
+            "gpuherd_agent_warm_memory_bytes", "Resident memory of this node's idle warm workers", registry=registry
+        )
+        warm_memory.set_function(lambda: self.upkeep.warm_pool().get("memory_mb", 0) * 2**20)
+
+    def _idle_gpus(self) -> list[int]:
+        me = self.state.me
+        return me.free_gpus() if me is not None else []
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         connected = self.log.is_connected()
@@ -158,6 +170,9 @@ class Agent:
         try:
             await self.load_snapshot()
             await self.executor.recover(self._on_exit)
+            start_pool = getattr(self.executor, "start_pool", None)
+            if start_pool is not None:
+                start_pool()  # warm workers for the grows that land here
             await self.register()
             status = status_reporter(
                 self.log,
@@ -495,6 +510,8 @@ async def serve(args: argparse.Namespace) -> None:
         agent_addr=control_address(str(data_dir), args.node),
         fence_after_s=args.fence_after,
         kill_grace_s=args.kill_grace,
+        warm_workers=(0 if args.executor == "sim" else 1) if args.warm_workers is None else args.warm_workers,
+        warm_min_free_mb=args.warm_min_free_mb,
     )
     log_ = await open_log(args.nats_url, name=f"agent-{args.node}")
     agent = Agent(
@@ -534,6 +551,22 @@ def build_parser() -> argparse.ArgumentParser:
         "scheduler's --lost-after",
     )
     parser.add_argument("--kill-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument(
+        "--warm-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="interpreters with torch imported kept ready for elastic jobs' new workers on this node "
+        "(default: 1 for the cpu and nvml executors, 0 for sim)",
+    )
+    parser.add_argument(
+        "--warm-min-free-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="host memory the warm pool leaves free: below it, warm workers are given back "
+        "(default: a tenth of the RAM, at least 1024)",
+    )
     parser.add_argument(
         "--power-hook",
         default=os.environ.get("GPUHERD_POWER_HOOK"),

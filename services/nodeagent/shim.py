@@ -11,7 +11,10 @@ Three rules make "nothing runs twice at the same time" hold:
 - one rank failing stops the other ranks of the task (they would hang in a collective), except
   in an elastic task: there each process is a worker, a dead one is reported to the agent (the
   job goes on with the survivors), workers that leave at a rescale exit on their own, and the
-  agent adds workers by leaving ``grow-*.json`` files in the task folder;
+  agent adds workers by leaving ``grow-*.json`` files in the task folder. A worker the agent took
+  from its warm pool (``pool.py``: its spec names its ``pid``) already runs: the shim watches it
+  rather than starting it (it is the agent's child, in a process group of its own, which the
+  shim signals with its own);
 - on SIGTERM the shim sends SIGTERM to the whole process group, waits the
   grace period, then SIGKILLs the group (so no grandchild survives either);
 - **fencing**: the agent touches ``alive_file`` after every heartbeat the log
@@ -40,6 +43,7 @@ import msgspec
 from gpuherd.control import WorkerExit, encode_message
 
 POLL_S = 0.1
+STANDBY_REFILL_DELAY_S = 2.0  # after the task's workers started, or the last standby was taken
 
 
 def write_json(path: Path, data: object) -> None:
@@ -68,6 +72,8 @@ class Shim:
         self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
         self.deaths: list[dict] = []
         self.standby: subprocess.Popen[bytes] | None = None  # elastic: the next worker, torch already imported
+        self.attached: list[Attached] = []  # elastic: workers from the agent's warm pool
+        self.standby_due: float | None = None  # monotonic: when to start the next standby
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
@@ -79,10 +85,18 @@ class Shim:
         self.stop_reason = request.get("reason") or f"stopped by the agent ({signal.Signals(signum).name})"
 
     def launch(self, specs: list[dict] | None = None) -> str | None:
-        """Start every rank in one new process group; the reason if one could not start."""
+        """Start every rank in one new process group (or watch it, one the agent's warm pool already
+        started); the reason if one could not start."""
         if specs is not None and not specs:
             return None
         for rank, proc in enumerate(self.procs_spec if specs is None else specs, len(self.procs) if specs else 0):
+            if "pid" in proc:
+                worker = Attached(int(proc["pid"]), int(proc.get("pid_start") or 0), Path(proc["exit_file"]))
+                self.attached.append(worker)
+                self.procs.append(worker)  # type: ignore[arg-type] - polled and waited like a child
+                if specs is not None:
+                    self.procs_spec.append(proc)
+                continue
             with open(proc["log"], "ab", buffering=0) as log:
                 try:
                     child = subprocess.Popen(
@@ -92,7 +106,7 @@ class Shim:
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        process_group=0 if self.pgid is None else self.pgid,
+                        process_group=self._group(),
                     )
                 except OSError as exc:
                     reason = f"cannot start {proc['argv'][0]!r}: {exc.strerror or exc}"
@@ -114,7 +128,9 @@ class Shim:
                 specs = json.loads(taken.read_text())["procs"]
             except (OSError, ValueError, KeyError):
                 continue
-            rest = self.hand_to_standby(specs)
+            pooled = [spec for spec in specs if "pid" in spec]  # already running: watch them
+            self.launch(pooled)
+            rest = self.hand_to_standby([spec for spec in specs if "pid" not in spec])
             before = len(self.procs)
             failure = self.launch(rest)
             if failure is not None:
@@ -127,7 +143,7 @@ class Shim:
         """Elastic: keep one interpreter with torch imported for the next worker a grow adds
         (``gpuherd.train.standby``): a grow then skips the seconds a new process takes to start."""
         template = self.procs_spec[0] if self.procs_spec else None
-        if template is None or not _python_script(template["argv"]) or self.stop_reason is not None:
+        if template is None or not is_python_script(template["argv"]) or self.stop_reason is not None:
             return
         with open(self.dir / "standby.log", "ab", buffering=0) as log:
             try:
@@ -138,16 +154,19 @@ class Shim:
                     stdin=subprocess.PIPE,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    process_group=self.pgid,
+                    process_group=self._group(),
                 )
             except OSError:
                 self.standby = None
+                return
+            if self.pgid is None:
+                self.pgid = self.standby.pid  # every worker came from the pool: the standby leads the group
 
     def hand_to_standby(self, specs: list[dict]) -> list[dict]:
         """Give the first new worker to the standby (it becomes that worker); the rest start as new
         processes. Returns the specs still to launch."""
         standby, self.standby = self.standby, None
-        if standby is None or standby.poll() is not None or not specs or not _python_script(specs[0]["argv"]):
+        if standby is None or standby.poll() is not None or not specs or not is_python_script(specs[0]["argv"]):
             if standby is not None and standby.poll() is None:
                 self.standby = standby  # not used this time
             return specs
@@ -161,8 +180,16 @@ class Shim:
             return specs
         self.procs.append(standby)
         self.procs_spec.append(first)
-        self.start_standby()
+        # The next standby imports torch a little later, not while the worker it just became does.
+        self.standby_due = time.monotonic() + STANDBY_REFILL_DELAY_S
         return rest
+
+    def keep_standby(self) -> None:
+        """Elastic: start the next standby once it is due (a while after the last one was taken)."""
+        if self.standby is None and self.standby_due is not None and time.monotonic() >= self.standby_due:
+            self.standby_due = None
+            self.start_standby()
+            self.write_info()
 
     def report_dead_workers(self) -> None:
         """Elastic: tell the agent of each worker that died (exit code other than 0)."""
@@ -188,15 +215,24 @@ class Shim:
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.sendto(encode_message(message), b"\0" + name.encode())
 
+    def _group(self) -> int:
+        """The process group for the next child: the task's, or a new one it will lead."""
+        return 0 if self.pgid is None else self.pgid
+
     def write_info(self) -> None:
         pids = [p.pid for p in self.procs]
         info = {"pid": os.getpid(), "pgid": self.pgid, "pids": pids, "started_at": self.started_at}
+        info["standby"] = self.standby.pid if self.standby is not None and self.standby.poll() is None else None
+        info["attached"] = [[w.pid, w.start_ticks] for w in self.attached]  # each leads a group of its own
         write_json(self.dir / "shim.json", info | {"launched_at": time.time()})
 
     def signal_group(self, sig: int) -> None:
-        if self.pgid is not None:
+        groups = [self.pgid] if self.pgid is not None else []
+        # A pooled worker's group, while the worker lives (once it is gone its pid may be reused).
+        groups += [w.pid for w in self.attached if w.poll() is None]
+        for group in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, sig)
+                os.killpg(group, sig)
 
     def fenced(self) -> bool:
         try:
@@ -231,7 +267,8 @@ class Shim:
         write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": started_at})
         failure = self.launch() if self.stop_reason is None else None
         if self.elastic and failure is None:
-            self.start_standby()
+            # Its standby imports torch once the workers have started, not while they do.
+            self.standby_due = time.monotonic() + STANDBY_REFILL_DELAY_S
         self.write_info()
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
         if failure is not None:
@@ -241,6 +278,7 @@ class Shim:
                 if self.elastic:
                     self.grow()
                     self.report_dead_workers()
+                    self.keep_standby()
                 codes = [p.poll() for p in self.procs]
                 if all(c is not None for c in codes) and not (self.elastic and any(self.dir.glob("grow-*.json"))):
                     break
@@ -285,9 +323,64 @@ class Shim:
         return 0
 
 
-def _python_script(argv: list[str]) -> bool:
+def is_python_script(argv: list[str]) -> bool:
     """``python script.py ...``: what a standby (``gpuherd.train.standby``) can become."""
     return len(argv) >= 2 and argv[1].endswith(".py") and not argv[1].startswith("-")
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot): with the pid, it names one process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int, start_ticks: int) -> bool:
+    """Whether the process that started at ``start_ticks`` as ``pid`` still runs (not a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] != "Z" and (not start_ticks or fields[19] == str(start_ticks))
+
+
+EXIT_RECORD_GRACE_S = 2.0  # a pooled worker that is gone: how long its exit record may take to appear
+
+
+class Attached:
+    """A worker the agent's warm pool started: watched like a child (``poll``, ``wait``,
+    ``returncode``), though it is not one. Its exit code comes from its exit record (written by the
+    worker when its script ends, or by the agent when it reaps it); a worker gone without one
+    (killed while no agent was there to see) counts as killed by SIGKILL."""
+
+    def __init__(self, pid: int, start_ticks: int, exit_file: Path) -> None:
+        self.pid, self.start_ticks, self.exit_file = pid, start_ticks, exit_file
+        self.returncode: int | None = None
+        self._gone_at: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if process_alive(self.pid, self.start_ticks):
+            return None
+        try:
+            self.returncode = int(json.loads(self.exit_file.read_text())["code"])
+            return self.returncode
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        now = time.monotonic()
+        self._gone_at = self._gone_at or now
+        if now - self._gone_at < EXIT_RECORD_GRACE_S:
+            return None
+        self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
 
 
 def describe_exit(code: int | None) -> str:

@@ -28,6 +28,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
     boot_id: str
     at: float
     running: int
+    warm_workers: int = 0  # warm interpreters waiting in the node's pool
+    warm_memory_mb: float = 0.0  # their resident memory (host memory the pool holds)
 
 
 class NodeUpkeep:
@@ -55,6 +57,11 @@ class NodeUpkeep:
         self._memory = leases.MemoryReporter()
         self._memory_reports = 0
 
+    def warm_pool(self) -> dict[str, float | int]:
+        """The node's warm pool (size, warm, starting, memory_mb, taken, given_back); {} without one."""
+        pool = getattr(self.executor, "pool", None)
+        return pool.status() if pool is not None else {}
+
     def touch_alive(self) -> None:
         """Tell this node's shims the agent is in contact with the log (they fence themselves otherwise)."""
         alive: Path | None = self.executor.alive_file
@@ -64,8 +71,14 @@ class NodeUpkeep:
 
     async def heartbeats(self, lease: Lease) -> None:
         while True:
+            pool = self.warm_pool()
             beat = Heartbeat(
-                node=self.node, boot_id=self.boot_id, at=self.writer.clock(), running=len(self.executor.running())
+                node=self.node,
+                boot_id=self.boot_id,
+                at=self.writer.clock(),
+                running=len(self.executor.running()),
+                warm_workers=int(pool.get("warm", 0)),
+                warm_memory_mb=float(pool.get("memory_mb", 0.0)),
             )
             try:
                 await self.telemetry.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
@@ -94,6 +107,7 @@ class NodeUpkeep:
                 "node": self.node,
                 "at": self.writer.clock(),
                 "gpus": [dict(msgspec.structs.asdict(s), job=holders.get(s.index)) for s in samples],
+                "warm_pool": self.warm_pool(),  # host memory its idle warm workers hold
             }
             with contextlib.suppress(Exception):
                 await self.telemetry.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))

@@ -20,6 +20,8 @@ def make_executor(
     agent_addr: str = "",
     fence_after_s: float = 4.0,
     kill_grace_s: float = 10.0,
+    warm_workers: int = 0,
+    warm_min_free_mb: int | None = None,
 ) -> Executor:
     if kind == "sim":
         return SimExecutor(gpus, island=island)
@@ -28,6 +30,8 @@ def make_executor(
         "agent_addr": agent_addr,
         "fence_after_s": fence_after_s,
         "kill_grace_s": kill_grace_s,
+        "warm_workers": warm_workers,
+        "warm_min_free_mb": warm_min_free_mb,
     }
     if kind == "cpu":
         from services.nodeagent.executors.cpu import CpuExecutor

@@ -31,6 +31,8 @@ class CpuExecutor(ProcessExecutor):
         agent_addr: str = "",
         fence_after_s: float = 4.0,
         kill_grace_s: float = 10.0,
+        warm_workers: int = 0,
+        warm_min_free_mb: int | None = None,
     ) -> None:
         super().__init__(
             data_dir,
@@ -38,6 +40,8 @@ class CpuExecutor(ProcessExecutor):
             agent_addr=agent_addr,
             fence_after_s=fence_after_s,
             kill_grace_s=kill_grace_s,
+            warm_workers=warm_workers,
+            warm_min_free_mb=warm_min_free_mb,
         )
         self.gpu_count = gpus
         self.island = island

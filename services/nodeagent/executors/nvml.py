@@ -174,6 +174,12 @@ class NvmlExecutor(ProcessExecutor):
     def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
         return {jobenv.CUDA_VISIBLE_DEVICES: ",".join(self.uuids[i] for i in gpus + neighbors)}
 
+    def warm_pin(self, pinned: set[int]) -> int | None:
+        """A warm worker creates its CUDA context on the lowest idle GPU that has none yet: the one
+        the scheduler gives a grow first."""
+        idle = [g for g in self.idle_gpus() if g not in pinned]
+        return idle[0] if idle else None
+
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)

@@ -5,6 +5,11 @@ description (``task.json``), its shim's pid and process group (``shim.json``),
 one log file per rank and, once it ended, ``exit.json``. The folder is the
 executor's whole memory: after an agent restart, :meth:`recover` adopts every
 live shim and reports tasks that ended while no agent was there.
+
+With ``warm_workers`` > 0 the executor keeps a pool of warm interpreters (``pool.py``) and an
+elastic task's new workers become them: at the task's start (the job's first generation here,
+or a grow onto this node) and at a grow within it (after the task's own standby, which the shim
+keeps, has taken the first). Their specs then name their ``pid``: the shim watches them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +31,8 @@ from gpuherd.events import MAX_OUTPUT_TAIL
 from gpuherd.jobenv import ElasticPlan
 from gpuherd.obs import get_logger
 from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
-from services.nodeagent.shim import write_json
+from services.nodeagent.pool import WarmPool
+from services.nodeagent.shim import process_alive, write_json
 
 log = get_logger("gpuherd.nodeagent.executor")
 
@@ -57,12 +64,19 @@ class ProcessExecutor(Executor):
         agent_addr: str = "",
         fence_after_s: float = 4.0,
         kill_grace_s: float = 10.0,
+        warm_workers: int = 0,
+        warm_min_free_mb: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.alive_file = alive_file
         self.agent_addr = agent_addr
         self.fence_after_s = fence_after_s
         self.kill_grace_s = kill_grace_s
+        self.warm_workers = warm_workers
+        self.warm_min_free_mb = default_min_free_mb() if warm_min_free_mb is None else warm_min_free_mb
+        self.pool: WarmPool | None = None
+        # This node's GPUs no job holds; the agent sets it from what it folded (warm workers pin to them).
+        self.idle_gpus: Callable[[], list[int]] = list
         self._tasks: dict[TaskKey, _Task] = {}
         self._node_gpus: list[int] | None = None
 
@@ -72,6 +86,47 @@ class ProcessExecutor(Executor):
     def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
         """Environment that binds one process to the task's GPUs; ``neighbors`` (GPUs it may lease
         memory of) are visible after them, so the process's own devices keep their ordinals."""
+
+    def warm_pin(self, pinned: set[int]) -> int | None:
+        """The GPU the next warm worker creates its CUDA context on (None: none; any GPU)."""
+        return None
+
+    def warm_pin_env(self, gpu: int) -> dict[str, str]:
+        """The environment of a warm worker pinned to ``gpu``."""
+        return self.device_env((gpu,), 0)
+
+    # -- the warm pool -----------------------------------------------------------------------
+
+    def start_pool(self) -> WarmPool | None:
+        """Start keeping ``warm_workers`` warm interpreters (in the running event loop)."""
+        if self.pool is None and self.warm_workers > 0:
+            self.pool = WarmPool(
+                self.warm_workers,
+                self.data_dir / "pool",
+                min_free_mb=self.warm_min_free_mb,
+                pin=self.warm_pin,
+                pin_env=self.warm_pin_env,
+                pin_free=lambda gpu: gpu in self.idle_gpus(),
+            )
+            self.pool.start()
+        return self.pool
+
+    def _take_warm(self, procs: list[dict], task_dir: Path, cwd: str | None) -> list[dict]:
+        """Hand as many of ``procs`` as it can to warm workers of the pool, in order; mark each
+        (its ``pid``, start time and exit record) and return them."""
+        taken: list[dict] = []
+        for proc in procs:
+            if self.pool is None:
+                break
+            exit_file = task_dir / f"{Path(proc['log']).stem}.exit"
+            exit_file.unlink(missing_ok=True)
+            launch = {"argv": proc["argv"], "env": proc["env"], "cwd": cwd or os.getcwd(), "log": proc["log"]}
+            warm = self.pool.take(launch | {"exit_file": str(exit_file)})
+            if warm is None:
+                break
+            proc.update(pid=warm.pid, pid_start=warm.start_ticks, exit_file=str(exit_file))
+            taken.append(proc)
+        return taken
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -92,9 +147,12 @@ class ProcessExecutor(Executor):
             self._adopt(key, task_dir, on_exit, launch.gpus)  # never start twice what ran before a restart
             return
         task_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in ("exit.json", "shim.json", "stop.json", *(p.name for p in task_dir.glob("grow-*.json*"))):
+        leftovers = [*task_dir.glob("grow-*.json*"), *task_dir.glob("*.exit")]
+        for leftover in ("exit.json", "shim.json", "stop.json", *(p.name for p in leftovers)):
             (task_dir / leftover).unlink(missing_ok=True)  # an elastic job back on this node in the same attempt
-        write_json(task_dir / "task.json", self._describe(launch, task_dir))
+        description = self._describe(launch, task_dir)
+        pooled = self._take_warm(description["procs"], task_dir, launch.spec.workdir) if launch.elastic else []
+        write_json(task_dir / "task.json", description)
         shim_log = open(task_dir / "shim.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -108,12 +166,18 @@ class ProcessExecutor(Executor):
                 start_new_session=True,
                 env=_shim_env(),
             )
+        except BaseException:
+            for worker in pooled:  # nobody would watch them
+                _kill_group(worker["pid"], worker["pid_start"])
+            raise
         finally:
             shim_log.close()
         task = _Task(key=key, dir=task_dir, on_exit=on_exit, gpus=launch.gpus, pid=proc.pid)
         task.watcher = asyncio.create_task(self._watch_child(task, proc), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
-        log.info("task launched", job=key.job, attempt=key.attempt, procs=launch.procs, dir=str(task_dir))
+        log.info(
+            "task launched", job=key.job, attempt=key.attempt, procs=launch.procs, warm=len(pooled), dir=str(task_dir)
+        )
 
     async def stop(self, key: TaskKey, reason: str, *, checkpoint_grace_s: float = 0.0) -> TaskExit | None:
         task = self._tasks.get(key)
@@ -152,7 +216,11 @@ class ProcessExecutor(Executor):
         return adopted
 
     async def shutdown(self) -> None:
-        """Leave the shims running: the next agent adopts them, or they fence themselves."""
+        """Leave the shims running: the next agent adopts them, or they fence themselves. Idle warm
+        workers are given back."""
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
         for task in self._tasks.values():
             if task.watcher is not None:
                 task.watcher.cancel()
@@ -285,8 +353,15 @@ class ProcessExecutor(Executor):
             return False
         task_dir = self.task_dir(key)
         number = len(list(task_dir.glob("grow-*.json*")))
-        write_json(task_dir / f"grow-{number:04d}.json", {"procs": self._procs(launch, task_dir)})
+        procs = self._procs(launch, task_dir)
+        # The task's own standby (the shim keeps one) takes the first new worker; the pool the rest.
+        standby = (_read_json(task_dir / "shim.json") or {}).get("standby")
+        first = 1 if isinstance(standby, int) and process_alive(standby, 0) else 0
+        pooled = self._take_warm(procs[first:], task_dir, launch.spec.workdir)
+        write_json(task_dir / f"grow-{number:04d}.json", {"procs": procs})
         task.gpus = tuple(sorted({*task.gpus, *launch.gpus}))
+        if pooled:
+            log.info("workers from the warm pool", job=key.job, gpus=[p["gpu"] for p in pooled])
         return True
 
     def dead_workers(self, key: TaskKey) -> list[dict]:
@@ -345,6 +420,12 @@ class ProcessExecutor(Executor):
             if isinstance(pgid, int) and pgid > 1:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pgid, signal.SIGKILL)
+        # Workers from the warm pool lead groups of their own (the task's folder names them even if
+        # the shim died before it wrote them down).
+        for path in [task.dir / "task.json", *sorted(task.dir.glob("grow-*.json*"))]:
+            for proc in (_read_json(path) or {}).get("procs", []):
+                if isinstance(proc.get("pid"), int):
+                    _kill_group(proc["pid"], proc.get("pid_start") or 0)
 
 
 def exit_from_record(key: TaskKey, record: dict | None, task_dir: Path, *, stopping: str | None) -> TaskExit:
@@ -422,6 +503,22 @@ def _is_shim(pid: object, task_dir: Path) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
     return str(task_dir).encode() in cmdline and b"services.nodeagent.shim" in cmdline
+
+
+def _kill_group(pid: int, start_ticks: int) -> None:
+    """SIGKILL the process group led by ``pid``, if that very process still runs (a pid may be reused)."""
+    if pid > 1 and process_alive(pid, start_ticks):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def default_min_free_mb() -> int:
+    """Host memory the warm pool leaves free: a tenth of the RAM, at least 1 GiB."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (ValueError, OSError):
+        total = 0
+    return max(1024, total // 10)
 
 
 def _shim_env() -> dict[str, str]:
