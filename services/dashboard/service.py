@@ -132,15 +132,14 @@ class Dashboard:
             if n % FOLD_YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let pages be answered while a long log is folded
 
-    async def follow_telemetry(self) -> None:
+    async def follow_telemetry(self, subject: str) -> None:
+        """GPU samples (``*.gpus``) or training progress (``*.job.*``); never the heartbeats."""
         while True:
             try:
-                async for delivery in self.log.telemetry(">", since_s=TELEMETRY_SINCE_S):
-                    subject = delivery.subject.removeprefix("herd.telemetry.")
-                    if subject.endswith(".heartbeat"):
-                        continue
-                    with contextlib.suppress(msgspec.DecodeError, TypeError, ValueError):
-                        self.view.telemetry(subject, msgspec.json.decode(delivery.data))
+                async for delivery in self.log.telemetry(subject, since_s=TELEMETRY_SINCE_S):
+                    with contextlib.suppress(msgspec.DecodeError, TypeError, ValueError, AttributeError):
+                        relative = delivery.subject.removeprefix("herd.telemetry.")
+                        self.view.telemetry(relative, msgspec.json.decode(delivery.data))
             except Exception as exc:  # telemetry is best effort: follow it again after a pause
                 log.warning("telemetry follow stopped", error=repr(exc))
                 await asyncio.sleep(2.0)
@@ -208,7 +207,8 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
     log.info("dashboard serving", url=url, actions=token is not None)
     tasks = [
         asyncio.create_task(dashboard.follow_log()),
-        asyncio.create_task(dashboard.follow_telemetry()),
+        asyncio.create_task(dashboard.follow_telemetry("*.gpus")),
+        asyncio.create_task(dashboard.follow_telemetry("*.job.*")),
         asyncio.create_task(dashboard.report_status(port)),
     ]
     if args.url_file:

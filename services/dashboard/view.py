@@ -285,11 +285,11 @@ class DashboardView:
             rows.append(row)
         return {"policy": answer.policy, "now": state.now, "waiting": rows}
 
-    def job_row(self, job: JobState) -> dict[str, Any]:
+    def job_row(self, job: JobState, estimates: dict[str, float | None] | None = None) -> dict[str, Any]:
         """A job as ``gpuherd jobs --json`` gives it (with its estimated start while it waits)."""
         row = msgspec.to_builtins(job)
         if job.status == "pending":
-            row["estimated_start"] = self._estimates().get(job.job)
+            row["estimated_start"] = (self._estimates() if estimates is None else estimates).get(job.job)
         return row
 
     def _estimates(self) -> dict[str, float | None]:
@@ -319,7 +319,9 @@ class DashboardView:
         if key not in _SORTS:
             raise ValueError(f"cannot sort jobs by {key!r}; by one of {', '.join(_SORTS)}")
         found.sort(key=_SORTS[key], reverse=sort.startswith("-"))
-        return len(found), [self.job_row(j) for j in found[offset : offset + limit]]
+        page = found[offset : offset + limit]
+        estimates = self._estimates() if any(j.status == "pending" for j in page) else {}
+        return len(found), [self.job_row(j, estimates) for j in page]
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         job = self.state.jobs.get(job_id)
