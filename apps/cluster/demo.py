@@ -6,17 +6,22 @@ factor and capped (a two-week job would otherwise keep the demo running), and
 the cap is printed. Jobs asking for more GPUs than the demo cluster has are
 submitted anyway: intake rejects them with a reason, which the summary shows.
 
-With cpu agents up, three real training jobs go first: a 2-node DDP run of
-``examples/train_cnn.py``, a single-process ``examples/train_mlp.py``, and an
-elastic ``train_cnn.py`` that the elastic service grows into the idle cpu GPUs
-(and shrinks if a job waits). They really train, on CPU; the summary shows their
-final loss and every rescale with the time of each phase.
+With cpu agents up, real training jobs go first. An elastic ``train_cnn.py``
+shows both ways a job is resized while it trains: the demo holds the elastic
+service's growth (``grow_after_start_s``) until the job has trained its first
+steps, then lets it grow into the idle cpu GPUs; then a job that needs its GPUs
+arrives and the service shrinks it. Then a 2-node DDP run of
+``examples/train_cnn.py`` and a single-process ``examples/train_mlp.py`` start
+next to the trace. They really train, on CPU; the summary shows their final loss
+and every rescale with its pause and total, and says in one line how long the
+grow and the shrink stood training still (what ``bench/bench_elastic.py`` measures).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from collections import Counter
@@ -24,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -78,6 +84,12 @@ def demo_workload(path: Path, jobs: int, span_s: float) -> tuple[list[tuple[floa
 
 REAL_JOBS = ("examples/train_cnn_ddp.json", "examples/train_mlp.json", "examples/train_cnn_elastic.json")
 REAL_JOBS_ALLOWANCE_S = 240.0
+# The elastic service's parameters for the demo's short run: a shrink may follow a grow within
+# seconds; growth is held (a job younger than an hour is not grown) until the elastic job trains.
+ELASTIC_HOLD = {"grow_after_start_s": 3600.0, "min_interval_s": 3.0, "hold_after_shrink_s": 600.0}
+ELASTIC_LET_GROW = ELASTIC_HOLD | {"grow_after_start_s": 0.0}
+ELASTIC_TRAINED_STEPS = 25  # (its second progress report)
+ELASTIC_ACT_TIMEOUT_S = 120.0
 
 
 def real_jobs() -> list[dict[str, Any]]:
@@ -111,6 +123,108 @@ def real_jobs_table(state: ClusterState, job_ids: list[str]) -> Table:
             f"{ran:.1f}",
         )
     return table
+
+
+def needs_the_gpus(state: ClusterState, elastic_job: str) -> dict[str, Any]:
+    """A job (not elastic) that fits the cpu agents only if the elastic job gives GPUs back."""
+    cpu_gpus = sum(len(n.gpus) for n in state.nodes.values() if n.runs_processes() and n.status == "up")
+    held = len(state.jobs[elastic_job].workers)
+    return {
+        "name": "needs-the-gpus",
+        "user": "demo",
+        "gpus": cpu_gpus - held + 1,
+        "command": ["python", "-c", "import time; time.sleep(2)"],
+        "intake_id": "demo-needs-the-gpus",
+    }
+
+
+async def elastic_act(
+    client: Client,
+    log_: Any,
+    state: ClusterState,
+    rescales: list[ev.RescaleCompleted],
+    elastic_job: str,
+    supervise: Callable[[], None],
+    stopping: Callable[[], bool],
+) -> str | None:
+    """The elastic job trains (growth held), grows into idle GPUs once let, then a job that needs
+    them arrives and it shrinks; each rescale once the cpu agents' warm pools are full again (as
+    ``bench/bench_elastic.py`` measures them: no worker importing torch beside them). Returns that
+    job's id (None if the grow did not come in time: the demo goes on, and says so)."""
+    trained = 0
+    warm: dict[str, int] = {}  # cpu node -> warm workers waiting, from its latest heartbeat
+    cpu_nodes = {n.node for n in state.nodes.values() if n.runs_processes()}
+
+    async def follow_progress() -> None:  # its progress reports, as the agent relays them
+        nonlocal trained
+        async for delivery in log_.telemetry(f"*.job.{elastic_job}", since_s=600):
+            with contextlib.suppress(ValueError, KeyError, TypeError, msgspec.DecodeError):
+                trained = max(trained, int(msgspec.json.decode(delivery.data)["step"]))
+
+    async def follow_heartbeats() -> None:
+        async for delivery in log_.telemetry("*.heartbeat"):
+            with contextlib.suppress(ValueError, KeyError, TypeError, msgspec.DecodeError):
+                beat = msgspec.json.decode(delivery.data)
+                warm[beat["node"]] = int(beat.get("warm_workers", 0))
+
+    def pools_full() -> bool:
+        return all(warm.get(node, 0) >= 1 for node in cpu_nodes)
+
+    async def until(done: Callable[[], bool], what: str) -> bool:
+        deadline = time.monotonic() + ELASTIC_ACT_TIMEOUT_S
+        while not done():
+            supervise()
+            if stopping() or time.monotonic() > deadline:
+                console.print(f"[yellow]the elastic job did not {what} within {ELASTIC_ACT_TIMEOUT_S:.0f}s[/yellow]")
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def rescaled(grow: bool) -> bool:
+        return any(r.job == elastic_job and (r.world > r.world_before) == grow for r in rescales)
+
+    followers = [asyncio.create_task(follow_progress()), asyncio.create_task(follow_heartbeats())]
+    try:
+        with console.status("the elastic job trains at its first size"):
+            await until(lambda: trained >= ELASTIC_TRAINED_STEPS, f"train {ELASTIC_TRAINED_STEPS} steps")
+            await until(pools_full, "see the warm pools full")
+        await client.configure_elastic(ELASTIC_LET_GROW)
+        with console.status("the elastic service grows it into the idle GPUs"):
+            if not await until(lambda: rescaled(grow=True), "grow"):
+                return None
+            # The pools and the job's own standby refill after the grow; they are warm again (no
+            # torch import beside the job) by the time the job reported twice more.
+            warm.clear()
+            grown_at = trained
+            await until(pools_full, "see the warm pools full again")
+            await until(lambda: trained >= grown_at + 2 * ELASTIC_TRAINED_STEPS, "train at its new size")
+        rigid = await client.submit(needs_the_gpus(state, elastic_job), timeout=30)
+        with console.status(f"{rigid} needs the elastic job's GPUs: it shrinks"):
+            await until(lambda: rescaled(grow=False), "shrink")
+            await until(lambda: state.jobs[rigid].status in TERMINAL, "see the job it shrank for end")
+        return rigid
+    finally:
+        for follower in followers:
+            follower.cancel()
+
+
+def elastic_line(rescales: list[ev.RescaleCompleted], elastic_job: str) -> str | None:
+    """One line: how long the elastic job's first grow and first shrink stood training still."""
+    parts = []
+    for grow, verb in ((True, "grew"), (False, "shrank")):
+        done = next((r for r in rescales if r.job == elastic_job and (r.world > r.world_before) == grow), None)
+        if done is not None:
+            d = done.durations()
+            parts.append(
+                f"{verb} {done.world_before} -> {done.world} with training still for {d['pause_s']:.2f}s "
+                f"({d['total_s']:.2f}s decision -> first step)"
+            )
+    if not parts:
+        return None
+    return (
+        f"elastic job {elastic_job} {' and '.join(parts)}: the pause (quiesce -> first step at the new size) "
+        "and decision -> first step that bench/bench_elastic.py measures"
+    )
 
 
 def summarize(state: ClusterState, rejected: int) -> dict[str, Any]:
@@ -149,6 +263,7 @@ async def run_demo(
     client = await Client.connect(url, source="demo")
     state = ClusterState()
     rejections: Counter[str] = Counter()
+    rescales: list[ev.RescaleCompleted] = []
 
     rejected = 0
 
@@ -157,6 +272,8 @@ async def run_demo(
         async for record in log_.read(1, follow=True):
             apply(state, record.seq, record.event)
             rejected += isinstance(record.event, ev.JobRejected)
+            if isinstance(record.event, ev.RescaleCompleted):
+                rescales.append(record.event)
 
     follower = asyncio.create_task(follow())
     try:
@@ -169,10 +286,21 @@ async def run_demo(
             await asyncio.sleep(0.2)
         console.print(f"{len(state.nodes)} nodes registered, {state.capacity_gpus()} GPUs")
         real: list[str] = []
+        elastic_job: str | None = None
         if args.cpu_agents:
-            for spec in real_jobs():
-                real.append(await client.submit(spec, timeout=30))
-            console.print(f"submitted {len(real)} real training jobs to the cpu agents: {', '.join(real)}")
+            specs = real_jobs()
+            # The elastic act comes before the trace and the other jobs: a job waiting for GPUs would
+            # come first for the elastic service (no grow while one waits), and the machine is quiet.
+            for spec in [s for s in specs if s.get("elastic")]:
+                await client.configure_elastic(ELASTIC_HOLD)
+                elastic_job = await client.submit(spec, timeout=30)
+                real.append(elastic_job)
+                console.print(f"submitted an elastic training job to the cpu agents: {elastic_job}")
+                rigid = await elastic_act(client, log_, state, rescales, elastic_job, supervise, stopping)
+                real += [rigid] if rigid is not None else []
+            others = [await client.submit(s, timeout=30) for s in specs if not s.get("elastic")]
+            real += others
+            console.print(f"submitted {len(others)} more real training jobs to the cpu agents: {', '.join(others)}")
 
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
@@ -228,6 +356,9 @@ async def run_demo(
         console.print(
             rescale_table(rows, "rescales of the elastic job (s; gpuherd rescales: every phase)", compact=True)
         )
+    line = elastic_line(rescales, elastic_job) if elastic_job is not None else None
+    if line is not None:
+        console.print(line)
     report = audit(records, make_decider("scheduler", policy=args.policy))
     verdict = "[green]no mismatches[/green]" if report.ok else f"[red]{len(report.mismatches)} mismatches[/red]"
     console.print(
