@@ -1,173 +1,150 @@
-"""Elastic rescale pause: gpuherd's in-process re-formation against kill, restart, restore.
+"""Elastic rescales: gpuherd's in-process re-formation against kill, restart, restore.
 
-The example CNN (``examples/train_cnn.py``'s SmallResNet on its synthetic data, a constant
-global batch) trains in real worker processes over gloo on this machine's CPU. Every way is
-measured in the same run, on the same model, data and step:
+The example CNN (``examples/train_cnn.py``'s SmallResNet on its synthetic data, a constant global
+batch) trains in real worker processes over gloo on this machine's CPU. The workers run the way a
+node agent runs them: each node is a ``cpu`` executor (``services/nodeagent/executors``) with its
+task shims, and this benchmark plays the scheduler and the agents, committing each generation by
+writing the plan into the task folders (and starting the task of a node the job grows onto). Every
+way is measured in the same run, on the same model, data and job:
 
-- **gpuherd**: the workers follow plan files as the node agent writes them
-  (``gpuherd.train.elastic.Membership`` + ``PlanFile``). A scale-up starts the new worker, which
-  imports and connects while the old ones keep training; then all switch at a step boundary,
-  re-form the group through the generation's store and take the state of the oldest worker by
-  broadcast. A scale-down switches at the next step boundary. The new worker is a cold process
-  (a grow onto a node the job does not run on yet)...
-- **gpuherd, standby**: ... or the warm standby the task's shim keeps on a node that runs the
-  job (``gpuherd.train.standby``: torch and a first step's lazy imports done before the decision).
-- **baseline** (what torchrun-style elastic agents do): stop every worker, start the new set
-  at the new size, each loads the last checkpoint from disk and forms a new group. Rank 0
-  checkpoints every ``--ckpt-every`` steps; the steps since then are lost and run again.
+- **grow within the node, the job's standby**: 2 -> 3 workers on the node the job runs on; the
+  task's shim hands the new worker to the warm standby it keeps (``gpuherd.train.standby``);
+- **grow onto another node, pool warm**: 2 -> 3 with the new worker on a second node, which the
+  job does not run on yet; that node's agent-wide pool of warm workers (``pool.py``) gives it an
+  interpreter with torch already imported;
+- **shrink**: 3 -> 2, after each grow, the new worker leaves at the next step boundary;
+- with ``--cold``, **grow onto another node, pool empty**: the new worker starts as a new process
+  (what the pool saves);
+- **restart baseline** (what torchrun-style elastic agents do): stop every worker, start the new
+  set at the new size as new processes, each loads the last checkpoint from disk and forms a new
+  group. Rank 0 checkpoints every ``--ckpt-every`` steps; the steps since then are lost.
 
 Measured for each: **decision -> first step at the new size** (the decision is the moment the
-plan is written, or the workers are killed), the time training **stood still** (from the last
-step that ended before the switch to the first step at the new size, less one step), and
-the baseline's **lost work**. Printed as a table with the ratios; medians over ``--repeats``.
+generation is committed, or the workers are killed), the time training **stood still** (from the
+last step that ended before the switch to the first step at the new size, less one step), and the
+baseline's **lost work**. Medians over ``--repeats``; each row's ratio is the restart baseline of
+the same change over it. ``--json``: a list of one object per row.
 
-    python bench/bench_elastic.py [--repeats 3] [--ckpt-every 20] [--device cuda --backend nccl]
+    python bench/bench_elastic.py [--repeats 3] [--ckpt-every 20] [--cold] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import itertools
+import json
 import os
-import queue
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.multiprocessing as mp
-from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "libs"))
+sys.path.insert(0, str(ROOT))
 
+from gpuherd import jobenv  # noqa: E402
 from gpuherd.jobenv import ElasticPlan  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, MICRO = 3072, 48, 8  # world sizes that keep the batch: 1, 2, 3, 6
+JOB = "bench"
 
 
-@dataclasses.dataclass
-class Setup:
-    device: str = "cpu"
-    backend: str = "gloo"
-    threads: int = 1
+# -- the worker: this file, run as the job's script ----------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_plan(path: Path, plan: ElasticPlan) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(plan.to_json())
-    os.replace(tmp, path)
-
-
-def worker(worker_id: str, plan_path: str, ckpt: str, ckpt_every: int, setup: Setup, out: Any, go: Any = None) -> None:
+def run_worker(args: argparse.Namespace) -> None:
     """One worker: builds the example CNN, optionally restores the checkpoint, trains until told
-    to leave (or killed). Reports every step and every rescale to ``out``. With ``go``, it is a warm
-    standby (``gpuherd.train.standby``): torch is imported (this module imports it), and it waits
-    to be handed its worker before it runs the training script's own part."""
-    if go is not None:
-        from gpuherd.train.standby import warm
-
-        warm()
-        out.put(("standby", worker_id))
-        go.wait()
+    to leave (or killed). Reports every step and every rescale to the benchmark's socket."""
+    import torch
     from synthetic import elastic_steps, make_dataset
     from train_cnn import SmallResNet
 
     from gpuherd.train.elastic import ElasticSampler, ElasticState, Membership, PlanFile
 
-    torch.set_num_threads(setup.threads)
-    device = torch.device(setup.device)
+    worker_id = os.environ[jobenv.ELASTIC_WORKER]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    address = b"\0" + args.report.encode()
+
+    def send(*message: Any) -> None:
+        sock.sendto(json.dumps(message).encode(), address)
+
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     inputs, labels = make_dataset(SAMPLES, (3, 32, 32), 10, seed=0)
-    inputs, labels = inputs.to(device), labels.to(device)
-    model = SmallResNet().to(device)
+    model = SmallResNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = ElasticState(model, optimizer, sampler=ElasticSampler(SAMPLES, GLOBAL_BATCH), micro_batch=MICRO)
-    if ckpt and Path(ckpt).exists():
-        state.restore(torch.load(ckpt, weights_only=False, map_location=device))  # the baseline's restart
+    if args.ckpt and Path(args.ckpt).exists():
+        state.restore(torch.load(args.ckpt, weights_only=False))  # the baseline's restart
     state.membership = Membership(
         worker_id,
-        PlanFile(Path(plan_path)),
-        backend=setup.backend,
-        device=device if setup.device != "cpu" else None,
+        PlanFile(Path(os.environ[jobenv.TASK_DIR]) / jobenv.ELASTIC_PLAN_FILE),
         reform_timeout_s=60.0,
         join_timeout_s=300.0,
-        reporter=lambda message: out.put(("report", worker_id, message)),
+        reporter=lambda message: send("report", worker_id, message),
     )
 
     def on_step(state: ElasticState, loss: float) -> None:
-        out.put(("step", worker_id, state.step, time.time(), state.world))
-        if ckpt and ckpt_every and state.rank == 0 and state.step % ckpt_every == 0:
-            tmp = f"{ckpt}.tmp"
+        send("step", worker_id, state.step, time.time(), state.world)
+        if args.ckpt and args.ckpt_every and state.rank == 0 and state.step % args.ckpt_every == 0:
+            tmp = f"{args.ckpt}.tmp"
             torch.save(state.capture(), tmp)
-            os.replace(tmp, ckpt)
-            out.put(("checkpoint", worker_id, state.step, time.time(), state.world))
+            os.replace(tmp, args.ckpt)
+            send("checkpoint", worker_id, state.step)
 
     elastic_steps(state, inputs, labels, 10**9, on_step=on_step)
     state.membership.close()
-    out.put(("left", worker_id, state.step, time.time(), 0))
+    send("left", worker_id, state.step)
 
 
-class Run:
-    """Worker processes, their messages, and waits on them."""
+# -- what the workers say ---------------------------------------------------------------------------
 
-    def __init__(self, folder: Path, setup: Setup, ckpt_every: int = 0) -> None:
-        self.context = mp.get_context("spawn")
-        self.out = self.context.Queue()
-        self.folder = folder
-        self.setup = setup
-        self.ckpt_every = ckpt_every
-        self.procs: dict[str, Any] = {}
+
+class Reports:
+    """The workers' messages (one datagram each, on an abstract unix socket) and waits on them."""
+
+    def __init__(self) -> None:
+        self.name = f"gpuherd-bench-elastic-{os.getpid()}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(b"\0" + self.name.encode())
+        self.sock.setblocking(False)
         self.steps: list[tuple[str, int, float, int]] = []  # (worker, step, at, world)
         self.checkpoints: list[int] = []
-        self.reports: list[dict] = []
-        self.standbys: set[str] = set()
+        self.rescales: list[dict] = []
+        self.left: set[str] = set()
 
-    def start(self, worker_id: str, plan: Path, ckpt: str = "", go: Any = None) -> None:
-        proc = self.context.Process(
-            target=worker, args=(worker_id, str(plan), ckpt, self.ckpt_every, self.setup, self.out, go), daemon=True
-        )
-        proc.start()
-        self.procs[worker_id] = proc
-
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
-            proc.kill()
-        for proc in self.procs.values():
-            proc.join()
-        self.procs.clear()
-        self.steps.clear()  # the next workers count from the checkpoint they restore
-        self.out = self.context.Queue()  # a process killed while writing leaves the old queue's lock held
-
-    def pump(self, until: Any, timeout: float = 300.0) -> None:
+    async def until(self, done: Callable[[], bool], timeout: float = 300.0, what: str = "") -> None:
         deadline = time.monotonic() + timeout
-        while not until():
+        while not done():
             try:
-                kind, who, *rest = self.out.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("the workers stopped reporting") from None
+                kind, who, *rest = json.loads(self.sock.recv(65536))
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:.0f}s for {what or 'the workers'}") from None
+                await asyncio.sleep(0.002)
+                continue
             if kind == "step":
                 self.steps.append((who, *rest))
             elif kind == "checkpoint":
                 self.checkpoints.append(rest[0])
             elif kind == "report":
-                self.reports.append(rest[0])
-            elif kind == "standby":
-                self.standbys.add(who)
+                self.rescales.append(rest[0])
+            elif kind == "left":
+                self.left.add(who)
+
+    def completed(self, generation: int) -> dict | None:
+        return next((r for r in self.rescales if r.get("event") == "completed" and r["generation"] == generation), None)
 
     def step_now(self) -> int:
         return max((s for _, s, _, _ in self.steps), default=0)
@@ -179,7 +156,7 @@ class Run:
         return max((at for _, _, at, _ in self.steps if at <= moment), default=moment)
 
     def step_time(self, world: int) -> float:
-        """Median time between two steps of the job at ``world`` workers (rank 0's view: any worker)."""
+        """Median time between two steps of the job at ``world`` workers."""
         ended: dict[int, float] = {}  # step -> when its last worker finished it
         for _, step, at, w in self.steps:
             if w == world:
@@ -187,6 +164,9 @@ class Run:
         times = [ended[s] for s in sorted(ended)]
         gaps = [b - a for a, b in itertools.pairwise(times)]
         return statistics.median(gaps) if gaps else float("nan")
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 @dataclasses.dataclass
@@ -200,154 +180,325 @@ class Rescale:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def measure_gpuherd(folder: Path, setup: Setup, repeats: int, warm_steps: int, *, standby: bool) -> list[Rescale]:
-    """``standby``: the new worker is a warm standby the shim keeps (a grow within a node that
-    already runs the job); else a new process starts at the decision (a grow onto another node)."""
-    run = Run(folder, setup)
-    way = "gpuherd, standby" if standby else "gpuherd"
-    plan_path = folder / "plan.json"
-    ports = iter(_free_port() for _ in range(1000))
-    generation = 0
-    write_plan(plan_path, ElasticPlan(0, ("a", "b"), "127.0.0.1", next(ports), "a", decided_at=time.time()))
-    for w in ("a", "b"):
-        run.start(w, plan_path)
-    target = warm_steps
-    run.pump(lambda: run.step_now() >= target)
-    results = []
-    for _ in range(repeats):
-        for change, workers, joiners in (("2 -> 3", ("a", "b", "c"), ("c",)), ("3 -> 2", ("a", "b"), ())):
-            generation += 1
-            go = run.context.Event() if standby and joiners else None
-            if go is not None:  # the shim's standby, started long before the decision
-                run.standbys.discard("c")
-                run.start("c", plan_path, go=go)
-                run.pump(lambda: "c" in run.standbys)
-            decided = time.time()
-            if go is not None:
-                go.set()  # the shim hands the standby its worker
-            elif joiners:
-                run.start("c", plan_path)  # the agent starts the new worker as it writes the plan
-            write_plan(
-                plan_path,
-                ElasticPlan(generation, workers, "127.0.0.1", next(ports), "a", joiners=joiners, decided_at=decided),
-            )
-            world = len(workers)
-            run.pump(lambda w=world, d=decided: run.first_step_at(w, d) is not None)
-            first = run.first_step_at(world, decided)
-            assert first is not None
-            run.pump(
-                lambda g=generation: any(r.get("event") == "completed" and r["generation"] == g for r in run.reports)
-            )
-            report = next(r for r in run.reports if r.get("event") == "completed" and r["generation"] == generation)
-            t = report["times"]
-            phases = {
-                "wait_s": t["quiesced"] - t["noticed"],
-                "reform_s": t["reformed"] - t["quiesced"],
-                "restore_s": t["restored"] - t["reformed"],
-                "first_step_s": t["first_step"] - t["restored"],
-            }
-            last = run.last_step_before(t["quiesced"])
-            if not joiners:
-                run.procs.pop("c").join(30)  # it left at the switch
-            target = run.step_now() + 8
-            run.pump(lambda t_=target: run.step_now() >= t_)
-            still = first - last - run.step_time(world)  # less the one step it would have taken anyway
-            results.append(Rescale(way, change, first - decided, max(0.0, still), phases=phases))
-            print(f"{way} {change}: {results[-1].to_first_step_s:.2f}s to the first step", file=sys.stderr)
-    run.kill_all()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(reports: Reports, threads: int) -> list[str]:
+    """This file as the job's script, reporting to ``reports``."""
+    script = str(Path(__file__).resolve())
+    return [sys.executable, script, "--worker", "--report", reports.name, "--threads", str(threads)]
+
+
+# -- gpuherd: the job on cpu executors, rescaled as the scheduler and agents do ------------------------
+
+
+class Nodes:
+    """Node ``a`` runs the job's first two workers (its shim keeps their standby); node ``b`` is where
+    a grow onto another node lands (its agent keeps a warm pool); node ``c``, the same without a pool."""
+
+    def __init__(self, folder: Path, reports: Reports, threads: int) -> None:
+        from gpuherd import events as ev
+        from services.nodeagent.executors.cpu import CpuExecutor
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.alive = folder / "alive"
+        self.alive.touch()
+        settings = {"alive_file": self.alive, "fence_after_s": 3600.0, "kill_grace_s": 5.0, "gpus": 4}
+        self.nodes = {
+            "a": CpuExecutor(folder / "a", **settings),  # type: ignore[arg-type]
+            "b": CpuExecutor(folder / "b", warm_workers=1, warm_min_free_mb=512, **settings),  # type: ignore[arg-type]
+            "c": CpuExecutor(folder / "c", **settings),  # type: ignore[arg-type]
+        }
+        for name, executor in self.nodes.items():
+            executor.node = name
+        command = tuple(worker_command(reports, threads))
+        self.spec = ev.JobSpec(
+            name=JOB,
+            user="bench",
+            gpus=2,
+            command=command,
+            env={"OMP_NUM_THREADS": str(threads)},
+            elastic=ev.Elastic(min=1, max=6, global_batch=GLOBAL_BATCH, micro_batch=MICRO),
+        )
+        self.generation = -1
+        self.running: set[str] = set()  # nodes with a task of the job
+        self.standby_taken = 0  # grows within node a: its shim's standby became the new worker
+
+    def launch(self, gpus: tuple[int, ...]) -> Any:
+        from services.nodeagent.executors import TaskKey, TaskLaunch
+
+        return TaskLaunch(
+            key=TaskKey(JOB, 0), spec=self.spec, gpus=gpus, procs=len(gpus), world_size=len(gpus), elastic=True
+        )
+
+    async def start(self, node: str, gpus: tuple[int, ...]) -> None:
+        async def ended(exit_: Any) -> None:
+            self.running.discard(node)  # its last worker left
+
+        self.running.add(node)
+        await self.nodes[node].start(self.launch(gpus), ended)
+
+    def commit(self, workers: tuple[str, ...], joiners: tuple[str, ...] = ()) -> tuple[ElasticPlan, float]:
+        """A new generation, handed to every node the job runs on (as each agent's HandPlan does)."""
+        from services.nodeagent.executors import TaskKey
+
+        self.generation += 1
+        decided = time.time()
+        plan = ElasticPlan(self.generation, workers, "127.0.0.1", _free_port(), workers[0], joiners, decided)
+        for node in self.running:
+            self.nodes[node].write_plan(TaskKey(JOB, 0), plan)
+        return plan, decided
+
+    def standby_warm(self) -> int:
+        """How often the shim's standby on node a got warm (its log says so each time)."""
+        from gpuherd.train.standby import WARM_MARKER
+
+        path = self.nodes["a"].task_dir(self.launch(()).key) / "standby.log"
+        return path.read_text().count(WARM_MARKER) if path.exists() else 0
+
+    async def close(self) -> None:
+        from services.nodeagent.executors import TaskKey
+
+        for node in list(self.running):
+            await self.nodes[node].stop(TaskKey(JOB, 0), "the benchmark is over")
+        for executor in self.nodes.values():
+            await executor.shutdown()
+
+
+async def measure_gpuherd(folder: Path, repeats: int, warm_steps: int, threads: int, cold: bool) -> list[Rescale]:
+    reports = Reports()
+    nodes = Nodes(folder, reports, threads)
+    results: list[Rescale] = []
+    try:
+        nodes.nodes["b"].start_pool()
+        pool = nodes.nodes["b"].pool
+        assert pool is not None
+        await nodes.start("a", (0, 1))
+        nodes.commit(("a/0", "a/1"))
+        await reports.until(lambda: reports.step_now() >= warm_steps, what="the first steps")
+        ways = [("grow within the node (its standby)", "a"), ("grow onto another node, pool warm", "b")]
+        if cold:
+            ways.append(("grow onto another node, pool empty", "c"))
+
+        async def settled() -> None:
+            """As long after the last rescale: the standby and the pool warm again (no import running),
+            a few steps at the current size."""
+            await reports.until(lambda: nodes.standby_warm() > nodes.standby_taken, what="the standby")
+            await reports.until(lambda: pool.ready() >= 1, what="the pool")
+            target = reports.step_now() + 8
+            await reports.until(lambda: reports.step_now() >= target)
+
+        for _ in range(repeats):
+            for way, node in ways:
+                await reports.until(lambda n=node: n == "a" or n not in nodes.running, what=f"node {node} free")
+                await settled()
+                joiner = f"{node}/{2 if node == 'a' else 0}"
+                results.append(await _rescale(nodes, reports, "2 -> 3", way, ("a/0", "a/1", joiner), joiner))
+                await settled()
+                results.append(await _rescale(nodes, reports, "3 -> 2", "shrink", ("a/0", "a/1"), ""))
+                await reports.until(lambda j=joiner: j in reports.left, what=f"{joiner} to leave")
+    finally:
+        await nodes.close()
+        reports.close()
     return results
 
 
-def measure_baseline(folder: Path, setup: Setup, repeats: int, warm_steps: int, ckpt_every: int) -> list[Rescale]:
-    run = Run(folder, setup, ckpt_every=ckpt_every)
+async def _rescale(
+    nodes: Nodes, reports: Reports, change: str, way: str, workers: tuple[str, ...], joiner: str
+) -> Rescale:
+    world = len(workers)
+    if joiner:
+        node, gpu = joiner.split("/")
+        key = nodes.launch(()).key
+        if node in nodes.running:  # a grow within a node that runs the job: the agent's Grow
+            plan, decided = nodes.commit(workers, (joiner,))
+            nodes.nodes[node].grow(key, nodes.launch((int(gpu),)))
+            nodes.standby_taken += 1
+        else:  # a grow onto another node: that agent starts the job's task there, then hands it the plan
+            plan, decided = nodes.commit(workers, (joiner,))
+            await nodes.start(node, (int(gpu),))
+            nodes.nodes[node].write_plan(key, plan)
+    else:
+        plan, decided = nodes.commit(workers)
+    await reports.until(lambda: reports.first_step_at(world, decided) is not None, what=f"{change} {way}")
+    first = reports.first_step_at(world, decided)
+    assert first is not None
+    await reports.until(lambda: reports.completed(plan.generation) is not None, what="the rescale's report")
+    t = (reports.completed(plan.generation) or {})["times"]
+    phases = {
+        "wait_s": t["quiesced"] - t["noticed"],
+        "reform_s": t["reformed"] - t["quiesced"],
+        "restore_s": t["restored"] - t["reformed"],
+        "first_step_s": t["first_step"] - t["restored"],
+        "pause_s": t["first_step"] - t["quiesced"],  # what `gpuherd rescales` and the demo call the pause
+    }
+    target = reports.step_now() + 6
+    await reports.until(lambda: reports.step_now() >= target)
+    still = first - reports.last_step_before(t["quiesced"]) - reports.step_time(world)  # less the step it takes anyway
+    print(f"{change} {way}: {first - decided:.2f}s to the first step", file=sys.stderr)
+    return Rescale(way, change, first - decided, max(0.0, still), phases=phases)
+
+
+# -- the baseline: kill, restart cold, restore from disk ---------------------------------------------
+
+
+async def measure_baseline(folder: Path, repeats: int, warm_steps: int, ckpt_every: int, threads: int) -> list[Rescale]:
+    reports = Reports()
     ckpt = str(folder / "checkpoint.pt")
+    procs: list[subprocess.Popen[bytes]] = []
     results = []
 
     def start(workers: tuple[str, ...]) -> None:
-        plan_path = folder / f"plan-{time.monotonic_ns()}.json"  # a fresh group: generation 0, new store
-        write_plan(plan_path, ElasticPlan(0, workers, "127.0.0.1", _free_port(), workers[0], decided_at=time.time()))
+        task_dir = folder / f"restart-{time.monotonic_ns()}"  # a fresh group: generation 0, a new store
+        task_dir.mkdir()
+        plan = ElasticPlan(0, workers, "127.0.0.1", _free_port(), workers[0], decided_at=time.time())
+        (task_dir / jobenv.ELASTIC_PLAN_FILE).write_text(plan.to_json())
         for w in workers:
-            run.start(w, plan_path, ckpt)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+            env |= {jobenv.ELASTIC_WORKER: w, jobenv.TASK_DIR: str(task_dir)}
+            argv = [*worker_command(reports, threads), "--ckpt", ckpt, "--ckpt-every", str(ckpt_every)]
+            with open(task_dir / f"{w.replace('/', '-')}.log", "ab") as log:
+                procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True))
 
-    start(("a", "b"))
-    target = warm_steps
-    run.pump(lambda: run.step_now() >= target and run.checkpoints)
-    for _ in range(repeats):
-        for change, workers in (("2 -> 3", ("a", "b", "c")), ("3 -> 2", ("a", "b"))):
-            # Decide half-way between two checkpoints (on average, that is what a restart loses).
-            run.pump(lambda: run.step_now() % ckpt_every == ckpt_every // 2)
-            at_decision, last_ckpt = run.step_now(), max(run.checkpoints)
-            old_world = len(workers) - 1 if len(workers) == 3 else 3
-            step_before = run.step_time(old_world)
-            decided = time.time()
-            last = run.last_step_before(decided)
-            run.kill_all()
-            start(workers)
-            world = len(workers)
-            run.pump(lambda w=world, d=decided: run.first_step_at(w, d) is not None)
-            first = run.first_step_at(world, decided)
-            assert first is not None
-            lost = at_decision - last_ckpt
-            target = run.step_now() + ckpt_every
-            run.pump(lambda t_=target: run.step_now() >= t_)
-            still = first - last - run.step_time(world)
-            results.append(
-                Rescale(
-                    "baseline", change, first - decided, max(0.0, still), lost_steps=lost, lost_s=lost * step_before
-                )
-            )
-    run.kill_all()
+    def kill_all() -> None:
+        for proc in procs:
+            with_group(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+        procs.clear()
+        reports.steps.clear()  # the next workers count from the checkpoint they restore
+
+    try:
+        start(("a/0", "a/1"))
+        await reports.until(lambda: reports.step_now() >= warm_steps and bool(reports.checkpoints))
+        for _ in range(repeats):
+            for change, workers in (("2 -> 3", ("a/0", "a/1", "b/0")), ("3 -> 2", ("a/0", "a/1"))):
+                # Decide half-way between two checkpoints (on average, that is what a restart loses).
+                await reports.until(lambda: reports.step_now() % ckpt_every == ckpt_every // 2)
+                at_decision, last_ckpt = reports.step_now(), max(reports.checkpoints)
+                step_before = reports.step_time(3 if change == "3 -> 2" else 2)
+                decided = time.time()
+                last = reports.last_step_before(decided)
+                kill_all()
+                start(workers)
+                world = len(workers)
+                await reports.until(lambda w=world, d=decided: reports.first_step_at(w, d) is not None)
+                first = reports.first_step_at(world, decided)
+                assert first is not None
+                lost = at_decision - last_ckpt
+                target = reports.step_now() + ckpt_every
+                await reports.until(lambda t=target: reports.step_now() >= t)
+                still = first - last - reports.step_time(world)
+                print(f"{change} restart: {first - decided:.2f}s to the first step", file=sys.stderr)
+                way = "restart from checkpoint"
+                results.append(Rescale(way, change, first - decided, max(0.0, still), lost, lost * step_before))
+    finally:
+        kill_all()
+        reports.close()
     return results
+
+
+def with_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+
+def rows(ours: list[Rescale], baseline: list[Rescale]) -> list[dict[str, Any]]:
+    out = []
+    restart = {
+        change: statistics.median(r.to_first_step_s for r in baseline if r.change == change)
+        for change in {r.change for r in baseline}
+    }
+    ways = list(dict.fromkeys((r.change, r.way) for r in ours))
+    ways += list(dict.fromkeys((r.change, r.way) for r in baseline))
+    for change, way in ways:
+        mine = [r for r in [*ours, *baseline] if (r.change, r.way) == (change, way)]
+        first = statistics.median(r.to_first_step_s for r in mine)
+        row = {
+            "change": change,
+            "way": way,
+            "decision_to_first_step_s": round(first, 3),
+            "stood_still_s": round(statistics.median(r.stood_still_s for r in mine), 3),
+            "restart_baseline_s": round(restart[change], 3),
+            "vs_restart": round(restart[change] / first, 1),
+            "samples": len(mine),
+        }
+        if mine[0].phases:
+            row["phases_s"] = {k: round(statistics.median(r.phases[k] for r in mine), 3) for k in mine[0].phases}
+        if way == "restart from checkpoint":
+            row["lost_steps"] = statistics.median(r.lost_steps for r in mine)
+            row["lost_s"] = round(statistics.median(r.lost_s for r in mine), 2)
+        out.append(row)
+    return out
+
+
+def print_table(table_rows: list[dict[str, Any]], repeats: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    table = Table(title=f"Rescale of the example CNN (cpu/gloo, global batch {GLOBAL_BATCH}), median of {repeats}")
+    for name in ("change", "way", "decision -> first step s", "stood still s", "lost work", "restart s", "vs restart"):
+        table.add_column(name, justify="right")
+    for row in sorted(table_rows, key=lambda r: (r["change"], r["way"] == "restart from checkpoint")):
+        lost = f"{row['lost_steps']:.0f} steps ({row['lost_s']:.1f} s)" if "lost_steps" in row else "0"
+        table.add_row(
+            row["change"],
+            row["way"],
+            f"{row['decision_to_first_step_s']:.2f}",
+            f"{row['stood_still_s']:.2f}",
+            lost,
+            f"{row['restart_baseline_s']:.2f}",
+            f"{row['vs_restart']:.1f}x",
+        )
+    console.print(table)
+    console.print("vs restart: the restart baseline's decision -> first step over the row's (same change, same run).")
+    phases = Table(title="gpuherd rescale phases (medians, s): from RescaleCompleted's timestamps")
+    for name in ("change", "way", "wait (new worker starts; training goes on)", "re-form", "restore", "first step"):
+        phases.add_column(name, justify="right")
+    phases.add_column("pause (re-form to first step)", justify="right")
+    for row in table_rows:
+        if "phases_s" in row:
+            p = row["phases_s"]
+            phases.add_row(row["change"], row["way"], *(f"{p[k]:.3f}" for k in p))
+    console.print(phases)
+    console.print("pause: what `gpuherd rescales` and the demo show (RescaleCompleted's quiesced -> first_step).")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3, help="scale-up/scale-down cycles per way")
+    parser.add_argument("--repeats", type=int, default=3, help="grow/shrink cycles per way")
     parser.add_argument("--warm-steps", type=int, default=10)
     parser.add_argument("--ckpt-every", type=int, default=20, help="baseline: steps between checkpoints")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default="gloo")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--cold", action="store_true", help="also grow onto a node whose pool is empty")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of tables")
+    # The worker's own arguments (this file is also the job's script).
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--report", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    setup = Setup(device=args.device, backend=args.backend, threads=args.threads)
-    console = Console()
+    if args.worker:
+        run_worker(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        with console.status("gpuherd: in-process rescales"):
-            ours = measure_gpuherd(folder, setup, args.repeats, args.warm_steps, standby=False)
-            warm = measure_gpuherd(folder, setup, args.repeats, args.warm_steps, standby=True)
-        with console.status("baseline: kill, restart, restore from disk"):
-            theirs = measure_baseline(folder, setup, args.repeats, args.warm_steps, args.ckpt_every)
-
-    title = f"Rescale of the example CNN ({setup.device}/{setup.backend}, global batch {GLOBAL_BATCH}), "
-    table = Table(title=title + f"median of {args.repeats}")
-    columns = ("change", "way", "decision -> first step s", "stood still s", "lost work", "baseline / this")
-    for name in columns:
-        table.add_column(name, justify="right")
-    for change in ("2 -> 3", "3 -> 2"):
-        base = [r for r in theirs if r.change == change]
-        base_first = statistics.median(r.to_first_step_s for r in base)
-        base_still = statistics.median(r.stood_still_s for r in base)
-        for results in (ours, warm):
-            mine = [r for r in results if r.change == change]
-            first = statistics.median(r.to_first_step_s for r in mine)
-            still = statistics.median(r.stood_still_s for r in mine)
-            ratio = f"{base_first / first:.1f}x / {base_still / max(still, 1e-3):.0f}x"
-            table.add_row(change, mine[0].way, f"{first:.2f}", f"{still:.2f}", "0", ratio)
-        lost = f"{statistics.median(r.lost_steps for r in base):.0f} steps "
-        lost += f"({statistics.median(r.lost_s for r in base):.1f} s)"
-        table.add_row(change, "baseline", f"{base_first:.2f}", f"{base_still:.2f}", lost, "1.0x")
-    console.print(table)
-    console.print("ratios: decision -> first step / stood still. 'stood still': no step at either size, less one step.")
-    phases = Table(title="gpuherd rescale phases (medians, s): from RescaleCompleted's timestamps")
-    for name in ("change", "way", "wait (new worker starts; training goes on)", "re-form", "restore", "first step"):
-        phases.add_column(name, justify="right")
-    keys = ("wait_s", "reform_s", "restore_s", "first_step_s")
-    for change in ("2 -> 3", "3 -> 2"):
-        for results in (ours, warm):
-            mine = [r for r in results if r.change == change]
-            phases.add_row(change, mine[0].way, *(f"{statistics.median(r.phases[k] for r in mine):.3f}" for k in keys))
-    console.print(phases)
+        ours = asyncio.run(measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, args.threads, args.cold))
+        (folder / "restart").mkdir()
+        baseline = asyncio.run(
+            measure_baseline(folder / "restart", args.repeats, args.warm_steps, args.ckpt_every, args.threads)
+        )
+    table_rows = rows(ours, baseline)
+    if args.json:
+        print(json.dumps(table_rows, indent=2))
+    else:
+        print_table(table_rows, args.repeats)
 
 
 if __name__ == "__main__":
