@@ -462,7 +462,7 @@ def print_table(table_rows: list[dict[str, Any]], repeats: int) -> None:
     phases = Table(title="gpuherd rescale phases (medians, s): from RescaleCompleted's timestamps")
     for name in ("change", "way", "wait (new worker starts; training goes on)", "re-form", "restore", "first step"):
         phases.add_column(name, justify="right")
-    phases.add_column("pause (re-form to first step)", justify="right")
+    phases.add_column("pause (quiesce -> first step)", justify="right")
     for row in table_rows:
         if "phases_s" in row:
             p = row["phases_s"]
@@ -487,6 +487,9 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
+    from gpuherd.obs import configure
+
+    configure("bench-elastic", level="WARNING")  # the executors' logs: to stderr, and only what went wrong
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         ours = asyncio.run(measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, args.threads, args.cold))
