@@ -71,6 +71,9 @@ class Timer:
     kind: type[ev.Tick]
     every_s: float
     needed: Callable[[Any], bool] | None = None  # None: while jobs remain
+    # Started again after a pause, it ticks when it would have had it never paused (its ticks keep
+    # their times: a timer whose pauses only skip ticks that could change nothing changes no decision).
+    on_grid: bool = False
 
 
 class Simulation:
@@ -112,6 +115,7 @@ class Simulation:
         self._fed = 0  # records of ``_records`` handed to the cores, the agents and the sinks
         self._more_jobs = False
         self._ticking: set[int] = set()  # timers with a tick on the heap
+        self._last_tick: dict[int, float] = {}  # on-grid timers: the time of their latest tick, made or skipped
         self.submitted = 0
         self.decisions = 0
 
@@ -284,11 +288,17 @@ class Simulation:
     def _schedule_tick(self, n: int, timer: Timer) -> None:
         if n not in self._ticking and self._needed(timer):
             self._ticking.add(n)
-            self._push(self.now + timer.every_s, "tick", n)
+            at = self.now + timer.every_s
+            if timer.on_grid and n in self._last_tick:
+                at = self._last_tick[n] + timer.every_s  # (the same sums as an unbroken run of ticks)
+                while at <= self.now:
+                    at += timer.every_s
+            self._push(at, "tick", n)
 
     def _tick(self, n: int) -> None:
         self._ticking.discard(n)
         timer = self.timers[n]
+        self._last_tick[n] = self.now
         if not self._needed(timer):
             return  # nothing left for it to do: it stops ticking
         if timer.kind is ev.ClockTicked:
