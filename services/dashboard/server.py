@@ -75,36 +75,50 @@ async def _secure(request: web.Request, handler: Callable[[web.Request], Awaitab
     return response
 
 
-def make_app(backend: Backend) -> web.Application:
-    app = web.Application(middlewares=[_secure])
-    view = backend.view
-    audit_lock = asyncio.Lock()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Call = Callable[[], Awaitable[None]]
 
-    async def index(request: web.Request) -> web.StreamResponse:
+
+class Routes:
+    """One method per route; ``make_app`` lists them."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.view = backend.view
+        self.audit_lock = asyncio.Lock()
+
+    # -- pages, health, metrics -------------------------------------------------------------------
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
-    async def healthz(request: web.Request) -> web.Response:
-        return _json({"ok": True, "ready": backend.ready(), "seq": view.state.seq})
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"ok": True, "ready": self.backend.ready(), "seq": self.view.state.seq})
 
-    async def readyz(request: web.Request) -> web.Response:
-        ready = backend.ready()
-        return _json({"ready": ready, "seq": view.state.seq}, 200 if ready else 503)
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = self.backend.ready()
+        return _json({"ready": ready, "seq": self.view.state.seq}, 200 if ready else 503)
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=backend.metrics(), content_type="text/plain", charset="utf-8")
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.backend.metrics(), content_type="text/plain", charset="utf-8")
 
-    async def overview(request: web.Request) -> web.Response:
-        return _json(view.overview())
+    async def session(self, request: web.Request) -> web.Response:
+        return _json({"actions": self.backend.operator_token is not None, "ready": self.backend.ready()})
 
-    async def queue(request: web.Request) -> web.Response:
-        return _json(view.queue_view())
+    # -- views --------------------------------------------------------------------------------------
 
-    async def jobs(request: web.Request) -> web.Response:
+    async def overview(self, request: web.Request) -> web.Response:
+        return _json(self.view.overview())
+
+    async def queue(self, request: web.Request) -> web.Response:
+        return _json(self.view.queue_view())
+
+    async def jobs(self, request: web.Request) -> web.Response:
         q = request.query
         try:
             limit = min(int(q.get("limit", "200")), 5_000)
             offset = max(int(q.get("offset", "0")), 0)
-            total, rows = view.jobs(
+            total, rows = self.view.jobs(
                 status=q.get("status") or None,
                 user=q.get("user") or None,
                 vc=q.get("vc") or None,
@@ -117,64 +131,68 @@ def make_app(backend: Backend) -> web.Application:
             return _error(400, str(exc))
         return _json(rows, headers={"X-Total-Count": str(total)})
 
-    async def job(request: web.Request) -> web.Response:
-        found = view.job(request.match_info["job"])
+    async def job(self, request: web.Request) -> web.Response:
+        found = self.view.job(request.match_info["job"])
         if found is None:
             return _error(404, f"no job {request.match_info['job']!r}: see /api/jobs for the ids")
         return _json(found)
 
-    async def output(request: web.Request) -> web.Response:
+    async def output(self, request: web.Request) -> web.Response:
         job_id = request.match_info["job"]
-        if job_id not in view.state.jobs:
+        if job_id not in self.view.state.jobs:
             return _error(404, f"no job {job_id!r}: see /api/jobs for the ids")
-        return _json(await backend.output(job_id))
+        return _json(await self.backend.output(job_id))
 
-    async def nodes(request: web.Request) -> web.Response:
-        return _json(view.nodes())
+    async def nodes(self, request: web.Request) -> web.Response:
+        return _json(self.view.nodes())
 
-    async def vcs(request: web.Request) -> web.Response:
-        return _json(view.vcs())
+    async def vcs(self, request: web.Request) -> web.Response:
+        return _json(self.view.vcs())
 
-    async def history(request: web.Request) -> web.Response:
-        return _json(view.history_view())
+    async def history(self, request: web.Request) -> web.Response:
+        return _json(self.view.history_view())
 
-    async def services(request: web.Request) -> web.Response:
-        return _json(await backend.services())
+    async def services(self, request: web.Request) -> web.Response:
+        return _json(await self.backend.services())
 
-    async def audit_get(request: web.Request) -> web.Response:
-        return _json(view.last_audit)
+    # -- audit and reports --------------------------------------------------------------------------
 
-    async def audit_run(request: web.Request) -> web.Response:
-        if backend.audit is None:
+    async def audit_get(self, request: web.Request) -> web.Response:
+        return _json(self.view.last_audit)
+
+    async def audit_run(self, request: web.Request) -> web.Response:
+        if self.backend.audit is None:
             return _error(501, "this dashboard was started without the deciders, so it cannot audit")
-        if audit_lock.locked():
+        if self.audit_lock.locked():
             return _error(409, "an audit is running; its result will be at GET /api/audit")
-        async with audit_lock:
-            view.last_audit = await backend.audit()
-        return _json(view.last_audit)
+        async with self.audit_lock:
+            self.view.last_audit = await self.backend.audit()
+        return _json(self.view.last_audit)
 
-    async def reports(request: web.Request) -> web.Response:
-        return _json(_report_names(backend.reports_dir))
+    async def reports(self, request: web.Request) -> web.Response:
+        return _json(_report_names(self.backend.reports_dir))
 
-    async def report(request: web.Request) -> web.StreamResponse:
+    async def report(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
-        folder = backend.reports_dir
+        folder = self.backend.reports_dir
         if folder is None or name not in _report_files(folder):
             return _error(404, f"no report file {name!r}: see /api/reports")
         return web.FileResponse(folder / name)
 
-    async def stream(request: web.Request) -> web.StreamResponse:
+    # -- live updates -------------------------------------------------------------------------------
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: ``change`` (with the log position) whenever the view changed."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
-        sent, quiet = -1, 0.0
+        view, sent, quiet = self.view, -1, 0.0
         try:
             while True:
                 if view.version != sent:
                     sent = view.version
-                    data = json.dumps({"version": sent, "seq": view.state.seq, "ready": backend.ready()})
+                    data = json.dumps({"version": sent, "seq": view.state.seq, "ready": self.backend.ready()})
                     await response.write(f"event: change\ndata: {data}\n\n".encode())
                     quiet = 0.0
                 elif quiet >= KEEPALIVE_S:
@@ -186,80 +204,97 @@ def make_app(backend: Backend) -> web.Application:
             pass
         return response
 
-    def authorized(request: web.Request) -> web.Response | None:
+    # -- operator actions ---------------------------------------------------------------------------
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
         """None if the request may act; else the refusal."""
-        if backend.operator_token is None:
+        token = self.backend.operator_token
+        if token is None:
             return _error(403, "this dashboard is read-only: start it with --operator-token-file to allow actions")
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), backend.operator_token.encode()):
+        if not given or not hmac.compare_digest(given.encode(), token.encode()):
             return _error(401, "a valid operator token is needed (Authorization: Bearer <token>)")
         return None
 
-    async def reason_of(request: web.Request) -> str:
-        if not request.can_read_body:
-            return ""
+    async def _act(self, request: web.Request, action: Callable[[str], tuple[Call, str]], default: str) -> web.Response:
+        """Refused without the token; else ``action(reason)`` gives the client call and what to say
+        once made; the client's own checks answer 404 (unknown job or node) or 400."""
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
+        call, done = action(await _reason_of(request) or default)
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return ""
-        return str(body.get("reason", "")) if isinstance(body, dict) else ""
+            await call()
+        except GpuherdError as exc:
+            return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
+        return _json({"ok": True, "done": done})
 
-    Action = Callable[[web.Request, str], tuple[Callable[[], Awaitable[None]], str]]
+    async def cancel(self, request: web.Request) -> web.Response:
+        job = request.match_info["job"]
+        cancel = self.backend.actions.cancel
 
-    def operator_action(what: Action, default_reason: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """A POST that acts: refused without the token, else ``what(request, reason)`` gives the client
-        call to make and what to say once made; the client's own checks answer 404 or 400."""
+        def action(reason: str) -> tuple[Call, str]:
+            return (lambda: cancel(job, reason)), f"cancel requested for {job}"
 
-        async def handle(request: web.Request) -> web.Response:
-            refused = authorized(request)
-            if refused is not None:
-                return refused
-            call, done = what(request, await reason_of(request) or default_reason)
-            try:
-                await call()
-            except GpuherdError as exc:
-                return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
-            return _json({"ok": True, "done": done})
+        return await self._act(request, action, "cancelled from the dashboard")
 
-        return handle
+    async def drain(self, request: web.Request) -> web.Response:
+        return await self._drain(request, undrain=False)
 
-    def cancel(request: web.Request, reason: str) -> tuple[Callable[[], Awaitable[None]], str]:
-        job_id = request.match_info["job"]
-        return (lambda: backend.actions.cancel(job_id, reason)), f"cancel requested for {job_id}"
+    async def undrain(self, request: web.Request) -> web.Response:
+        return await self._drain(request, undrain=True)
 
-    def drain(undrain: bool) -> Action:
-        def call(request: web.Request, reason: str) -> tuple[Callable[[], Awaitable[None]], str]:
-            node = request.match_info["node"]
-            done = f"{'undrained' if undrain else 'drained'} {node}"
-            return (lambda: backend.actions.drain(node, reason, undrain)), done
+    async def _drain(self, request: web.Request, *, undrain: bool) -> web.Response:
+        node = request.match_info["node"]
+        drain = self.backend.actions.drain
+        done = f"{'undrained' if undrain else 'drained'} {node}"
+        default = "" if undrain else "drained from the dashboard"
+        return await self._act(request, lambda reason: ((lambda: drain(node, reason, undrain)), done), default)
 
-        return call
 
-    async def whoami(request: web.Request) -> web.Response:
-        return _json({"actions": backend.operator_token is not None, "ready": backend.ready()})
+async def _reason_of(request: web.Request) -> str:
+    if not request.can_read_body:
+        return ""
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        return ""
+    return str(body.get("reason", "")) if isinstance(body, dict) else ""
 
-    app.router.add_get("/", index)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/api/overview", overview)
-    app.router.add_get("/api/queue", queue)
-    app.router.add_get("/api/jobs", jobs)
-    app.router.add_get("/api/jobs/{job}", job)
-    app.router.add_get("/api/jobs/{job}/output", output)
-    app.router.add_post("/api/jobs/{job}/cancel", operator_action(cancel, "cancelled from the dashboard"))
-    app.router.add_get("/api/nodes", nodes)
-    app.router.add_post("/api/nodes/{node}/drain", operator_action(drain(False), "drained from the dashboard"))
-    app.router.add_post("/api/nodes/{node}/undrain", operator_action(drain(True), ""))
-    app.router.add_get("/api/vcs", vcs)
-    app.router.add_get("/api/history", history)
-    app.router.add_get("/api/services", services)
-    app.router.add_get("/api/audit", audit_get)
-    app.router.add_post("/api/audit", audit_run)
-    app.router.add_get("/api/reports", reports)
-    app.router.add_get("/reports/{name}", report)
-    app.router.add_get("/api/stream", stream)
-    app.router.add_get("/api/session", whoami)
+
+def make_app(backend: Backend) -> web.Application:
+    app = web.Application(middlewares=[_secure])
+    r = Routes(backend)
+    get: dict[str, Handler] = {
+        "/": r.index,
+        "/healthz": r.healthz,
+        "/readyz": r.readyz,
+        "/metrics": r.metrics,
+        "/api/session": r.session,
+        "/api/overview": r.overview,
+        "/api/queue": r.queue,
+        "/api/jobs": r.jobs,
+        "/api/jobs/{job}": r.job,
+        "/api/jobs/{job}/output": r.output,
+        "/api/nodes": r.nodes,
+        "/api/vcs": r.vcs,
+        "/api/history": r.history,
+        "/api/services": r.services,
+        "/api/audit": r.audit_get,
+        "/api/reports": r.reports,
+        "/reports/{name}": r.report,
+        "/api/stream": r.stream,
+    }
+    post: dict[str, Handler] = {
+        "/api/audit": r.audit_run,
+        "/api/jobs/{job}/cancel": r.cancel,
+        "/api/nodes/{node}/drain": r.drain,
+        "/api/nodes/{node}/undrain": r.undrain,
+    }
+    for path, handler in get.items():
+        app.router.add_get(path, handler)
+    for path, handler in post.items():
+        app.router.add_post(path, handler)
     app.router.add_static("/static/", STATIC, append_version=False)
     return app
 
