@@ -32,21 +32,20 @@ class SchedulerQueue:
         self.state = self.decider.initial_state()
         self._forecast: dict[str, float] = {}
         self._forecast_at = -FORECAST_EVERY_S
-        self._answer: tuple[float, int, QueueAnswer] | None = None  # (when, seq, answer)
+        self._answer: tuple[float, QueueAnswer] | None = None  # (when, answer)
 
     def fold(self, seq: int, event: ev.Event) -> None:
         self.state = self.decider.evolve(self.state, seq, event)
 
     def explain(self) -> QueueAnswer:
         """The queue explained; while the log moves fast, the last answer for up to PLAN_EVERY_S (a
-        pass over thousands of waiting jobs costs what a page refresh should not, ten times a second)."""
+        pass over thousands of waiting jobs costs what a page refresh should not, ten times a second).
+        (The view asks again only after the log moved.)"""
         now = time.monotonic()
-        if self._answer is not None:
-            at, seq, answer = self._answer
-            if seq == self.state.seq or now - at < PLAN_EVERY_S:
-                return answer
+        if self._answer is not None and now - self._answer[0] < PLAN_EVERY_S:
+            return self._answer[1]
         answer = self._explain()
-        self._answer = (now, self.state.seq, answer)
+        self._answer = (now, answer)
         return answer
 
     def _explain(self) -> QueueAnswer:

@@ -29,7 +29,7 @@ from aiohttp import web
 from gpuherd.client import Client
 from gpuherd.log import STATUS_BUCKET, EventLog, Record, open_log
 from gpuherd.log.health import nats_overview
-from gpuherd.metrics import STATUS_EVERY_S, ServiceMetrics, ServiceStatus
+from gpuherd.metrics import ServiceMetrics, ServiceStatus, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from services.dashboard.queue import QueueExplainer
@@ -168,28 +168,16 @@ class Dashboard:
         return result | {"events": len(records), "took_s": time.perf_counter() - started, "at": time.time()}
 
     async def report_status(self, port: int) -> None:
-        key = f"dashboard.{socket.gethostname()}-{os.getpid()}"
-        started = time.time()
-        while True:
-            with contextlib.suppress(Exception):
-                head = await self.log.last_seq()
-                seq = self.view.state.seq
-                status = ServiceStatus(
-                    service="dashboard",
-                    instance=key.removeprefix("dashboard."),
-                    role="reader",
-                    seq=seq,
-                    head=head,
-                    lag=max(0, head - seq),
-                    host=socket.gethostname(),
-                    pid=os.getpid(),
-                    metrics_url=f"http://{socket.gethostname()}:{port}/metrics",
-                    started_at=started,
-                    updated_at=time.time(),
-                )
-                self.metrics.consumer_lag.set(status.lag)
-                await self.log.kv_put(STATUS_BUCKET, key, msgspec.json.encode(status))
-            await asyncio.sleep(STATUS_EVERY_S)
+        """Its entry in the services' status, as every service writes it (role ``reader``)."""
+        await status_reporter(
+            self.log,
+            self.metrics,
+            instance=f"{socket.gethostname()}-{os.getpid()}",
+            role=lambda: "reader",
+            folded=lambda: self.view.state.seq,
+            decisions=lambda: 0,
+            metrics_port=port,
+        )
 
 
 async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> None:
