@@ -226,6 +226,7 @@ class Nodes:
         self.generation = -1
         self.running: set[str] = set()  # nodes with a task of the job
         self.standby_taken = 0  # grows within node a: its shim's standby became the new worker
+        self._watchers: list[asyncio.Task[None]] = []
 
     def launch(self, gpus: tuple[int, ...]) -> Any:
         from services.nodeagent.executors import TaskKey, TaskLaunch
@@ -235,14 +236,16 @@ class Nodes:
         )
 
     async def start(self, node: str, gpus: tuple[int, ...]) -> None:
-        async def ended(exit_: Any) -> None:
+        async def ended() -> None:
+            await self.nodes[node].exits.get()
             self.running.discard(node)  # its last worker left
 
         self.running.add(node)
-        await self.nodes[node].start(self.launch(gpus), ended)
+        await self.nodes[node].start(self.launch(gpus))
+        self._watchers.append(asyncio.create_task(ended()))
 
     def commit(self, workers: tuple[str, ...], joiners: tuple[str, ...] = ()) -> tuple[ElasticPlan, float]:
-        """A new generation, handed to every node the job runs on (as each agent's HandPlan does)."""
+        """A new generation, handed to every node the job runs on (as each agent's WritePlan does)."""
         from services.nodeagent.executors import TaskKey
 
         self.generation += 1
@@ -264,6 +267,8 @@ class Nodes:
 
         for node in list(self.running):
             await self.nodes[node].stop(TaskKey(JOB, 0), "the benchmark is over")
+        for watcher in self._watchers:
+            watcher.cancel()
         for executor in self.nodes.values():
             await executor.shutdown()
 
@@ -313,7 +318,7 @@ async def _rescale(
     if joiner:
         node, gpu = joiner.split("/")
         key = nodes.launch(()).key
-        if node in nodes.running:  # a grow within a node that runs the job: the agent's Grow
+        if node in nodes.running:  # a grow within a node that runs the job: the agent's StartWorkers
             plan, decided = nodes.commit(workers, (joiner,))
             nodes.nodes[node].grow(key, nodes.launch((int(gpu),)))
             nodes.standby_taken += 1

@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState
 from gpuherd.log import Record
-from services.nodeagent import leases
 from services.nodeagent.executors.base import TaskKey
 from services.nodeagent.executors.sim import SimTasks
 from services.nodeagent.reconcile import (
     AgentEvents,
+    RequestLease,
     StartTask,
     StopTask,
-    SyncLeases,
     Tasks,
     power,
     reconcile,
@@ -62,7 +61,7 @@ class SimAgents:
             tasks = self.tasks[node] = SimTasks(self.checkpoint_cost)
             exited = self.exited[node] = set()
             self.events[node] = AgentEvents(node)
-            self.views[node] = Tasks(tasks.ends.keys(), exited, {})  # (live views of both)
+            self.views[node] = Tasks(tasks.ends.keys(), exited, {}, asked=self.asked)  # (live views)
         return self.tasks[node], self.exited[node], self.events[node]
 
     def nodes_of(self, state: ClusterState, job_id: str) -> list[str]:
@@ -118,11 +117,12 @@ class SimAgents:
                     self._gone(job_id, node, tasks)
                 if action.report is not None:
                     out.append(events.ended(action.key, action.report, now, reason=action.reason))
+            elif isinstance(action, RequestLease):
+                self.asked.add(action.event.lease)
+                out.append(action.event)
             elif isinstance(action, RecordAction):
                 out.append(action.event)
-            elif isinstance(action, SyncLeases):
-                out += self._lease_requests(state, node, action.key)
-            # HandPlan, Grow, CollectDeaths: a sim task has no worker processes
+            # (A simulated reconcile writes no plan or file and starts no worker: there are no processes.)
 
     def _gone(self, job_id: str, node: str, tasks: SimTasks) -> None:
         """A task of ``job_id`` on ``node`` no longer runs."""
@@ -132,33 +132,6 @@ class SimAgents:
                 nodes.pop(node, None)
                 if not nodes:
                     del self.running_on[job_id]
-
-    def _lease_requests(self, state: ClusterState, node: str, key: TaskKey) -> list[ev.Event]:
-        job = state.jobs.get(key.job)
-        if job is None or job.spec.memory is None:
-            return []
-        mine = {g for a in job.allocations if a.node == node for g in a.gpus}
-        needs = job.spec.memory
-        events = self.events[node]
-        out: list[ev.Event] = []
-        for lease_id, gpu in leases.wanted_requests(job, node, mine):
-            if lease_id in self.asked:
-                continue
-            self.asked.add(lease_id)
-            out.append(
-                ev.MemoryLeaseRequested(
-                    **events.stamp("lease", lease_id, at=state.now),  # type: ignore[arg-type]
-                    lease=lease_id,
-                    job=job.job,
-                    attempt=job.attempt,
-                    node=node,
-                    gpu=gpu,
-                    mb=needs.extra_mb,
-                    min_mb=needs.min_mb,
-                    tiers=needs.tiers,
-                )
-            )
-        return out
 
     def _power(self, state: ClusterState, node: str, now: float, out: list[ev.Event], timers: list[Timer]) -> None:
         move = power(state, node)

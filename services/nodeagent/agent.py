@@ -1,11 +1,13 @@
 """The node agent: register, heartbeat, sample, and reconcile this node's tasks with the log.
 
 The agent folds what concerns its node (``state.py``) and, for every job an event touches, runs the
-pure reconcile step (``reconcile.py``) and carries out its actions with the executor. Its parts:
+pure reconcile step (``reconcile.py``: the log and a snapshot of what runs, to actions) and carries
+out its actions with the executor, one by one, deciding nothing itself. Its parts:
 
 - ``Agent`` (here): its life cycle, the ``follow`` loop (fold the log; reconcile each job an
   event touches, each job in a task of its own so one job's slow stop never holds up another's
-  start), and carrying out the reconcile step's actions;
+  start), carrying out the reconcile step's actions, and the ``exits`` loop (the tasks that ended,
+  from the executor's queue);
 - ``upkeep.py``: heartbeats and the node's lease, GPU telemetry (health, memory use, lease renewals);
 - ``messages.py``: what the job's processes report over the control socket (``gpuherd.control``);
 - ``power.py``: powering the node down and up; ``writer.py``: how it writes to the log.
@@ -33,10 +35,8 @@ from typing import Any
 import msgspec
 from prometheus_client import Gauge
 
-from gpuherd import control
 from gpuherd import events as ev
 from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.fold import JobState
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
@@ -46,20 +46,22 @@ from gpuherd.service_args import service_parser
 from services.nodeagent import leases
 from services.nodeagent.control_socket import ControlSocket, control_address
 from services.nodeagent.executors import Executor, TaskExit, TaskKey, make_executor
+from services.nodeagent.executors.base import TaskWorkers
 from services.nodeagent.messages import JobMessages
 from services.nodeagent.power import PowerSwitch
 from services.nodeagent.reconcile import (
     Action,
     AgentEvents,
-    CollectDeaths,
-    Grow,
-    HandPlan,
     Record,
+    RecordEnd,
+    ReportLostWorker,
+    RequestLease,
     StartTask,
+    StartWorkers,
     StopTask,
-    SyncLeases,
     Tasks,
-    launch_for,
+    WritePlan,
+    WriteTaskFile,
     reconcile,
 )
 from services.nodeagent.state import STATE_FORMAT, AgentState, evolve, new_state
@@ -117,12 +119,13 @@ class Agent:
             telemetry_s=telemetry_s,
         )
         self.power = PowerSwitch(node, lambda: self.state, self.writer, power_hook)
-        self._exited: set[TaskKey] = set()
+        self._exited: set[TaskKey] = set()  # tasks that ended by themselves
+        self._unrecorded: dict[TaskKey, TaskExit] = {}  # of those, the ends not recorded yet
         self._traces: dict[str, str] = {}  # job -> traceparent of its placement
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
         self._planned: dict[TaskKey, int] = {}  # elastic: the generation last written to each task
-        self._lease_files: dict[TaskKey, str] = {}  # the lease file last written to each task
+        self._files: dict[tuple[TaskKey, str], str] = {}  # the text last written to each task file
         self._deadline_missed: dict[TaskKey, str] = {}  # tasks to stop: they kept a revoked lease
         self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self._snapshotting: asyncio.Task[int | None] | None = None
@@ -169,7 +172,7 @@ class Agent:
         stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
         try:
             await self.load_snapshot()
-            await self.executor.recover(self._on_exit)
+            await self.executor.recover()
             start_pool = getattr(self.executor, "start_pool", None)
             if start_pool is not None:
                 start_pool()  # warm workers for the grows that land here
@@ -187,6 +190,7 @@ class Agent:
                 "heartbeat": self.upkeep.heartbeats(lease),
                 "telemetry": self.upkeep.samples(),
                 "follow": self._follow(),
+                "exits": self._exits(),
                 "status": status,
             }
             await run_until_stopped(loops, stop)
@@ -318,7 +322,7 @@ class Agent:
             self._traces.pop(job_id, None)
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
         self._planned = {k: v for k, v in self._planned.items() if k.job != job_id or k.attempt == current}
-        self._lease_files = {k: v for k, v in self._lease_files.items() if k.job != job_id or k.attempt == current}
+        self._files = {k: v for k, v in self._files.items() if k[0].job != job_id or k[0].attempt == current}
         self.messages.forget(job_id, current)
 
     # -- reconciliation --------------------------------------------------------------------
@@ -355,41 +359,66 @@ class Agent:
             await asyncio.gather(*self._reconciling.values(), return_exceptions=True)
 
     async def reconcile(self, job_id: str) -> None:
-        tasks = Tasks(self.executor.running(), self._exited, self._deadline_missed)
         simulated = self.executor.kind == "sim"
-        events = self.writer.events
-        for action in reconcile(self.state, self.node, job_id, tasks, self.clock(), events, simulated=simulated):
+        now, events, leases = self.clock(), self.writer.events, self.state.leases
+        actions = reconcile(
+            self.state, self.node, job_id, self._tasks(job_id), now, events, simulated=simulated, leases=leases
+        )
+        for action in actions:
             if not await self._carry_out(action):
                 return
 
+    def _tasks(self, job_id: str) -> Tasks:
+        """What runs, as the reconcile step reads it: the executor's tasks and this agent's notes of
+        them; for an elastic job's task here, its workers as its folder has them."""
+        self._take_exits()  # (an end queued a moment ago: its task must not look like one to start)
+        running = self.executor.running()
+        workers: dict[TaskKey, TaskWorkers] = {}
+        job = self.state.jobs.get(job_id)
+        if job is not None and job.spec.elastic is not None:
+            key = TaskKey(job_id, job.attempt)
+            if key in running or self.node in job.nodes:
+                workers[key] = self.executor.workers(key)
+        return Tasks(
+            running,
+            self._exited,
+            self._deadline_missed,
+            workers=workers,
+            planned=self._planned,
+            files=self._files,
+            asked=self.state.leases.keys(),  # (a request on its way has its id: appended twice, stored once)
+            unrecorded=self._unrecorded,
+            progress=self.messages.progress,
+        )
+
     async def _carry_out(self, action: Action) -> bool:
-        """Carry out one action; False when the ones after it must not follow (a task did not start)."""
-        if isinstance(action, Record):
-            await self.writer.append(action.event)
-            return True
-        if isinstance(action, StartTask):
-            return await self._start(action)
-        job = self.state.jobs.get(action.key.job)
-        if isinstance(action, StopTask):
-            exit_ = await self.executor.stop(action.key, action.reason, checkpoint_grace_s=action.grace_s)
-            self._deadline_missed.pop(action.key, None)
-            if action.report is not None:
-                tail = exit_.output_tail if exit_ else ""
-                ended = TaskExit(key=action.key, outcome=action.report, reason=action.reason, output_tail=tail)  # type: ignore[arg-type]
-                await self._report(ended)
-            else:
-                log.info("task stopped", job=action.key.job, attempt=action.key.attempt, reason=action.reason)
-        elif job is None:
-            return True
-        elif isinstance(action, HandPlan):
-            self._hand_plan(job, action.key, again=action.again)
-        elif isinstance(action, SyncLeases):
-            self._sync_leases(job, action.key)
-        elif isinstance(action, Grow):
-            self._grow(job, action.key)
-        elif isinstance(action, CollectDeaths):
-            for death in self.executor.dead_workers(action.key):  # deaths while this agent was away
-                self.messages.on_message(control.WorkerExit(job=job.job, attempt=job.attempt, **death))
+        """Carry out one action, and note what it did; False when the ones after it must not follow
+        (a task did not start)."""
+        match action:
+            case Record(event):
+                await self.writer.append(event)
+            case RecordEnd(key, event):
+                await self.writer.append(event)
+                self._unrecorded.pop(key, None)
+                log.info("task ended", job=key.job, attempt=key.attempt, outcome=event.outcome, reason=event.reason)
+            case StartTask():
+                return await self._start(action)
+            case StopTask():
+                await self._stop(action)
+            case WritePlan(key, plan):
+                if self.executor.write_plan(key, plan):
+                    self._planned[key] = plan.generation
+            case WriteTaskFile(key, name, text):
+                if self.executor.write_task_file(key, name, text):
+                    self._files[key, name] = text
+            case StartWorkers(launch):
+                if self.executor.grow(launch.key, launch):
+                    log.info("workers added", job=launch.key.job, attempt=launch.key.attempt, gpus=list(launch.gpus))
+            case RequestLease(event):
+                self.writer.append_soon(event)
+            case ReportLostWorker(event):
+                log.warning("elastic worker died", job=event.job, gpu=event.gpu, code=event.exit_code)
+                self.writer.append_soon(event)
         return True
 
     async def _start(self, action: StartTask) -> bool:
@@ -400,21 +429,42 @@ class Agent:
                 started = msgspec.structs.replace(action.started, at=self.clock())
                 await self.writer.append(started, trace=current_traceparent())
         try:
-            await self.executor.start(launch, self._on_exit)
+            await self.executor.start(launch)
         except Exception as exc:  # cannot even launch: the gang must not wait for this part
             log.exception("task could not start", job=key.job, attempt=key.attempt)
             await self._report(
                 TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
             )
             return False
-        self._lease_files.pop(key, None)  # a fresh folder: write the lease file again
         log.info("task started", job=key.job, attempt=key.attempt, resumed=launch.resume)
         return True
 
-    async def _on_exit(self, exit_: TaskExit) -> None:
-        await self.caught_up.wait()
+    async def _stop(self, action: StopTask) -> None:
+        exit_ = await self.executor.stop(action.key, action.reason, checkpoint_grace_s=action.grace_s)
+        self._deadline_missed.pop(action.key, None)
+        if action.report is not None:
+            tail = exit_.output_tail if exit_ else ""
+            ended = TaskExit(key=action.key, outcome=action.report, reason=action.reason, output_tail=tail)  # type: ignore[arg-type]
+            await self._report(ended)
+        else:
+            log.info("task stopped", job=action.key.job, attempt=action.key.attempt, reason=action.reason)
+
+    async def _exits(self) -> None:
+        """The tasks that ended by themselves, as the executor queues them: noted (never started
+        again) once the log is caught up, and their job reconciled (which records how they ended)."""
+        while True:
+            exit_ = await self.executor.exits.get()
+            await self.caught_up.wait()
+            self._note_exit(exit_)
+
+    def _take_exits(self) -> None:
+        while not self.executor.exits.empty():
+            self._note_exit(self.executor.exits.get_nowait())
+
+    def _note_exit(self, exit_: TaskExit) -> None:
         self._exited.add(exit_.key)
-        await self._report(exit_)
+        self._unrecorded[exit_.key] = exit_
+        self.kick(exit_.key.job)
 
     async def _report(self, exit_: TaskExit) -> None:
         key = exit_.key
@@ -429,52 +479,6 @@ class Agent:
         )
         await self.writer.append(ended)
         log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)
-
-    def _hand_plan(self, job: JobState, key: TaskKey, *, again: bool = False) -> None:
-        """Give the task's workers the job's current generation (they switch at a step boundary);
-        once per generation, unless ``again`` (a task just started in a fresh folder)."""
-        plan = job.plan()
-        if plan is None or (not again and self._planned.get(key) == plan.generation):
-            return
-        if self.executor.write_plan(key, plan):
-            self._planned[key] = plan.generation
-
-    def _grow(self, job: JobState, key: TaskKey) -> None:
-        """Start the workers of this node's GPUs that a rescale added to a running task."""
-        if self.node not in job.nodes:
-            return
-        mine = job.allocations[job.nodes.index(self.node)].gpus
-        new = tuple(g for g in mine if g not in self.executor.launched(key))
-        if new and self.executor.grow(key, launch_for(job, self.node, resume=False, elapsed_s=0.0, gpus=new)):
-            log.info("workers added", job=job.job, attempt=job.attempt, gpus=list(new), generation=job.generation)
-
-    def _sync_leases(self, job: JobState, key: TaskKey) -> None:
-        """Ask for the leases the task's workers need; hand the task its leases as the log has them."""
-        if job.spec.memory is None:
-            return
-        if job.spec.elastic is not None:
-            gpus = self.executor.launched(key)  # a worker asks once its process is there
-        else:
-            gpus = {g for a in job.allocations if a.node == self.node for g in a.gpus}
-        for lease_id, gpu in leases.wanted_requests(job, self.node, gpus):
-            if lease_id in self.state.leases:
-                continue
-            needs = job.spec.memory
-            request = ev.MemoryLeaseRequested(
-                **self.writer.stamp("lease", lease_id),  # the same id every time: asked for once
-                lease=lease_id,
-                job=job.job,
-                attempt=job.attempt,
-                node=self.node,
-                gpu=gpu,
-                mb=needs.extra_mb,
-                min_mb=needs.min_mb,
-                tiers=needs.tiers,
-            )
-            self.writer.append_soon(request)
-        text = leases.lease_file(self.state.leases, job, self.node)
-        if self._lease_files.get(key) != text and self.executor.write_task_file(key, leases.LEASES_FILE, text):
-            self._lease_files[key] = text
 
     # -- what people ask it ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from gpuherd.obs import get_logger
 from services.nodeagent.executors import Executor, TaskKey
 from services.nodeagent.reconcile import launch_for
 from services.nodeagent.state import AgentState
+from services.nodeagent.taskfiles import WorkerDeath
 from services.nodeagent.writer import AgentWriter
 
 log = get_logger("gpuherd.nodeagent")
@@ -103,20 +104,10 @@ class JobMessages:
     def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
         """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
         job = self._state().jobs.get(key.job)
-        if job is None or job.attempt != key.attempt or job.stopping():
-            return  # the whole attempt is ending: its parts report as usual
-        worker = ev.worker_id(self.node, message.gpu)
-        if worker not in job.workers or worker in job.lost_workers:
-            return  # not one of the current generation's workers, or already reported
-        event = ev.WorkerLost(
-            **self.writer.stamp("worker-lost", key.job, str(key.attempt), str(message.gpu), str(job.generation)),
-            job=key.job,
-            attempt=key.attempt,
-            node=self.node,
-            gpu=message.gpu,
-            exit_code=message.code,
-            reason=message.reason,
-        )
+        death = WorkerDeath(gpu=message.gpu, code=message.code, reason=message.reason)
+        event = self.writer.events.worker_lost(job, key.attempt, death, self.writer.clock()) if job else None
+        if event is None:
+            return  # the attempt is ending, or not a worker of the current generation, or known already
         log.warning("elastic worker died", job=key.job, gpu=message.gpu, code=message.code)
         self.writer.append_soon(event)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -37,9 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gpuherd.obs import get_logger
 from gpuherd.train.standby import WARM_CUDA, WARM_MARKER
 from services.nodeagent.shim import is_python_script, process_start_ticks
+from services.nodeagent.taskfiles import StandbyLaunch, WorkerExitRecord
 
 log = get_logger("gpuherd.nodeagent.pool")
 
@@ -159,26 +161,26 @@ class WarmPool:
 
     # -- what the executor asks --------------------------------------------------------------------
 
-    def take(self, launch: dict[str, Any]) -> WarmWorker | None:
-        """Hand ``launch`` (``argv``, ``env``, ``cwd``, ``log``, ``exit_file``) to a warm interpreter
-        that can become it; None if none can (the caller starts the worker as a new process)."""
-        if not is_python_script(launch["argv"]) or launch["argv"][0] != self.interpreter:
+    def take(self, launch: StandbyLaunch) -> WarmWorker | None:
+        """Hand ``launch`` (with its ``exit_file``) to a warm interpreter that can become it; None if
+        none can (the caller starts the worker as a new process)."""
+        if not is_python_script(launch.argv) or launch.argv[0] != self.interpreter or launch.exit_file is None:
             return None
         for worker in self.idle:
-            if not worker.warm or worker.proc.returncode is not None or not _fits(worker, launch["env"]):
+            if not worker.warm or worker.proc.returncode is not None or not _fits(worker, launch.env):
                 continue
             assert worker.proc.stdin is not None
             try:
-                worker.proc.stdin.write((json.dumps(launch) + "\n").encode())
+                worker.proc.stdin.write(msgspec.json.encode(launch) + b"\n")
                 worker.proc.stdin.close()
             except (OSError, RuntimeError):
                 continue  # it died meanwhile: the upkeep forgets it
             self.idle.remove(worker)
             self.counts.taken += 1
-            self._watch(self._record_exit(worker, Path(launch["exit_file"])))
+            self._watch(self._record_exit(worker, Path(launch.exit_file)))
             self._refill_at = time.monotonic() + self.refill_delay_s
             self._wake.set()
-            log.info("warm worker taken", pid=worker.pid, log=launch["log"], idle=len(self.idle))
+            log.info("warm worker taken", pid=worker.pid, log=launch.log, idle=len(self.idle))
             return worker
         return None
 
@@ -288,8 +290,8 @@ class WarmPool:
         code = await worker.proc.wait()
         with contextlib.suppress(OSError):
             fd = os.open(exit_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"code": code, "by": "agent"}, f)
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.encode(WorkerExitRecord(code=code, by="agent")))
 
     def _watch(self, work: Any) -> None:
         task = asyncio.ensure_future(work)

@@ -9,12 +9,19 @@ attempt ended meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping, Sequence, Set
+from types import MappingProxyType
 from typing import NamedTuple
 
 from gpuherd import events as ev
 from gpuherd.fold import ACTIVE, ClusterState, JobState
-from services.nodeagent.executors.base import TaskKey, TaskLaunch
+from gpuherd.fold.leases import Leases
+from gpuherd.jobenv import ElasticPlan
+from services.nodeagent import leases as lease_rules
+from services.nodeagent.executors.base import TaskExit, TaskKey, TaskLaunch, TaskWorkers
+from services.nodeagent.taskfiles import WorkerDeath
+
+# -- what to do: the actions the agent (or the simulator) carries out, one by one ---------------------
 
 
 class StopTask(NamedTuple):
@@ -27,35 +34,53 @@ class StopTask(NamedTuple):
 
 
 class StartTask(NamedTuple):
-    """Start (or, ``launch.resume``, adopt) this node's part; ``started`` is recorded first."""
+    """Start (or, ``launch.resume``, adopt) this node's part; ``started`` is recorded first. If it
+    cannot start, the actions after it are not carried out (its failure is recorded instead)."""
 
     launch: TaskLaunch
     started: ev.JobStarted | None
 
 
-class HandPlan(NamedTuple):
-    """Write the job's current generation to the task's workers (``again``: even if written before)."""
+class WritePlan(NamedTuple):
+    """Hand the elastic job's current generation to the task's workers (they switch at a step
+    boundary); once written, the agent notes the generation (``Tasks.planned``)."""
 
     key: TaskKey
-    again: bool = False
+    plan: ElasticPlan
 
 
-class SyncLeases(NamedTuple):
-    """Ask for the leases the task's workers need, and hand the task its leases as the log has them."""
+class StartWorkers(NamedTuple):
+    """Start the workers a rescale added on this node's GPUs (``launch.gpus``) in a running elastic task."""
 
-    key: TaskKey
-
-
-class Grow(NamedTuple):
-    """Start the workers a rescale added on this node's GPUs in a running elastic task."""
-
-    key: TaskKey
+    launch: TaskLaunch
 
 
-class CollectDeaths(NamedTuple):
-    """Report the elastic task's workers that died while the agent was away."""
+class WriteTaskFile(NamedTuple):
+    """Replace file ``name`` of the task's folder with ``text``; once written, the agent notes the
+    text (``Tasks.files``)."""
 
     key: TaskKey
+    name: str
+    text: str
+
+
+class RequestLease(NamedTuple):
+    """Ask the memory broker for a worker's lease (appended in the background: asked once per id)."""
+
+    event: ev.MemoryLeaseRequested
+
+
+class ReportLostWorker(NamedTuple):
+    """An elastic task's worker died outside a rescale (appended in the background)."""
+
+    event: ev.WorkerLost
+
+
+class RecordEnd(NamedTuple):
+    """Record how a task that ended by itself ended; once appended, the agent notes it recorded."""
+
+    key: TaskKey
+    event: ev.TaskEnded
 
 
 class Record(NamedTuple):
@@ -64,15 +89,36 @@ class Record(NamedTuple):
     event: ev.Event
 
 
-Action = StopTask | StartTask | HandPlan | SyncLeases | Grow | CollectDeaths | Record
+Action = (
+    StopTask
+    | StartTask
+    | WritePlan
+    | StartWorkers
+    | WriteTaskFile
+    | RequestLease
+    | ReportLostWorker
+    | RecordEnd
+    | Record
+)
+
+# -- what runs: the snapshot the reconcile step compares with the log ----------------------------------
+
+_NOTHING: Mapping = MappingProxyType({})
 
 
 class Tasks(NamedTuple):
-    """What the agent knows of its tasks."""
+    """What runs on this node, as the executor and the agent's own notes have it: the reconcile
+    step's input beside the log. Only the tasks of the job being reconciled need to be in it."""
 
     running: Set[TaskKey]
-    exited: Set[TaskKey]  # ended on their own and reported
-    deadline_missed: dict[TaskKey, str]  # kept a revoked lease past its deadline: to stop, and why
+    exited: Set[TaskKey]  # ended by themselves (never started again in the same attempt)
+    deadline_missed: Mapping[TaskKey, str]  # kept a revoked lease past its deadline: to stop, and why
+    workers: Mapping[TaskKey, TaskWorkers] = _NOTHING  # elastic: the workers started, and those that died
+    planned: Mapping[TaskKey, int] = _NOTHING  # elastic: the generation last written to the task
+    files: Mapping[tuple[TaskKey, str], str] = _NOTHING  # the text last written to each task file
+    asked: Set[str] = frozenset()  # leases already asked for (the log has them, or a request is on its way)
+    unrecorded: Mapping[TaskKey, TaskExit] = _NOTHING  # of ``exited``: those whose end is not in the log yet
+    progress: Mapping[TaskKey, Mapping[str, float]] = _NOTHING  # each task's leader's last report
 
 
 class AgentEvents:
@@ -120,6 +166,41 @@ class AgentEvents:
             **stamp, job=job.job, attempt=job.attempt, generation=job.generation, node=self.node, **fields
         )  # type: ignore[arg-type]
 
+    def lease_requested(self, job: JobState, lease: str, gpu: int, at: float) -> ev.MemoryLeaseRequested:
+        needs = job.spec.memory
+        assert needs is not None, "only a job that declares memory leases it"
+        return ev.MemoryLeaseRequested(
+            **self.stamp("lease", lease, at=at),  # type: ignore[arg-type]
+            lease=lease,
+            job=job.job,
+            attempt=job.attempt,
+            node=self.node,
+            gpu=gpu,
+            mb=needs.extra_mb,
+            min_mb=needs.min_mb,
+            tiers=needs.tiers,
+        )
+
+    def worker_lost(self, job: JobState, attempt: int, death: WorkerDeath, at: float) -> ev.WorkerLost | None:
+        """An elastic worker of this node died outside a rescale (a leaving worker exits with 0): the
+        event that says so, or None if it is not news (the attempt is over or ending, the worker is
+        not one of the current generation's, or its death is known already)."""
+        if death.gpu is None or job.attempt != attempt or job.stopping():
+            return None  # (the whole attempt is ending: its parts report as usual)
+        worker = ev.worker_id(self.node, death.gpu)
+        if worker not in job.workers or worker in job.lost_workers:
+            return None
+        parts = (job.job, str(attempt), str(death.gpu), str(job.generation))
+        return ev.WorkerLost(
+            **self.stamp("worker-lost", *parts, at=at),  # type: ignore[arg-type]
+            job=job.job,
+            attempt=attempt,
+            node=self.node,
+            gpu=death.gpu,
+            exit_code=death.code,
+            reason=death.reason,
+        )
+
 
 def launch_for(
     job: JobState, node: str, *, resume: bool, elapsed_s: float, gpus: tuple[int, ...] | None = None
@@ -159,18 +240,31 @@ def stop_reason(job: JobState) -> str:
 
 
 def reconcile(
-    state: ClusterState, node: str, job_id: str, tasks: Tasks, now: float, events: AgentEvents, *, simulated: bool
+    state: ClusterState,
+    node: str,
+    job_id: str,
+    tasks: Tasks,
+    now: float,
+    events: AgentEvents,
+    *,
+    simulated: bool,
+    leases: Leases = _NOTHING,
 ) -> list[Action]:
-    """The actions that bring this node's part of ``job_id`` in line with the log."""
+    """The actions that bring this node's part of ``job_id`` in line with the log (``state``, and
+    ``leases``: the memory leases of this node's workers) given what runs (``tasks``). ``simulated``:
+    the executor runs no processes (no plans, files or workers to hand out; a rescale is done at once)."""
     job = state.jobs.get(job_id)
     mine = job is not None and job.status in ACTIVE and node in job.nodes
     # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
     leaving = job is not None and job.status in ACTIVE and not mine and any(a.node == node for a in job.releasing)
     key = TaskKey(job_id, job.attempt) if job is not None else None
-    out: list[Action] = []
+    out: list[Action] = [
+        RecordEnd(k, ended(k, tasks, now, events)) for k in sorted(tasks.unrecorded) if k.job == job_id
+    ]
     for running in sorted(k for k in tasks.running if k.job == job_id) if tasks.running else ():
         if leaving and running == key:
-            out.append(HandPlan(running))
+            assert job is not None
+            out += hand_plan(job, running, tasks, again=False) if not simulated else []
         elif not mine or running != key:
             out.append(StopTask(running, "its attempt ended"))
     if job is None or key is None or not mine or node in job.parts_ended:
@@ -178,26 +272,108 @@ def reconcile(
     if job.stopping():
         grace = job.preempt_grace_s if job.preempt_reason is not None and not job.cancel_requested else 0.0
         return [*out, StopTask(key, stop_reason(job), grace, report="stopped")]
+    elastic = job.spec.elastic is not None
     if key in tasks.running:
         if key in tasks.deadline_missed:
             return [*out, StopTask(key, tasks.deadline_missed[key], report="failed")]
-        out.append(SyncLeases(key))
-        if job.spec.elastic is not None:
-            if simulated:
-                out += simulated_rescale(job, node, now, events)
-            else:
-                out += [HandPlan(key), Grow(key), CollectDeaths(key)]
+        workers = tasks.workers.get(key, TaskWorkers())
+        out += sync_leases(job, node, key, tasks, workers.launched, now, events, leases, simulated=simulated)
+        if elastic and simulated:
+            out += simulated_rescale(job, node, now, events)
+        elif elastic:
+            out += hand_plan(job, key, tasks, again=False)
+            out += new_workers(job, node, workers.launched)
+            out += lost_workers(job, key, workers.dead, now, events)
         return out
     if key in tasks.exited:
         return out
     resume = node in job.started_nodes
-    late = resume or (job.spec.elastic is not None and job.generation > 0)  # (a grow onto this node)
+    late = resume or (elastic and job.generation > 0)  # (a grow onto this node)
     elapsed = max(0.0, now - job.started_at) if late and job.started_at is not None else 0.0
     started = None if resume else events.started(job, now)
-    out.append(StartTask(launch_for(job, node, resume=resume, elapsed_s=elapsed), started))
-    if job.spec.elastic is not None:
-        out.append(HandPlan(key, again=True))
-    out.append(SyncLeases(key))
+    launch = launch_for(job, node, resume=resume, elapsed_s=elapsed)
+    out.append(StartTask(launch, started))
+    if elastic and not simulated:
+        out += hand_plan(job, key, tasks, again=True)  # a fresh folder (or one from before a restart)
+    # Its workers: those it starts now, or, adopted after a restart, those its folder names.
+    workers = tasks.workers.get(key, TaskWorkers()).launched if resume else frozenset(launch.gpus)
+    out += sync_leases(job, node, key, tasks, workers, now, events, leases, simulated=simulated, fresh=True)
+    return out
+
+
+def hand_plan(job: JobState, key: TaskKey, tasks: Tasks, *, again: bool) -> list[Action]:
+    """The job's current generation for the task's workers: once per generation, unless ``again``."""
+    plan = job.plan()
+    if plan is None or (not again and tasks.planned.get(key) == plan.generation):
+        return []
+    return [WritePlan(key, plan)]
+
+
+def new_workers(job: JobState, node: str, launched: Set[int]) -> list[Action]:
+    """The workers of this node's GPUs that a rescale added to a running elastic task."""
+    mine = job.allocations[job.nodes.index(node)].gpus
+    new = tuple(g for g in mine if g not in launched)
+    return [StartWorkers(launch_for(job, node, resume=False, elapsed_s=0.0, gpus=new))] if new else []
+
+
+def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents) -> ev.TaskEnded:
+    """How a task that ended by itself ended, with its leader's last report as the final metrics."""
+    exit_ = tasks.unrecorded[key]
+    metrics = tasks.progress.get(key)
+    return events.ended(
+        key,
+        exit_.outcome,
+        now,
+        exit_code=exit_.exit_code,
+        reason=exit_.reason,
+        output_tail=exit_.output_tail,
+        metrics=dict(metrics) if metrics is not None else None,
+    )
+
+
+def lost_workers(
+    job: JobState, key: TaskKey, dead: Sequence[WorkerDeath], now: float, events: AgentEvents
+) -> list[Action]:
+    """The deaths the task's shim recorded that the log does not know of (one missed while the
+    agent was away, or whose message was lost)."""
+    out: list[Action] = []
+    seen: set[str] = set()
+    for death in dead:
+        lost = events.worker_lost(job, key.attempt, death, now)
+        if lost is not None and lost.id not in seen:
+            seen.add(lost.id)
+            out.append(ReportLostWorker(lost))
+    return out
+
+
+def sync_leases(
+    job: JobState,
+    node: str,
+    key: TaskKey,
+    tasks: Tasks,
+    workers: Set[int],
+    now: float,
+    events: AgentEvents,
+    leases: Leases,
+    *,
+    simulated: bool,
+    fresh: bool = False,
+) -> list[Action]:
+    """Ask for the leases the task's workers need (an elastic worker's once its process is there:
+    ``workers``; every GPU's at once when simulated, or when the job is not elastic); hand the task
+    its leases as the log has them (``fresh``: a folder the lease file was not written to yet)."""
+    if job.spec.memory is None:
+        return []
+    if job.spec.elastic is None or simulated:
+        workers = {g for a in job.allocations if a.node == node for g in a.gpus}
+    out: list[Action] = []
+    for lease, gpu in lease_rules.wanted_requests(job, node, set(workers)):
+        if lease not in tasks.asked:
+            out.append(RequestLease(events.lease_requested(job, lease, gpu, now)))
+    if not simulated:
+        text = lease_rules.lease_file(leases, job, node)
+        if fresh or tasks.files.get((key, lease_rules.LEASES_FILE)) != text:
+            out.append(WriteTaskFile(key, lease_rules.LEASES_FILE, text))
     return out
 
 

@@ -23,13 +23,13 @@ Three rules make "nothing runs twice at the same time" hold:
   only after a longer silence, so by then nothing of the task is left to run
   next to its requeued attempt.
 
-This module uses only the standard library: it starts in milliseconds.
+This module imports only the standard library, msgspec and the task folder's Structs
+(``taskfiles.py``, which both sides use): it starts in milliseconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -41,36 +41,43 @@ from pathlib import Path
 import msgspec
 
 from gpuherd.control import WorkerExit, encode_message
+from services.nodeagent import taskfiles
+from services.nodeagent.taskfiles import (
+    ExitRecord,
+    GrowRequest,
+    ProcLaunch,
+    ShimInfo,
+    StandbyLaunch,
+    StopRequest,
+    TaskDescription,
+    WorkerDeath,
+    WorkerExitRecord,
+)
 
 POLL_S = 0.1
 STANDBY_REFILL_DELAY_S = 2.0  # after the task's workers started, or the last standby was taken
 
 
-def write_json(path: Path, data: object) -> None:
-    """Write atomically: a reader sees the old file or the whole new one."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 class Shim:
     def __init__(self, task_dir: Path) -> None:
         self.dir = task_dir
-        spec = json.loads((task_dir / "task.json").read_text())
-        self.procs_spec: list[dict] = spec["procs"]
-        self.cwd: str | None = spec.get("cwd")
-        self.alive_file = Path(spec["alive_file"])
-        self.fence_after_s = float(spec["fence_after_s"])
-        self.kill_grace_s = float(spec["kill_grace_s"])
+        spec = taskfiles.read(task_dir / taskfiles.TASK_FILE, TaskDescription)
+        if spec is None:
+            raise SystemExit(f"no {taskfiles.TASK_FILE} in {task_dir}")
+        self.procs_spec: list[ProcLaunch] = list(spec.procs)
+        self.cwd = spec.cwd
+        self.alive_file = Path(spec.alive_file)
+        self.fence_after_s = spec.fence_after_s
+        self.kill_grace_s = spec.kill_grace_s
         self.stop_reason: str | None = None
         self.checkpoint_grace_s = 0.0
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pgid: int | None = None
-        self.elastic = bool(spec.get("elastic"))
-        self.agent_addr: str = spec.get("agent_addr") or ""
-        self.job, self.attempt, self.node = spec.get("job", ""), int(spec.get("attempt", 0)), spec.get("node", "")
+        self.elastic = spec.elastic
+        self.agent_addr = spec.agent_addr
+        self.job, self.attempt, self.node = spec.job, spec.attempt, spec.node
         self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
-        self.deaths: list[dict] = []
+        self.deaths: list[WorkerDeath] = []
         self.standby: subprocess.Popen[bytes] | None = None  # elastic: the next worker, torch already imported
         self.attached: list[Attached] = []  # elastic: workers from the agent's warm pool
         self.standby_due: float | None = None  # monotonic: when to start the next standby
@@ -78,30 +85,31 @@ class Shim:
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
             return
-        request = {}  # stays empty when stopped by hand rather than by the agent
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            request = json.loads((self.dir / "stop.json").read_text())
-        self.checkpoint_grace_s = float(request.get("checkpoint_grace_s", 0.0))
-        self.stop_reason = request.get("reason") or f"stopped by the agent ({signal.Signals(signum).name})"
+        request = StopRequest()  # stays empty when stopped by hand rather than by the agent
+        with contextlib.suppress(ValueError):
+            request = taskfiles.read(self.dir / taskfiles.STOP_FILE, StopRequest) or request
+        self.checkpoint_grace_s = request.checkpoint_grace_s
+        self.stop_reason = request.reason or f"stopped by the agent ({signal.Signals(signum).name})"
 
-    def launch(self, specs: list[dict] | None = None) -> str | None:
+    def launch(self, specs: list[ProcLaunch] | None = None) -> str | None:
         """Start every rank in one new process group (or watch it, one the agent's warm pool already
         started); the reason if one could not start."""
         if specs is not None and not specs:
             return None
         for rank, proc in enumerate(self.procs_spec if specs is None else specs, len(self.procs) if specs else 0):
-            if "pid" in proc:
-                worker = Attached(int(proc["pid"]), int(proc.get("pid_start") or 0), Path(proc["exit_file"]))
+            if proc.pid is not None:
+                assert proc.exit_file is not None, "a pooled worker comes with its exit record's path"
+                worker = Attached(proc.pid, proc.pid_start, Path(proc.exit_file))
                 self.attached.append(worker)
                 self.procs.append(worker)  # type: ignore[arg-type] - polled and waited like a child
                 if specs is not None:
                     self.procs_spec.append(proc)
                 continue
-            with open(proc["log"], "ab", buffering=0) as log:
+            with open(proc.log, "ab", buffering=0) as log:
                 try:
                     child = subprocess.Popen(
-                        proc["argv"],
-                        env=proc["env"],
+                        proc.argv,
+                        env=proc.env,
                         cwd=self.cwd,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
@@ -109,7 +117,7 @@ class Shim:
                         process_group=self._group(),
                     )
                 except OSError as exc:
-                    reason = f"cannot start {proc['argv'][0]!r}: {exc.strerror or exc}"
+                    reason = f"cannot start {proc.argv[0]!r}: {exc.strerror or exc}"
                     log.write(f"gpuherd: {reason}\n".encode())
                     return f"local rank {rank}: {reason}"
             if self.pgid is None:
@@ -121,20 +129,21 @@ class Shim:
 
     def grow(self) -> None:
         """Elastic: start the workers the agent asked for (each request file is taken once)."""
-        for request in sorted(self.dir.glob("grow-*.json")):
+        for request in sorted(self.dir.glob(taskfiles.GROW_PATTERN)):
             taken = request.with_suffix(".json.started")
             try:
                 request.rename(taken)
-                specs = json.loads(taken.read_text())["procs"]
-            except (OSError, ValueError, KeyError):
+                grown = taskfiles.read(taken, GrowRequest)
+            except (OSError, ValueError):
                 continue
-            pooled = [spec for spec in specs if "pid" in spec]  # already running: watch them
+            specs = grown.procs if grown is not None else []
+            pooled = [spec for spec in specs if spec.pid is not None]  # already running: watch them
             self.launch(pooled)
-            rest = self.hand_to_standby([spec for spec in specs if "pid" not in spec])
+            rest = self.hand_to_standby([spec for spec in specs if spec.pid is None])
             before = len(self.procs)
             failure = self.launch(rest)
             if failure is not None:
-                gpu = rest[len(self.procs) - before].get("gpu")  # the worker that could not start
+                gpu = rest[len(self.procs) - before].gpu  # the worker that could not start
                 if gpu is not None:
                     self.tell_agent(WorkerExit(job=self.job, attempt=self.attempt, gpu=gpu, code=127, reason=failure))
         self.write_info()
@@ -143,13 +152,13 @@ class Shim:
         """Elastic: keep one interpreter with torch imported for the next worker a grow adds
         (``gpuherd.train.standby``): a grow then skips the seconds a new process takes to start."""
         template = self.procs_spec[0] if self.procs_spec else None
-        if template is None or not is_python_script(template["argv"]) or self.stop_reason is not None:
+        if template is None or not is_python_script(template.argv) or self.stop_reason is not None:
             return
         with open(self.dir / "standby.log", "ab", buffering=0) as log:
             try:
                 self.standby = subprocess.Popen(
-                    [template["argv"][0], "-m", "gpuherd.train.standby"],
-                    env=template["env"],
+                    [template.argv[0], "-m", "gpuherd.train.standby"],
+                    env=template.env,
                     cwd=self.cwd,
                     stdin=subprocess.PIPE,
                     stdout=log,
@@ -162,19 +171,19 @@ class Shim:
             if self.pgid is None:
                 self.pgid = self.standby.pid  # every worker came from the pool: the standby leads the group
 
-    def hand_to_standby(self, specs: list[dict]) -> list[dict]:
+    def hand_to_standby(self, specs: list[ProcLaunch]) -> list[ProcLaunch]:
         """Give the first new worker to the standby (it becomes that worker); the rest start as new
         processes. Returns the specs still to launch."""
         standby, self.standby = self.standby, None
-        if standby is None or standby.poll() is not None or not specs or not is_python_script(specs[0]["argv"]):
+        if standby is None or standby.poll() is not None or not specs or not is_python_script(specs[0].argv):
             if standby is not None and standby.poll() is None:
                 self.standby = standby  # not used this time
             return specs
         first, rest = specs[0], specs[1:]
         assert standby.stdin is not None
         try:
-            launch = {"argv": first["argv"], "env": first["env"], "cwd": self.cwd, "log": first["log"]}
-            standby.stdin.write((json.dumps(launch) + "\n").encode())
+            launch = StandbyLaunch(argv=first.argv, env=first.env, cwd=self.cwd, log=first.log)
+            standby.stdin.write(msgspec.json.encode(launch) + b"\n")
             standby.stdin.close()
         except OSError:
             return specs
@@ -197,12 +206,13 @@ class Shim:
             code = proc.poll()
             if code not in (None, 0) and index not in self.reported:
                 self.reported.add(index)
-                gpu = self.procs_spec[index].get("gpu")
-                death = {"gpu": gpu, "code": code, "reason": f"worker {describe_exit(code)}"}
+                gpu = self.procs_spec[index].gpu
+                death = WorkerDeath(gpu=gpu, code=code, reason=f"worker {describe_exit(code)}")
                 self.deaths.append(death)
-                write_json(self.dir / "dead-workers.json", self.deaths)  # for an agent that missed the message
+                # For an agent that missed the message:
+                taskfiles.write(self.dir / taskfiles.DEAD_WORKERS_FILE, self.deaths)
                 if gpu is not None:
-                    exit_ = WorkerExit(job=self.job, attempt=self.attempt, gpu=gpu, code=code, reason=death["reason"])
+                    exit_ = WorkerExit(job=self.job, attempt=self.attempt, gpu=gpu, code=code, reason=death.reason)
                     self.tell_agent(exit_)
 
     def tell_agent(self, message: WorkerExit) -> None:
@@ -220,11 +230,16 @@ class Shim:
         return 0 if self.pgid is None else self.pgid
 
     def write_info(self) -> None:
-        pids = [p.pid for p in self.procs]
-        info = {"pid": os.getpid(), "pgid": self.pgid, "pids": pids, "started_at": self.started_at}
-        info["standby"] = self.standby.pid if self.standby is not None and self.standby.poll() is None else None
-        info["attached"] = [[w.pid, w.start_ticks] for w in self.attached]  # each leads a group of its own
-        write_json(self.dir / "shim.json", info | {"launched_at": time.time()})
+        info = ShimInfo(
+            pid=os.getpid(),
+            pgid=self.pgid,
+            pids=[p.pid for p in self.procs],
+            started_at=self.started_at,
+            standby=self.standby.pid if self.standby is not None and self.standby.poll() is None else None,
+            attached=[(w.pid, w.start_ticks) for w in self.attached],  # each leads a group of its own
+            launched_at=time.time(),
+        )
+        taskfiles.write(self.dir / taskfiles.SHIM_FILE, info)
 
     def signal_group(self, sig: int) -> None:
         groups = [self.pgid] if self.pgid is not None else []
@@ -264,7 +279,7 @@ class Shim:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         self.started_at = started_at = time.time()
-        write_json(self.dir / "shim.json", {"pid": os.getpid(), "started_at": started_at})
+        taskfiles.write(self.dir / taskfiles.SHIM_FILE, ShimInfo(pid=os.getpid(), started_at=started_at))
         failure = self.launch() if self.stop_reason is None else None
         if self.elastic and failure is None:
             # Its standby imports torch once the workers have started, not while they do.
@@ -280,7 +295,9 @@ class Shim:
                     self.report_dead_workers()
                     self.keep_standby()
                 codes = [p.poll() for p in self.procs]
-                if all(c is not None for c in codes) and not (self.elastic and any(self.dir.glob("grow-*.json"))):
+                if all(c is not None for c in codes) and not (
+                    self.elastic and any(self.dir.glob(taskfiles.GROW_PATTERN))
+                ):
                     break
                 bad = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
                 if bad is not None and not self.elastic:
@@ -310,16 +327,14 @@ class Shim:
         if failure is None and first_failure is not None and self.stop_reason is None:
             rank, code = first_failure
             failure = f"local rank {rank} {describe_exit(code)}"
-        write_json(
-            self.dir / "exit.json",
-            {
-                "codes": codes,
-                "failure": failure,
-                "failed_rank": None if first_failure is None else first_failure[0],
-                "stopped": self.stop_reason,
-                "ended_at": time.time(),
-            },
+        record = ExitRecord(
+            codes=codes,
+            failure=failure,
+            failed_rank=None if first_failure is None else first_failure[0],
+            stopped=self.stop_reason,
+            ended_at=time.time(),
         )
+        taskfiles.write(self.dir / taskfiles.EXIT_FILE, record)
         return 0
 
 
@@ -364,11 +379,11 @@ class Attached:
             return self.returncode
         if process_alive(self.pid, self.start_ticks):
             return None
-        try:
-            self.returncode = int(json.loads(self.exit_file.read_text())["code"])
-            return self.returncode
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        with contextlib.suppress(OSError, ValueError):  # (ValueError: being written)
+            record = taskfiles.read(self.exit_file, WorkerExitRecord)
+            if record is not None:
+                self.returncode = record.code
+                return self.returncode
         now = time.monotonic()
         self._gone_at = self._gone_at or now
         if now - self._gone_at < EXIT_RECORD_GRACE_S:

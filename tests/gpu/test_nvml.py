@@ -66,13 +66,8 @@ async def test_a_job_sees_exactly_its_gpu(tmp_path: Path) -> None:
         "x = torch.ones(1024, 1024, device='cuda'); print('sum', int((x @ x)[0, 0].item()))\n"
     )
     spec = ev.JobSpec(name="iso", user="t", gpus=1, command=(sys.executable, "-c", code))
-    done: asyncio.Future[TaskExit] = asyncio.get_running_loop().create_future()
-
-    async def on_exit(exit_: TaskExit) -> None:
-        done.set_result(exit_)
-
-    await executor.start(TaskLaunch(key=TaskKey("iso", 0), spec=spec, gpus=(target,)), on_exit)
-    result = await asyncio.wait_for(done, 90)
+    await executor.start(TaskLaunch(key=TaskKey("iso", 0), spec=spec, gpus=(target,)))
+    result: TaskExit = await asyncio.wait_for(executor.exits.get(), 90)
     assert result.outcome == "completed", result
     out = executor.output(TaskKey("iso", 0))["rank-0.log"].splitlines()
     assert out[0] == f"1 {inventory[target].uuid}"

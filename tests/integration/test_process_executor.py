@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,18 +42,9 @@ def launch(job: str, code: str, *, procs: int = 1, attempt: int = 0, resume: boo
     )
 
 
-class Exits:
-    def __init__(self) -> None:
-        self.got: list[TaskExit] = []
-        self.event = asyncio.Event()
-
-    async def __call__(self, exit_: TaskExit) -> None:
-        self.got.append(exit_)
-        self.event.set()
-
-    async def wait(self, timeout: float = 30.0) -> TaskExit:
-        await asyncio.wait_for(self.event.wait(), timeout)
-        return self.got[-1]
+async def exit_of(ex: CpuExecutor, timeout: float = 30.0) -> TaskExit:
+    """The next task end the executor queued (as the agent's exits loop takes them)."""
+    return await asyncio.wait_for(ex.exits.get(), timeout)
 
 
 def pids_of_job(job: str) -> list[int]:
@@ -78,14 +71,14 @@ async def wait_until(predicate, timeout: float = 15.0) -> None:
 
 
 async def test_each_rank_gets_its_env_and_output_is_kept(tmp_path: Path) -> None:
-    ex, exits = executor(tmp_path), Exits()
+    ex = executor(tmp_path)
     code = (
         "import os; print(' '.join(os.environ[k] for k in ('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE',"
         "'MASTER_ADDR','MASTER_PORT','GPUHERD_JOB_ID','GPUHERD_VIRTUAL_GPUS','GREETING')),"
         " repr(os.environ['CUDA_VISIBLE_DEVICES']))"
     )
-    await ex.start(launch("env1", code, procs=2), exits)
-    done = await exits.wait()
+    await ex.start(launch("env1", code, procs=2))
+    done = await exit_of(ex)
     assert done.outcome == "completed" and done.exit_code == 0
     out = ex.output(TaskKey("env1", 0))
     assert out["rank-0.log"].strip() == "0 2 0 2 127.0.0.1 29999 env1 0,1 hi ''"
@@ -94,15 +87,15 @@ async def test_each_rank_gets_its_env_and_output_is_kept(tmp_path: Path) -> None
 
 
 async def test_one_failing_rank_stops_the_others_and_reports_its_output(tmp_path: Path) -> None:
-    ex, exits = executor(tmp_path), Exits()
+    ex = executor(tmp_path)
     code = (
         "import os, sys, time\n"
         "if os.environ['LOCAL_RANK'] == '1':\n"
         "    print('rank one gives up', file=sys.stderr); sys.exit(5)\n"
         "time.sleep(60)"
     )
-    await ex.start(launch("fail1", code, procs=2), exits)
-    done = await exits.wait()
+    await ex.start(launch("fail1", code, procs=2))
+    done = await exit_of(ex)
     assert done.outcome == "failed" and done.exit_code == 5
     assert "local rank 1 exited with code 5" in done.reason
     assert "rank one gives up" in done.output_tail
@@ -110,16 +103,16 @@ async def test_one_failing_rank_stops_the_others_and_reports_its_output(tmp_path
 
 
 async def test_a_command_that_does_not_exist_fails_with_a_reason(tmp_path: Path) -> None:
-    ex, exits = executor(tmp_path), Exits()
+    ex = executor(tmp_path)
     bad = launch("nocmd", "")
     bad = TaskLaunch(key=bad.key, spec=ev.JobSpec(name="x", user="u", gpus=1, command=("/no/such/binary",)), gpus=(0,))
-    await ex.start(bad, exits)
-    done = await exits.wait()
+    await ex.start(bad)
+    done = await exit_of(ex)
     assert done.outcome == "failed" and "cannot start '/no/such/binary'" in done.reason
 
 
 async def test_stop_terminates_the_whole_process_group_including_grandchildren(tmp_path: Path) -> None:
-    ex, exits = executor(tmp_path, kill_grace_s=1.0), Exits()
+    ex = executor(tmp_path, kill_grace_s=1.0)
     # The rank ignores SIGTERM and leaves a grandchild behind: only SIGKILL of the group ends both.
     code = (
         "import signal, subprocess, sys, time\n"
@@ -127,43 +120,73 @@ async def test_stop_terminates_the_whole_process_group_including_grandchildren(t
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print('ready', flush=True); time.sleep(60)"
     )
-    await ex.start(launch("stop1", code), exits)
+    await ex.start(launch("stop1", code))
     await wait_until(lambda: "ready" in ex.output(TaskKey("stop1", 0)).get("rank-0.log", ""))
     assert len(pids_of_job("stop1")) == 2
     stopped = await ex.stop(TaskKey("stop1", 0), "cancelled on request")
     assert stopped is not None and stopped.outcome == "stopped" and stopped.reason == "cancelled on request"
     assert pids_of_job("stop1") == []
-    assert not exits.got, "a stopped task is not reported as exited"
+    assert ex.exits.empty(), "a stopped task is not reported as exited"
 
 
 async def test_a_new_executor_adopts_a_running_task_and_sees_it_end(tmp_path: Path) -> None:
     first = executor(tmp_path)
-    await first.start(launch("adopt1", "import time; time.sleep(1.5); print('done')"), Exits())
+    await first.start(launch("adopt1", "import time; time.sleep(1.5); print('done')"))
     await wait_until(lambda: bool(pids_of_job("adopt1")))
     await first.shutdown()  # an agent restart: the shim keeps running
-    second, exits = executor(tmp_path), Exits()
-    assert await second.recover(exits) == {TaskKey("adopt1", 0)}
-    await second.start(launch("adopt1", "raise SystemExit(9)", resume=True), exits)  # must not start twice
-    done = await exits.wait()
+    second = executor(tmp_path)
+    assert await second.recover() == {TaskKey("adopt1", 0)}
+    await second.start(launch("adopt1", "raise SystemExit(9)", resume=True))  # must not start twice
+    done = await exit_of(second)
     assert done.outcome == "completed" and "done" in done.output_tail
 
 
 async def test_a_task_that_ended_while_no_agent_ran_is_reported_from_its_exit_record(tmp_path: Path) -> None:
     first = executor(tmp_path)
-    await first.start(launch("gone1", "import sys; sys.exit(4)"), Exits())
+    await first.start(launch("gone1", "import sys; sys.exit(4)"))
     await first.shutdown()
     await wait_until(lambda: (tmp_path / "jobs" / "gone1" / "attempt-0" / "exit.json").exists())
-    second, exits = executor(tmp_path), Exits()
-    await second.recover(exits)
-    await second.start(launch("gone1", "", resume=True), exits)
-    done = await exits.wait()
+    second = executor(tmp_path)
+    await second.recover()
+    await second.start(launch("gone1", "", resume=True))
+    done = await exit_of(second)
     assert done.outcome == "failed" and done.exit_code == 4
 
 
 async def test_the_shim_fences_the_task_when_the_agent_goes_silent(tmp_path: Path) -> None:
-    ex, exits = executor(tmp_path, fence_after_s=1.0, kill_grace_s=0.5), Exits()
-    await ex.start(launch("fence1", "import time; time.sleep(60)"), exits)
+    ex = executor(tmp_path, fence_after_s=1.0, kill_grace_s=0.5)
+    await ex.start(launch("fence1", "import time; time.sleep(60)"))
     os.utime(tmp_path / "alive", (time.time() - 100, time.time() - 100))  # the agent stopped touching it
-    done = await exits.wait(timeout=20)
+    done = await exit_of(ex, timeout=20)
     assert done.outcome == "stopped" and done.reason.startswith("fenced")
     assert pids_of_job("fence1") == []
+
+
+SHIM = "services.nodeagent.shim"
+
+
+async def test_an_upgraded_agent_adopts_a_task_whose_shim_the_previous_version_started(tmp_path: Path) -> None:
+    """The previous version's shim outlived its agent: it is played here by a process with a shim's
+    command line that writes the task's files as that version did (untyped dicts)."""
+    folder = tmp_path / "jobs" / "old1" / "attempt-0"
+    folder.mkdir(parents=True)
+    proc = {"argv": [sys.executable, "-c", "pass"], "env": {}, "log": str(folder / "rank-0.log")}
+    task = {"job": "old1", "attempt": 0, "procs": [proc], "cwd": None, "alive_file": str(tmp_path / "alive"),
+            "fence_after_s": 30.0, "kill_grace_s": 2.0, "elastic": False, "agent_addr": "", "node": "n1"}  # fmt: skip
+    (folder / "task.json").write_text(json.dumps(task))
+    (folder / "rank-0.log").write_text("trained by the old version\n")
+    exit_record = {"codes": [0], "failure": None, "failed_rank": None, "stopped": None, "ended_at": time.time()}
+    record = f"open({str(folder / 'exit.json')!r}, 'w').write({json.dumps(exit_record)!r})"
+    shim = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(1.5); {record}", SHIM, str(folder)])
+    try:
+        await wait_until(lambda: SHIM.encode() in Path(f"/proc/{shim.pid}/cmdline").read_bytes())  # (exec'd)
+        info = {"pid": shim.pid, "pgid": None, "pids": [], "started_at": time.time(), "standby": None,
+                "attached": [], "launched_at": time.time()}  # fmt: skip
+        (folder / "shim.json").write_text(json.dumps(info))
+        ex = executor(tmp_path)
+        assert await ex.recover() == {TaskKey("old1", 0)}
+        done = await exit_of(ex)
+        assert done.outcome == "completed" and "trained by the old version" in done.output_tail
+    finally:
+        shim.kill()
+        shim.wait()

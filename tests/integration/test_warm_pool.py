@@ -97,12 +97,10 @@ async def test_a_warm_worker_takes_over_a_grow_onto_another_node_and_the_pool_re
     exits: dict[str, TaskExit] = {}
     warm_pid = refilled = 0
 
-    def on_exit(node: str):
-        async def record(exit_: TaskExit) -> None:
-            exits[node] = exit_
+    async def take_exits(node: str, executor: CpuExecutor) -> None:
+        exits[node] = await executor.exits.get()
 
-        return record
-
+    watchers = [asyncio.create_task(take_exits("a", home)), asyncio.create_task(take_exits("b", other))]
     try:
         pool = other.start_pool()
         assert pool is not None
@@ -110,14 +108,14 @@ async def test_a_warm_worker_takes_over_a_grow_onto_another_node_and_the_pool_re
         warm_pid = pool.idle[0].pid
         assert pool.status()["memory_mb"] > 50  # what it holds counts in the node's reports
 
-        await home.start(_launch((0, 1)), on_exit("a"))
+        await home.start(_launch((0, 1)))
         home.write_plan(KEY, ElasticPlan(0, ("a/0", "a/1"), "127.0.0.1", _port(), "a/0"))
         await wait_until(lambda: "step 3 " in _log(home, 0), 180, "the job training on node a")
 
         # The scheduler commits a grow onto node b; b's agent starts the job's task there.
         grow = ElasticPlan(1, ("a/0", "a/1", "b/0"), "127.0.0.1", _port(), "a/0", ("b/0",), time.time())
         home.write_plan(KEY, grow)
-        await other.start(_launch((0,)), on_exit("b"))
+        await other.start(_launch((0,)))
         other.write_plan(KEY, grow)
         (new_worker,) = json.loads((other.task_dir(KEY) / "task.json").read_text())["procs"]
         assert new_worker["pid"] == warm_pid  # the pool's interpreter is the new worker: nothing started cold
@@ -147,6 +145,8 @@ async def test_a_warm_worker_takes_over_a_grow_onto_another_node_and_the_pool_re
         assert json.loads((other.task_dir(KEY) / "worker-0.exit").read_text())["code"] == 0
         await wait_until(lambda: completed(2) is not None, 120, "the shrink to 2 workers")
     finally:
+        for watcher in watchers:
+            watcher.cancel()
         for executor in (home, other):
             with contextlib.suppress(Exception):
                 await executor.stop(KEY, "the test is over")

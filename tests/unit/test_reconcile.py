@@ -6,20 +6,26 @@ from __future__ import annotations
 import itertools
 
 from gpuherd import events as ev
-from services.nodeagent.executors.base import TaskKey
+from services.nodeagent import leases as lease_rules
+from services.nodeagent.executors.base import TaskExit, TaskKey, TaskWorkers
 from services.nodeagent.reconcile import (
     AgentEvents,
-    HandPlan,
     PowerMove,
     Record,
+    RecordEnd,
+    ReportLostWorker,
+    RequestLease,
     StartTask,
+    StartWorkers,
     StopTask,
-    SyncLeases,
     Tasks,
+    WritePlan,
+    WriteTaskFile,
     power,
     reconcile,
 )
 from services.nodeagent.state import AgentState, evolve, new_state
+from services.nodeagent.taskfiles import WorkerDeath
 from tests.helpers import finish, node, submit
 
 _seq = itertools.count(1)
@@ -33,9 +39,21 @@ def fold(*events: ev.Event, state: AgentState | None = None, me: str = "n1") -> 
     return state
 
 
-def placed(job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0) -> ev.JobPlaced:
+RENDEZVOUS = ev.Rendezvous("n1.local", 29500)
+
+
+def placed(
+    job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0, rendezvous: bool = False
+) -> ev.JobPlaced:
     allocations = tuple(ev.Allocation(n, g) for n, g in allocs)
-    return ev.JobPlaced(id=f"p-{job}-{attempt}", at=at, job=job, attempt=attempt, allocations=allocations)
+    return ev.JobPlaced(
+        id=f"p-{job}-{attempt}",
+        at=at,
+        job=job,
+        attempt=attempt,
+        allocations=allocations,
+        rendezvous=RENDEZVOUS if rendezvous else None,
+    )
 
 
 def started(job: str, node_name: str, attempt: int = 0, at: float = 2.0) -> ev.JobStarted:
@@ -43,13 +61,15 @@ def started(job: str, node_name: str, attempt: int = 0, at: float = 2.0) -> ev.J
 
 
 def act(state: AgentState, job: str, tasks: Tasks = NO_TASKS, *, now: float = 10.0, simulated: bool = False) -> list:
-    return reconcile(state, state.node, job, tasks, now, AgentEvents(state.node), simulated=simulated)
+    return reconcile(
+        state, state.node, job, tasks, now, AgentEvents(state.node), simulated=simulated, leases=state.leases
+    )
 
 
 def test_a_part_placed_here_is_started_and_its_start_recorded_once() -> None:
     state = fold(node("n1", 4), node("n2", 4), submit("a", 4, nodes=2), placed("a", ("n1", (0, 1)), ("n2", (0, 1))))
-    (start, leases) = act(state, "a")
-    assert isinstance(start, StartTask) and isinstance(leases, SyncLeases)
+    (start,) = act(state, "a")
+    assert isinstance(start, StartTask)
     launch = start.launch
     assert (launch.key, launch.gpus, launch.group_rank, launch.world_size, launch.resume) == (
         TaskKey("a", 0),
@@ -60,9 +80,9 @@ def test_a_part_placed_here_is_started_and_its_start_recorded_once() -> None:
     )
     assert start.started is not None and start.started.id == "agent.n1:start:a:0" and start.started.node == "n1"
     running = fold(started("a", "n1"), state=state)
-    assert act(running, "a", Tasks({TaskKey("a", 0)}, set(), {})) == [SyncLeases(TaskKey("a", 0))]
+    assert act(running, "a", Tasks({TaskKey("a", 0)}, set(), {})) == []
     # After an agent restart, a part the log says started here is adopted, never started twice.
-    (adopt, _) = act(running, "a", now=12.0)
+    (adopt,) = act(running, "a", now=12.0)
     assert adopt.launch.resume and adopt.started is None and adopt.launch.elapsed_s == 10.0
 
 
@@ -107,7 +127,7 @@ def test_a_requeued_sim_job_runs_only_what_is_left_of_its_work() -> None:
         started("a", "n1", at=0.0), ev.JobRequeued(id="r", at=40.0, job="a", attempt=0, reason="x"), state=state
     )
     state = fold(placed("a", ("n1", (1,)), attempt=1, at=50.0), state=state)
-    (start, _) = act(state, "a", now=50.0)
+    (start,) = act(state, "a", now=50.0)
     assert start.launch.attained_s == 40.0 and start.launch.key == TaskKey("a", 1)
 
 
@@ -116,7 +136,7 @@ ELASTIC = ev.JobSpec(name="el", user="u", gpus=2, duration_s=50.0, elastic=ev.El
 
 def test_an_elastic_job_s_leaving_workers_get_the_plan_and_a_simulated_rescale_is_done_by_its_leader() -> None:
     n1_n2 = [node("n1", 2), node("n2", 2), ev.JobSubmitted(id="s", job="e", spec=ELASTIC, intake_source="t")]
-    state = fold(*n1_n2, placed("e", ("n1", (0, 1))), started("e", "n1"))
+    state = fold(*n1_n2, placed("e", ("n1", (0, 1)), rendezvous=True), started("e", "n1"))
     grow = ev.JobResized(
         id="g",
         at=5.0,
@@ -124,21 +144,120 @@ def test_an_elastic_job_s_leaving_workers_get_the_plan_and_a_simulated_rescale_i
         attempt=0,
         generation=1,
         allocations=(ev.Allocation("n1", (0, 1)), ev.Allocation("n2", (0,))),
+        rendezvous=RENDEZVOUS,
     )
     leader = fold(grow, state=state)
     key = TaskKey("e", 0)
-    (_, done) = act(leader, "e", Tasks({key}, set(), {}), simulated=True)
+    (done,) = act(leader, "e", Tasks({key}, set(), {}), simulated=True)
     assert isinstance(done, Record) and isinstance(done.event, ev.RescaleCompleted)
     assert (done.event.generation, done.event.world, done.event.world_before) == (1, 3, 2)
-    joiner = fold(*n1_n2, placed("e", ("n1", (0, 1))), started("e", "n1"), grow, me="n2")
-    (start, plan, _) = act(joiner, "e", simulated=False)
-    assert isinstance(start, StartTask) and start.launch.gpus == (0,) and plan == HandPlan(key, again=True)
+    joiner = fold(*n1_n2, placed("e", ("n1", (0, 1)), rendezvous=True), started("e", "n1"), grow, me="n2")
+    (start, plan) = act(joiner, "e", simulated=False)
+    assert (
+        isinstance(start, StartTask) and start.launch.gpus == (0,) and plan == WritePlan(key, joiner.jobs["e"].plan())
+    )
     shrink = ev.JobResized(
         id="s1", at=9.0, job="e", attempt=0, generation=2, allocations=(ev.Allocation("n1", (0, 1)),),
-        releasing=(ev.Allocation("n2", (0,)),), kind="shrink",
+        releasing=(ev.Allocation("n2", (0,)),), kind="shrink", rendezvous=RENDEZVOUS,
     )  # fmt: skip
     leaving = fold(started("e", "n2"), shrink, state=joiner)
-    assert act(leaving, "e", Tasks({key}, set(), {})) == [HandPlan(key)]
+    assert act(leaving, "e", Tasks({key}, set(), {})) == [WritePlan(key, leaving.jobs["e"].plan())]
+    assert act(leaving, "e", Tasks({key}, set(), {}, planned={key: 2})) == [], "written once per generation"
+
+
+def test_a_task_that_ended_by_itself_has_its_end_recorded_first_and_once() -> None:
+    state = fold(node("n1", 2), submit("a", 1), placed("a", ("n1", (0,))), started("a", "n1"))
+    key = TaskKey("a", 0)
+    exit_ = TaskExit(key=key, outcome="failed", exit_code=3, reason="local rank 0 exited with code 3", output_tail="x")
+    tasks = Tasks(set(), {key}, {}, unrecorded={key: exit_}, progress={key: {"step": 7.0}})
+    (end,) = act(state, "a", tasks)
+    assert isinstance(end, RecordEnd) and end.key == key
+    assert (end.event.outcome, end.event.exit_code, end.event.reason, end.event.output_tail) == (
+        "failed",
+        3,
+        "local rank 0 exited with code 3",
+        "x",
+    )
+    assert end.event.metrics == {"step": 7.0} and end.event.id == "agent.n1:ended:a:0"
+    assert act(state, "a", Tasks(set(), {key}, {})) == [], "recorded: nothing more, and not started again"
+    # An old attempt's end is recorded too, before the current attempt is looked after.
+    requeued = fold(ev.JobRequeued(id="r", at=3.0, job="a", attempt=0, reason="x"), state=state)
+    again = fold(placed("a", ("n1", (1,)), attempt=1), state=requeued)
+    (end, start) = act(again, "a", tasks)
+    assert isinstance(end, RecordEnd) and end.key == key and start.launch.key == TaskKey("a", 1)
+
+
+def elastic_running(*, memory: ev.MemoryNeeds | None = None) -> AgentState:
+    spec = ev.JobSpec(name="e", user="u", gpus=2, duration_s=50.0, elastic=ev.Elastic(min=1, max=4), memory=memory)
+    submitted = ev.JobSubmitted(id="s", job="e", spec=spec, intake_source="t")
+    return fold(node("n1", 4), submitted, placed("e", ("n1", (0, 1)), rendezvous=True), started("e", "n1", at=3.0))
+
+
+def test_a_running_elastic_task_gets_each_generation_once_and_the_workers_a_grow_adds() -> None:
+    state = elastic_running()
+    key = TaskKey("e", 0)
+    both = TaskWorkers(launched=frozenset({0, 1}))
+    plan = state.jobs["e"].plan()
+    assert act(state, "e", Tasks({key}, set(), {}, workers={key: both})) == [WritePlan(key, plan)]
+    assert act(state, "e", Tasks({key}, set(), {}, workers={key: both}, planned={key: 0})) == []
+    grow = ev.JobResized(
+        id="g", at=5.0, job="e", attempt=0, generation=1, allocations=(ev.Allocation("n1", (0, 1, 3)),),
+        rendezvous=RENDEZVOUS, state_from="n1/0", joiners=("n1/3",),
+    )  # fmt: skip
+    grown = fold(grow, state=state)
+    (write, workers) = act(grown, "e", Tasks({key}, set(), {}, workers={key: both}, planned={key: 0}))
+    assert write == WritePlan(key, grown.jobs["e"].plan()) and write.plan.generation == 1
+    assert isinstance(workers, StartWorkers) and workers.launch.gpus == (3,) and workers.launch.key == key
+    assert act(grown, "e", Tasks({key}, set(), {}, workers={key: TaskWorkers(launched=frozenset({0, 1, 3}))},
+               planned={key: 1})) == []  # fmt: skip
+    # Simulated: no processes, so no plan and no workers; its leader says the rescale is done.
+    (done,) = act(grown, "e", Tasks({key}, set(), {}), simulated=True)
+    assert isinstance(done, Record) and isinstance(done.event, ev.RescaleCompleted)
+
+
+def test_a_worker_that_died_is_reported_once_unless_the_log_knows_or_the_attempt_is_ending() -> None:
+    state = elastic_running()
+    key = TaskKey("e", 0)
+    dead = (
+        WorkerDeath(gpu=1, code=-9, reason="worker was killed by SIGKILL"),
+        WorkerDeath(gpu=1, code=-9, reason="worker was killed by SIGKILL"),  # (recorded twice by the shim)
+        WorkerDeath(gpu=None, code=127, reason="worker did not start"),  # no GPU: not a worker of the job
+        WorkerDeath(gpu=2, code=1, reason="worker exited with code 1"),  # not one of the job's workers
+    )
+    tasks = Tasks({key}, set(), {}, workers={key: TaskWorkers(launched=frozenset({0, 1}), dead=dead)}, planned={key: 0})
+    (lost,) = act(state, "e", tasks)
+    assert isinstance(lost, ReportLostWorker)
+    assert (lost.event.gpu, lost.event.exit_code, lost.event.id) == (1, -9, "agent.n1:worker-lost:e:0:1:0")
+    known = fold(lost.event, state=state)
+    assert act(known, "e", tasks) == []
+    cancelled = fold(ev.JobCancelRequested(id="c", at=6.0, job="e"), state=state)
+    assert [type(a) for a in act(cancelled, "e", tasks)] == [StopTask]
+
+
+def test_leases_are_asked_for_once_per_worker_and_the_lease_file_written_when_it_changes() -> None:
+    state = elastic_running(memory=ev.MemoryNeeds(extra_mb=2048, min_mb=512))
+    key = TaskKey("e", 0)
+    one = TaskWorkers(launched=frozenset({0}))  # the worker of GPU 1 has not started yet
+    (request, file, workers) = act(state, "e", Tasks({key}, set(), {}, workers={key: one}, planned={key: 0}))
+    lease = lease_rules.lease_id("e", 0, "n1", 0)
+    assert isinstance(request, RequestLease) and request.event.lease == lease and request.event.gpu == 0
+    assert (request.event.mb, request.event.min_mb, request.event.id) == (2048, 512, f"agent.n1:lease:{lease}")
+    assert file == WriteTaskFile(key, lease_rules.LEASES_FILE, lease_rules.lease_file({}, state.jobs["e"], "n1"))
+    assert isinstance(workers, StartWorkers) and workers.launch.gpus == (1,)
+    written = {(key, lease_rules.LEASES_FILE): file.text}
+    settled = Tasks({key}, set(), {}, workers={key: one}, planned={key: 0}, files=written, asked={lease})
+    assert act(state, "e", settled) == [workers], "the second worker's lease waits for its process"
+    both = settled._replace(workers={key: TaskWorkers(launched=frozenset({0, 1}))})
+    (second,) = act(state, "e", both)
+    assert isinstance(second, RequestLease) and second.event.gpu == 1
+    asked = fold(request.event, state=state)  # the file now names the lease: written again
+    (second_again, again) = act(asked, "e", both._replace(asked=frozenset(asked.leases)))
+    assert second_again == second, "asked for until the log has it (the same id: stored once)"
+    assert isinstance(again, WriteTaskFile) and lease in again.text
+    # Simulated (no processes): every worker is there at once, and no file is written.
+    simulated = act(state, "e", Tasks({key}, set(), {}), simulated=True)
+    assert [a.event.gpu for a in simulated if isinstance(a, RequestLease)] == [0, 1]
+    assert not [a for a in simulated if isinstance(a, WriteTaskFile)]
 
 
 def test_a_draining_node_powers_down_once_empty_and_a_booting_one_powers_up() -> None:

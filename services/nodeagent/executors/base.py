@@ -2,13 +2,15 @@
 
 A *task* is one node's part of a job attempt: the processes of that node's
 ranks (or, for ``sim``, a timer). The agent decides what should run from the
-log; an executor only carries it out and says how it ended.
+log; an executor only carries it out and says how it ended: it puts a ``TaskExit``
+on its ``exits`` queue for every task that ended by itself, and the agent takes them
+from there (an executor never calls the agent).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
+import asyncio
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -16,6 +18,7 @@ import msgspec
 
 from gpuherd.events import GpuInfo, JobSpec, Rendezvous
 from gpuherd.jobenv import ElasticPlan
+from services.nodeagent.taskfiles import WorkerDeath
 
 
 class TaskKey(NamedTuple):
@@ -48,6 +51,13 @@ class TaskExit(msgspec.Struct, frozen=True, kw_only=True):
     output_tail: str = ""
 
 
+class TaskWorkers(msgspec.Struct, frozen=True, kw_only=True):
+    """An elastic task's workers, as its folder has them."""
+
+    launched: frozenset[int] = frozenset()  # the GPUs with a worker started (at the start or by a grow)
+    dead: tuple[WorkerDeath, ...] = ()  # those that died, as the task's shim recorded them
+
+
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One telemetry reading of one GPU; None where the hardware does not say."""
 
@@ -62,21 +72,21 @@ class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     problem: str = ""  # why it is unhealthy
 
 
-OnExit = Callable[[TaskExit], Awaitable[None]]
-
-
 class Executor(abc.ABC):
     kind: str
     node: str = ""  # set by the agent; process executors pass it to the job (GPUHERD_NODE)
     agent_addr: str = ""  # the agent's control socket, for executors whose jobs can talk to it
     alive_file: Path | None = None  # touched by the agent while it is in contact with the log
 
+    def __init__(self) -> None:
+        self.exits: asyncio.Queue[TaskExit] = asyncio.Queue()  # tasks that ended, unless the agent stopped them
+
     @abc.abstractmethod
     def inventory(self, node: str) -> list[GpuInfo]: ...
 
     @abc.abstractmethod
-    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
-        """Run the task (or adopt it, when ``launch.resume``); ``on_exit`` hears how it ended,
+    async def start(self, launch: TaskLaunch) -> None:
+        """Run the task (or adopt it, when ``launch.resume``); how it ends goes on ``exits``,
         unless the agent stopped it."""
 
     @abc.abstractmethod
@@ -89,8 +99,9 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def running(self) -> set[TaskKey]: ...
 
-    async def recover(self, on_exit: OnExit) -> set[TaskKey]:
-        """After an agent restart: take back the tasks still running from before."""
+    async def recover(self) -> set[TaskKey]:
+        """After an agent restart: take back the tasks still running from before (those that
+        ended while no agent was there go on ``exits``)."""
         return set()
 
     def sample(self) -> list[GpuSample]:
@@ -127,13 +138,9 @@ class Executor(abc.ABC):
         """Start more workers in a running elastic task (``launch.gpus``: the new ones)."""
         return False
 
-    def dead_workers(self, key: TaskKey) -> list[dict]:
-        """The elastic task's workers that died (``{"gpu", "code", "reason"}``), as its shim recorded them."""
-        return []
-
-    def launched(self, key: TaskKey) -> set[int]:
-        """The GPUs of a running elastic task that have a worker started for them."""
-        return set()
+    def workers(self, key: TaskKey) -> TaskWorkers:
+        """The elastic task's workers: those started, and those that died (none: no processes)."""
+        return TaskWorkers()
 
     async def shutdown(self) -> None:
         """The agent is stopping. By default its tasks stop too."""

@@ -2,9 +2,9 @@
 
 Each task gets a folder ``<data>/jobs/<job>/attempt-<n>/`` holding its launch
 description (``task.json``), its shim's pid and process group (``shim.json``),
-one log file per rank and, once it ended, ``exit.json``. The folder is the
-executor's whole memory: after an agent restart, :meth:`recover` adopts every
-live shim and reports tasks that ended while no agent was there.
+one log file per rank and, once it ended, ``exit.json`` (their types: ``taskfiles.py``).
+The folder is the executor's whole memory: after an agent restart, :meth:`recover`
+adopts every live shim and reports tasks that ended while no agent was there.
 
 With ``warm_workers`` > 0 the executor keeps a pool of warm interpreters (``pool.py``) and an
 elastic task's new workers become them: at the task's start (the job's first generation here,
@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -25,14 +24,28 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+import msgspec
 
 from gpuherd import jobenv
 from gpuherd.events import MAX_OUTPUT_TAIL
 from gpuherd.jobenv import ElasticPlan
 from gpuherd.obs import get_logger
-from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
+from services.nodeagent import taskfiles
+from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
-from services.nodeagent.shim import process_alive, write_json
+from services.nodeagent.shim import process_alive
+from services.nodeagent.taskfiles import (
+    ExitRecord,
+    GrowRequest,
+    ProcLaunch,
+    ShimInfo,
+    StandbyLaunch,
+    StopRequest,
+    TaskDescription,
+    WorkerDeath,
+)
 
 log = get_logger("gpuherd.nodeagent.executor")
 
@@ -44,7 +57,6 @@ _PROFILE_FILE = re.compile(r"profile-rank\d+\.json")
 class _Task:
     key: TaskKey
     dir: Path
-    on_exit: OnExit
     gpus: tuple[int, ...] = ()
     pid: int | None = None
     stopping: str | None = None
@@ -67,6 +79,7 @@ class ProcessExecutor(Executor):
         warm_workers: int = 0,
         warm_min_free_mb: int | None = None,
     ) -> None:
+        super().__init__()
         self.data_dir = Path(data_dir)
         self.alive_file = alive_file
         self.agent_addr = agent_addr
@@ -111,22 +124,21 @@ class ProcessExecutor(Executor):
             self.pool.start()
         return self.pool
 
-    def _take_warm(self, procs: list[dict], task_dir: Path, cwd: str | None) -> list[dict]:
-        """Hand as many of ``procs`` as it can to warm workers of the pool, in order; mark each
-        (its ``pid``, start time and exit record) and return them."""
-        taken: list[dict] = []
-        for proc in procs:
+    def _take_warm(self, procs: list[ProcLaunch], task_dir: Path, cwd: str | None) -> list[ProcLaunch]:
+        """Hand as many of ``procs`` as it can to warm workers of the pool, in order: ``procs`` with
+        each one taken marked (its ``pid``, start time and exit record)."""
+        out = list(procs)
+        for n, proc in enumerate(procs):
             if self.pool is None:
                 break
-            exit_file = task_dir / f"{Path(proc['log']).stem}.exit"
-            exit_file.unlink(missing_ok=True)
-            launch = {"argv": proc["argv"], "env": proc["env"], "cwd": cwd or os.getcwd(), "log": proc["log"]}
-            warm = self.pool.take(launch | {"exit_file": str(exit_file)})
+            exit_file = str(task_dir / f"{Path(proc.log).stem}.exit")
+            Path(exit_file).unlink(missing_ok=True)
+            launch = StandbyLaunch(argv=proc.argv, env=proc.env, cwd=cwd or os.getcwd(), log=proc.log)
+            warm = self.pool.take(msgspec.structs.replace(launch, exit_file=exit_file))
             if warm is None:
                 break
-            proc.update(pid=warm.pid, pid_start=warm.start_ticks, exit_file=str(exit_file))
-            taken.append(proc)
-        return taken
+            out[n] = msgspec.structs.replace(proc, pid=warm.pid, pid_start=warm.start_ticks, exit_file=exit_file)
+        return out
 
     # -- paths -----------------------------------------------------------------------------
 
@@ -138,21 +150,24 @@ class ProcessExecutor(Executor):
     def running(self) -> set[TaskKey]:
         return set(self._tasks)
 
-    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
+    async def start(self, launch: TaskLaunch) -> None:
         key = launch.key
         if key in self._tasks:
             return
         task_dir = self.task_dir(key)
-        if launch.resume and (task_dir / "task.json").exists():
-            self._adopt(key, task_dir, on_exit, launch.gpus)  # never start twice what ran before a restart
+        if launch.resume and (task_dir / taskfiles.TASK_FILE).exists():
+            self._adopt(key, task_dir, launch.gpus)  # never start twice what ran before a restart
             return
         task_dir.mkdir(parents=True, exist_ok=True)
-        leftovers = [*task_dir.glob("grow-*.json*"), *task_dir.glob("*.exit")]
-        for leftover in ("exit.json", "shim.json", "stop.json", *(p.name for p in leftovers)):
+        leftovers = [*task_dir.glob(taskfiles.GROWN_PATTERN), *task_dir.glob("*.exit")]
+        done = (taskfiles.EXIT_FILE, taskfiles.SHIM_FILE, taskfiles.STOP_FILE)
+        for leftover in (*done, *(p.name for p in leftovers)):
             (task_dir / leftover).unlink(missing_ok=True)  # an elastic job back on this node in the same attempt
-        description = self._describe(launch, task_dir)
-        pooled = self._take_warm(description["procs"], task_dir, launch.spec.workdir) if launch.elastic else []
-        write_json(task_dir / "task.json", description)
+        procs = self._procs(launch, task_dir)
+        if launch.elastic:
+            procs = self._take_warm(procs, task_dir, launch.spec.workdir)
+        pooled = [p for p in procs if p.pid is not None]
+        taskfiles.write(task_dir / taskfiles.TASK_FILE, self._describe(launch, procs))
         shim_log = open(task_dir / "shim.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -168,11 +183,11 @@ class ProcessExecutor(Executor):
             )
         except BaseException:
             for worker in pooled:  # nobody would watch them
-                _kill_group(worker["pid"], worker["pid_start"])
+                _kill_group(worker.pid, worker.pid_start)  # type: ignore[arg-type]
             raise
         finally:
             shim_log.close()
-        task = _Task(key=key, dir=task_dir, on_exit=on_exit, gpus=launch.gpus, pid=proc.pid)
+        task = _Task(key=key, dir=task_dir, gpus=launch.gpus, pid=proc.pid)
         task.watcher = asyncio.create_task(self._watch_child(task, proc), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
         log.info(
@@ -185,7 +200,8 @@ class ProcessExecutor(Executor):
             return None
         task.stopping = reason
         if task.pid is not None and not task.ended.is_set():
-            write_json(task.dir / "stop.json", {"reason": reason, "checkpoint_grace_s": checkpoint_grace_s})
+            request = StopRequest(reason=reason, checkpoint_grace_s=checkpoint_grace_s)
+            taskfiles.write(task.dir / taskfiles.STOP_FILE, request)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: [SIGUSR1,] SIGTERM, grace, SIGKILL
             try:
@@ -197,19 +213,20 @@ class ProcessExecutor(Executor):
         self._tasks.pop(key, None)
         return task.exit or TaskExit(key=key, outcome="stopped", reason=reason)
 
-    async def recover(self, on_exit: OnExit) -> set[TaskKey]:
-        """Adopt the live shims a previous agent left. Reconciliation then stops those the log no
-        longer places here; a shim no agent adopts fences itself."""
+    async def recover(self) -> set[TaskKey]:
+        """Adopt the live shims a previous agent left (of this version or the one before).
+        Reconciliation then stops those the log no longer places here; a shim no agent adopts
+        fences itself."""
         adopted: set[TaskKey] = set()
-        for shim_file in sorted(self.data_dir.glob("jobs/*/attempt-*/shim.json")):
+        for shim_file in sorted(self.data_dir.glob(f"jobs/*/attempt-*/{taskfiles.SHIM_FILE}")):
             task_dir = shim_file.parent
-            if (task_dir / "exit.json").exists():
+            if (task_dir / taskfiles.EXIT_FILE).exists():
                 continue
             key = TaskKey(task_dir.parent.name, int(task_dir.name.removeprefix("attempt-")))
-            info = _read_json(shim_file)
-            if info is None or not _is_shim(info.get("pid"), task_dir):
+            info = _read(shim_file, ShimInfo)
+            if info is None or not _is_shim(info.pid, task_dir):
                 continue
-            self._adopt(key, task_dir, on_exit)
+            self._adopt(key, task_dir)
             adopted.add(key)
         if adopted:
             log.info("adopted tasks from before the restart", tasks=sorted(f"{k.job}/{k.attempt}" for k in adopted))
@@ -233,8 +250,8 @@ class ProcessExecutor(Executor):
         """GPU index -> the pids of the ranks running on it (from the shims' records)."""
         out: dict[int, list[int]] = {}
         for task in self._tasks.values():
-            pids = (_read_json(task.dir / "shim.json") or {}).get("pids") or []
-            for local_rank, pid in enumerate(pids):
+            info = _read(task.dir / taskfiles.SHIM_FILE, ShimInfo)
+            for local_rank, pid in enumerate(info.pids if info is not None else ()):
                 if task.gpus:
                     out.setdefault(task.gpus[local_rank % len(task.gpus)], []).append(pid)
         return out
@@ -243,7 +260,8 @@ class ProcessExecutor(Executor):
         task_dir = self.task_dir(key)
         if key not in self.running() or not task_dir.is_dir():
             return False
-        write_json(task_dir / jobenv.PROFILE_REQUEST_FILE, {"request": request, "steps": steps})
+        text = msgspec.json.encode({"request": request, "steps": steps}).decode()
+        self.write_task_file(key, jobenv.PROFILE_REQUEST_FILE, text)
         return True
 
     def profile_result(self, key: TaskKey, name: str) -> bytes | None:
@@ -261,21 +279,21 @@ class ProcessExecutor(Executor):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _describe(self, launch: TaskLaunch, task_dir: Path) -> dict:
-        return {
-            "job": launch.key.job,
-            "attempt": launch.key.attempt,
-            "procs": self._procs(launch, task_dir),
-            "cwd": launch.spec.workdir,
-            "alive_file": str(self.alive_file),
-            "fence_after_s": self.fence_after_s,
-            "kill_grace_s": self.kill_grace_s,
-            "elastic": launch.elastic,
-            "agent_addr": self.agent_addr,
-            "node": self.node,
-        }
+    def _describe(self, launch: TaskLaunch, procs: list[ProcLaunch]) -> TaskDescription:
+        return TaskDescription(
+            job=launch.key.job,
+            attempt=launch.key.attempt,
+            procs=procs,
+            cwd=launch.spec.workdir,
+            alive_file=str(self.alive_file),
+            fence_after_s=self.fence_after_s,
+            kill_grace_s=self.kill_grace_s,
+            elastic=launch.elastic,
+            agent_addr=self.agent_addr,
+            node=self.node,
+        )
 
-    def _procs(self, launch: TaskLaunch, task_dir: Path) -> list[dict]:
+    def _procs(self, launch: TaskLaunch, task_dir: Path) -> list[ProcLaunch]:
         """One process per rank; for an elastic task, one worker per GPU of ``launch.gpus``."""
         spec = launch.spec
         assert spec.command is not None
@@ -322,10 +340,8 @@ class ProcessExecutor(Executor):
                 log_name = f"worker-{gpu}.log"
             else:
                 env.update(self.device_env(launch.gpus, local_rank, neighbors))
-            proc = {"argv": argv, "env": env, "log": str(task_dir / log_name)}
-            if launch.elastic:
-                proc["gpu"] = launch.gpus[local_rank]
-            procs.append(proc)
+            gpu_of_worker = launch.gpus[local_rank] if launch.elastic else None
+            procs.append(ProcLaunch(argv=argv, env=env, log=str(task_dir / log_name), gpu=gpu_of_worker))
         return procs
 
     # -- elastic tasks ----------------------------------------------------------------------------
@@ -352,40 +368,34 @@ class ProcessExecutor(Executor):
         if task is None or not launch.gpus:
             return False
         task_dir = self.task_dir(key)
-        number = len(list(task_dir.glob("grow-*.json*")))
+        number = len(list(task_dir.glob(taskfiles.GROWN_PATTERN)))
         procs = self._procs(launch, task_dir)
         # The task's own standby (the shim keeps one) takes the first new worker; the pool the rest.
-        standby = (_read_json(task_dir / "shim.json") or {}).get("standby")
-        first = 1 if isinstance(standby, int) and process_alive(standby, 0) else 0
-        pooled = self._take_warm(procs[first:], task_dir, launch.spec.workdir)
-        write_json(task_dir / f"grow-{number:04d}.json", {"procs": procs})
+        info = _read(task_dir / taskfiles.SHIM_FILE, ShimInfo)
+        first = 1 if info is not None and info.standby is not None and process_alive(info.standby, 0) else 0
+        procs = procs[:first] + self._take_warm(procs[first:], task_dir, launch.spec.workdir)
+        taskfiles.write(task_dir / f"grow-{number:04d}.json", GrowRequest(procs=procs))
         task.gpus = tuple(sorted({*task.gpus, *launch.gpus}))
+        pooled = [p.gpu for p in procs if p.pid is not None]
         if pooled:
-            log.info("workers from the warm pool", job=key.job, gpus=[p["gpu"] for p in pooled])
+            log.info("workers from the warm pool", job=key.job, gpus=pooled)
         return True
 
-    def dead_workers(self, key: TaskKey) -> list[dict]:
-        data = _read_json_list(self.task_dir(key) / "dead-workers.json")
-        return [d for d in data if isinstance(d, dict)]
-
-    def launched(self, key: TaskKey) -> set[int]:
+    def workers(self, key: TaskKey) -> TaskWorkers:
         task_dir = self.task_dir(key)
-        out: set[int] = set()
-        for path in [task_dir / "task.json", *sorted(task_dir.glob("grow-*.json*"))]:
-            for proc in (_read_json(path) or {}).get("procs", []):
-                if isinstance(proc.get("gpu"), int):
-                    out.add(proc["gpu"])
-        return out
+        launched = frozenset(p.gpu for p in _launched_procs(task_dir) if p.gpu is not None)
+        dead = _read(task_dir / taskfiles.DEAD_WORKERS_FILE, tuple[WorkerDeath, ...]) or ()
+        return TaskWorkers(launched=launched, dead=dead)
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _adopt(self, key: TaskKey, task_dir: Path, on_exit: OnExit, gpus: tuple[int, ...] = ()) -> None:
+    def _adopt(self, key: TaskKey, task_dir: Path, gpus: tuple[int, ...] = ()) -> None:
         if key in self._tasks:
             self._tasks[key].gpus = gpus or self._tasks[key].gpus
             return
-        info = _read_json(task_dir / "shim.json") or {}
-        pid = info.get("pid")
-        task = _Task(key=key, dir=task_dir, on_exit=on_exit, gpus=gpus, pid=pid if _is_shim(pid, task_dir) else None)
+        info = _read(task_dir / taskfiles.SHIM_FILE, ShimInfo)
+        pid = info.pid if info is not None else None
+        task = _Task(key=key, dir=task_dir, gpus=gpus, pid=pid if _is_shim(pid, task_dir) else None)
         task.watcher = asyncio.create_task(self._watch_adopted(task), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
 
@@ -394,7 +404,7 @@ class ProcessExecutor(Executor):
         await self._ended(task)
 
     async def _watch_adopted(self, task: _Task) -> None:
-        while task.pid is not None and _is_shim(task.pid, task.dir) and not (task.dir / "exit.json").exists():
+        while task.pid is not None and _is_shim(task.pid, task.dir) and not (task.dir / taskfiles.EXIT_FILE).exists():
             await asyncio.sleep(0.25)
         # The shim exits right after writing exit.json; give it that moment before judging it.
         for _ in range(20):
@@ -404,7 +414,7 @@ class ProcessExecutor(Executor):
         await self._ended(task)
 
     async def _ended(self, task: _Task) -> None:
-        record = _read_json(task.dir / "exit.json")
+        record = _read(task.dir / taskfiles.EXIT_FILE, ExitRecord)
         if record is None:
             # The shim died without a word (SIGKILL, OOM killer): make sure its ranks are gone too.
             self._kill_everything(task)
@@ -412,37 +422,33 @@ class ProcessExecutor(Executor):
         task.ended.set()
         if task.stopping is None:
             self._tasks.pop(task.key, None)
-            await task.on_exit(task.exit)
+            self.exits.put_nowait(task.exit)
 
     def _kill_everything(self, task: _Task) -> None:
-        info = _read_json(task.dir / "shim.json") or {}
-        for pgid in {info.get("pgid"), task.pid if _is_shim(task.pid, task.dir) else None}:
-            if isinstance(pgid, int) and pgid > 1:
+        info = _read(task.dir / taskfiles.SHIM_FILE, ShimInfo)
+        for pgid in {info.pgid if info is not None else None, task.pid if _is_shim(task.pid, task.dir) else None}:
+            if pgid is not None and pgid > 1:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pgid, signal.SIGKILL)
         # Workers from the warm pool lead groups of their own (the task's folder names them even if
         # the shim died before it wrote them down).
-        for path in [task.dir / "task.json", *sorted(task.dir.glob("grow-*.json*"))]:
-            for proc in (_read_json(path) or {}).get("procs", []):
-                if isinstance(proc.get("pid"), int):
-                    _kill_group(proc["pid"], proc.get("pid_start") or 0)
+        for proc in _launched_procs(task.dir):
+            if proc.pid is not None:
+                _kill_group(proc.pid, proc.pid_start)
 
 
-def exit_from_record(key: TaskKey, record: dict | None, task_dir: Path, *, stopping: str | None) -> TaskExit:
+def exit_from_record(key: TaskKey, record: ExitRecord | None, task_dir: Path, *, stopping: str | None) -> TaskExit:
     """How a task ended, from its shim's exit record (None: the shim died without one)."""
     if record is None:
         reason = stopping or "the task's shim died without an exit record"
         return TaskExit(key=key, outcome="stopped", reason=reason, output_tail=_task_tail(task_dir, None))
-    codes: list[int | None] = record.get("codes") or []
-    failed_rank = record.get("failed_rank")
+    codes, failed_rank = record.codes, record.failed_rank
     tail = _task_tail(task_dir, failed_rank)
-    if record.get("failure"):
+    if record.failure:
         code = codes[failed_rank] if failed_rank is not None and failed_rank < len(codes) else 127
-        return TaskExit(
-            key=key, outcome="failed", exit_code=shell_code(code), reason=record["failure"], output_tail=tail
-        )
-    if record.get("stopped") or stopping:
-        return TaskExit(key=key, outcome="stopped", reason=stopping or record["stopped"], output_tail=tail)
+        return TaskExit(key=key, outcome="failed", exit_code=shell_code(code), reason=record.failure, output_tail=tail)
+    if record.stopped or stopping:
+        return TaskExit(key=key, outcome="stopped", reason=stopping or record.stopped or "", output_tail=tail)
     return TaskExit(key=key, outcome="completed", exit_code=0, output_tail=tail)
 
 
@@ -475,20 +481,24 @@ def _tail_bytes(path: Path, max_bytes: int) -> str:
         return ""
 
 
-def _read_json(path: Path) -> dict | None:
+T = TypeVar("T")
+
+
+def _read(path: Path, kind: type[T]) -> T | None:
+    """A task file, or None if it is not there; one that is unreadable is logged and read as absent
+    (the shim that wrote it may be of another version, or died writing a file it writes in place)."""
     try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return taskfiles.read(path, kind)
+    except taskfiles.UnreadableTaskFile as exc:
+        log.warning("unreadable task file", error=str(exc))
         return None
-    return data if isinstance(data, dict) else None
 
 
-def _read_json_list(path: Path) -> list:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
-    return data if isinstance(data, list) else []
+def _launched_procs(task_dir: Path) -> list[ProcLaunch]:
+    """Every process the agent asked the task's shim to run, at its start and at each grow."""
+    grown = [p for p in sorted(task_dir.glob(taskfiles.GROWN_PATTERN)) if p.suffix != ".tmp"]
+    requests = (_read(path, GrowRequest) for path in [task_dir / taskfiles.TASK_FILE, *grown])
+    return [proc for request in requests if request is not None for proc in request.procs]
 
 
 def _is_shim(pid: object, task_dir: Path) -> bool:

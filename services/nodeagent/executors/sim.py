@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 from gpuherd.events import GpuInfo, declared_gpus
-from services.nodeagent.executors.base import Executor, OnExit, TaskExit, TaskKey, TaskLaunch
+from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch
 
 
 def remaining_s(launch: TaskLaunch) -> float:
@@ -53,18 +53,18 @@ class SimExecutor(Executor):
     kind = "sim"
 
     def __init__(self, gpus: int = 8, *, gpu_model: str = "SIM-GPU", memory_mb: int = 81920, island: int = 0) -> None:
+        super().__init__()
         self.gpu_count = gpus
         self.gpu_model = gpu_model
         self.memory_mb = memory_mb
         self.island = island  # GPUs per NVLink island (0: all GPUs of the node are one island)
         self.tasks = SimTasks()
         self._timers: dict[TaskKey, asyncio.TimerHandle] = {}
-        self._reporting: set[asyncio.Task[None]] = set()
 
     def inventory(self, node: str) -> list[GpuInfo]:
         return declared_gpus(node, self.gpu_count, island=self.island, model=self.gpu_model, memory_mb=self.memory_mb)
 
-    async def start(self, launch: TaskLaunch, on_exit: OnExit) -> None:
+    async def start(self, launch: TaskLaunch) -> None:
         loop = asyncio.get_running_loop()
         end = self.tasks.start(launch, loop.time())
         if end is None:
@@ -74,9 +74,7 @@ class SimExecutor(Executor):
         def ended() -> None:
             self._timers.pop(key, None)
             if self.tasks.finish(key, end):
-                task = loop.create_task(on_exit(TaskExit(key=key, outcome="completed", exit_code=0)))
-                self._reporting.add(task)
-                task.add_done_callback(self._reporting.discard)
+                self.exits.put_nowait(TaskExit(key=key, outcome="completed", exit_code=0))
 
         self._timers[key] = loop.call_at(end, ended)
 
