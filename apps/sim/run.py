@@ -181,7 +181,7 @@ def _digest_of(parts: Iterable[str]) -> str:
 
 
 Inputs = tuple[list[ev.JobSubmitted], ClusterSpec]
-_LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.AnyEvent]])
+_LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.any_event()]])
 
 
 def _partitions(

@@ -89,6 +89,8 @@ class Tick(Event, kw_only=True, frozen=True):
     """A service's timer went off. Each service has a tick type of its own (one writer per type),
     and only its own decider acts on it."""
 
+    CATALOGUED: ClassVar[bool] = False
+
     def subject(self) -> str:
         return f"herd.clock.{self.source or 'anon'}"
 
