@@ -38,7 +38,7 @@ from gpuherd.log import (
     HERD_INTAKE,
     HERD_TELEMETRY,
     INTAKE_PREFIX,
-    LEASE_BUCKET,
+    LEADERSHIP_BUCKET,
     SNAPSHOT_BUCKET,
     STATUS_BUCKET,
     TELEMETRY_PREFIX,
@@ -127,7 +127,7 @@ def service_permissions(service: str) -> Permissions:
         *_read_log(),
         f"{DEAD_LETTER_PREFIX}.{service}",
         _kv_write(SNAPSHOT_BUCKET, service),
-        _kv_write(LEASE_BUCKET, f"decider.{service}"),
+        _kv_write(LEADERSHIP_BUCKET, f"decider.{service}"),
         _kv_write(STATUS_BUCKET, f"{service}.>"),
     ]
     subscribe = [_inbox(service)]
@@ -155,7 +155,7 @@ def agent_permissions(node: str) -> Permissions:
         f"{TELEMETRY_PREFIX}.{node}.>",
         *_read_log(),
         f"{DEAD_LETTER_PREFIX}.{user}",
-        _kv_write(LEASE_BUCKET, f"agent.{node}"),
+        _kv_write(LEADERSHIP_BUCKET, f"agent.{node}"),
         _kv_write(SNAPSHOT_BUCKET, f"agent.{node}"),
         _kv_write(STATUS_BUCKET, f"{user}.>"),
     )

@@ -6,7 +6,7 @@ pure reconcile step (``reconcile.py``) and carries out its actions with the exec
 - ``Agent`` (here): its life cycle, the ``follow`` loop (fold the log; reconcile each job an
   event touches, each job in a task of its own so one job's slow stop never holds up another's
   start), and carrying out the reconcile step's actions;
-- ``upkeep.py``: heartbeats and the node's lease, GPU telemetry (health, memory use, lease renewals);
+- ``upkeep.py``: heartbeats and the node's leadership, GPU telemetry (health, memory use, lease renewals);
 - ``messages.py``: what the job's processes report over the control socket (``gpuherd.control``);
 - ``power.py``: powering the node down and up; ``writer.py``: how it writes to the log.
 
@@ -35,7 +35,7 @@ from prometheus_client import Gauge
 
 from gpuherd import control
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, run_until_stopped
+from gpuherd.aio import run_until_stopped
 from gpuherd.fold import JobState
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
@@ -158,8 +158,8 @@ class Agent:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        lease = self.log.lease(f"agent.{self.node}", self.boot_id)  # one agent per node
-        if not await acquire_lease(lease, stop, f"node {self.node}"):
+        leadership = self.log.leadership(f"agent.{self.node}", self.boot_id)  # one agent per node
+        if not await leadership.acquire(stop, f"node {self.node}"):
             return
         self.upkeep.touch_alive()
         socket_ = None
@@ -184,7 +184,7 @@ class Agent:
                 metrics_port=self.metrics_port,
             )
             loops = {
-                "heartbeat": self.upkeep.heartbeats(lease),
+                "heartbeat": self.upkeep.heartbeats(leadership),
                 "telemetry": self.upkeep.samples(),
                 "follow": self._follow(),
                 "status": status,
@@ -203,7 +203,7 @@ class Agent:
             if socket_ is not None:
                 socket_.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.release(), 2.0)
+                await asyncio.wait_for(leadership.release(), 2.0)
 
     async def register(self, after_seq: int = 0) -> None:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""

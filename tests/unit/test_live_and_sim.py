@@ -16,7 +16,7 @@ import msgspec
 
 from apps.sim.engine import Simulation
 from gpuherd import events as ev
-from gpuherd.log import REPLY_HEADER, MemoryLog, Record
+from gpuherd.log import REPLY_HEADER, InProcessLog, Record
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler import service
 from services.scheduler.decide import SchedulerDecider
@@ -123,7 +123,7 @@ def simulated() -> list[ev.Event]:
 
 async def live() -> list[ev.Event]:
     now = 0.0
-    log = MemoryLog(clock=lambda: now, duplicate_window=0)
+    log = InProcessLog(clock=lambda: now, duplicate_window=0)
     runner = DeciderRunner(log, SchedulerDecider(), instance="live")
     service.setup(runner, [], ack_wait_s=3600)
     stop = asyncio.Event()

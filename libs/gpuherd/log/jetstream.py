@@ -7,9 +7,9 @@
 - ``read`` is an ordered consumer: an ephemeral pull consumer that is
   recreated from the last sequence seen whenever it breaks (server restart,
   reconnect), so a reader sees every sequence exactly once, in order.
-- Snapshots and leases are KV buckets. A lease is a key written with
+- Snapshots and leaderships are KV buckets. A leadership is a key written with
   ``create`` (only if absent) and renewed with ``update(last=revision)``; the
-  bucket's max age makes an unrenewed lease expire.
+  bucket's max age makes an unrenewed leadership expire.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, EventDecodeError, LeaseLost, LogError, LogUnavailable
-from gpuherd.log.interfaces import DurableConsumer, EventLog, Lease, RequestHandler, Traces, trace_of
+from gpuherd.aio import patiently
+from gpuherd.errors import ConcurrencyError, EventDecodeError, LeadershipLost, LogError, LogUnavailable
+from gpuherd.log.interfaces import DurableConsumer, EventLog, Leadership, RequestHandler, Traces, trace_of
 from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 from gpuherd.log.streams import (
@@ -58,7 +59,7 @@ from gpuherd.log.streams import (
     HERD_SUBJECTS,
     HERD_TELEMETRY,
     INTAKE_PREFIX,
-    LEASE_BUCKET,
+    LEADERSHIP_BUCKET,
     REPLY_HEADER,
     SNAPSHOT_BUCKET,
     STATUS_BUCKET,
@@ -79,7 +80,7 @@ class JetStreamSettings(msgspec.Struct, kw_only=True):
     duplicate_window_s: float = 7200.0
     intake_max_age_s: float = 7 * 86400.0
     telemetry_max_age_s: float = 3600.0
-    lease_ttl_s: float = 6.0
+    leadership_ttl_s: float = 6.0
     snapshot_max_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 5.0
     # "create": create or update the streams and buckets on open (the local default, and the
@@ -158,7 +159,7 @@ class JetStreamLog(EventLog):
     def __init__(self, nc: NatsClient, settings: JetStreamSettings | None = None) -> None:
         self.nc = nc
         self.settings = settings or JetStreamSettings()
-        self.lease_ttl = self.settings.lease_ttl_s
+        self.leadership_ttl = self.settings.leadership_ttl_s
         self.js: JetStreamContext = nc.jetstream(timeout=self.settings.request_timeout_s)
         self._kv: dict[str, Any] = {}
         self._owns_connection = False
@@ -255,7 +256,11 @@ class JetStreamLog(EventLog):
                 max_value_size=s.snapshot_max_bytes,
             ),
             KeyValueConfig(
-                bucket=LEASE_BUCKET, history=1, ttl=s.lease_ttl_s, storage=StorageType.FILE, replicas=s.replicas
+                bucket=LEADERSHIP_BUCKET,
+                history=1,
+                ttl=s.leadership_ttl_s,
+                storage=StorageType.FILE,
+                replicas=s.replicas,
             ),
             # What each running service says about itself (``gpuherd status``); gone when it stops saying.
             KeyValueConfig(
@@ -462,8 +467,6 @@ class JetStreamLog(EventLog):
     async def last_seq(self) -> int:
         # A server failing over or a stream electing its leader answers late: wait for it (what
         # asks is about to read the log, which waits through the same outage anyway).
-        from gpuherd.aio import patiently
-
         async def head() -> int:
             return int((await self.js.stream_info(HERD)).state.last_seq)
 
@@ -592,8 +595,8 @@ class JetStreamLog(EventLog):
                     out[key] = entry.value
         return out
 
-    def lease(self, name: str, holder: str) -> Lease:
-        return _JetStreamLease(self, name, holder)
+    def leadership(self, name: str, holder: str) -> Leadership:
+        return _JetStreamLeadership(self, name, holder)
 
 
 _COMPARED = (
@@ -715,17 +718,17 @@ class _JetStreamConsumer(DurableConsumer):
                 await msg.ack()
 
 
-class _JetStreamLease(Lease):
+class _JetStreamLeadership(Leadership):
     def __init__(self, log_: JetStreamLog, name: str, holder: str) -> None:
         self._log = log_
         self.name = name
         self.holder = holder
-        self.ttl = log_.lease_ttl
+        self.ttl = log_.leadership_ttl
         self._revision: int | None = None
 
     @property
     def _kv(self) -> Any:
-        return self._log._kv[LEASE_BUCKET]
+        return self._log._kv[LEADERSHIP_BUCKET]
 
     async def try_acquire(self) -> bool:
         try:
@@ -748,14 +751,14 @@ class _JetStreamLease(Lease):
 
     async def renew(self) -> None:
         if self._revision is None:
-            raise LeaseLost(f"lease {self.name!r} was never acquired by {self.holder!r}")
+            raise LeadershipLost(f"leadership {self.name!r} was never acquired by {self.holder!r}")
         try:
             self._revision = await self._kv.update(self.name, self.holder.encode(), last=self._revision)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
             if await self.try_acquire():  # it expired unclaimed: ours again
-                log.warning("lease expired during an outage and was taken again", lease=self.name)
+                log.warning("leadership expired during an outage and was taken again", leadership=self.name)
                 return
-            raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}") from exc
+            raise LeadershipLost(f"leadership {self.name!r} is no longer held by {self.holder!r}") from exc
 
     async def release(self) -> None:
         if self._revision is None:

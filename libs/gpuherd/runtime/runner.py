@@ -1,4 +1,4 @@
-"""The live shell of a decider: lease, snapshot, catch-up, consume -> ``DecisionCore`` -> append.
+"""The live shell of a decider: leadership, snapshot, catch-up, consume -> ``DecisionCore`` -> append.
 
 All of a decider's I/O is here; what is decided on which state is the core's (``core.py``):
 
@@ -8,7 +8,7 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
 * **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
   ``STATE_FORMAT`` is ignored), then folds the log to its head; the core decides what the tail
   still lacks.
-* **One active instance.** The runner acts only while it holds the KV lease ``decider.<service>``;
+* **One active instance.** The runner acts only while it holds the KV leadership ``decider.<service>``;
   standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once.
 """
 
@@ -23,9 +23,9 @@ from typing import Any, Generic
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.errors import LeaseLost, LogError
-from gpuherd.log import AppendResult, EventLog, EventStore, Lease
+from gpuherd.aio import run_until_stopped
+from gpuherd.errors import LeadershipLost, LogError
+from gpuherd.log import AppendResult, EventLog, EventStore, Leadership
 from gpuherd.log.interfaces import Traces
 from gpuherd.metrics import ServiceMetrics, status_reporter
 from gpuherd.obs import child_traceparent, get_logger
@@ -75,7 +75,7 @@ OnRefused = Callable[[Decided, LogError], Awaitable[None]]
 
 
 class DeciderRunner(Generic[S]):
-    """Runs one decider against a log: lease, snapshot, catch-up, live loop."""
+    """Runs one decider against a log: leadership, snapshot, catch-up, live loop."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class DeciderRunner(Generic[S]):
         self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
-        self._lease: Lease | None = None
+        self._leadership: Leadership | None = None
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
 
@@ -141,26 +141,26 @@ class DeciderRunner(Generic[S]):
         self.snapshot_bytes = size
         self.snapshots.taken(state.seq)
 
-    # -- lease ---------------------------------------------------------------------------------
+    # -- leadership ---------------------------------------------------------------------------------
 
     async def acquire_leadership(self, stop: asyncio.Event) -> bool:
-        lease = self.log.lease(f"decider.{self.name}", self.instance)
-        if not await acquire_lease(lease, stop, f"decider {self.name}"):
+        leadership = self.log.leadership(f"decider.{self.name}", self.instance)
+        if not await leadership.acquire(stop, f"decider {self.name}"):
             return False
-        self._lease = lease
+        self._leadership = leadership
         self.is_leader = True
         return True
 
-    async def _keep_lease(self) -> None:
-        assert self._lease is not None
+    async def _keep_leadership(self) -> None:
+        assert self._leadership is not None
         while True:
-            await asyncio.sleep(self._lease.ttl / 3)
+            await asyncio.sleep(self._leadership.ttl / 3)
             try:
-                await self._lease.renew()  # taken again if it expired unclaimed during an outage
-            except LeaseLost:
+                await self._leadership.renew()  # taken again if it expired unclaimed during an outage
+            except LeadershipLost:
                 raise  # another instance leads: run() turns this one into a standby
-            except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
-                log.warning("lease renewal failed; retrying", error=repr(exc))
+            except Exception as exc:  # NATS briefly away: keep trying until the leadership would expire
+                log.warning("leadership renewal failed; retrying", error=repr(exc))
 
     # -- health ----------------------------------------------------------------------------------
 
@@ -201,19 +201,23 @@ class DeciderRunner(Generic[S]):
                     return
                 self.metrics.leader.set(1)
                 await self.load_snapshot()
-                coroutines = {"lease": self._keep_lease(), "consume": self._consume(), "decide": self._decide()}
+                coroutines = {
+                    "leadership": self._keep_leadership(),
+                    "consume": self._consume(),
+                    "decide": self._decide(),
+                }
                 for extra in self.extra_tasks:
                     coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
                 try:
                     await run_until_stopped(coroutines, stop)
                     return  # stopped, or a loop died (cancelled from inside): the process ends
-                except LeaseLost as exc:
+                except LeadershipLost as exc:
                     log.warning("another instance leads now; back to standby", error=str(exc))
                     self._reset()
                 finally:
-                    if stop.is_set() and self._lease is not None:
+                    if stop.is_set() and self._leadership is not None:
                         with contextlib.suppress(Exception):
-                            await asyncio.wait_for(self._lease.release(), 2.0)
+                            await asyncio.wait_for(self._leadership.release(), 2.0)
                     self.is_leader = False
                     self.metrics.leader.set(0)
         finally:
