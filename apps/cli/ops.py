@@ -10,14 +10,14 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
+from apps import registry
 from apps.cli.common import console, nats_url_of, open_cli_log
+from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts
 from gpuherd.errors import GpuherdError
 from gpuherd.log import STATUS_BUCKET, open_log
 from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceStatus
-from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, check_token, render_accounts
-
-EXPECTED = SERVICES  # a deployment without one of these is degraded, and status says so
+from gpuherd.security import check_token
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -35,7 +35,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     view = asyncio.run(run())
     running = {s.service for s in view["services"]}
-    view["degraded"] = [f"{m} is not running" for m in EXPECTED if m not in running] + [
+    expected = registry.required()  # a deployment without one of these is degraded, and status says so
+    view["degraded"] = [f"{m} is not running" for m in expected if m not in running] + [
         f"{st['name']} has a replica behind"
         for st in view["nats"]["streams"]
         if any(not p["current"] or p["offline"] for p in st["peers"])
@@ -60,7 +61,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{now - s.updated_at:.0f}s",
             where,
         )
-    for missing in EXPECTED:
+    for missing in expected:
         if missing not in running:
             table.add_row(missing, "[red]not running[/red]", "", "", "", "", "", "")
     console.print(table)
@@ -120,7 +121,7 @@ def cmd_nats_accounts(args: argparse.Namespace) -> int:
         sources = [check_token("source", s) for s in _names(args.sources)]
     except ValueError as exc:
         raise GpuherdError(str(exc)) from None
-    print(render_accounts(nodes, sources), end="")
+    print(accounts(nodes, sources), end="")
     return 0
 
 

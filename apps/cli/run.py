@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from apps import registry
 from apps.cluster.up import run_cluster
-from apps.registry import SERVICES
+from gpuherd.runtime import shell
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    SERVICES[args.service].main(args.args)
+    shell.main(registry.spec(args.service), args.args, peers=registry.specs())
     return 0
 
 
@@ -38,6 +39,6 @@ def add_commands(sub: Any) -> None:
         help="run one service or a node agent in the foreground (what each container of the deployment runs)",
         description="Run one gpuherd process; the arguments after the name are its own (see `gpuherd serve NAME -h`).",
     )
-    sv.add_argument("service", choices=sorted(SERVICES))
+    sv.add_argument("service", choices=[s.name for s in registry.specs()])
     sv.add_argument("args", nargs=argparse.REMAINDER)
     sv.set_defaults(func=cmd_serve)

@@ -128,7 +128,7 @@ async def test_a_poison_intake_message_ends_as_a_dead_letter() -> None:
     log = RefusingLog()
     await log.append([node("n1", 4)])
     runner = DeciderRunner(log, SchedulerDecider(), instance="test")
-    service.setup(runner, [], ack_wait_s=0.05)
+    service.setup(runner, ack_wait_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     poison = msgspec.json.encode({"name": "poison", "user": "u", "gpus": 1, "duration_s": 1})

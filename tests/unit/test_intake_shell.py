@@ -21,7 +21,7 @@ from tests.helpers import node
 @contextlib.asynccontextmanager
 async def scheduler(log: InProcessLog) -> AsyncIterator[DeciderRunner]:
     runner = DeciderRunner(log, SchedulerDecider(), instance="test")
-    service.setup(runner, [])
+    service.setup(runner)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:

@@ -125,7 +125,7 @@ async def live() -> list[ev.Event]:
     now = 0.0
     log = InProcessLog(clock=lambda: now, duplicate_window=0)
     runner = DeciderRunner(log, SchedulerDecider(), instance="live")
-    service.setup(runner, [], ack_wait_s=3600)
+    service.setup(runner, ack_wait_s=3600)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     agents = Agents()
