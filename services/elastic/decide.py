@@ -25,14 +25,18 @@ class ElasticDecider(ConfiguredDecider[ElasticState, ElasticParams]):
     name = "elastic"
     STATE, FOLD = ElasticState, staticmethod(evolve)
     PARAMS, CONVERT = ElasticParams, staticmethod(params_from)
-    STATE_FORMAT = 3  # 3: placed and running elastic jobs indexed
+    STATE_FORMAT = 4  # 3: placed and running elastic jobs indexed; 4: the rules in force
     TRIGGERS, CONFIGURED, PARAMS_EXAMPLE = TRIGGERS, ev.ElasticConfigured, '{"min_interval_s": 30}'
     EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})
+
+    def rules_for(self, state: ElasticState) -> int:
+        """The policy's rules in force: the log's, else this service's own."""
+        return state.rules if state.rules is not None else ev.ELASTIC_RULES
 
     def decide(self, state: ElasticState, event: ev.Event) -> list[ev.Event]:
         if not self.triggered(event):
             return []
         out = self.refusal(event)
         if state.elastic_running or isinstance(event, ev.ElasticTicked | ev.ElasticConfigured):
-            out += decide(state, self.params_for(state))
+            out += decide(state, self.params_for(state), self.rules_for(state))
         return out

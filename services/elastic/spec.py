@@ -2,7 +2,12 @@
 the generic shell runs it. It only proposes; the scheduler commits, the agents and the jobs'
 workers carry out."""
 
+import time
+import uuid
+from collections.abc import Awaitable
+
 from gpuherd import events as ev
+from gpuherd.runtime.runner import DeciderRunner, append_reliably
 from gpuherd.runtime.spec import TimerSpec, switched_decider
 from services.elastic.decide import ElasticDecider
 from services.elastic.state import ElasticState
@@ -14,6 +19,27 @@ def _running(state: ElasticState) -> bool:
     return state.elastic_running > 0
 
 
+def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
+    """Once caught up, record this service's rules in the log unless it has them (its parameters
+    stay): every later proposal is then audited by the rules it was made by."""
+
+    async def record() -> None:
+        await runner.caught_up.wait()
+        state = runner.state
+        if state.recorded_rules == ev.ELASTIC_RULES:
+            return
+        params = dict(state.params or {})
+        event = ev.ElasticConfigured(
+            id=f"elastic:rules:{uuid.uuid4().hex}", at=time.time(), source="elastic", params=params
+        )
+        await append_reliably(runner.log, [event])
+
+    return record()
+
+
 SPEC = switched_decider(
-    ElasticDecider, "grows and shrinks running elastic jobs", TimerSpec(ev.ElasticTicked, TICK_S, needed=_running)
+    ElasticDecider,
+    "grows and shrinks running elastic jobs",
+    TimerSpec(ev.ElasticTicked, TICK_S, needed=_running),
+    tasks=lambda args: [rules_recorder],
 )

@@ -33,9 +33,7 @@ SOURCES = ("ci",)
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Any:
     passwords = {u.name: secrets.token_hex(8) for u in nats_users(NODES, SOURCES)} | {"sys": secrets.token_hex(8)}
     env = {password_env(name): pw for name, pw in passwords.items()}
-    server = NatsServer(
-        tmp_path_factory.mktemp("nats-secured"), extra_config=accounts(NODES, SOURCES), env=env
-    ).start()
+    server = NatsServer(tmp_path_factory.mktemp("nats-secured"), extra_config=accounts(NODES, SOURCES), env=env).start()
     yield server, passwords
     server.stop()
 

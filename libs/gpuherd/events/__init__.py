@@ -26,7 +26,7 @@ from gpuherd.events.base import (
 )
 from gpuherd.events.cluster import SCHEDULING_RULES, TICK_ONLY_TIMEOUT_S, Tick
 from gpuherd.events.codec import Unreadable, any_event, decode, encode, upcast
-from gpuherd.events.elastic import RESCALE_PHASES, complete_phase_times
+from gpuherd.events.elastic import ELASTIC_RULES, RESCALE_PHASES, complete_phase_times
 from gpuherd.events.jobs import INTAKE_RULES
 from gpuherd.events.values import (
     MAX_OUTPUT_TAIL,
@@ -51,6 +51,7 @@ from gpuherd.events.values import (
 globals().update(EVENT_TYPES)  # every catalogued event by its name: ev.JobPlaced, ...
 
 __all__ = [
+    "ELASTIC_RULES",
     "EVENT_TYPES",
     "INTAKE_RULES",
     "MAX_OUTPUT_TAIL",

@@ -169,7 +169,12 @@ class ServiceSpec:
         return user.removeprefix(f"{self.name}-") if self.role == "agent" else self.name
 
 
-def switched_decider(decider: type[ConfiguredDecider[Any, Any]], about: str, timer: TimerSpec) -> ServiceSpec:
+def switched_decider(
+    decider: type[ConfiguredDecider[Any, Any]],
+    about: str,
+    timer: TimerSpec,
+    tasks: Callable[[argparse.Namespace], Sequence[ExtraTask]] = lambda args: (),
+) -> ServiceSpec:
     """The spec of a decider with a parameters command (``--params``, its ``PARAMS_EXAMPLE`` in the
     help) and a timer, which takes part in a simulation when its name is a switch that is on
     (``gpuherd sim --elastic``) and runs in `gpuherd up` with its defaults: all the elastic service
@@ -189,6 +194,7 @@ def switched_decider(decider: type[ConfiguredDecider[Any, Any]], about: str, tim
         decider=decider,
         timer=timer,
         params=ParamsSpec(decider.CONFIGURED, decider().convert_params, decider.PARAMS_EXAMPLE),
+        tasks=tasks,
         auditable=True,
         simulated=simulated,
         local_argv=lambda ctx: [],
