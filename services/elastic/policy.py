@@ -32,7 +32,8 @@ only those the job may take (``Elastic.sizes()``: the global batch stays whole).
 ``2 (w - 1) / w * grad_bytes / bandwidth + (w - 1) * latency``. ``compute_per_sample`` comes from
 the job's measured throughput at the nearest size it ran at (each ``RescaleCompleted`` carries
 the throughput before the switch), else from its per-layer profile (``ProfileReported``: step
-time per sample, gradient bytes). With neither, throughput is taken as linear in ``w``.
+time per sample, gradient bytes), else from the scaling it declared (``JobSpec.scaling``, rules 2).
+With none, throughput is taken as linear in ``w``. (The model: ``gpuherd.scaling``.)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd import scaling
 from gpuherd.fold import JobState
 from services.elastic.state import ElasticState, JobModel
 
@@ -50,8 +52,8 @@ class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     grow_efficiency: float = 0.6  # per-GPU throughput at the new size / at the current size, at least
     retry_s: float = 30.0  # propose again when the scheduler did not act on a proposal
     grow_after_start_s: float = 0.0  # no grow of a job that started less than this ago
-    bandwidth_bytes_per_s: float = 5e9  # all-reduce bandwidth per worker (NVLink/IB: more; gloo on CPU: less)
-    latency_s: float = 5e-5  # per ring hop
+    bandwidth_bytes_per_s: float = scaling.DEFAULT_BANDWIDTH_BYTES_PER_S  # all-reduce bandwidth per worker
+    latency_s: float = scaling.DEFAULT_LATENCY_S  # per ring hop
     # Training stood still in a grow (bench/bench_elastic.py: 0.03-0.05 s warm; the job keeps training
     # at its old size until the new workers are ready): a grow must gain more than this costs.
     grow_pause_s: float = 0.5
@@ -67,9 +69,16 @@ def params_from(values: dict[str, float]) -> ElasticParams:
 
 
 def allreduce_s(grad_bytes: int, workers: int, params: ElasticParams) -> float:
-    if workers <= 1 or grad_bytes <= 0:
-        return 0.0
-    return 2 * (workers - 1) / workers * grad_bytes / params.bandwidth_bytes_per_s + (workers - 1) * params.latency_s
+    return scaling.allreduce_s(grad_bytes, workers, params.bandwidth_bytes_per_s, params.latency_s)
+
+
+def model_of(state: ElasticState, job: JobState) -> JobModel | None:
+    """What the policy knows of a job's scaling: its per-layer profile, else what it declared."""
+    model = state.models.get(job.job)
+    if model is None and job.spec.scaling is not None:
+        declared = job.spec.scaling
+        model = JobModel(compute_per_sample_s=declared.compute_per_sample_s, grad_bytes=declared.grad_bytes)
+    return model
 
 
 def global_batch(job: JobState, workers: int) -> int:
@@ -163,7 +172,7 @@ def _quota_room(state: ElasticState) -> dict[str, int | None]:
 
 
 def _rate(state: ElasticState, job: JobState, workers: int, params: ElasticParams) -> float:
-    return predicted_throughput(job, workers, state.models.get(job.job), params, state.throughput.get(job.job, {}))
+    return predicted_throughput(job, workers, model_of(state, job), params, state.throughput.get(job.job, {}))
 
 
 def _shrink_for_waiting(

@@ -44,6 +44,7 @@ from gpuherd.events.values import (
     PartOutcome,
     Rendezvous,
     RescaleKind,
+    Scaling,
     declared_gpus,
     workers_of,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "PartOutcome",
     "Rendezvous",
     "RescaleKind",
+    "Scaling",
     "Tick",
     "Unreadable",
     "any_event",
