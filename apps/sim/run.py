@@ -22,11 +22,13 @@ import msgspec
 
 from apps import registry
 from apps.sim.cluster import ClusterSpec
+from apps.sim.elastic import ElasticRuns, ElasticWorkload, make_elastic
 from apps.sim.engine import Simulation, Timer
 from apps.sim.model import GPUHERD, SimModel
 from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider
+from gpuherd.scaling import DEFAULT_LATENCY_S
 from services.analytics.jobs import JobTable, merge_tables
 from services.analytics.predict import UNKNOWN
 from services.analytics.traces import Trace
@@ -122,14 +124,18 @@ def simulate(
     workers: int | None = None,
     keep_log: bool = True,
     digest: bool = False,
+    elastic_jobs: ElasticWorkload | None = None,
 ) -> SimResult:
     """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
     model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
     one per core), since nothing passes between them; the logs are the same either way.
     ``keep_log`` False keeps no log (only the job table, built as it runs: far less memory);
-    ``digest`` hashes every event (to compare runs without keeping them)."""
+    ``digest`` hashes every event (to compare runs without keeping them); ``elastic_jobs`` makes a
+    seeded share of the jobs elastic and runs the elastic service."""
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
+    if elastic_jobs is not None:  # a seeded share of the trace's jobs made elastic (the elastic service on)
+        submissions, elastic = make_elastic(submissions, elastic_jobs), True
     jobs = model.jobs(submissions, cluster.gpus_per_node)
     params = {**model.policy_params(), **(policy_params or {})}
     run = functools.partial(
@@ -247,6 +253,7 @@ def _simulate(
         per_moment=model.per_second,
         keep_log=keep_log,
         sinks=sinks,
+        elastic_runs=ElasticRuns(model.rescale_costs, model.allreduce_bandwidth, DEFAULT_LATENCY_S),
     )
     setup = [
         *cluster.setup_events(),

@@ -10,11 +10,12 @@ Its rules are versioned (``ELASTIC_RULES``, recorded in ``ElasticConfigured`` an
    on an elastic job's hysteresis). The first waiting job that even every shrink cannot start ends
    the round: jobs behind it wait behind it (the scheduler reserves its start), and what it needs is
    not lent away.
-2. **Only idle GPUs are lent.** GPUs no waiting job can use go to running elastic jobs, one allowed
+2. **Only idle GPUs are lent.** GPUs no waiting job can use first give the jobs shrunk below the
+   GPUs they asked for their GPUs back, then go to running elastic jobs beyond that, one allowed
    size at a time, each to the job whose predicted throughput gains most per GPU added (relative to
-   its own per-GPU throughput now), while that marginal gain is at least ``grow_efficiency`` and
-   what it gains over ``min_interval_s`` outweighs the samples lost in the rescale's pause
-   (``grow_pause_s``).
+   its own per-GPU throughput now), while that marginal gain is at least ``grow_efficiency``. Either
+   way, what a grow gains over ``min_interval_s`` must outweigh the samples lost in the rescale's
+   pause (``grow_pause_s``).
 
 Rules 1 (logs decided before): only the first waiting job that is not elastic was shrunk for, and
 only when nothing waited were idle GPUs lent, each job jumping to its largest size that kept
@@ -145,9 +146,10 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
     waiting = [state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested]
     sizes = {j.job: len(j.workers) for j in jobs}
     reasons: dict[str, str] = {}
-    idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, params)
+    room = _quota_room(state)
+    idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, room, params)
     growable = [j for j in jobs if j.job not in reasons and _may_rescale(j, now, params)]
-    expected = _lend(state, growable, idle, sizes, reasons, params) if idle is not None else {}
+    expected = _lend(state, growable, idle, room, sizes, reasons, params)
     return [
         _proposal(job, sizes[job.job], reasons[job.job], expected=expected.get(job.job), rules=rules)
         for job in jobs
@@ -181,16 +183,15 @@ def _shrink_for_waiting(
     jobs: list[JobState],
     sizes: dict[str, int],
     reasons: dict[str, str],
+    room: dict[str, int | None],
     params: ElasticParams,
-) -> dict[bool, int] | None:
-    """Rule 1: the shrinks that let waiting jobs start (into ``sizes`` and ``reasons``); the free GPUs
-    left idle after them, by kind (None: a waiting job waits for more than shrinks give, and holds
-    every free GPU of its kind for itself)."""
+) -> dict[bool, int]:
+    """Rule 1: the shrinks that let waiting jobs start (into ``sizes`` and ``reasons``; the quota they
+    take from ``room``); the free GPUs left idle after them, by kind."""
     free = {kind: 0 for kind in (True, False)}
     for node in state.nodes.values():
         if node.accepts_work():
             free[node.runs_processes()] += len(node.free_gpus())
-    room = _quota_room(state)
     for head in waiting:
         kind = _kind(head)
         need = head.spec.elastic.min if head.spec.elastic is not None else head.spec.gpus
@@ -210,7 +211,7 @@ def _shrink_for_waiting(
         if lacking > 0:
             peers = [j for j in jobs if _kind(j) == kind]
             if _shrinkable(peers, sizes) < lacking:
-                return None  # it waits for more than shrinks can give: nothing of its kind is idle
+                continue  # it waits for more than shrinks can give now: what is free may be lent meanwhile
             free[kind] += _give_back(state, peers, sizes, reasons, lacking, head, params)
         free[kind] -= need
     return free
@@ -259,12 +260,15 @@ def _lend(
     state: ElasticState,
     jobs: list[JobState],
     idle: dict[bool, int],
+    room: dict[str, int | None],
     sizes: dict[str, int],
     reasons: dict[str, str],
     params: ElasticParams,
 ) -> dict[str, float]:
-    """Rule 2: idle GPUs to the jobs that gain most per GPU, one allowed size at a time (into
-    ``sizes`` and ``reasons``); the predicted throughput of each job grown."""
+    """Rule 2: idle GPUs first give jobs shrunk below the GPUs they asked for their GPUs back (what
+    they gain most per GPU first, whatever the efficiency: those GPUs are theirs), then go to the
+    jobs that gain most per GPU beyond it, one allowed size at a time (into ``sizes`` and
+    ``reasons``); the predicted throughput of each job grown."""
     now = state.now
     candidates = [
         j
@@ -277,23 +281,31 @@ def _lend(
         best = None
         for job in candidates:
             size = sizes[job.job]
-            larger = [s for s in job.spec.elastic.sizes() if size < s <= size + idle[_kind(job)]]  # type: ignore[union-attr]
+            quota = room.get(job.spec.vc)
+            spare = idle[_kind(job)] if quota is None else min(idle[_kind(job)], quota)  # (within its VC's quota)
+            larger = [s for s in job.spec.elastic.sizes() if size < s <= size + spare]  # type: ignore[union-attr]
             if not larger:
                 continue
             target = min(larger)
             now_rate = _rate(state, job, size, params)
             rate = _rate(state, job, target, params)
             gain = (rate - now_rate) / (target - size) / max(now_rate / size, 1e-12)
+            owed = target <= job.spec.gpus  # back towards what it asked for
             worth = (rate - now_rate) * params.min_interval_s > now_rate * params.grow_pause_s
-            if gain >= params.grow_efficiency and worth and (best is None or (-gain, job.job) < best[0]):
-                best = ((-gain, job.job), job, target, rate)
+            if worth and ((owed and gain > 0) or gain >= params.grow_efficiency):
+                key = (not owed, -gain, job.job)
+                if best is None or key < best[0]:
+                    best = (key, job, target, rate)
         if best is None:
             break
         _, job, target, rate = best
         idle[_kind(job)] -= target - sizes[job.job]
+        if room.get(job.spec.vc) is not None:
+            room[job.spec.vc] -= target - sizes[job.job]  # type: ignore[operator]
         sizes[job.job] = target
         expected[job.job] = rate
-        reasons[job.job] = f"grow {len(job.workers)} -> {target} GPUs into idle GPUs (predicted {rate:.0f} samples/s)"
+        why = "back towards the GPUs it asked for" if target <= job.spec.gpus else "into idle GPUs"
+        reasons[job.job] = f"grow {len(job.workers)} -> {target} GPUs {why} (predicted {rate:.0f} samples/s)"
     return expected
 
 

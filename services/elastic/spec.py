@@ -15,8 +15,11 @@ from services.elastic.state import ElasticState
 TICK_S = 10.0  # while elastic jobs run: minimum intervals and holds after a shrink end when due
 
 
-def _running(state: ElasticState) -> bool:
-    return state.elastic_running > 0
+def _may_grow(state: ElasticState) -> bool:
+    """Whether time alone can make a decision due: elastic jobs run and nothing waits (a grow's
+    minimum interval or hold may end). While jobs wait, their shrinks are decided as events come, and
+    nothing is lent."""
+    return state.elastic_running > 0 and not state.queue
 
 
 def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
@@ -40,6 +43,6 @@ def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
 SPEC = switched_decider(
     ElasticDecider,
     "grows and shrinks running elastic jobs",
-    TimerSpec(ev.ElasticTicked, TICK_S, needed=_running),
+    TimerSpec(ev.ElasticTicked, TICK_S, needed=_may_grow, on_grid=True),
     tasks=lambda args: [rules_recorder],
 )

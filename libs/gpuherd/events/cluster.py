@@ -34,7 +34,7 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # by. 2: a VC's first job its quota stops is protected by a reservation, as the gang head is.
 # 3: a duration prediction makes a pass only where it is used (a job of unknown duration, or a
 # policy that ranks by predictions).
-SCHEDULING_RULES = 3
+SCHEDULING_RULES = 4
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
