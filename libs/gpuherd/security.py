@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from gpuherd.events import leadership_subject
 from gpuherd.log import (
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
@@ -129,6 +130,7 @@ def service_permissions(service: str) -> Permissions:
         _kv_write(SNAPSHOT_BUCKET, service),
         _kv_write(LEASE_BUCKET, f"decider.{service}"),
         _kv_write(STATUS_BUCKET, f"{service}.>"),
+        leadership_subject(service),  # its runtime's fence (LeadershipTaken)
     ]
     subscribe = [_inbox(service)]
     if service == "scheduler":

@@ -39,7 +39,7 @@ from gpuherd.log import (
 from gpuherd.obs import configure, get_logger
 from gpuherd.runtime.core import Decided
 from gpuherd.runtime.deadletters import keep_dead_letter
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from gpuherd.runtime.serve import serve_decider
 from gpuherd.service_args import service_parser
 from services.scheduler.decide import SchedulerDecider
@@ -200,7 +200,7 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
                 )
                 if overdue:
                     log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
-                await append_reliably(runner.log, [tick])
+                await runner.append_input([tick])  # fenced: a former leader's stale tick is refused
                 last_tick = time.monotonic()
                 for name in overdue:
                     ticked[name] = _reg(runner, name)
@@ -236,7 +236,7 @@ def policy_recorder(policy: str | None) -> ExtraTask:
         )
         if policy in (None, config.policy):  # the same policy under this scheduler's rules
             new = msgspec.structs.replace(new, backfill=config.backfill, params=dict(config.params))
-        await append_reliably(runner.log, [new])
+        await runner.append_input([new])
         log.info("policy recorded", policy=new.policy, rules=new.rules)
 
     return record

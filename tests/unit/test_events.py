@@ -32,6 +32,7 @@ SAMPLES: list[ev.Event] = [
     ev.ClockTicked(id="m", source="scheduler", last_heard={"n1": 1.0}, lost_after_s=10.0),
     ev.TaskEnded(id="n", job="j1", attempt=0, node="n1", outcome="failed", exit_code=1, output_tail="boom"),
     ev.PolicyConfigured(id="o", policy="las", params={"starvation_factor": 4.0}),
+    ev.LeadershipTaken(id="scheduler:leader:a:1", source="scheduler", service="scheduler", instance="a"),
     ev.GpuHealthChanged(id="p", node="n1", index=3, healthy=False, reason="XID 79"),
     ev.JobDurationPredicted(id="q", job="j1", seconds=3600.0, model="gbdt-v1"),
     ev.JobPreempted(id="r", job="j1", attempt=0, reason="priority", by="j2", grace_s=10.0),

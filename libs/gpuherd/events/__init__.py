@@ -17,10 +17,12 @@ from gpuherd.events.cluster import (
     ClockTicked,
     CommandRefused,
     ElasticTicked,
+    LeadershipTaken,
     MemoryTicked,
     PolicyConfigured,
     Tick,
     VcConfigured,
+    leadership_subject,
 )
 from gpuherd.events.codec import EVENT_TYPES, AnyEvent, Unreadable, decode, encode, upcast
 from gpuherd.events.elastic import (
@@ -124,6 +126,7 @@ __all__ = [
     "JobSpec",
     "JobStarted",
     "JobSubmitted",
+    "LeadershipTaken",
     "Locality",
     "LrScaling",
     "MemoryBrokerConfigured",
@@ -166,6 +169,7 @@ __all__ = [
     "declared_gpus",
     "decode",
     "encode",
+    "leadership_subject",
     "reported_by",
     "stable_id",
     "upcast",

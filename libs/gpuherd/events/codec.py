@@ -14,6 +14,7 @@ from gpuherd.events.cluster import (
     ClockTicked,
     CommandRefused,
     ElasticTicked,
+    LeadershipTaken,
     MemoryTicked,
     PolicyConfigured,
     VcConfigured,
@@ -109,6 +110,7 @@ AnyEvent = (
     | MemoryLeaseReleased
     | MemoryLeaseReclaimed
     | MemoryBrokerConfigured
+    | LeadershipTaken
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]
