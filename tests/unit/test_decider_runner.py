@@ -248,7 +248,7 @@ async def test_a_former_leader_that_wakes_up_is_fenced_out_of_the_log() -> None:
     assert await zombie.acquire_leadership(asyncio.Event())
     await log.append([node("n1", 1), submit("x", 1)])
     del log._leases["decider.scheduler"]  # a froze; its lease expired
-    b, stop_b, task_b = await start(log, "b")
+    _, stop_b, task_b = await start(log, "b")
     await until(lambda: len(placements(log)) == 1)  # b leads, fenced, and placed x
     head = len(log._records)
     stale = ev.JobPlaced(
@@ -274,7 +274,7 @@ async def test_a_former_leader_that_wakes_up_is_fenced_out_of_the_log() -> None:
 
 async def test_the_audit_reports_a_decision_stored_after_a_newer_leader_took_over() -> None:
     log = MemoryLog(duplicate_window=0)
-    runner, stop, task = await start(log, "a")
+    _, stop, task = await start(log, "a")
     await log.append([node("n1", 2), submit("x", 1)])
     await until(lambda: len(placements(log)) == 1)
     stop.set()
