@@ -92,6 +92,8 @@ class NatsServer:
         env: dict[str, str] | None = None,
         sync: str | None = None,
         monitor_port: int | None = None,
+        store_dir: str | os.PathLike[str] | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.host = host
@@ -104,6 +106,8 @@ class NatsServer:
         self.sync = sync or default_sync()
         # Its monitoring endpoint (``/varz`` says how it syncs): ``gpuherd status`` reads it.
         self.monitor_port = monitor_port or free_port(host)
+        self.store_dir = Path(store_dir) if store_dir else self.data_dir / "jetstream"
+        self.wrap = list(wrap or ())  # a command the server runs under (e.g. nsenter into a namespace)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -116,7 +120,7 @@ class NatsServer:
 
     def _config(self) -> Path:
         config = self.data_dir / "nats-server.conf"
-        store = (self.data_dir / "jetstream").as_posix()
+        store = self.store_dir.as_posix()
         # A duration is quoted: nats-server reads a bare 2m as the number 2,000,000 (seconds).
         sync = self.sync if self.sync == SYNC_ALWAYS else f'"{self.sync}"'
         config.write_text(
@@ -135,7 +139,7 @@ class NatsServer:
             print(f"{self.server_name}: {warning}", file=sys.stderr)
         log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
-            [find_binary(), "-c", str(self._config())],
+            [*self.wrap, find_binary(), "-c", str(self._config())],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env} if self.env else None,
