@@ -89,7 +89,9 @@ def overlapping_attempts(runs: list[Run]) -> list[str]:
         for i, a in enumerate(mine):
             for b in mine[i + 1 :]:
                 if a.attempt != b.attempt and a.overlaps(b):
-                    out.append(f"{job}: attempt {a.attempt} on {a.node} and attempt {b.attempt} on {b.node} ran at once")
+                    out.append(
+                        f"{job}: attempt {a.attempt} on {a.node} and attempt {b.attempt} on {b.node} ran at once"
+                    )
     return out
 
 

@@ -28,7 +28,10 @@ from pathlib import Path
 from gpuherd.natsd import NatsServer
 
 ROOT = Path(__file__).resolve().parents[2]
-FAKETIME_LIBS = ("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1", "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1")
+FAKETIME_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+)
 NATS_CLIENT_PORT, NATS_ROUTE_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
 PROXY_BASE = 14220  # a host's proxy listens on 127.0.0.1:14221.. for nats1..
 
@@ -171,7 +174,15 @@ class NemesisCluster:
     # -- layout --------------------------------------------------------------------------------
 
     def host_names(self) -> list[str]:
-        return ["nats1", "nats2", "nats3", "sched1", "sched2", *(f"agent{i}" for i in range(1, self.agents + 1)), "client"]
+        return [
+            "nats1",
+            "nats2",
+            "nats3",
+            "sched1",
+            "sched2",
+            *(f"agent{i}" for i in range(1, self.agents + 1)),
+            "client",
+        ]
 
     @property
     def nats_hosts(self) -> list[Host]:
@@ -315,7 +326,12 @@ class NemesisCluster:
     def _start_proxy(self, host: Host) -> None:
         routes = [f"{PROXY_BASE + i}={h.ip}:{NATS_CLIENT_PORT}" for i, h in enumerate(self.nats_hosts, start=1)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the proxy keeps true time: it is the network
-        self.add(host, f"proxy-{host.name}", [sys.executable, "-m", "apps.nemesis.proxy", str(host.proxy_socket), *routes], env)
+        self.add(
+            host,
+            f"proxy-{host.name}",
+            [sys.executable, "-m", "apps.nemesis.proxy", str(host.proxy_socket), *routes],
+            env,
+        )
         deadline = time.monotonic() + 20
         while not host.proxy_socket.exists():
             if time.monotonic() > deadline:

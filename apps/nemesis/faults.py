@@ -162,7 +162,7 @@ async def run_fault(cluster: NemesisCluster, fault: Fault, t0: float) -> None:
         fault.healed = fault.healed or time.time()
 
 
-async def _inject(cluster: NemesisCluster, fault: Fault):  # noqa: ANN202 - returns its heal coroutine
+async def _inject(cluster: NemesisCluster, fault: Fault):
     kind, target = fault.kind, fault.target
     host = leader_host(cluster) if target == "leader" else cluster.hosts.get(target)
     if host is not None:
@@ -235,7 +235,7 @@ async def _inject(cluster: NemesisCluster, fault: Fault):  # noqa: ANN202 - retu
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
-def _partition(cluster: NemesisCluster, fault: Fault, host: Host | None):  # noqa: ANN202
+def _partition(cluster: NemesisCluster, fault: Fault, host: Host | None):
     if fault.target == "split":
         minority = [cluster.hosts["nats1"], cluster.hosts["sched1"], cluster.hosts["agent1"]]
         fault.hit = "{" + ",".join(h.name for h in minority) + "} | the rest"

@@ -48,6 +48,8 @@ class LazyFS:
         self.unsynced: dict[str, _Unsynced] = {}
         self.dropped_bytes = 0
         self.synced_files = 0
+        self.sync_fds: set[int] = set()  # opened with O_SYNC or O_DSYNC: every write is durable on return
+        self.opened: dict[str, int] = {}  # flags seen at open (what the store asks for), for ``stats``
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class LazyFS:
                 "unsynced_bytes": sum(e.nbytes() for e in self.unsynced.values()),
                 "dropped_bytes": self.dropped_bytes,
                 "synced_files": self.synced_files,
+                **{f"opened_{k}": v for k, v in self.opened.items()},
             }
 
     # -- filesystem operations --------------------------------------------------------------------------
@@ -181,13 +184,23 @@ class LazyFS:
     def open(self, path: str, flags: int) -> int:
         with self._mutex:
             fd = os.open(self._real(path), flags & ~(os.O_TRUNC | os.O_APPEND))
+            self._note_flags(fd, flags)
             if flags & os.O_TRUNC:
                 self._truncate(path, 0, fd)
             return fd
 
+    def _note_flags(self, fd: int, flags: int) -> None:
+        synchronous = bool(flags & (os.O_SYNC | os.O_DSYNC))
+        if synchronous:
+            self.sync_fds.add(fd)
+        key = "sync" if synchronous else "plain"
+        self.opened[key] = self.opened.get(key, 0) + 1
+
     def create(self, path: str, mode: int, fi: Any = None) -> int:
         with self._mutex:
             fd = os.open(self._real(path), os.O_RDWR | os.O_CREAT, mode)
+            flags = fi if isinstance(fi, int) else getattr(fi, "flags", 0)  # mfusepy passes the open flags
+            self._note_flags(fd, flags)
             if path in self.unsynced:  # created over a file that was unlinked meanwhile
                 self.unsynced.pop(path)
             self._truncate(path, 0, fd)
@@ -225,6 +238,8 @@ class LazyFS:
                 view = view[take:]
                 position += take
             entry.size = max(entry.size, offset + len(data))
+            if fh in self.sync_fds:
+                self._flush(path, fh)
             return len(data)
 
     def _truncate(self, path: str, length: int, fd: int | None) -> None:
@@ -246,6 +261,8 @@ class LazyFS:
         return 0  # close() is not fsync: what was written stays unsynced
 
     def release(self, path: str, fh: int) -> int:
+        with self._mutex:
+            self.sync_fds.discard(fh)
         with contextlib.suppress(OSError):
             os.close(fh)
         return 0

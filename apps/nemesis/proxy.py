@@ -156,9 +156,7 @@ async def serve(control_path: str, routes: dict[int, tuple[str, int]]) -> None:
     link = Link()
     servers = [await _control(link, control_path)]
     for port, target in routes.items():
-        servers.append(
-            await asyncio.start_server(lambda r, w, t=target: _serve_pair(link, t, r, w), "127.0.0.1", port)
-        )
+        servers.append(await asyncio.start_server(lambda r, w, t=target: _serve_pair(link, t, r, w), "127.0.0.1", port))
     await asyncio.gather(*(s.serve_forever() for s in servers))
 
 

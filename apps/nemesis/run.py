@@ -14,6 +14,7 @@ from typing import Any
 from apps.nemesis import checker
 from apps.nemesis.cluster import NemesisCluster, facilities
 from apps.nemesis.faults import KINDS, NEEDS, Fault, run_fault, schedule
+from gpuherd import events as ev
 from gpuherd.log import open_log
 from gpuherd.natsd import SYNC_ALWAYS
 
@@ -100,7 +101,7 @@ def usable_kinds(wanted: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
     return kinds, skipped
 
 
-async def _wait(predicate, timeout: float, what: str, every: float = 1.0) -> None:  # noqa: ANN001
+async def _wait(predicate, timeout: float, what: str, every: float = 1.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -113,7 +114,7 @@ async def _wait(predicate, timeout: float, what: str, every: float = 1.0) -> Non
         await asyncio.sleep(every)
 
 
-async def run_nemesis(config: NemesisConfig, log_progress=print) -> NemesisResult:  # noqa: ANN001
+async def run_nemesis(config: NemesisConfig, log_progress=print) -> NemesisResult:
     kinds, skipped = usable_kinds(config.kinds)
     for kind, why in skipped.items():
         log_progress(f"nemesis: SKIPPING fault kind {kind!r}: {why}")
@@ -185,7 +186,10 @@ async def run_nemesis(config: NemesisConfig, log_progress=print) -> NemesisResul
             verdict = await asyncio.to_thread(checker.judge, acks, c.runs_dir, records)
         leftovers = c.leftovers()
     return NemesisResult(
-        config={k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        config={
+            k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+            for k, v in asdict(config).items()
+        },
         kinds=kinds,
         skipped=skipped,
         faults=plan,
@@ -195,7 +199,7 @@ async def run_nemesis(config: NemesisConfig, log_progress=print) -> NemesisResul
     )
 
 
-async def power_cut(sync: str, jobs: int = 60, seed: int = 7, log_progress=print) -> dict[str, Any]:  # noqa: ANN001
+async def power_cut(sync: str, jobs: int = 60, seed: int = 7, log_progress=print, root: Path | None = None):
     """Submit ``jobs`` jobs (each acknowledged), cut the power of all three NATS servers at once
     (SIGKILL, then drop what their filesystems had not fsynced), power them on, and count the
     acknowledged jobs the log no longer has."""
@@ -203,10 +207,16 @@ async def power_cut(sync: str, jobs: int = 60, seed: int = 7, log_progress=print
     if not kinds:
         return {"sync": sync, "skipped": skipped["power_loss"]}
     with tempfile.TemporaryDirectory(prefix="nemesis-cut-") as tmp:
-        root = Path(tmp)
-        with NemesisCluster(root, agents=0, sync=sync, lazyfs=True, faketime=False) as c:
+        root = Path(root or tmp)
+        with NemesisCluster(root, agents=1, sync=sync, lazyfs=True, faketime=False) as c:
             log = await open_log(c.direct_url(), name="nemesis-checker", replicas=3)
             c.start_schedulers()
+            c.start_agents()  # a node to place on: a job that fits nowhere is rejected, not acknowledged
+
+            async def node_up() -> bool:
+                return any(isinstance(r.event, ev.NodeRegistered) for r in await log.read_all())
+
+            await _wait(node_up, 90, "the agent registering")
             acks = root / "acks.jsonl"
             config = {"url": c.proxied_url(), "seed": seed, "count": jobs, "rate": 20.0, "out": str(acks)}
             config |= {"run": f"cut{seed}", "runs_dir": str(c.runs_dir), "give_up_after_s": 120}
