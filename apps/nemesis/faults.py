@@ -136,10 +136,12 @@ def _draw(kind: str, rng: random.Random, agents: int, warmup_s: float, run_s: fl
 def leader_host(cluster: NemesisCluster) -> Host:
     """The scheduler host whose scheduler leads now (its /readyz says so), else the first."""
     for host in cluster.scheduler_hosts:
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(f"http://{host.ip}:9100/readyz", timeout=1) as answer:
-                if json.load(answer).get("role") == "leader":
-                    return host
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"http://{host.ip}:9100/readyz", timeout=1) as answer,
+        ):
+            if json.load(answer).get("role") == "leader":
+                return host
     return cluster.scheduler_hosts[0]
 
 

@@ -199,6 +199,10 @@ async def run_nemesis(config: NemesisConfig, log_progress=print) -> NemesisResul
     )
 
 
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
+
+
 async def power_cut(sync: str, jobs: int = 60, seed: int = 7, log_progress=print, root: Path | None = None):
     """Submit ``jobs`` jobs (each acknowledged), cut the power of all three NATS servers at once
     (SIGKILL, then drop what their filesystems had not fsynced), power them on, and count the
