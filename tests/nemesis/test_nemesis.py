@@ -22,7 +22,7 @@ SEED = int(os.environ.get("NEMESIS_SEED", "30"))
 
 
 async def test_a_short_nemesis_run_loses_nothing_and_runs_nothing_twice() -> None:
-    config = NemesisConfig(seed=SEED, jobs=100, rate=2.0, faults=4, kinds=("pause", "kill", "partition", "latency"))
+    config = NemesisConfig(seed=SEED, jobs=80, rate=2.5, faults=4, kinds=("pause", "kill", "partition", "power_loss"))
     try:
         result = await asyncio.wait_for(run_nemesis(config), 400)
     except Unavailable as exc:
@@ -33,7 +33,7 @@ async def test_a_short_nemesis_run_loses_nothing_and_runs_nothing_twice() -> Non
     print({k: summary[k] for k in ("acknowledged", "lost", "duplicated", "double_booked", "overlapping_attempts")})
     for fault in summary["history"]:
         print(fault)
-    assert summary["acknowledged"] >= 90, result.verdict
+    assert summary["acknowledged"] >= 75, result.verdict
     assert summary["lost"] == 0, result.verdict["lost_jobs"]
     assert summary["duplicated"] == 0, result.verdict["duplicated_intakes"]
     assert summary["double_booked"] == 0, result.verdict["double_bookings"]
@@ -66,11 +66,11 @@ def test_lazyfs_keeps_synced_writes_and_drops_the_rest(tmp_path) -> None:
 
 async def test_a_power_cut_loses_acknowledged_jobs_only_without_fsync() -> None:
     try:
-        durable = await asyncio.wait_for(power_cut("always", jobs=30), 300)
-        unsafe = await asyncio.wait_for(power_cut("2m", jobs=30), 300)
+        durable = await asyncio.wait_for(power_cut("always", jobs=15), 300)
+        unsafe = await asyncio.wait_for(power_cut("2m", jobs=15), 300)
     except Unavailable as exc:
         pytest.skip(f"NEMESIS SKIPPED: {exc}")
     if "skipped" in durable:
         pytest.skip(f"power loss SKIPPED: {durable['skipped']} (needs {NEEDS['power_loss']})")
-    assert durable["acknowledged"] == 30 and durable["lost"] == 0, durable
-    assert unsafe["acknowledged"] == 30 and unsafe["lost"] > 0, unsafe
+    assert durable["acknowledged"] == 15 and durable["lost"] == 0, durable
+    assert unsafe["acknowledged"] == 15 and unsafe["lost"] > 0, unsafe
