@@ -27,6 +27,7 @@ from rich.table import Table
 
 from apps.nemesis.faults import KINDS
 from apps.nemesis.run import NemesisConfig, Unavailable, power_cut, run_nemesis
+from gpuherd.obs import configure
 
 console = Console(stderr=True)
 
@@ -41,6 +42,7 @@ def main() -> int:
     parser.add_argument("--no-power-cut", action="store_true", help="skip the power-cut demonstration")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args()
+    configure("bench-nemesis", level="WARNING", json=False)  # logs to stderr: stdout is the JSON
     say = console.print
     try:
         cuts = []
