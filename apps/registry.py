@@ -117,4 +117,5 @@ def writers() -> dict[type[ev.Event], list[str]]:
             out.setdefault(kind, []).append(service.name)
     for kind in operator_commands():
         out.setdefault(kind, []).append("operator")
+    out[ev.LeadershipTaken] = ["runtime"]  # each decider's shell fences its own leadership
     return out

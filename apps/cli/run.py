@@ -30,6 +30,12 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--demo-seconds", type=float, default=45.0, help="wall time the demo's arrivals span")
     up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")
     up.add_argument("--fresh", action="store_true", help="start from an empty data folder")
+    up.add_argument(
+        "--fast-unsafe-fsync",
+        action="store_true",
+        help="the embedded NATS fsyncs every 2 minutes instead of before each acknowledgement: faster, and a "
+        "power cut loses acknowledged jobs (benchmarks only; also GPUHERD_UNSAFE_FSYNC=1)",
+    )
     up.add_argument("--ui-port", type=int, default=8080, help="the dashboard's port (0: any free one; -1: none)")
     up.add_argument("--ui-token-file", default=None, help="the dashboard's operator token file (default: read-only)")
     up.set_defaults(func=run_cluster)

@@ -100,6 +100,9 @@ class ClusterLayout(msgspec.Struct, kw_only=True):
     agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
     ui_port: int | None = None  # the dashboard's port (0: any free one; None: no dashboard)
     ui_token_file: str | None = None  # the dashboard's operator token (None: read-only)
+    # The embedded server's JetStream sync_interval: None is the durable default ("always", unless
+    # GPUHERD_UNSAFE_FSYNC is set); "2m" is nats-server's own default (gpuherd up --fast-unsafe-fsync).
+    nats_sync: str | None = None
 
 
 class LocalCluster:
@@ -136,9 +139,14 @@ class LocalCluster:
     def start(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
-            self.server = NatsServer(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log").start()
+            self.server = NatsServer(
+                self.data_dir / "nats", log_file=self.log_dir / "nats-server.log", sync=self.layout.nats_sync
+            ).start()
             self.url = self.server.url
-        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
+        cluster = {"nats_url": self.url, "pid": os.getpid()}
+        if self.server is not None:  # where `gpuherd status` reads how the embedded server syncs
+            cluster["nats_monitor_url"] = self.server.monitor_url
+        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(cluster))
         # Every process serves /metrics and /healthz on a free port of its own; `gpuherd status` lists them.
         env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1", GPUHERD_METRICS_PORT="0")
         lay = self.layout

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gpuherd.events import Event
+from gpuherd.events import Event, leadership_subject
 from gpuherd.log import (
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
@@ -131,6 +131,7 @@ def decider_permissions(
         kv_write(SNAPSHOT_BUCKET, name),
         kv_write(LEADERSHIP_BUCKET, f"decider.{name}"),
         kv_write(STATUS_BUCKET, f"{name}.>"),
+        leadership_subject(name),  # its runtime's fence (LeadershipTaken)
         *publish,
     ]
     return Permissions(publish=tuple(allowed), subscribe=(inbox(name), *subscribe), allow_responses=allow_responses)

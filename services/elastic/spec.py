@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Awaitable
 
 from gpuherd import events as ev
-from gpuherd.runtime.runner import DeciderRunner, append_reliably
+from gpuherd.runtime.runner import DeciderRunner
 from gpuherd.runtime.spec import TimerSpec, switched_decider
 from services.elastic.decide import ElasticDecider
 from services.elastic.state import ElasticState
@@ -35,7 +35,7 @@ def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
         event = ev.ElasticConfigured(
             id=f"elastic:rules:{uuid.uuid4().hex}", at=time.time(), source="elastic", params=params
         )
-        await append_reliably(runner.log, [event])
+        await runner.append_input([event])  # fenced, as its decisions
 
     return record()
 

@@ -37,7 +37,7 @@ from gpuherd.log import (
 from gpuherd.obs import get_logger
 from gpuherd.runtime.core import Decided
 from gpuherd.runtime.deadletters import keep_dead_letter
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission
 from services.scheduler.state import SchedulerState
@@ -195,7 +195,7 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
                 )
                 if overdue:
                     log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
-                await append_reliably(runner.log, [tick])
+                await runner.append_input([tick])  # fenced: a former leader's stale tick is refused
                 last_tick = time.monotonic()
                 for name in overdue:
                     ticked[name] = _reg(runner, name)
@@ -231,7 +231,7 @@ def policy_recorder(policy: str | None) -> ExtraTask:
         )
         if policy in (None, config.policy):  # the same policy under this scheduler's rules
             new = msgspec.structs.replace(new, backfill=config.backfill, params=dict(config.params))
-        await append_reliably(runner.log, [new])
+        await runner.append_input([new])
         log.info("policy recorded", policy=new.policy, rules=new.rules)
 
     return record

@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
+import pytest
+
 from gpuherd import events as ev
+from gpuherd.errors import LeadershipLost
 from gpuherd.fold.invariants import violations
 from gpuherd.log import InProcessLog
 from gpuherd.runtime.audit import audit
@@ -233,3 +237,53 @@ async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_r
             assert "n1" in runner.state.nodes and len(placements(log)) == 1, "rebuilt from the log, and decided"
         else:
             assert not runner.state.nodes, "a snapshot of this format is trusted (it is only ever written whole)"
+
+
+async def test_a_former_leader_that_wakes_up_is_fenced_out_of_the_log() -> None:
+    """A leader frozen past its lease (a paused process, a partition) still believes it leads when
+    it wakes, and appends what it decided on its stale state. The leader that took over fenced the
+    subject: every append of the former one is refused, and it turns standby."""
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
+    zombie = DeciderRunner(log, SchedulerDecider(), instance="a")
+    assert await zombie.acquire_leadership(asyncio.Event())
+    await log.append([node("n1", 1), submit("x", 1)])
+    del log._leaderships["decider.scheduler"]  # a froze; its leadership expired
+    _, stop_b, task_b = await start(log, "b")
+    await until(lambda: len(placements(log)) == 1)  # b leads, fenced, and placed x
+    head = len(log._records)
+    stale = ev.JobPlaced(
+        id="scheduler:3:0",
+        source="scheduler",
+        job="x",
+        attempt=1,
+        allocations=(ev.Allocation(node="n1", gpus=(0,)),),
+        based_on=2,
+        cause="test:intake:x",
+    )
+    with pytest.raises(LeadershipLost):
+        await zombie._append([stale], [None])
+    with pytest.raises(LeadershipLost):
+        await zombie.append_input([ev.ClockTicked(id="scheduler:tick:z", at=1.0, source="scheduler")])
+    assert len(log._records) == head, "nothing of the former leader reached the log"
+    takes = [r.event for r in log._records if isinstance(r.event, ev.LeadershipTaken)]
+    assert [t.instance for t in takes] == ["a", "b"]
+    stop_b.set()
+    await task_b
+    assert audit(log._records, SchedulerDecider()).ok
+
+
+async def test_the_audit_reports_a_decision_stored_after_a_newer_leader_took_over() -> None:
+    log = InProcessLog(duplicate_window=0)
+    _, stop, task = await start(log, "a")
+    await log.append([node("n1", 2), submit("x", 1)])
+    await until(lambda: len(placements(log)) == 1)
+    stop.set()
+    await task
+    placed = placements(log)[0]
+    await log.append(
+        [ev.LeadershipTaken(id="scheduler:leader:b:1", source="scheduler", service="scheduler", instance="b")]
+    )
+    # What the fence keeps out, forced in by hand: a decision of the former leader, stored late.
+    await log.append([msgspec.structs.replace(placed, id=f"scheduler:{placed.based_on}:9", job="late")])
+    report = audit(log._records, SchedulerDecider())
+    assert [m.kind for m in report.mismatches if m.kind == "stale"] == ["stale"]

@@ -40,6 +40,7 @@ SAMPLES: list[ev.Event] = [
     ev.ClockTicked(id="m", source="scheduler", last_heard={"n1": 1.0}, lost_after_s=10.0),
     ev.TaskEnded(id="n", job="j1", attempt=0, node="n1", outcome="failed", exit_code=1, output_tail="boom"),
     ev.PolicyConfigured(id="o", policy="las", params={"starvation_factor": 4.0}),
+    ev.LeadershipTaken(id="scheduler:leader:a:1", source="scheduler", service="scheduler", instance="a"),
     ev.GpuHealthChanged(id="p", node="n1", index=3, healthy=False, reason="XID 79"),
     ev.JobDurationPredicted(id="q", job="j1", seconds=3600.0, model="gbdt-v1"),
     ev.JobPreempted(id="r", job="j1", attempt=0, reason="priority", by="j2", grace_s=10.0),
@@ -287,7 +288,7 @@ def test_policies_recorded_before_the_pass_had_versioned_rules_keep_the_first_ru
     for version in (1, 2):
         old = ev.decode(_v1("PolicyConfigured", "cli", policy="fifo").replace(b'"v":1', f'"v":{version}'.encode()))
         assert isinstance(old, ev.PolicyConfigured) and old.rules == 1 and old.v == 3
-    assert ev.PolicyConfigured(policy="fifo").rules == ev.SCHEDULING_RULES == 3
+    assert ev.PolicyConfigured(policy="fifo").rules == ev.SCHEDULING_RULES == 4
 
 
 def test_verdicts_of_v1_were_judged_by_the_first_intake_rules() -> None:

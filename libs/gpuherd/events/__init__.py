@@ -24,7 +24,7 @@ from gpuherd.events.base import (
     upcaster,
     worker_id,
 )
-from gpuherd.events.cluster import SCHEDULING_RULES, TICK_ONLY_TIMEOUT_S, Tick
+from gpuherd.events.cluster import SCHEDULING_RULES, TICK_ONLY_TIMEOUT_S, Tick, leadership_subject
 from gpuherd.events.codec import Unreadable, any_event, decode, encode, upcast
 from gpuherd.events.elastic import ELASTIC_RULES, RESCALE_PHASES, complete_phase_times
 from gpuherd.events.jobs import INTAKE_RULES
@@ -85,6 +85,7 @@ __all__ = [
     "declared_gpus",
     "decode",
     "encode",
+    "leadership_subject",
     "reported_by",
     "stable_id",
     "upcast",

@@ -116,6 +116,26 @@ class ClockTicked(Tick, kw_only=True, frozen=True):
     lost_after_s: float = TICK_ONLY_TIMEOUT_S
 
 
+class LeadershipTaken(Event, kw_only=True, frozen=True):
+    """An instance of a decider service took the lead (``instance``: its holder id). It is the fence
+    of that leadership: the instance appends it with the subject's last sequence expected (so two
+    cannot both take it), and every later append of that instance expects it to still be the last
+    event of the subject. Once a newer leader appended its own, a former leader that wakes up (a
+    paused process, a partition healed) has every append refused: it cannot act on stale state.
+    Written by the decider runtime of each service; deciders never follow it."""
+
+    service: str
+    instance: str
+
+    def subject(self) -> str:
+        return leadership_subject(self.service)
+
+
+def leadership_subject(service: str) -> str:
+    """The subject whose last sequence fences ``service``'s leader."""
+    return f"herd.cluster.leader.{service}"
+
+
 class ElasticTicked(Tick, kw_only=True, frozen=True):
     """The elastic service's timer: minimum intervals and holds after a shrink end when due."""
 

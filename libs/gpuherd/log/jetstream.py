@@ -347,15 +347,33 @@ class JetStreamLog(EventLog):
     # -- HERD ----------------------------------------------------------------------------
 
     @staticmethod
-    def _headers(event: ev.Event, expect: Mapping[str, int] | None, trace: str | None) -> dict[str, str]:
+    def _headers(
+        event: ev.Event, expect: Mapping[str, int] | None, trace: str | None, fence: tuple[str, int] | None = None
+    ) -> dict[str, str]:
         headers = {"Nats-Msg-Id": event.id} if event.id else {}
         if expect is not None:
             expected = expect.get(event.subject())
             if expected is not None:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
+        if fence is not None:  # another subject's last sequence, checked on this message (a leader's fence)
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(fence[1])
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence[0]
         if trace:
             headers[TRACEPARENT] = trace
         return headers
+
+    @staticmethod
+    def _fences(events: Sequence[ev.Event], expect: Mapping[str, int] | None) -> dict[int, tuple[str, int]]:
+        """Expected subjects none of ``events`` is on (a leader's fence): each is checked on an event
+        of its own that checks nothing else (JetStream checks one subject per message)."""
+        if not expect:
+            return {}
+        own = {e.subject() for e in events}
+        others = [(subject, seq) for subject, seq in expect.items() if subject not in own]
+        free = [i for i, e in enumerate(events) if e.subject() not in expect]
+        if len(others) > len(free):
+            raise LogError(f"cannot check {len(others)} other subjects on {len(free)} events: {sorted(expect)}")
+        return dict(zip(free, others, strict=False))
 
     async def append(
         self,
@@ -370,12 +388,13 @@ class JetStreamLog(EventLog):
             raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
         if len(events) == 1:
             event = events[0]
+            fence = self._fences(events, expect).get(0)
             try:
                 ack = await self.js.publish(
-                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace_of(trace, 0))
+                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace_of(trace, 0), fence)
                 )
             except nats.js.errors.APIError as exc:
-                raise self._map_error(exc, event.subject(), expect) from exc
+                raise self._map_error(exc, fence[0] if fence else event.subject(), expect) from exc
             return AppendResult(seqs=(ack.seq,), duplicate=bool(ack.duplicate))
         return await self._append_batch(events, expect, trace)
 
@@ -387,13 +406,14 @@ class JetStreamLog(EventLog):
     ) -> AppendResult:
         batch_id = f"{self.nc.client_id}-{next(_batch_numbers)}-{time.monotonic_ns() % 10**12}"
         seen: set[str] = set()  # the same subject twice in one batch is checked on its first event only
+        fences = self._fences(events, expect)
         timeout = self.settings.request_timeout_s
         last = len(events)
         for n, event in enumerate(events, start=1):
             subject = event.subject()
             check = expect if subject not in seen else None
             seen.add(subject)
-            headers = self._headers(event, check, trace_of(trace, n - 1))
+            headers = self._headers(event, check, trace_of(trace, n - 1), fences.get(n - 1))
             headers["Nats-Batch-Id"] = batch_id
             headers["Nats-Batch-Sequence"] = str(n)
             data = ev.encode(event)
@@ -407,8 +427,8 @@ class JetStreamLog(EventLog):
                     if code == ERR_BATCH_DUPLICATE_ID:
                         return AppendResult(seqs=(), duplicate=True)
                     if code == ERR_WRONG_LAST_SEQUENCE:
-                        subj = next(iter(expect or {"?": 0}))
-                        raise ConcurrencyError(subj, (expect or {}).get(subj, 0))
+                        subj = next(iter(fences.values()), None) or next(iter((expect or {"?": 0}).items()))
+                        raise ConcurrencyError(subj[0], subj[1])
                     raise _refusal("atomic append", error)
                 last_seq = int(answer["seq"])
                 return AppendResult(seqs=tuple(range(last_seq - last + 1, last_seq + 1)))
@@ -417,6 +437,9 @@ class JetStreamLog(EventLog):
                 reply = await self.nc.request(subject, data, headers=headers, timeout=timeout)
                 if reply.data:
                     error = msgspec.json.decode(reply.data).get("error")
+                    if error and error.get("err_code") == ERR_WRONG_LAST_SEQUENCE:
+                        subj = fences.get(0) or next(iter((expect or {"?": 0}).items()))
+                        raise ConcurrencyError(subj[0], subj[1])
                     if error:
                         raise _refusal("atomic append", error)
             else:
