@@ -6,7 +6,9 @@ host but the NATS ones reaches NATS through its own TCP proxy (``proxy.py``), so
 degraded; every Python process of a host runs under libfaketime with the host's own offset file,
 so its wall clock can be skewed. Everything made here (namespaces, veths, the bridge, mounts,
 processes; iptables rules live in the namespaces) is removed by ``close()``, which the context
-manager calls on any exit, Ctrl-C included.
+manager calls on any exit, Ctrl-C and SIGTERM included. A driver killed outright (SIGKILL) cannot
+clean up: every process it starts dies with it (``setpriv --pdeathsig``), and the next cluster to
+start removes what a dead driver's run left (``sweep_dead_runs``: its namespaces, links, mounts).
 
 Needs root, ``ip`` (iproute2), ``nsenter``, ``iptables`` (for partitions), ``fusermount3`` and
 ``mfusepy`` (for power loss), libfaketime (for clock skew): ``facilities()`` says what is missing.
@@ -15,6 +17,7 @@ Needs root, ``ip`` (iproute2), ``nsenter``, ``iptables`` (for partitions), ``fus
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -38,6 +41,47 @@ PROXY_BASE = 14220  # a host's proxy listens on 127.0.0.1:14221.. for nats1..
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=check, timeout=30)
+
+
+# Every process of a run dies with the driver that started it, even one killed outright.
+DIE_WITH_DRIVER = ["setpriv", "--pdeathsig", "KILL", "--"] if shutil.which("setpriv") else []
+DRIVER_FILE = "nemesis-driver.json"  # what a run made, for a later run to remove if its driver died
+
+
+def sweep_dead_runs(parent: Path) -> list[str]:
+    """Remove what runs whose driver died without cleaning up left under ``parent`` (namespaces,
+    links and the bridge named by their tag, stale mounts); what was removed."""
+    removed: list[str] = []
+    for record in parent.glob(f"*/{DRIVER_FILE}"):
+        try:
+            run = json.loads(record.read_text())
+            os.kill(int(run["pid"]), 0)
+            continue  # its driver lives: it is another run going on
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        tag = str(run["tag"])
+        mounted = {line.split()[1] for line in Path("/proc/mounts").read_text().splitlines() if len(line.split()) > 1}
+        for mount in run.get("mounts", []):
+            if mount in mounted:  # (a dead FUSE mount: any look at the path itself fails)
+                _run("fusermount3", "-u", "-z", mount, check=False)
+                removed.append(mount)
+        for ns in _run("ip", "netns", "list", check=False).stdout.split():
+            if ns.startswith(f"{tag}-"):
+                for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                _run("ip", "netns", "del", ns, check=False)
+                removed.append(ns)
+        for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+            name = line.split(": ", 2)[1].split("@")[0] if ": " in line else ""
+            if name.startswith(tag):
+                _run("ip", "link", "del", name, check=False)
+                removed.append(name)
+        with contextlib.suppress(OSError):
+            record.unlink()
+    return removed
 
 
 def faketime_lib() -> str | None:
@@ -75,7 +119,7 @@ class Proc:
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.popen = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{self.host.ns}", "--", *self.argv],
+                [*DIE_WITH_DRIVER, "nsenter", f"--net=/run/netns/{self.host.ns}", "--", *self.argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -222,6 +266,10 @@ class NemesisCluster:
     def build(self) -> None:
         for d in (self.root, self.runs_dir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
+        swept = sweep_dead_runs(self.root.parent)  # (runs are folders side by side, each with its record)
+        if swept:
+            print(f"nemesis: removed what a killed run left: {', '.join(swept)}", file=sys.stderr)
+        self._record_driver()
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
@@ -244,6 +292,10 @@ class NemesisCluster:
         for host in self.hosts.values():
             if not host.name.startswith("nats"):
                 self._start_proxy(host)
+
+    def _record_driver(self) -> None:
+        record = {"pid": os.getpid(), "tag": self.tag, "mounts": [str(m) for m in self.mounts]}
+        (self.root / DRIVER_FILE).write_text(json.dumps(record))
 
     def env_of(self, host: Host) -> dict[str, str]:
         """A host's processes: its proxy as NATS, short leases, and (when on) its own clock."""
@@ -289,7 +341,7 @@ class NemesisCluster:
                 log_file=self.logs / f"{host.name}.log",
                 sync=self.sync,
                 store_dir=store,
-                wrap=["nsenter", f"--net=/run/netns/{host.ns}", "--"],
+                wrap=[*DIE_WITH_DRIVER, "nsenter", f"--net=/run/netns/{host.ns}", "--"],
                 extra_config=(
                     f'cluster {{ name: "nemesis", listen: "{host.ip}:{NATS_ROUTE_PORT}", routes: [{routes}],'
                     " no_advertise: true }\n"
@@ -304,7 +356,15 @@ class NemesisCluster:
         mount.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"lazyfs-{host.name}.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.nemesis.lazyfs", str(backing), str(mount), str(self.lazyfs_socket(host))],
+            [
+                *DIE_WITH_DRIVER,
+                sys.executable,
+                "-m",
+                "apps.nemesis.lazyfs",
+                str(backing),
+                str(mount),
+                str(self.lazyfs_socket(host)),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -313,6 +373,7 @@ class NemesisCluster:
         log.close()
         self.fs_procs[host.name] = proc
         self.mounts.append(mount)
+        self._record_driver()
         deadline = time.monotonic() + 20
         while not os.path.ismount(mount):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -387,6 +448,8 @@ class NemesisCluster:
             _run("ip", "netns", "del", host.ns, check=False)
             _run("ip", "link", "del", f"{self.tag}v{host.index}", check=False)
         _run("ip", "link", "del", self.bridge, check=False)
+        with contextlib.suppress(OSError):
+            (self.root / DRIVER_FILE).unlink()
         if hasattr(self, "_previous_handlers"):
             for sig, handler in self._previous_handlers.items():
                 signal.signal(sig, handler)

@@ -74,3 +74,50 @@ async def test_a_power_cut_loses_acknowledged_jobs_only_without_fsync() -> None:
         pytest.skip(f"power loss SKIPPED: {durable['skipped']} (needs {NEEDS['power_loss']})")
     assert durable["acknowledged"] == 15 and durable["lost"] == 0, durable
     assert unsafe["acknowledged"] == 15 and unsafe["lost"] > 0, unsafe
+
+
+def test_a_driver_killed_outright_leaves_nothing_the_next_run_does_not_remove(tmp_path) -> None:
+    """SIGKILL gives the driver no chance to clean up: the processes it started die with it, and the
+    namespaces, links and mounts it made are removed by the next cluster's start (or ``sweep``)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from apps.nemesis.cluster import facilities, sweep_dead_runs
+
+    missing = {k: v for k, v in facilities().items() if v and k in ("netns", "fuse")}
+    if missing:
+        pytest.skip(f"NEMESIS SKIPPED: {missing}")
+    root = tmp_path / "run"
+    script = (
+        "import sys, time; from pathlib import Path; from apps.nemesis.cluster import NemesisCluster\n"
+        f"c = NemesisCluster(Path({str(root)!r}), agents=1, faketime=False).__enter__()\n"
+        "print(c.tag, flush=True); time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        tag = driver.stdout.readline().strip()  # type: ignore[union-attr]
+        assert tag, "the cluster did not build"
+        namespaces = [
+            ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        ]
+        assert any(ns.startswith(tag) for ns in namespaces)
+        servers = subprocess.run(["pgrep", "-f", f"{root}/hosts/nats"], capture_output=True, text=True).stdout.split()
+        assert servers, "its NATS servers run"
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["pgrep", "-f", str(root)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a process of the killed driver's run outlived it"
+        time.sleep(0.2)
+    removed = sweep_dead_runs(tmp_path)
+    assert any(name.startswith(tag) for name in removed)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag not in left and not any(
+        tag in line
+        for line in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
+    )
+    assert str(root) not in Path("/proc/mounts").read_text(), "a mount of the killed run is left"
