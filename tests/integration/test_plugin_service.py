@@ -20,6 +20,7 @@ from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.client import Client
+from gpuherd.events.base import uncatalogue
 from gpuherd.log import open_log
 from gpuherd.runtime.audit import audit
 
@@ -89,7 +90,7 @@ def toy_installed(tmp_path: Path) -> Iterator[Path]:
             os.environ["PYTHONPATH"] = old
         sys.modules.pop("toyherd.spec", None)
         sys.modules.pop("toyherd", None)
-        ev.EVENT_TYPES.pop("QueueCounted", None)
+        uncatalogue("QueueCounted")
         registry.rediscover()
 
 

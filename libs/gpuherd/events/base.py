@@ -28,6 +28,9 @@ from gpuherd.jobenv import worker_id as worker_id
 
 # Every event type by name, filled as the classes are defined (``Event.__init_subclass__``).
 EVENT_TYPES: dict[str, type[Event]] = {}
+# Bumped on every registration (a class defined again replaces its name's entry without growing
+# the table), so codecs built from the catalogue know when they are stale.
+CATALOGUE_GENERATION = [0]
 
 
 class Event(msgspec.Struct, kw_only=True, frozen=True, tag_field="type", tag=True, gc=False):
@@ -70,6 +73,13 @@ def catalogue(cls: type[Event]) -> None:
             f"{cls.__module__}.{cls.__qualname__}; the stored type field must name one class"
         )
     EVENT_TYPES[cls.__name__] = cls
+    CATALOGUE_GENERATION[0] += 1
+
+
+def uncatalogue(name: str) -> None:
+    """Forget an event type (a plugin unloaded); records of it then decode as unreadable."""
+    if EVENT_TYPES.pop(name, None) is not None:
+        CATALOGUE_GENERATION[0] += 1
 
 
 class Command(Event, kw_only=True, frozen=True):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from gpuherd.errors import EventDecodeError
-from gpuherd.events.base import EVENT_TYPES, UPCASTERS, Event
+from gpuherd.events.base import CATALOGUE_GENERATION, EVENT_TYPES, UPCASTERS, Event
 
 
 def upcast(raw: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +48,7 @@ class Unreadable(Event, kw_only=True, frozen=True):
 
 
 class _Codecs:
-    """The union of the catalogued types and its decoders, made again when the catalogue grew."""
+    """The union of the catalogued types and its decoders, made again when the catalogue changed."""
 
     def __init__(self) -> None:
         self.size = -1
@@ -56,11 +56,11 @@ class _Codecs:
         self.json: msgspec.json.Decoder[Any] | None = None
 
     def current(self) -> _Codecs:
-        if self.size != len(EVENT_TYPES):
+        if self.size != CATALOGUE_GENERATION[0]:
             types = tuple(EVENT_TYPES[name] for name in sorted(EVENT_TYPES))
             self.union = Union[types]  # noqa: UP007 - a union of a runtime tuple of classes
             self.json = msgspec.json.Decoder(self.union)
-            self.size = len(EVENT_TYPES)
+            self.size = CATALOGUE_GENERATION[0]
         return self
 
 
