@@ -6,7 +6,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: install run local up down test test-fast chaos lint bench clean
+.PHONY: install run local up down test test-fast chaos nemesis nemesis-tools lint bench clean
 
 COMPOSE  := docker compose --project-directory infra -f infra/docker-compose.yml
 PROFILES ?= sim,cpu
@@ -47,7 +47,7 @@ down:
 infra/secrets.env:
 	infra/make-secrets.sh
 
-test: install lint
+test: install lint nemesis-tools
 	$(VENV)/bin/pytest -q
 
 test-fast: install
@@ -56,6 +56,22 @@ test-fast: install
 ## chaos: the chaos suite, longer (CHAOS_ROUNDS faults of each kind; make test runs it with 1)
 chaos: install
 	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(VENV)/bin/pytest -q -s tests/chaos
+
+## nemesis-tools: what the nemesis needs from Debian (iptables, FUSE, libfaketime), installed as root when missing
+nemesis-tools:
+	@missing=""; command -v iptables >/dev/null || missing="$$missing iptables"; \
+	command -v fusermount3 >/dev/null || missing="$$missing fuse3"; \
+	[ -e /usr/lib/x86_64-linux-gnu/libfuse.so.2 ] || [ -e /usr/lib/aarch64-linux-gnu/libfuse.so.2 ] || missing="$$missing libfuse2"; \
+	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else echo "!!!!! the nemesis lacks$$missing and cannot install it (not root): those fault kinds will be SKIPPED !!!!!" >&2; fi; \
+	fi
+
+## nemesis: the long nemesis (>= 2,000 acknowledged jobs, every fault kind, the power-cut demonstration); needs root
+nemesis: install nemesis-tools
+	$(PY) bench/bench_nemesis.py $(NEMESIS_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check apps libs services tests bench examples

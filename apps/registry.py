@@ -1,159 +1,102 @@
-"""Every gpuherd process by name: its decider, its entry point, the events it follows and emits.
+"""Every gpuherd service, found, never listed: each ``services/<name>/spec.py`` holds its ``SPEC``
+(``gpuherd.runtime.spec.ServiceSpec``), and an installed plugin adds its own through the
+``gpuherd.services`` entry point group (``name = "package.module:SPEC"``).
 
-This is the one place that knows all the services (imported statically, never by string). The CLI
-starts them from here (``gpuherd serve NAME``), the audit and ``gpuherd why`` take their deciders
-from here, and the tests check the routing it describes: one writer per event type.
+Everything that starts, simulates, audits, deploys or secures services asks here: ``gpuherd
+serve`` and ``gpuherd up``, the simulator, ``gpuherd replay --audit`` and ``why``, ``gpuherd
+status``, the compose check and the NATS permission file. Adding a service is one folder.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import pkgutil
+from collections.abc import Sequence
 from typing import Any
 
+import services
 from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider, replay
-from services.analytics import service as analytics_service
-from services.analytics.decide import AnalyticsDecider
-from services.dashboard import service as dashboard_service
-from services.elastic import service as elastic_service
-from services.elastic.decide import ElasticDecider
-from services.memory import service as memory_service
-from services.memory.decide import MemoryDecider
-from services.nodeagent import agent as agent_service
-from services.scheduler import service as scheduler_service
-from services.scheduler.decide import SchedulerDecider
-from services.scheduler.policy import make_policy
+from gpuherd.runtime.spec import ServiceSpec
 
-Main = Callable[[list[str] | None], None]
+ENTRY_POINTS = "gpuherd.services"  # plugins: an entry point naming a ServiceSpec
 
-
-@dataclass(frozen=True)
-class Service:
-    name: str
-    main: Main  # ``gpuherd serve NAME ARGS`` runs ``main(ARGS)``
-    parser: Callable[[], argparse.ArgumentParser]  # its command line (what ``main`` parses)
-    decider: type[Decider[Any]] | None  # None: not a decider (a node agent)
-    follows: frozenset[type[ev.Event]]  # the events it acts on (the rest it only folds, if at all)
-    emits: frozenset[type[ev.Event]]  # the events it writes
-    about: str
-
-
-# What a node agent acts on, and what it writes (under its node's subjects).
-AGENT_FOLLOWS: frozenset[type[ev.Event]] = frozenset(
-    {
-        ev.JobPlaced,
-        ev.JobStarted,
-        ev.TaskEnded,
-        ev.JobFinished,
-        ev.JobRequeued,
-        ev.JobPreempted,
-        ev.JobCancelRequested,
-        ev.JobResized,
-        ev.RescaleCompleted,
-        ev.WorkerLost,
-        ev.ProfileRequested,
-        ev.NodeLost,
-        ev.NodePowerDownRequested,
-        ev.NodePowerUpRequested,
-        ev.NodeWakeRequested,
-        ev.MemoryLeaseGranted,
-        ev.MemoryLeaseRevoked,
-        ev.MemoryLeaseReclaimed,
-    }
-)
-AGENT_EMITS: frozenset[type[ev.Event]] = frozenset(
-    {
-        ev.NodeRegistered,
-        ev.JobStarted,
-        ev.TaskEnded,
-        ev.GpuHealthChanged,
-        ev.GpuMemoryReported,
-        ev.NodePoweredDown,
-        ev.NodePoweredUp,
-        ev.RescaleCompleted,
-        ev.RescaleFailed,
-        ev.WorkerLost,
-        ev.MemoryLeaseRequested,
-        ev.MemoryLeaseRenewed,
-        ev.MemoryLeaseReleased,
-        ev.ProfileReported,
-    }
-)
-# Operators' commands (the CLI as admin; a service's --policy or --params at start records one too).
-OPERATOR_EMITS: frozenset[type[ev.Event]] = frozenset(
-    {
-        ev.VcConfigured,
-        ev.PolicyConfigured,
-        ev.NodeDrained,
-        ev.NodeUndrained,
-        ev.JobCancelRequested,
-        ev.ElasticConfigured,
-        ev.MemoryBrokerConfigured,
-        ev.ProfileRequested,
-    }
+# Operators' commands about the cluster as a whole (the CLI as admin, the dashboard with its token);
+# each service's own commands (``ServiceSpec.records``: its --params, the scheduler's --policy) too.
+CLUSTER_COMMANDS: frozenset[type[ev.Event]] = frozenset(
+    {ev.VcConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested, ev.ProfileRequested}
 )
 
 
-def _serve_dashboard(argv: list[str] | None = None) -> None:
-    """The dashboard with the scheduler's queue explanation and the audit (``apps.dashboard``, which
-    uses this registry, so it is imported when the dashboard starts)."""
-    from apps.dashboard import TOOLS
-
-    dashboard_service.main(argv, tools=TOOLS)
+class UnknownService(GpuherdError, ValueError):
+    """A name that no spec has."""
 
 
-def _decider_service(name: str, module: Any, decider: type[Decider[Any]], about: str) -> Service:
-    return Service(name, module.main, module.build_parser, decider, decider.FOLLOWS, decider.EMITS, about)
+@functools.cache
+def _found() -> dict[str, ServiceSpec]:
+    found: dict[str, ServiceSpec] = {}
+
+    def add(spec: object, where: str) -> None:
+        if not isinstance(spec, ServiceSpec):
+            raise TypeError(f"{where} is not a ServiceSpec")
+        if spec.name in found:
+            raise ValueError(f"two services named {spec.name!r} (the second in {where})")
+        found[spec.name] = spec
+
+    for module in pkgutil.iter_modules(services.__path__):
+        name = f"services.{module.name}.spec"
+        if module.ispkg and importlib.util.find_spec(name) is not None:
+            add(importlib.import_module(name).SPEC, name)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        add(entry.load(), f"entry point {entry.name} ({entry.value})")
+    return found
 
 
-SERVICES: dict[str, Service] = {
-    s.name: s
-    for s in (
-        _decider_service(
-            "scheduler", scheduler_service, SchedulerDecider, "intake, gang placement, quotas, preemption"
-        ),
-        _decider_service("elastic", elastic_service, ElasticDecider, "grows and shrinks running elastic jobs"),
-        _decider_service("memory", memory_service, MemoryDecider, "leases spare neighbor-GPU and host memory"),
-        _decider_service(
-            "analytics", analytics_service, AnalyticsDecider, "duration predictions, energy saving, reports"
-        ),
-        Service(
-            "agent",
-            agent_service.main,
-            agent_service.build_parser,
-            None,
-            AGENT_FOLLOWS,
-            AGENT_EMITS,
-            "runs a node's part of every job",
-        ),
-        Service(
-            "dashboard",
-            _serve_dashboard,
-            dashboard_service.build_parser,
-            None,
-            frozenset(),
-            frozenset(),  # (its operator actions are operator commands, as the CLI's)
-            "the live web dashboard and its JSON API (a reader of the log)",
-        ),
-    )
-}
-
-AUDITABLE = ("scheduler", "elastic", "memory")  # deciders whose every decision the audit re-derives
+def rediscover() -> None:
+    """Look for specs again (a plugin installed since, in tests)."""
+    _found.cache_clear()
 
 
-def make_decider(name: str, *, policy: str | None = None) -> Decider[Any]:
-    """The decider of service ``name`` with its defaults; the scheduler's ``policy`` is its default
-    until the log records one (fifo if None)."""
-    service = SERVICES.get(name)
-    if service is None or service.decider is None:
-        deciders = ", ".join(n for n, s in SERVICES.items() if s.decider is not None)
-        raise ValueError(f"no decider named {name!r}; deciders: {deciders}")
-    if service.decider is SchedulerDecider:
-        return SchedulerDecider(make_policy(policy or "fifo"))
-    return service.decider()
+def specs() -> list[ServiceSpec]:
+    """Every service, by name."""
+    return [s for _, s in sorted(_found().items())]
+
+
+def spec(name: str) -> ServiceSpec:
+    try:
+        return _found()[name]
+    except KeyError:
+        raise UnknownService(f"no service named {name!r}; services: {', '.join(sorted(_found()))}") from None
+
+
+def deciders() -> list[ServiceSpec]:
+    return [s for s in specs() if s.decider is not None]
+
+
+def auditable() -> list[str]:
+    """The deciders whose every decision the audit re-derives."""
+    return [s.name for s in specs() if s.auditable]
+
+
+def required() -> list[str]:
+    """What a deployment must run (``gpuherd status`` says it is degraded without one)."""
+    return [s.name for s in specs() if s.required]
+
+
+def make_decider(name: str, **options: Any) -> Decider[Any]:
+    """The decider of service ``name`` with its defaults and those of ``options`` it takes (the
+    scheduler's ``policy``: its policy until the log records one; fifo if None). An option it does
+    not take, or None, is left out: a command that audits every decider offers each the same."""
+    found = spec(name)
+    if found.decider is None:
+        raise UnknownService(f"{name} is no decider; deciders: {', '.join(s.name for s in deciders())}")
+    takes = inspect.signature(found.decider).parameters
+    return found.decider(**{k: v for k, v in options.items() if v is not None and k in takes})
 
 
 def replay_state(decider: Decider[Any], records: Sequence[Record]) -> Any:
@@ -161,12 +104,18 @@ def replay_state(decider: Decider[Any], records: Sequence[Record]) -> Any:
     return replay(decider, records)
 
 
+def operator_commands() -> frozenset[type[ev.Event]]:
+    """What operators write: commands about the cluster, and each service's own."""
+    return CLUSTER_COMMANDS | {kind for s in specs() for kind in s.records}
+
+
 def writers() -> dict[type[ev.Event], list[str]]:
     """Who writes each event type: services by name, and ``operator``."""
     out: dict[type[ev.Event], list[str]] = {}
-    for service in SERVICES.values():
+    for service in specs():
         for kind in service.emits:
             out.setdefault(kind, []).append(service.name)
-    for kind in OPERATOR_EMITS:
+    for kind in operator_commands():
         out.setdefault(kind, []).append("operator")
+    out[ev.LeadershipTaken] = ["runtime"]  # each decider's shell fences its own leadership
     return out

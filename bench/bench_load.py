@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from apps import registry
 from apps.cluster.local import Supervised, service_argv, stop_together
 from gpuherd import events as ev
 from gpuherd.client import Client
@@ -55,7 +56,7 @@ from gpuherd.obs import configure
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("scheduler", "elastic", "memory", "analytics")
+SERVICES = registry.required()  # every decider a deployment runs
 CLEAN_EXIT_S = 5.0  # every process must be gone this long after SIGTERM
 
 

@@ -4,19 +4,24 @@ Runs against a fresh embedded nats-server (file storage, as deployed) on this ma
 
 1. append, one event per round trip (the baseline), pipelined with 256 in flight, and
    atomic batches of 1,000;
+1b. durability: the same appends on a server that fsyncs before every acknowledgement
+   (``sync_interval: always``, gpuherd's default) and on one with nats-server's own default
+   (fsync every 2 minutes), in the same run: appends/s and the ack latency (p50/p99) one at a time,
+   pipelined and in atomic batches of 100: the cost of an acknowledged job surviving a power cut;
 2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline);
 3. 2,000 submissions through the intake path (the Python client) to a real scheduler
    process, with 100 sim nodes x 8 GPUs emulated in this process (they register, send
    heartbeats, and finish each job after its duration): latency from publishing the
    submission to the verdict reply, and to the JobPlaced event being readable in the log.
 
-Usage: python bench/bench_log.py [--quick]
+Usage: python bench/bench_log.py [--quick] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -32,7 +37,7 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
 from gpuherd.log.jetstream import JetStreamLog
-from gpuherd.natsd import NatsServer
+from gpuherd.natsd import SYNC_ALWAYS, UNSAFE_SYNC, NatsServer
 
 console = Console()
 SPEC = ev.JobSpec(name="bench", user="u", gpus=1, duration_s=1.0)
@@ -76,6 +81,62 @@ async def bench_appends(log: JetStreamLog, quick: bool) -> list[tuple[str, float
         await log.append(events[i : i + 1000])
     rows.append(("append, atomic batches of 1,000", n / (time.perf_counter() - t), 0.0))
     return [(name, rate, rate / single) for name, rate, _ in rows]
+
+
+async def timed_appends(log: JetStreamLog, prefix: str, n: int, per_append: int, in_flight: int) -> dict[str, float]:
+    """``n`` events in appends of ``per_append`` (1: a publish; more: an atomic batch), ``in_flight``
+    appends outstanding at once: events/s, and each append's time to its acknowledgement."""
+    events = job_events(prefix, n)
+    appends = [events[i : i + per_append] for i in range(0, n, per_append)]
+    latencies: list[float] = []
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(part: list[ev.Event]) -> None:
+        try:
+            t = time.perf_counter()
+            await log.append(part)
+            latencies.append(1000 * (time.perf_counter() - t))
+        finally:
+            slots.release()
+
+    start = time.perf_counter()
+    tasks = []
+    for part in appends:
+        await slots.acquire()
+        tasks.append(asyncio.create_task(one(part)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    return {"events_per_s": n / elapsed, "ack_p50_ms": statistics.median(latencies), "ack_p99_ms": pct(latencies, 99)}
+
+
+DURABILITY_WAYS = (
+    ("one at a time", 1, 1),
+    ("pipelined, 256 in flight", 1, 256),
+    ("atomic batches of 100", 100, 1),
+)
+
+
+async def bench_durability(data_dir: Path, quick: bool) -> list[dict[str, object]]:
+    """The same appends against a server that fsyncs before every ack and one that fsyncs every 2
+    minutes (nats-server's default), each on a fresh store, in this run."""
+    rows: list[dict[str, object]] = []
+    counts = {1: 300 if quick else 1500, 256: 3000 if quick else 20_000, 100: 3000 if quick else 20_000}
+    for sync in (SYNC_ALWAYS, UNSAFE_SYNC):
+        server = NatsServer(data_dir / f"nats-sync-{sync}", sync=sync).start()
+        try:
+            log = await open_log(server.url, name="bench-durability")
+            assert isinstance(log, JetStreamLog)
+            for way, per_append, in_flight in DURABILITY_WAYS:
+                n = counts[in_flight if per_append == 1 else per_append]
+                measured = await timed_appends(log, f"d{sync}{per_append}x{in_flight}", n, per_append, in_flight)
+                rows.append({"sync": sync, "way": way, "events": n, **measured})
+            await log.close()
+        finally:
+            server.stop()
+    fast = {r["way"]: r for r in rows if r["sync"] == UNSAFE_SYNC}
+    for row in rows:
+        row["x_2m"] = float(row["events_per_s"]) / float(fast[row["way"]]["events_per_s"])  # type: ignore[arg-type]
+    return rows
 
 
 async def naive_replay(log: JetStreamLog) -> int:
@@ -259,8 +320,9 @@ async def bench_latency(url: str, data_dir: Path, quick: bool) -> list[tuple[str
         scheduler.wait(10)
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, as_json: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
+        durability = await bench_durability(Path(tmp), quick)
         server = NatsServer(Path(tmp) / "nats").start()
         try:
             log = await open_log(server.url, name="bench")
@@ -293,9 +355,37 @@ async def main(quick: bool) -> None:
             name, f"{p50:.1f}", f"{p99:.1f}", f"{worst:.1f}", f"{ratio:.2f}", "p99 <= 50" if "JobPlaced" in name else ""
         )
     console.print(lat)
+    dur = Table(title="durability: fsync before every ack (always, the default) vs every 2 minutes (nats-server's)")
+    for col in ("sync", "appends", "events", "events/s", "x 2m", "ack p50 ms", "ack p99 ms"):
+        dur.add_column(col, justify="left" if col in ("sync", "appends") else "right")
+    for row in durability:
+        dur.add_row(
+            str(row["sync"]),
+            str(row["way"]),
+            f"{row['events']:,}",
+            f"{row['events_per_s']:,.0f}",
+            f"{row['x_2m']:.2f}",
+            f"{row['ack_p50_ms']:.2f}",
+            f"{row['ack_p99_ms']:.2f}",
+        )
+    console.print(dur)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "appends": [{"measure": n, "events_per_s": r, "x_baseline": x} for n, r, x in appends + replay],
+                    "latency": [
+                        {"path": n, "p50_ms": a, "p99_ms": b, "max_ms": c, "x_verdict": d} for n, a, b, c, d in latency
+                    ],
+                    "durability": durability,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events, for a smoke run")
-    asyncio.run(main(parser.parse_args().quick))
+    parser.add_argument("--json", action="store_true", help="also print one JSON object")
+    args = parser.parse_args()
+    asyncio.run(main(args.quick, args.json))

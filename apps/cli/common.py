@@ -40,6 +40,20 @@ def nats_url_of(args: argparse.Namespace) -> str:
     return "nats://127.0.0.1:4222"
 
 
+def nats_monitor_urls(args: argparse.Namespace) -> list[str]:
+    """The NATS servers' monitoring endpoints: ``NATS_MONITOR_URL`` (comma-separated), else the
+    embedded server's, from the cluster file of ``gpuherd up``; none when neither says."""
+    if os.environ.get("NATS_MONITOR_URL"):
+        return [u.strip() for u in os.environ["NATS_MONITOR_URL"].split(",") if u.strip()]
+    if getattr(args, "nats_url", None) or os.environ.get("NATS_URL"):
+        return []
+    cluster = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / CLUSTER_FILE
+    if cluster.exists():
+        url = msgspec.json.decode(cluster.read_bytes()).get("nats_monitor_url")
+        return [url] if url else []
+    return []
+
+
 async def open_cli_log(args: argparse.Namespace) -> EventLog:
     try:
         return await asyncio.wait_for(open_log(nats_url_of(args), name="gpuherd-cli", persistent=False), 10)

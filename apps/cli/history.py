@@ -12,9 +12,10 @@ import msgspec
 from rich.progress import Progress
 from rich.table import Table
 
+from apps import registry
 from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cluster, read_records
 from apps.cli.rescales import rescale_rows, rescale_table
-from apps.registry import AUDITABLE, make_decider
+from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.runtime.audit import audit
 
@@ -164,7 +165,7 @@ def add_commands(sub: Any) -> None:
 
     r = sub.add_parser("replay", help="re-fold the log; with --audit, re-run a decider at every decision")
     r.add_argument("--audit", action="store_true")
-    r.add_argument("--decider", default="scheduler", choices=AUDITABLE)
+    r.add_argument("--decider", default="scheduler", choices=registry.auditable())
     r.add_argument("--policy", default="fifo", help="the scheduler's policy until the log records one")
     r.add_argument("--json", action="store_true")
     r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")

@@ -10,14 +10,14 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import console, nats_url_of, open_cli_log
+from apps import registry
+from apps.cli.common import console, nats_monitor_urls, nats_url_of, open_cli_log
+from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts
 from gpuherd.errors import GpuherdError
 from gpuherd.log import STATUS_BUCKET, open_log
 from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceStatus
-from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, SERVICES, check_token, render_accounts
-
-EXPECTED = SERVICES  # a deployment without one of these is degraded, and status says so
+from gpuherd.security import check_token
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -29,17 +29,26 @@ def cmd_status(args: argparse.Namespace) -> int:
                 (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
                 key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
             )
-            return {"services": statuses, "nats": await nats_overview(log_)}
+            return {"services": statuses, "nats": await nats_overview(log_, nats_monitor_urls(args))}
         finally:
             await log_.close()
 
     view = asyncio.run(run())
     running = {s.service for s in view["services"]}
-    view["degraded"] = [f"{m} is not running" for m in EXPECTED if m not in running] + [
-        f"{st['name']} has a replica behind"
-        for st in view["nats"]["streams"]
-        if any(not p["current"] or p["offline"] for p in st["peers"])
-    ]
+    expected = registry.required()  # a deployment without one of these is degraded, and status says so
+    view["degraded"] = (
+        [f"{m} is not running" for m in expected if m not in running]
+        + [
+            f"{st['name']} has a replica behind"
+            for st in view["nats"]["streams"]
+            if any(not p["current"] or p["offline"] for p in st["peers"])
+        ]
+        + [
+            f"NATS {d['server']} fsyncs every {d['sync']}: a power cut loses acknowledged jobs"
+            for d in view["nats"]["durability"]
+            if d["durable"] is False
+        ]
+    )
     if args.json:
         print(msgspec.json.encode(view).decode())
         return 1 if view["degraded"] else 0
@@ -60,7 +69,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{now - s.updated_at:.0f}s",
             where,
         )
-    for missing in EXPECTED:
+    for missing in expected:
         if missing not in running:
             table.add_row(missing, "[red]not running[/red]", "", "", "", "", "", "")
     console.print(table)
@@ -82,6 +91,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             st["name"], str(st["messages"]), _size(st["bytes"]), str(st["replicas"]), st["leader"] or "-", peers
         )
     console.print(streams)
+    durability = nats_view["durability"]
+    if not durability:
+        console.print(
+            "durability: unknown (set NATS_MONITOR_URL to the servers' monitoring endpoints, e.g. http://nats-1:8222)",
+            highlight=False,
+        )
+    for d in durability:
+        if d["durable"]:
+            how = "[green]fsync before every acknowledgement (sync_interval: always)[/green]"
+        elif d["durable"] is False:
+            how = f"[red]fsync every {d['sync']}: a power cut loses what was acknowledged since[/red]"
+        else:
+            how = f"[yellow]unknown ({d.get('error', '')})[/yellow]"
+        console.print(f"durability of {d['server']}: {how}", highlight=False)
     for problem in view["degraded"]:
         console.print(f"[red]degraded:[/red] {problem}", highlight=False)
     return 1 if view["degraded"] else 0
@@ -120,7 +143,7 @@ def cmd_nats_accounts(args: argparse.Namespace) -> int:
         sources = [check_token("source", s) for s in _names(args.sources)]
     except ValueError as exc:
         raise GpuherdError(str(exc)) from None
-    print(render_accounts(nodes, sources), end="")
+    print(accounts(nodes, sources), end="")
     return 0
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from apps import registry
 from apps.cluster.up import run_cluster
-from apps.registry import SERVICES
+from gpuherd.runtime import shell
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    SERVICES[args.service].main(args.args)
+    shell.main(registry.spec(args.service), args.args, peers=registry.specs())
     return 0
 
 
@@ -29,6 +30,12 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--demo-seconds", type=float, default=45.0, help="wall time the demo's arrivals span")
     up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")
     up.add_argument("--fresh", action="store_true", help="start from an empty data folder")
+    up.add_argument(
+        "--fast-unsafe-fsync",
+        action="store_true",
+        help="the embedded NATS fsyncs every 2 minutes instead of before each acknowledgement: faster, and a "
+        "power cut loses acknowledged jobs (benchmarks only; also GPUHERD_UNSAFE_FSYNC=1)",
+    )
     up.add_argument("--ui-port", type=int, default=8080, help="the dashboard's port (0: any free one; -1: none)")
     up.add_argument("--ui-token-file", default=None, help="the dashboard's operator token file (default: read-only)")
     up.set_defaults(func=run_cluster)
@@ -38,6 +45,6 @@ def add_commands(sub: Any) -> None:
         help="run one service or a node agent in the foreground (what each container of the deployment runs)",
         description="Run one gpuherd process; the arguments after the name are its own (see `gpuherd serve NAME -h`).",
     )
-    sv.add_argument("service", choices=sorted(SERVICES))
+    sv.add_argument("service", choices=[s.name for s in registry.specs()])
     sv.add_argument("args", nargs=argparse.REMAINDER)
     sv.set_defaults(func=cmd_serve)

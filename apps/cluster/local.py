@@ -15,7 +15,9 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
+from apps import registry
 from gpuherd.natsd import NatsServer
+from gpuherd.runtime.spec import LocalContext
 
 console = Console(stderr=True)
 
@@ -98,6 +100,9 @@ class ClusterLayout(msgspec.Struct, kw_only=True):
     agent_args: tuple[str, ...] = ()  # extra flags for every agent (e.g. a shorter --heartbeat)
     ui_port: int | None = None  # the dashboard's port (0: any free one; None: no dashboard)
     ui_token_file: str | None = None  # the dashboard's operator token (None: read-only)
+    # The embedded server's JetStream sync_interval: None is the durable default ("always", unless
+    # GPUHERD_UNSAFE_FSYNC is set); "2m" is nats-server's own default (gpuherd up --fast-unsafe-fsync).
+    nats_sync: str | None = None
 
 
 class LocalCluster:
@@ -134,49 +139,63 @@ class LocalCluster:
     def start(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
-            self.server = NatsServer(self.data_dir / "nats", log_file=self.log_dir / "nats-server.log").start()
+            self.server = NatsServer(
+                self.data_dir / "nats", log_file=self.log_dir / "nats-server.log", sync=self.layout.nats_sync
+            ).start()
             self.url = self.server.url
-        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode({"nats_url": self.url, "pid": os.getpid()}))
+        cluster = {"nats_url": self.url, "pid": os.getpid()}
+        if self.server is not None:  # where `gpuherd status` reads how the embedded server syncs
+            cluster["nats_monitor_url"] = self.server.monitor_url
+        (self.data_dir / "cluster.json").write_bytes(msgspec.json.encode(cluster))
         # Every process serves /metrics and /healthz on a free port of its own; `gpuherd status` lists them.
         env = dict(os.environ, NATS_URL=self.url, PYTHONUNBUFFERED="1", GPUHERD_METRICS_PORT="0")
         lay = self.layout
-        scheduler = ("--nats-url", self.url, "--lost-after", str(lay.lost_after_s))
-        scheduler += ("--policy", lay.policy) if lay.policy else ()
-        analytics = ("--nats-url", self.url, "--report-dir", str(self.data_dir / "report"))
-        self.procs = [
-            Supervised("scheduler", service_argv("scheduler", *scheduler), self.log_dir, env),
-            Supervised("analytics", service_argv("analytics", *analytics), self.log_dir, env),
-            Supervised("elastic", service_argv("elastic", "--nats-url", self.url), self.log_dir, env),
-            Supervised("memory", service_argv("memory", "--nats-url", self.url), self.log_dir, env),
-        ]
+        options = {
+            "policy": lay.policy,
+            "lost_after_s": lay.lost_after_s,
+            "ui_port": lay.ui_port,
+            "ui_token_file": lay.ui_token_file,
+            "url_file": self.dashboard_url_file,
+            "agent_args": lay.agent_args,
+            "rendezvous_base": RENDEZVOUS_BASE,
+        }
         if lay.ui_port is not None:
             self.dashboard_url_file.unlink(missing_ok=True)
-            ui = ("--nats-url", self.url, "--port", str(lay.ui_port), "--url-file", str(self.dashboard_url_file))
-            ui += ("--report-dir", str(self.data_dir / "report"))
-            ui += ("--operator-token-file", lay.ui_token_file) if lay.ui_token_file else ()
-            self.procs.append(Supervised("dashboard", service_argv("dashboard", *ui), self.log_dir, env))
-        for i in range(1, lay.sim_agents + 1):
-            self.procs.append(self._agent(f"node-{i}", "sim", lay.sim_gpus, f"rack-{(i - 1) // 4 + 1}", env))
-        for i in range(1, lay.cpu_agents + 1):
-            self.procs.append(self._agent(f"cpu-{i}", "cpu", lay.cpu_gpus, "rack-cpu", env, port_block=i))
-        for i in range(1, lay.nvml_agents + 1):
-            self.procs.append(self._agent(f"gpu-{i}", "nvml", 0, "rack-gpu", env, port_block=50 + i))
+        self.procs = []
+        for spec in registry.specs():  # every service its spec starts here, then an agent per node
+            if spec.role == "agent" or spec.local_argv is None:
+                continue
+            argv = spec.local_argv(LocalContext(self.url, self.data_dir, options))
+            if argv is not None:
+                self.procs.append(self._supervised(spec.name, spec.name, argv, env))
+        agents = [s for s in registry.specs() if s.role == "agent" and s.local_argv is not None]
+        for spec in agents:
+            for node in self.nodes():
+                argv = spec.local_argv(LocalContext(self.url, self.data_dir, {**options, **node}))  # type: ignore[misc]
+                self.procs.append(self._supervised(f"{spec.name}-{node['node']}", spec.name, argv or [], env))
         for p in self.procs:
             p.start()
         return self.url
 
-    def _agent(self, node: str, executor: str, gpus: int, rack: str, env: dict[str, str], *, port_block: int = 0):
-        """Local agents share one host, so each leads rendezvous on ports of its own block, and
-        their peers reach them on the loopback address."""
-        argv = service_argv(
-            "agent",
-            *("--nats-url", self.url, "--node", node, "--executor", executor, "--gpus", str(gpus), "--rack", rack),
-            *("--data-dir", str(self.data_dir / "agents" / node), "--address", "127.0.0.1", *self.layout.agent_args),
-        )
-        if executor != "sim":
-            first = RENDEZVOUS_BASE + 100 * port_block
-            argv += ["--island", str(max(1, gpus // 2)), "--rendezvous-ports", f"{first}-{first + 99}"]
-        return Supervised(f"agent-{node}", argv, self.log_dir, env)
+    def nodes(self) -> list[dict[str, object]]:
+        """The layout's nodes: sim, then cpu, then nvml agents (each local agent leads rendezvous on
+        ports of its own block)."""
+        lay = self.layout
+        out: list[dict[str, object]] = []
+        for i in range(1, lay.sim_agents + 1):
+            out.append(
+                {"node": f"node-{i}", "executor": "sim", "gpus": lay.sim_gpus, "rack": f"rack-{(i - 1) // 4 + 1}"}
+            )
+        for i in range(1, lay.cpu_agents + 1):
+            out.append(
+                {"node": f"cpu-{i}", "executor": "cpu", "gpus": lay.cpu_gpus, "rack": "rack-cpu", "port_block": i}
+            )
+        for i in range(1, lay.nvml_agents + 1):
+            out.append({"node": f"gpu-{i}", "executor": "nvml", "gpus": 0, "rack": "rack-gpu", "port_block": 50 + i})
+        return out
+
+    def _supervised(self, name: str, service: str, argv: list[str], env: dict[str, str]) -> Supervised:
+        return Supervised(name, service_argv(service, "--nats-url", self.url, *argv), self.log_dir, env)
 
     def supervise_once(self) -> None:
         for p in self.procs:

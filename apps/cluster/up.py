@@ -16,6 +16,7 @@ import msgspec
 from apps.cluster.local import ClusterLayout, LocalCluster, console
 from gpuherd.client import Client, load_data_file
 from gpuherd.errors import GpuherdError
+from gpuherd.natsd import UNSAFE_SYNC, unsafe_sync_warning
 
 
 class VcFileEntry(msgspec.Struct, forbid_unknown_fields=True):
@@ -73,6 +74,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         lost_after_s=args.lost_after,
         ui_port=_free_or_any(args.ui_port),
         ui_token_file=args.ui_token_file,
+        nats_sync=UNSAFE_SYNC if getattr(args, "fast_unsafe_fsync", False) else None,
     )
     vcs = load_vc_file(args.vcs) if args.vcs else []
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
@@ -82,6 +84,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         console.print(f"configured {len(vcs)} virtual clusters from {args.vcs}")
     if cluster.server is not None:
         console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
+        warning = unsafe_sync_warning(cluster.server.sync)
+        if warning:
+            console.print(f"[bold red]{warning}[/bold red]", highlight=False)
+        else:
+            console.print("the log fsyncs before every acknowledgement (sync_interval: always)")
     else:
         console.print(f"using NATS at {url}")
     console.print(

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
+from apps.sim.elastic import ElasticRuns
 from gpuherd import events as ev
-from gpuherd.fold import ClusterState
+from gpuherd.fold import ACTIVE, ClusterState, JobState
 from gpuherd.log import Record
 from services.nodeagent.executors.base import TaskKey
-from services.nodeagent.executors.sim import SimTasks
+from services.nodeagent.executors.sim import SimTasks, remaining_s
 from services.nodeagent.reconcile import (
     AgentEvents,
     RequestLease,
@@ -55,6 +58,10 @@ class SimAgents:
     booting: set[str] = field(default_factory=set)
     asked: set[str] = field(default_factory=set)  # leases requested (an agent asks once per lease)
     running_on: dict[str, dict[str, None]] = field(default_factory=dict)  # job -> nodes running a task of it
+    # Elastic jobs that declare their scaling run by it (their work in samples, each rescale's cost);
+    # None: every sim job runs its duration, whatever its size.
+    elastic: ElasticRuns | None = None
+    rescaling: set[tuple[str, int, int]] = field(default_factory=set)  # (job, attempt, generation) under way
 
     def _of(self, node: str) -> tuple[SimTasks, set[TaskKey], AgentEvents]:
         if node not in self.tasks:
@@ -89,6 +96,8 @@ class SimAgents:
             nodes.update(dict.fromkeys(self.nodes_of(state, job_id)))
             for node in nodes:
                 self._reconcile(state, node, job_id, now, out, timers)
+            if isinstance(event, ev.JobFinished) and self.elastic is not None:
+                self.elastic.forget(job_id)
             if isinstance(event, ev.JobFinished | ev.JobRequeued):
                 for node in nodes:  # a draining node may now be empty
                     self._power(state, node, now, out, timers)
@@ -104,25 +113,54 @@ class SimAgents:
         self, state: ClusterState, node: str, job_id: str, now: float, out: list[ev.Event], timers: list[Timer]
     ) -> None:
         tasks, _, events = self._of(node)
+        job = state.jobs.get(job_id)
+        modelled = self.elastic is not None and job is not None and self.elastic.models(job)
         for action in reconcile(state, node, job_id, self.views[node], now, events, simulated=True):
             if isinstance(action, StartTask):
                 end = tasks.start(action.launch, now)
                 if action.started is not None:
                     out.append(action.started)
+                if end is not None and modelled:  # it runs by its scaling: its end is its work's
+                    end = tasks.ends[action.launch.key] = self.elastic.start(job, end - remaining_s(action.launch))  # type: ignore[union-attr,arg-type]
                 if end is not None:
                     timers.append((end, "task-end", (node, action.launch.key, end)))
                     self.running_on.setdefault(job_id, {})[node] = None
             elif isinstance(action, StopTask):
                 if tasks.stop(action.key):
                     self._gone(job_id, node, tasks)
+                    if modelled and (job.status not in ACTIVE or job.stopping()):  # type: ignore[union-attr]
+                        self.elastic.stop(job_id, now)  # type: ignore[union-attr]  # (not a leaving worker's node)
                 if action.report is not None:
                     out.append(events.ended(action.key, action.report, now, reason=action.reason))
             elif isinstance(action, RequestLease):
                 self.asked.add(action.event.lease)
                 out.append(action.event)
             elif isinstance(action, RecordAction):
-                out.append(action.event)
+                if modelled and isinstance(action.event, ev.RescaleCompleted):
+                    self._rescale(job, action.event, now, timers)  # type: ignore[arg-type]
+                else:
+                    out.append(action.event)
             # (A simulated reconcile writes no plan or file and starts no worker: there are no processes.)
+
+    def _rescale(self, job: JobState, done: ev.RescaleCompleted, now: float, timers: list[Timer]) -> None:
+        """A modelled elastic job's new generation: it completes at its first step at the new size
+        (the rescale's cost), reporting the throughput it had before; every task of the job ends
+        when its work is done at the new rate."""
+        key = (job.job, job.attempt, job.generation)
+        if key in self.rescaling:
+            return  # (its completion is on the clock already)
+        self.rescaling.add(key)
+        assert self.elastic is not None
+        first_step, before, end = self.elastic.rescale(job, now)
+        times = ev.complete_phase_times({"decided": job.rescaled_at or now, "first_step": first_step})
+        report = msgspec.structs.replace(done, at=first_step, times=times, samples_per_s_before=before)
+        timers.append((first_step, "rescaled", (key, report)))
+        for node in job.nodes:
+            task = TaskKey(job.job, job.attempt)
+            tasks = self.tasks.get(node)
+            if tasks is not None and task in tasks.ends:
+                tasks.ends[task] = end
+                timers.append((end, "task-end", (node, task, end)))
 
     def _gone(self, job_id: str, node: str, tasks: SimTasks) -> None:
         """A task of ``job_id`` on ``node`` no longer runs."""
@@ -158,6 +196,10 @@ class SimAgents:
             self._gone(key.job, node, tasks)
             exited.add(key)
             return [events.ended(key, "completed", now, exit_code=0)]
+        if kind == "rescaled":
+            key, report = payload
+            self.rescaling.discard(key)
+            return [report]
         if kind == "booted":
             (node,) = payload
             self.booting.discard(node)

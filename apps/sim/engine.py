@@ -34,6 +34,7 @@ from typing import Any
 import msgspec
 
 from apps.sim.agents import SimAgents, concerns_agents
+from apps.sim.elastic import ElasticRuns
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
@@ -90,6 +91,7 @@ class Simulation:
         per_moment: bool = False,
         keep_log: bool = True,
         sinks: Sequence[Callable[[Record], None]] = (),
+        elastic_runs: ElasticRuns | None = None,
     ) -> None:
         self.now = 0.0
         # ``keep_log`` False: a record is dropped once every core, the agents and ``sinks`` (which see
@@ -107,7 +109,9 @@ class Simulation:
             raise SimulationError("a simulation needs the scheduler's decider")
         self.scheduler = by_name["scheduler"]
         # None: the caller plays the agents. ``checkpoint_cost``: a preempted job's restore, by its GPUs.
-        self.agents = SimAgents(boot_s=boot_s, checkpoint_cost=checkpoint_cost) if agents else None
+        self.agents = (
+            SimAgents(boot_s=boot_s, checkpoint_cost=checkpoint_cost, elastic=elastic_runs) if agents else None
+        )
         self.timers = [t for t in timers if t.decider in by_name]
         self._timer_cores = {t.decider: by_name[t.decider] for t in self.timers}
         self._heap: list[tuple[float, int, str, Any]] = []

@@ -30,8 +30,10 @@ from pathlib import Path
 import msgspec
 import pandas as pd
 
+from apps.sim.elastic import RescaleCosts
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
+from gpuherd.scaling import DEFAULT_BANDWIDTH_BYTES_PER_S
 from services.analytics.traces import job_id_for
 
 
@@ -50,6 +52,10 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True):
     unlimited_preemptions: bool = False
     # Duration predictions for every job (as live), or only under a policy that ranks by them
     predict_always: bool = True
+    # Elastic jobs that declare their scaling run by it: work in samples, each rescale's measured cost
+    # (warm or cold), gradients all-reduced at this bandwidth per worker.
+    rescale_costs: RescaleCosts = RescaleCosts()
+    allreduce_bandwidth: float = DEFAULT_BANDWIDTH_BYTES_PER_S
 
     def checkpoint_cost(self, gpus: int) -> float:
         for largest, seconds in self.checkpoint_costs:

@@ -1,9 +1,9 @@
 """One simulation run: a trace's submissions on a cluster spec under a policy.
 
-The deciders are the production classes (``apps.registry``): the scheduler's, the analytics
-service's for duration predictions and energy saving, and, when asked for, the elastic service's
-and the memory broker's. Trace jobs reach the scheduler as intake submissions (source ``trace``),
-judged by the real intake.
+The deciders are the production classes, each service taking part as its spec says
+(``ServiceSpec.simulated``): the scheduler's, the analytics service's for duration predictions and
+energy saving, and, when asked for, the elastic service's and the memory broker's. Trace jobs reach
+the scheduler as intake submissions (source ``trace``), judged by the real intake.
 """
 
 from __future__ import annotations
@@ -20,22 +20,18 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from apps import registry
 from apps.sim.cluster import ClusterSpec
+from apps.sim.elastic import ElasticRuns, ElasticWorkload, make_elastic
 from apps.sim.engine import Simulation, Timer
 from apps.sim.model import GPUHERD, SimModel
 from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.runtime.decider import Decider
-from services.analytics.ces import CesParams
-from services.analytics.decide import AnalyticsDecider
+from gpuherd.scaling import DEFAULT_LATENCY_S
 from services.analytics.jobs import JobTable, merge_tables
 from services.analytics.predict import UNKNOWN
 from services.analytics.traces import Trace
-from services.elastic.decide import ElasticDecider
-from services.elastic.service import TICK_S as ELASTIC_TICK_S
-from services.memory.decide import MemoryDecider
-from services.memory.service import TICK_S as MEMORY_TICK_S
-from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission
 from services.scheduler.policy import make_policy
 
@@ -50,22 +46,27 @@ def make_deciders(
     elastic: bool = False,
     memory: bool = False,
     estimates: Mapping[str, float] | None = None,
+    tick_s: float = 300.0,
+    **switches: Any,
 ) -> tuple[list[Decider[Any]], list[Timer]]:
-    """The deciders of a simulation and their timers: the scheduler under ``policy`` (its timer every
-    ``tick_s``, set by ``simulate``), the analytics decider (predictions, or the ``estimates``
-    given, and CES when ``ces`` is given: its parameters, ``{}`` for the defaults), and the elastic
-    service and memory broker."""
-    deciders: list[Decider[Any]] = [SchedulerDecider(make_policy(policy))]
-    if predict or estimates is not None or ces is not None:  # (else it would only fold)
-        energy = CesParams(**ces) if ces is not None else None
-        deciders.append(AnalyticsDecider(predict=predict or estimates is not None, ces=energy, estimates=estimates))
+    """The deciders of a simulation and their timers, from every service's spec (``simulated``: its
+    part, given the simulation's switches). The switches the built-in services read: ``policy``, the
+    scheduler's (its timer every ``tick_s`` while jobs wait); ``predict``, ``estimates`` and ``ces``,
+    the analytics service's (predictions, given estimates, energy saving on its timer every
+    ``tick_s``); ``elastic`` and ``memory``, whether the elastic service and the memory broker take
+    part. The judge of submissions decides first, then the others by name."""
+    given = {"policy": policy, "predict": predict, "ces": ces, "elastic": elastic, "memory": memory}
+    given |= {"estimates": estimates, "tick_s": tick_s, **switches}
+    deciders: list[Decider[Any]] = []
     timers: list[Timer] = []
-    if elastic:
-        deciders.append(ElasticDecider())
-        timers.append(Timer("elastic", ev.ElasticTicked, ELASTIC_TICK_S, lambda s: s.elastic_running > 0))
-    if memory:
-        deciders.append(MemoryDecider())
-        timers.append(Timer("memory", ev.MemoryTicked, MEMORY_TICK_S, lambda s: bool(s.leases)))
+    for spec in sorted(registry.specs(), key=lambda s: (not s.takes_intake, s.name)):
+        part = spec.simulated(given) if spec.simulated is not None else None
+        if part is None:
+            continue
+        deciders.append(part.decider)
+        timer = spec.timer
+        if timer is not None and part.tick_every_s is not None and timer.active(part.decider):
+            timers.append(Timer(spec.name, timer.tick, part.tick_every_s, needed=timer.needed, on_grid=timer.on_grid))
     return deciders, timers
 
 
@@ -123,14 +124,18 @@ def simulate(
     workers: int | None = None,
     keep_log: bool = True,
     digest: bool = False,
+    elastic_jobs: ElasticWorkload | None = None,
 ) -> SimResult:
     """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
     model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
     one per core), since nothing passes between them; the logs are the same either way.
     ``keep_log`` False keeps no log (only the job table, built as it runs: far less memory);
-    ``digest`` hashes every event (to compare runs without keeping them)."""
+    ``digest`` hashes every event (to compare runs without keeping them); ``elastic_jobs`` makes a
+    seeded share of the jobs elastic and runs the elastic service."""
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
+    if elastic_jobs is not None:  # a seeded share of the trace's jobs made elastic (the elastic service on)
+        submissions, elastic = make_elastic(submissions, elastic_jobs), True
     jobs = model.jobs(submissions, cluster.gpus_per_node)
     params = {**model.policy_params(), **(policy_params or {})}
     run = functools.partial(
@@ -181,7 +186,7 @@ def _digest_of(parts: Iterable[str]) -> str:
 
 
 Inputs = tuple[list[ev.JobSubmitted], ClusterSpec]
-_LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.AnyEvent]])
+_LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.any_event()]])
 
 
 def _partitions(
@@ -210,10 +215,6 @@ def _simulate_encoded(run: Callable[..., _Part], jobs: list[ev.JobSubmitted], cl
     return data, part._replace(log=[])
 
 
-def _jobs_wait(state: Any) -> bool:
-    return bool(state.queue)
-
-
 def _simulate(
     jobs: Iterable[ev.JobSubmitted],
     cluster: ClusterSpec,
@@ -233,14 +234,11 @@ def _simulate(
     keep_log: bool,
     digest: bool,
 ) -> _Part:
+    # (The scheduler's tick decides something only while jobs wait: a simulation hears no heartbeats,
+    # so it never finds a node lost. It pauses while none does, and keeps its times.)
     deciders, timers = make_deciders(
-        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates
+        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates, tick_s=tick_s
     )
-    # The scheduler's tick decides something only while jobs wait (a simulation hears no heartbeats,
-    # so it never finds a node lost): it pauses while none does, and keeps its times.
-    timers = [Timer("scheduler", ev.ClockTicked, tick_s, needed=_jobs_wait, on_grid=True), *timers]
-    if ces is not None:
-        timers.append(Timer("analytics", ev.AnalyticsTicked, tick_s))
     table = JobTable()
     sinks: list[Callable[[Record], None]] = [lambda record: table.add(record.event)]
     hasher = hashlib.blake2b(digest_size=12)
@@ -255,6 +253,7 @@ def _simulate(
         per_moment=model.per_second,
         keep_log=keep_log,
         sinks=sinks,
+        elastic_runs=ElasticRuns(model.rescale_costs, model.allreduce_bandwidth, DEFAULT_LATENCY_S),
     )
     setup = [
         *cluster.setup_events(),

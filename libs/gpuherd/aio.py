@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from gpuherd.errors import LogUnavailable
-from gpuherd.log import Lease
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.aio")
@@ -65,26 +63,6 @@ async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], st
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def acquire_lease(lease: Lease, stop: asyncio.Event, what: str) -> bool:
-    """Wait as a standby until ``lease`` is ours (True) or ``stop`` is set (False)."""
-    announced = False
-    while not stop.is_set():
-        try:
-            acquired = await lease.try_acquire()
-        except Exception as exc:  # NATS away or a stream electing its leader: try again, as a standby would
-            log.warning("lease not acquirable yet; retrying", lease=lease.name, error=repr(exc))
-            acquired = False
-        if acquired:
-            log.info("lease acquired", lease=lease.name, holder=lease.holder)
-            return True
-        if not announced:
-            log.info(f"standby: another instance holds the lease for {what}", lease=lease.name)
-            announced = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), lease.ttl / 3)
-    return False
 
 
 async def serve_until_signal(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:

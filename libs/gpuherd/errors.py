@@ -33,8 +33,8 @@ class ConcurrencyError(LogError):
         )
 
 
-class LeaseLost(GpuherdError):
-    """Another instance holds the leader lease now; this one must stop deciding."""
+class LeadershipLost(GpuherdError):
+    """Another instance holds the leadership now; this one must stop deciding."""
 
 
 class SubmissionError(GpuherdError):

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gpuherd.aio import serve_until_signal
 from gpuherd.log import STATUS_BUCKET, EventLog
 from gpuherd.obs import get_logger
 
@@ -58,7 +59,7 @@ class ServiceMetrics:
         )
         self.consumer_lag = Gauge("gpuherd_consumer_lag_events", "Events in the log not yet folded", registry=r)
         self.folded_seq = Gauge("gpuherd_folded_sequence", "Last log sequence folded", registry=r)
-        self.leader = Gauge("gpuherd_leader", "1 while this instance holds its service's lease", registry=r)
+        self.leader = Gauge("gpuherd_leader", "1 while this instance leads its service", registry=r)
         self.dead_letters = Counter(
             "gpuherd_dead_letters", "Messages this service gave up on (kept in HERD_DEAD)", registry=r
         )
@@ -213,8 +214,6 @@ class Served(Protocol):
 async def serve_until_signal_with_http(process: Served, metrics_port: int | None) -> None:
     """Run ``process`` until SIGTERM, serving its /metrics, /healthz and /readyz on ``metrics_port``
     (0: any free port; None: none)."""
-    from gpuherd.aio import serve_until_signal
-
     server = None
     if metrics_port is not None:
         server = await serve_http(process.metrics, process.health, process.readiness, port=metrics_port)

@@ -1,22 +1,18 @@
 """Who may do what on NATS: one user per role, each held to the subjects its role uses.
 
-The roles (user names in parentheses):
+The roles every deployment has are here (user names in parentheses):
 
 - **submitter** (``submit-<source>``): publishes submissions to ``herd.intake.<source>`` only and
   reads the verdicts in its own inboxes. It cannot read the log.
-- **agent** (``agent-<node>``): reads the log; appends only its own node's events
-  (``herd.node.<node>``, ``herd.job.<id>.by.<node>``, ``herd.lease.<id>.by.<node>``) and telemetry
-  (``herd.telemetry.<node>.>``); holds only its node's lease; answers ``herd.ctl.<node>.>``.
-- **service** (``scheduler``, ``elastic``, ``memory``, ``analytics``): reads the log; appends only
-  the events its decider makes; writes its own snapshot, lease and status. Only the scheduler reads
-  intake and answers submitters.
 - **reader** (``reader``): the read-only CLI (``jobs``, ``events``, ``replay --audit``, ``status``):
   reads everything, appends nothing.
-- **dashboard** (``dashboard``): the web dashboard: what the reader may, plus its own status entry
-  and the operator commands its pages offer (cancel a job, drain and undrain a node), which it
-  sends only for a request carrying its operator token.
 - **admin** (``admin``): everything; creates the streams (``gpuherd log init``) and records
   operator events (VCs, policy, drains, cancels).
+
+Each service's users and rights come from its own spec (``ServiceSpec.permissions``, built with the
+pieces below): a decider appends only the events it decides and writes its own snapshot,
+leadership and status; an agent (``agent-<node>``) only its own node's events; the dashboard what
+the reader may plus the operator commands it offers. This module names no service.
 
 Every user's inboxes are ``_INBOX.<user>.>`` (the client sets its inbox prefix from ``NATS_USER``),
 so no one reads another's replies. Passwords are never in the config: it names environment
@@ -27,9 +23,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from gpuherd.events import Event, leadership_subject
 from gpuherd.log import (
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
@@ -38,33 +37,15 @@ from gpuherd.log import (
     HERD_INTAKE,
     HERD_TELEMETRY,
     INTAKE_PREFIX,
-    LEASE_BUCKET,
+    LEADERSHIP_BUCKET,
     SNAPSHOT_BUCKET,
     STATUS_BUCKET,
-    TELEMETRY_PREFIX,
 )
 
-SERVICES = ("scheduler", "elastic", "memory", "analytics")
-# The agents' nodes and the submitters' sources of the compose deployment (infra/nats/accounts.conf).
-COMPOSE_NODES = ("gpu-1", "sim-1", "sim-2", "cpu-1")
-COMPOSE_SOURCES = ("ci", "notebook")
-INTAKE_CONSUMER = "scheduler-intake"  # the scheduler's durable consumer of HERD_INTAKE
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+if TYPE_CHECKING:
+    from gpuherd.runtime.spec import ServiceSpec
 
-# The HERD subjects each service's decider appends to (see each event's ``subject()``).
-SERVICE_APPENDS: dict[str, tuple[str, ...]] = {
-    "scheduler": (
-        "herd.job.*",
-        "herd.rejected.*",
-        "herd.node.*",
-        "herd.clock.scheduler",
-        "herd.cluster.policy",
-        "herd.cluster.refused.scheduler",
-    ),
-    "elastic": ("herd.job.*", "herd.clock.elastic", "herd.cluster.elastic", "herd.cluster.refused.elastic"),
-    "memory": ("herd.lease.*", "herd.clock.memory", "herd.cluster.memory", "herd.cluster.refused.memory"),
-    "analytics": ("herd.job.*", "herd.node.*", "herd.clock.analytics"),
-}
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class Permissions(msgspec.Struct, frozen=True):
@@ -94,11 +75,11 @@ def check_token(what: str, value: str) -> str:
     return value
 
 
-def _inbox(user: str) -> str:
+def inbox(user: str) -> str:
     return f"_INBOX.{user}.>"
 
 
-def _read_log() -> tuple[str, ...]:
+def read_log() -> tuple[str, ...]:
     """JetStream API calls that read HERD, telemetry, dead letters and the KV buckets, and nothing else."""
     readable = (HERD, HERD_TELEMETRY, HERD_DEAD, f"KV_{STATUS_BUCKET}")
     subjects = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST"]
@@ -115,78 +96,77 @@ def _read_log() -> tuple[str, ...]:
     return tuple(subjects)
 
 
-def _kv_write(bucket: str, key_pattern: str) -> str:
+def kv_write(bucket: str, key_pattern: str) -> str:
     return f"$KV.{bucket}.{key_pattern}"
 
 
-def service_permissions(service: str) -> Permissions:
-    if service not in SERVICE_APPENDS:
-        raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
-    publish = [
-        *SERVICE_APPENDS[service],
-        *_read_log(),
-        f"{DEAD_LETTER_PREFIX}.{service}",
-        _kv_write(SNAPSHOT_BUCKET, service),
-        _kv_write(LEASE_BUCKET, f"decider.{service}"),
-        _kv_write(STATUS_BUCKET, f"{service}.>"),
+def appends_of(kinds: Iterable[type[Event]], **fixed: str) -> tuple[str, ...]:
+    """The HERD subjects events of these types are appended to, with ``fixed`` fields (``source``,
+    an agent's ``node``) as given and every other field any token (``*``): a user may append
+    exactly what its service writes, read off the events' own ``subject()``."""
+    subjects = set()
+    for kind in kinds:
+        placeholder = SimpleNamespace(**dict.fromkeys(kind.__struct_fields__, "*"))
+        placeholder.__dict__.update(fixed)
+        subjects.add(kind.subject(placeholder))  # type: ignore[arg-type]
+    return tuple(sorted(subjects))
+
+
+def decider_permissions(
+    name: str,
+    appends: Sequence[str],
+    *,
+    publish: Sequence[str] = (),
+    subscribe: Sequence[str] = (),
+    allow_responses: bool = False,
+) -> Permissions:
+    """A decider's rights: read the log, append to ``appends`` (the HERD subjects of the events it
+    decides), keep its own dead letters, snapshot, leadership and status entry; plus ``publish``,
+    ``subscribe`` and ``allow_responses`` for what else it does (an intake consumer, questions)."""
+    check_token("service", name)
+    allowed = [
+        *appends,
+        *read_log(),
+        f"{DEAD_LETTER_PREFIX}.{name}",
+        kv_write(SNAPSHOT_BUCKET, name),
+        kv_write(LEADERSHIP_BUCKET, f"decider.{name}"),
+        kv_write(STATUS_BUCKET, f"{name}.>"),
+        leadership_subject(name),  # its runtime's fence (LeadershipTaken)
+        *publish,
     ]
-    subscribe = [_inbox(service)]
-    if service == "scheduler":
-        publish += [
-            f"$JS.API.CONSUMER.CREATE.{HERD_INTAKE}.{INTAKE_CONSUMER}",
-            f"$JS.API.CONSUMER.CREATE.{HERD_INTAKE}.{INTAKE_CONSUMER}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{HERD_INTAKE}.{INTAKE_CONSUMER}",
-            f"$JS.API.CONSUMER.INFO.{HERD_INTAKE}.{INTAKE_CONSUMER}",
-            f"$JS.API.CONSUMER.MSG.NEXT.{HERD_INTAKE}.{INTAKE_CONSUMER}",
-            f"$JS.ACK.{HERD_INTAKE}.{INTAKE_CONSUMER}.>",
-            "_INBOX.>",  # verdicts go to the submitters' inboxes
-        ]
-        subscribe += [f"{INTAKE_PREFIX}.>", f"{CONTROL_PREFIX}.scheduler.>"]
-    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe), allow_responses=service == "scheduler")
+    return Permissions(publish=tuple(allowed), subscribe=(inbox(name), *subscribe), allow_responses=allow_responses)
 
 
-def agent_permissions(node: str) -> Permissions:
-    check_token("node", node)
-    user = f"agent-{node}"
-    publish = (
-        f"herd.node.{node}",
-        f"herd.job.*.by.{node}",
-        f"herd.lease.*.by.{node}",
-        f"{TELEMETRY_PREFIX}.{node}.>",
-        *_read_log(),
-        f"{DEAD_LETTER_PREFIX}.{user}",
-        _kv_write(LEASE_BUCKET, f"agent.{node}"),
-        _kv_write(SNAPSHOT_BUCKET, f"agent.{node}"),
-        _kv_write(STATUS_BUCKET, f"{user}.>"),
+def intake_consumer_permissions(consumer: str) -> tuple[str, ...]:
+    """What reading HERD_INTAKE through the durable ``consumer`` takes (and answering submitters)."""
+    return (
+        f"$JS.API.CONSUMER.CREATE.{HERD_INTAKE}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{HERD_INTAKE}.{consumer}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{HERD_INTAKE}.{consumer}",
+        f"$JS.API.CONSUMER.INFO.{HERD_INTAKE}.{consumer}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{HERD_INTAKE}.{consumer}",
+        f"$JS.ACK.{HERD_INTAKE}.{consumer}.>",
+        "_INBOX.>",  # verdicts go to the submitters' inboxes
     )
-    return Permissions(publish=publish, subscribe=(_inbox(user), f"{CONTROL_PREFIX}.{node}.>"), allow_responses=True)
 
 
 def submitter_permissions(source: str) -> Permissions:
     check_token("source", source)
-    return Permissions(publish=(f"{INTAKE_PREFIX}.{source}",), subscribe=(_inbox(f"submit-{source}"),))
+    return Permissions(publish=(f"{INTAKE_PREFIX}.{source}",), subscribe=(inbox(f"submit-{source}"),))
 
 
 def reader_permissions() -> Permissions:
     # May ask live services questions (an agent's job logs): answers, not history.
-    return Permissions(publish=(*_read_log(), f"{CONTROL_PREFIX}.>"), subscribe=(_inbox("reader"),))
+    return Permissions(publish=(*read_log(), f"{CONTROL_PREFIX}.>"), subscribe=(inbox("reader"),))
 
 
-# The HERD subjects of the operator commands the dashboard offers (JobCancelRequested, NodeDrained,
-# NodeUndrained): each aggregate's own subject, never an agent's ``.by.<node>`` one.
-DASHBOARD_APPENDS = ("herd.job.*", "herd.node.*")
-
-
-def dashboard_permissions() -> Permissions:
-    publish = (*_read_log(), f"{CONTROL_PREFIX}.>", *DASHBOARD_APPENDS, _kv_write(STATUS_BUCKET, "dashboard.>"))
-    return Permissions(publish=publish, subscribe=(_inbox("dashboard"),))
-
-
-def users(nodes: Iterable[str], sources: Iterable[str]) -> list[User]:
+def users(specs: Iterable[ServiceSpec], nodes: Iterable[str], sources: Iterable[str]) -> list[User]:
+    """Every user of a deployment: admin and reader, each service's (from its spec: one per node for
+    an agent), and one submitter per source."""
+    nodes = [check_token("node", n) for n in nodes]
     out = [User("admin", "admin", None), User("reader", "reader", reader_permissions())]
-    out.append(User("dashboard", "dashboard", dashboard_permissions()))
-    out += [User(s, "service", service_permissions(s)) for s in SERVICES]
-    out += [User(f"agent-{n}", "agent", agent_permissions(n)) for n in nodes]
+    for spec in sorted(specs, key=lambda s: ({"decider": 0, "reader": 1, "agent": 2}[s.role], s.name)):
+        out += [User(user, spec.role, spec.permissions_for(spec.instance_of(user))) for user in spec.users(nodes)]
     out += [User(f"submit-{s}", "submitter", submitter_permissions(s)) for s in sources]
     return out
 
@@ -195,8 +175,8 @@ def _list(items: Sequence[str]) -> str:
     return "[" + ", ".join(f'"{i}"' for i in items) + "]"
 
 
-def render_accounts(nodes: Sequence[str], sources: Sequence[str]) -> str:
-    """The ``accounts`` block of nats-server.conf for these agents' nodes and submitters' sources."""
+def render_accounts(specs: Iterable[ServiceSpec], nodes: Sequence[str], sources: Sequence[str]) -> str:
+    """The ``accounts`` block of nats-server.conf for these services, agents' nodes and submitters' sources."""
     lines = [
         "# Generated by `gpuherd security nats-accounts`; edit the nodes and sources there, not here.",
         "# Passwords come from the environment of nats-server ($GPUHERD_PW_<USER>), never from this file.",
@@ -205,7 +185,7 @@ def render_accounts(nodes: Sequence[str], sources: Sequence[str]) -> str:
         "    jetstream: enabled",
         "    users: [",
     ]
-    for user in users(nodes, sources):
+    for user in users(specs, nodes, sources):
         lines.append(f"      # {user.role}")
         head = f"      {{ user: {user.name}, password: ${user.password_env}"
         if user.permissions is None:

@@ -1,3 +1,4 @@
-from services.analytics.service import main
+from gpuherd.runtime.shell import main
+from services.analytics.spec import SPEC
 
-main()
+main(SPEC)

@@ -6,8 +6,10 @@ progress), and answers pages, ``/api/`` and a server-sent event stream from memo
 ``dashboard`` role in ``gpuherd.security``). It makes no decision, so it needs no lease: any number
 of them may run.
 
-The scheduler's explanation of the queue and the audit are other services' code: the composition
-layer hands them in (``Tools``); without them the queue is shown in submission order.
+The scheduler's explanation of the queue and the audit are other services' code: the application
+layer hands it the other services' specs (``peers``), and it takes from them what they offer
+(``Tools.from_peers``: an explainer of a queue, the deciders to audit); without them the queue is
+shown in submission order.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gpuherd.aio import serve_until_signal
 from gpuherd.client import Client
+from gpuherd.explain import QueueExplainer
 from gpuherd.log import STATUS_BUCKET, EventLog, Record, open_log
 from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceMetrics, ServiceStatus, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
-from services.dashboard.queue import QueueExplainer
+from gpuherd.runtime.audit import audit
+from gpuherd.runtime.spec import ServiceSpec
 from services.dashboard.server import Actions, Backend, make_app
 from services.dashboard.view import DashboardView
 
@@ -49,6 +54,22 @@ class Tools:
 
     queue: Callable[[], QueueExplainer] | None = None  # a fresh explainer folding from the start
     audit: Callable[[Sequence[Record]], dict[str, Any]] | None = None  # the audit of a whole log
+
+    @classmethod
+    def from_peers(cls, peers: Sequence[ServiceSpec]) -> Tools:
+        """What the other services offer: the first explainer of a queue, and the audit of every
+        auditable decider."""
+        explainers = [p.explainer for p in peers if p.explainer is not None]
+        auditable = [p for p in peers if p.auditable and p.decider is not None]
+
+        def audit_all(records: Sequence[Record]) -> dict[str, Any]:
+            reports = {p.name: audit(records, p.decider()) for p in auditable}  # type: ignore[misc]
+            return {
+                "ok": all(r.ok for r in reports.values()),
+                "deciders": {name: msgspec.to_builtins(r) | {"ok": r.ok} for name, r in reports.items()},
+            }
+
+        return cls(queue=explainers[0] if explainers else None, audit=audit_all if auditable else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,9 +235,8 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
         await log_.close()
 
 
-def main(argv: list[str] | None = None, *, tools: Tools | None = None) -> None:
-    from gpuherd.aio import serve_until_signal
-
+def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) -> None:
+    """Serve the dashboard; ``peers``: the other services' specs (what they offer it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     configure("dashboard")
@@ -224,4 +244,5 @@ def main(argv: list[str] | None = None, *, tools: Tools | None = None) -> None:
         read_token(args.operator_token_file)
     except (OSError, ValueError) as exc:
         parser.error(f"--operator-token-file: {exc}")
-    asyncio.run(serve_until_signal(lambda stop: serve(args, tools or Tools(), stop)))
+    tools = Tools.from_peers(peers)
+    asyncio.run(serve_until_signal(lambda stop: serve(args, tools, stop)))

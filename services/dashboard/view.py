@@ -19,11 +19,11 @@ from typing import Any
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.explain import QueueAnswer, QueueExplainer, SubmissionOrder
 from gpuherd.fold import ClusterState, JobState, apply
 from gpuherd.fold.state import NodeState
 from gpuherd.log import Record
 from gpuherd.metrics import gpu_state
-from services.dashboard.queue import QueueAnswer, QueueExplainer, SubmissionOrder
 
 GPU_STATES = ("free", "busy", "unhealthy", "drained", "powered_off", "lost")
 HISTORY_BUCKET_S = 60.0  # one history sample per minute of log time

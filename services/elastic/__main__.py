@@ -1,3 +1,4 @@
-from services.elastic.service import main
+from gpuherd.runtime.shell import main
+from services.elastic.spec import SPEC
 
-main()
+main(SPEC)

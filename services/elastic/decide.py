@@ -9,76 +9,34 @@ it cannot apply is refused (``CommandRefused``) and the parameters before it sta
 from __future__ import annotations
 
 from gpuherd import events as ev
-from gpuherd.runtime.decider import Decider, RecordedParams, params_problem, refused
+from gpuherd.runtime.decider import ConfiguredDecider
 from services.elastic.policy import ElasticParams, decide, params_from
 from services.elastic.state import ElasticState, evolve
 
+# What can change whether a rescale pays: demand (jobs arriving, ending, cancelled), supply (GPUs
+# freed, nodes back), a rescale done, time (its own tick), and its parameters.
 TRIGGERS: frozenset[type[ev.Event]] = frozenset(
-    {
-        ev.JobSubmitted,
-        ev.JobStarted,
-        ev.JobFinished,
-        ev.JobRequeued,
-        ev.JobPlaced,
-        ev.RescaleCompleted,
-        ev.NodeRegistered,
-        ev.NodeUndrained,
-        ev.ElasticTicked,
-        ev.JobCancelRequested,
-        ev.ElasticConfigured,
-    }
+    {ev.JobSubmitted, ev.JobStarted, ev.JobFinished, ev.JobRequeued, ev.JobPlaced, ev.JobCancelRequested}
+    | {ev.NodeRegistered, ev.NodeUndrained, ev.RescaleCompleted, ev.ElasticTicked, ev.ElasticConfigured}
 )
 
 
-class ElasticDecider(Decider[ElasticState]):
+class ElasticDecider(ConfiguredDecider[ElasticState, ElasticParams]):
     name = "elastic"
-    STATE_FORMAT = 3  # 3: placed and running elastic jobs indexed
-    FOLLOWS = TRIGGERS
-    REFUSES = frozenset({ev.ElasticConfigured})
+    STATE, FOLD = ElasticState, staticmethod(evolve)
+    PARAMS, CONVERT = ElasticParams, staticmethod(params_from)
+    STATE_FORMAT = 4  # 3: placed and running elastic jobs indexed; 4: the rules in force
+    TRIGGERS, CONFIGURED, PARAMS_EXAMPLE = TRIGGERS, ev.ElasticConfigured, '{"min_interval_s": 30}'
     EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})
 
-    def __init__(self, params: ElasticParams | None = None) -> None:
-        # The default until the log records ElasticConfigured.
-        self.params = RecordedParams(params or ElasticParams(), _lenient(params or ElasticParams()))
-
-    def params_for(self, state: ElasticState) -> ElasticParams:
-        """The parameters in force: the log's latest applied ElasticConfigured, else this decider's own."""
-        return self.params.get(state.params)
-
-    def initial_state(self) -> ElasticState:
-        return ElasticState(retain_finished=False)
-
-    def state_type(self) -> type[ElasticState]:
-        return ElasticState
-
-    def evolve(self, state: ElasticState, seq: int, event: ev.Event) -> ElasticState:
-        ok = isinstance(event, ev.ElasticConfigured) and (
-            event.unchecked or params_problem(event.params, params_from) is None
-        )
-        return evolve(state, seq, event, params_ok=ok)
+    def rules_for(self, state: ElasticState) -> int:
+        """The policy's rules in force: the log's, else this service's own."""
+        return state.rules if state.rules is not None else ev.ELASTIC_RULES
 
     def decide(self, state: ElasticState, event: ev.Event) -> list[ev.Event]:
-        # (Any tick: logs of older versions had one tick type for every service, and it triggered this.)
-        if type(event) not in TRIGGERS and not isinstance(event, ev.Tick):
+        if not self.triggered(event):
             return []
-        out: list[ev.Event] = []
-        if isinstance(event, ev.ElasticConfigured) and not event.unchecked:
-            problem = params_problem(event.params, params_from)
-            if problem is not None:
-                out.append(refused(event, problem))
+        out = self.refusal(event)
         if state.elastic_running or isinstance(event, ev.ElasticTicked | ev.ElasticConfigured):
-            out += decide(state, self.params_for(state))
+            out += decide(state, self.params_for(state), self.rules_for(state))
         return out
-
-
-def _lenient(default: ElasticParams):
-    """Parameters recorded unchecked (before commands were checked) that do not convert meant the
-    default, as they did then."""
-
-    def convert(values: dict[str, float]) -> ElasticParams:
-        try:
-            return params_from(values)
-        except ValueError:
-            return default
-
-    return convert

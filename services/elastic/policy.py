@@ -1,17 +1,29 @@
 """When elastic jobs grow and shrink: the policy, as pure functions of the cluster state.
 
-Two rules, in this order:
+Its rules are versioned (``ELASTIC_RULES``, recorded in ``ElasticConfigured`` and carried by every
+``RescaleProposed``), so a log is audited by the rules it was decided by. Rules 2, in this order:
 
-1. **Waiting jobs first.** While a job that is not elastic waits for GPUs, running elastic jobs
-   above their minimum shrink to free what the first waiting job lacks. The jobs that lose the
-   least predicted throughput per GPU given back shrink first.
-2. **Idle GPUs are lent.** With nothing waiting, free GPUs go to the elastic jobs that gain the
-   most predicted throughput per GPU added, up to their maximum, as long as the new size keeps at
-   least ``grow_efficiency`` of the job's per-GPU throughput at its current size.
+1. **Waiting jobs first.** For each waiting job in turn (arrival order), the free GPUs it can use
+   are its; what it still lacks, running elastic jobs give back by shrinking towards their minimum,
+   the ones losing the least predicted throughput per GPU given back first, one allowed size at a
+   time. A shrink for a waiting job does not wait out the minimum interval (a rigid job never waits
+   on an elastic job's hysteresis). The first waiting job that even every shrink cannot start ends
+   the round: jobs behind it wait behind it (the scheduler reserves its start), and what it needs is
+   not lent away.
+2. **Only idle GPUs are lent.** GPUs no waiting job can use first give the jobs shrunk below the
+   GPUs they asked for their GPUs back, then go to running elastic jobs beyond that, one allowed
+   size at a time, each to the job whose predicted throughput gains most per GPU added (relative to
+   its own per-GPU throughput now), while that marginal gain is at least ``grow_efficiency``. Either
+   way, what a grow gains over ``min_interval_s`` must outweigh the samples lost in the rescale's
+   pause (``grow_pause_s``).
 
-Hysteresis: a job is resized at most once per ``min_interval_s``, and after shrinking for
-waiting jobs it does not grow again for ``hold_after_shrink_s`` (so it is not grown into the GPUs
-that just freed and shrunk again at once). With ``grow_after_start_s``, a job is not grown before
+Rules 1 (logs decided before): only the first waiting job that is not elastic was shrunk for, and
+only when nothing waited were idle GPUs lent, each job jumping to its largest size that kept
+``grow_efficiency`` of its per-GPU throughput.
+
+Hysteresis: a job grows at most once per ``min_interval_s``, and after shrinking for waiting jobs
+it does not grow again for ``hold_after_shrink_s`` (so it is not grown into the GPUs that just
+freed and shrunk again at once). With ``grow_after_start_s``, a job is not grown before
 it has run that long (its first generation forms and trains first, so that its first grow is a
 rescale of a running job, with its throughput measured, rather than a bigger start). Sizes are
 only those the job may take (``Elastic.sizes()``: the global batch stays whole).
@@ -21,7 +33,8 @@ only those the job may take (``Elastic.sizes()``: the global batch stays whole).
 ``2 (w - 1) / w * grad_bytes / bandwidth + (w - 1) * latency``. ``compute_per_sample`` comes from
 the job's measured throughput at the nearest size it ran at (each ``RescaleCompleted`` carries
 the throughput before the switch), else from its per-layer profile (``ProfileReported``: step
-time per sample, gradient bytes). With neither, throughput is taken as linear in ``w``.
+time per sample, gradient bytes), else from the scaling it declared (``JobSpec.scaling``, rules 2).
+With none, throughput is taken as linear in ``w``. (The model: ``gpuherd.scaling``.)
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from __future__ import annotations
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd import scaling
 from gpuherd.fold import JobState
 from services.elastic.state import ElasticState, JobModel
 
@@ -39,8 +53,11 @@ class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     grow_efficiency: float = 0.6  # per-GPU throughput at the new size / at the current size, at least
     retry_s: float = 30.0  # propose again when the scheduler did not act on a proposal
     grow_after_start_s: float = 0.0  # no grow of a job that started less than this ago
-    bandwidth_bytes_per_s: float = 5e9  # all-reduce bandwidth per worker (NVLink/IB: more; gloo on CPU: less)
-    latency_s: float = 5e-5  # per ring hop
+    bandwidth_bytes_per_s: float = scaling.DEFAULT_BANDWIDTH_BYTES_PER_S  # all-reduce bandwidth per worker
+    latency_s: float = scaling.DEFAULT_LATENCY_S  # per ring hop
+    # Training stood still in a grow (bench/bench_elastic.py: 0.03-0.05 s warm; the job keeps training
+    # at its old size until the new workers are ready): a grow must gain more than this costs.
+    grow_pause_s: float = 0.5
 
 
 def params_from(values: dict[str, float]) -> ElasticParams:
@@ -53,9 +70,16 @@ def params_from(values: dict[str, float]) -> ElasticParams:
 
 
 def allreduce_s(grad_bytes: int, workers: int, params: ElasticParams) -> float:
-    if workers <= 1 or grad_bytes <= 0:
-        return 0.0
-    return 2 * (workers - 1) / workers * grad_bytes / params.bandwidth_bytes_per_s + (workers - 1) * params.latency_s
+    return scaling.allreduce_s(grad_bytes, workers, params.bandwidth_bytes_per_s, params.latency_s)
+
+
+def model_of(state: ElasticState, job: JobState) -> JobModel | None:
+    """What the policy knows of a job's scaling: its per-layer profile, else what it declared."""
+    model = state.models.get(job.job)
+    if model is None and job.spec.scaling is not None:
+        declared = job.spec.scaling
+        model = JobModel(compute_per_sample_s=declared.compute_per_sample_s, grad_bytes=declared.grad_bytes)
+    return model
 
 
 def global_batch(job: JobState, workers: int) -> int:
@@ -107,8 +131,188 @@ def resizable(state: ElasticState) -> list[JobState]:
     ]
 
 
-def decide(state: ElasticState, params: ElasticParams) -> list[ev.RescaleProposed]:
-    """The proposals for this state (at most one per job)."""
+def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_RULES) -> list[ev.RescaleProposed]:
+    """The proposals for this state (at most one per job), by the policy's ``rules``."""
+    if rules < 2:
+        return _decide_v1(state, params)
+    now, proposed = state.now, state.proposed
+    jobs = [
+        j
+        for j in resizable(state)
+        if not (proposed.get(j.job, (-1, 0.0))[0] == j.generation and now - proposed[j.job][1] < params.retry_s)
+    ]
+    if not jobs:
+        return []
+    waiting = [state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested]
+    sizes = {j.job: len(j.workers) for j in jobs}
+    reasons: dict[str, str] = {}
+    room = _quota_room(state)
+    idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, room, params)
+    growable = [j for j in jobs if j.job not in reasons and _may_rescale(j, now, params)]
+    expected = _lend(state, growable, idle, room, sizes, reasons, params)
+    return [
+        _proposal(job, sizes[job.job], reasons[job.job], expected=expected.get(job.job), rules=rules)
+        for job in jobs
+        if job.job in reasons
+    ]
+
+
+def _kind(job: JobState) -> bool:
+    """The executor kind a job runs on: processes (a command) or not (a sim job)."""
+    return job.spec.command is not None
+
+
+def _quota_room(state: ElasticState) -> dict[str, int | None]:
+    """Each VC's quota left (None: it may borrow, or has no quota)."""
+    used: dict[str, int] = {}
+    for job in state.active_jobs():
+        used[job.spec.vc] = used.get(job.spec.vc, 0) + (job.held or len(job.allocations))
+    return {
+        name: (vc.gpu_quota - used.get(name, 0) if vc.gpu_quota is not None and not vc.can_borrow else None)
+        for name, vc in state.vcs.items()
+    }
+
+
+def _rate(state: ElasticState, job: JobState, workers: int, params: ElasticParams) -> float:
+    return predicted_throughput(job, workers, model_of(state, job), params, state.throughput.get(job.job, {}))
+
+
+def _shrink_for_waiting(
+    state: ElasticState,
+    waiting: list[JobState],
+    jobs: list[JobState],
+    sizes: dict[str, int],
+    reasons: dict[str, str],
+    room: dict[str, int | None],
+    params: ElasticParams,
+) -> dict[bool, int]:
+    """Rule 1: the shrinks that let waiting jobs start (into ``sizes`` and ``reasons``; the quota they
+    take from ``room``); the free GPUs left idle after them, by kind."""
+    free = {kind: 0 for kind in (True, False)}
+    for node in state.nodes.values():
+        if node.accepts_work():
+            free[node.runs_processes()] += len(node.free_gpus())
+    for head in waiting:
+        kind = _kind(head)
+        need = head.spec.elastic.min if head.spec.elastic is not None else head.spec.gpus
+        vc_room = room.get(head.spec.vc)
+        if vc_room is not None and vc_room < need:
+            # Its VC's quota stops it: only its own VC's elastic jobs give back quota with their GPUs.
+            peers = [j for j in jobs if _kind(j) == kind and j.spec.vc == head.spec.vc]
+            if vc_room + _shrinkable(peers, sizes) < need:
+                continue  # even then its quota stops it: it waits for its VC's own jobs to end
+            quota_need = need - vc_room
+            taken = _give_back(state, peers, sizes, reasons, quota_need, head, params)
+            room[head.spec.vc] = vc_room + taken - need
+            free[kind] += taken
+        elif vc_room is not None:
+            room[head.spec.vc] = vc_room - need
+        lacking = need - free[kind]
+        if lacking > 0:
+            peers = [j for j in jobs if _kind(j) == kind]
+            if _shrinkable(peers, sizes) < lacking:
+                continue  # it waits for more than shrinks can give now: what is free may be lent meanwhile
+            free[kind] += _give_back(state, peers, sizes, reasons, lacking, head, params)
+        free[kind] -= need
+    return free
+
+
+def _shrinkable(jobs: list[JobState], sizes: dict[str, int]) -> int:
+    return sum(sizes[j.job] - min(j.spec.elastic.sizes()) for j in jobs)  # type: ignore[union-attr]
+
+
+def _give_back(
+    state: ElasticState,
+    jobs: list[JobState],
+    sizes: dict[str, int],
+    reasons: dict[str, str],
+    need: int,
+    head: JobState,
+    params: ElasticParams,
+) -> int:
+    """Shrink ``jobs``, one allowed size at a time, the least throughput lost per GPU first, until
+    ``need`` GPUs are given back (or none can give more); the GPUs given back."""
+    given = 0
+    while given < need:
+        best = None
+        for job in jobs:
+            size = sizes[job.job]
+            smaller = [s for s in job.spec.elastic.sizes() if s < size]  # type: ignore[union-attr]
+            if not smaller:
+                continue
+            target = max(smaller)
+            now_rate = _rate(state, job, size, params)
+            lost = (now_rate - _rate(state, job, target, params)) / (size - target) / max(now_rate / size, 1e-12)
+            key = (lost, job.job)
+            if best is None or key < best[0]:
+                best = (key, job, target)
+        if best is None:
+            break
+        _, job, target = best
+        before = len(job.workers)
+        given += sizes[job.job] - target
+        sizes[job.job] = target
+        reasons[job.job] = f"shrink {before} -> {target} GPUs: {head.job} waits for {head.spec.gpus}"
+    return given
+
+
+def _lend(
+    state: ElasticState,
+    jobs: list[JobState],
+    idle: dict[bool, int],
+    room: dict[str, int | None],
+    sizes: dict[str, int],
+    reasons: dict[str, str],
+    params: ElasticParams,
+) -> dict[str, float]:
+    """Rule 2: idle GPUs first give jobs shrunk below the GPUs they asked for their GPUs back (what
+    they gain most per GPU first, whatever the efficiency: those GPUs are theirs), then go to the
+    jobs that gain most per GPU beyond it, one allowed size at a time (into ``sizes`` and
+    ``reasons``); the predicted throughput of each job grown."""
+    now = state.now
+    candidates = [
+        j
+        for j in jobs
+        if now - state.shrunk_at.get(j.job, -1e18) >= params.hold_after_shrink_s
+        and (j.started_at is None or now - j.started_at >= params.grow_after_start_s)
+    ]
+    expected: dict[str, float] = {}
+    while True:
+        best = None
+        for job in candidates:
+            size = sizes[job.job]
+            quota = room.get(job.spec.vc)
+            spare = idle[_kind(job)] if quota is None else min(idle[_kind(job)], quota)  # (within its VC's quota)
+            larger = [s for s in job.spec.elastic.sizes() if size < s <= size + spare]  # type: ignore[union-attr]
+            if not larger:
+                continue
+            target = min(larger)
+            now_rate = _rate(state, job, size, params)
+            rate = _rate(state, job, target, params)
+            gain = (rate - now_rate) / (target - size) / max(now_rate / size, 1e-12)
+            owed = target <= job.spec.gpus  # back towards what it asked for
+            worth = (rate - now_rate) * params.min_interval_s > now_rate * params.grow_pause_s
+            if worth and ((owed and gain > 0) or gain >= params.grow_efficiency):
+                key = (not owed, -gain, job.job)
+                if best is None or key < best[0]:
+                    best = (key, job, target, rate)
+        if best is None:
+            break
+        _, job, target, rate = best
+        idle[_kind(job)] -= target - sizes[job.job]
+        if room.get(job.spec.vc) is not None:
+            room[job.spec.vc] -= target - sizes[job.job]  # type: ignore[operator]
+        sizes[job.job] = target
+        expected[job.job] = rate
+        why = "back towards the GPUs it asked for" if target <= job.spec.gpus else "into idle GPUs"
+        reasons[job.job] = f"grow {len(job.workers)} -> {target} GPUs {why} (predicted {rate:.0f} samples/s)"
+    return expected
+
+
+# -- rules 1 ------------------------------------------------------------------------------------------
+
+
+def _decide_v1(state: ElasticState, params: ElasticParams) -> list[ev.RescaleProposed]:
     now, proposed = state.now, state.proposed
     jobs = [
         j
@@ -155,7 +359,9 @@ def _shrink_for(
         if need <= 0:
             break
         size = len(job.workers)
-        out.append(_proposal(job, target, f"shrink {size} -> {target} GPUs: {head.job} waits for {head.spec.gpus}"))
+        out.append(
+            _proposal(job, target, f"shrink {size} -> {target} GPUs: {head.job} waits for {head.spec.gpus}", rules=1)
+        )
         need -= size - target
     return out
 
@@ -190,11 +396,13 @@ def _grow_into_idle(state: ElasticState, jobs: list[JobState], params: ElasticPa
             continue
         taken += target - size
         reason = f"grow {size} -> {target} GPUs into idle GPUs (predicted {rate:.0f} samples/s)"
-        out.append(_proposal(job, target, reason, expected=rate))
+        out.append(_proposal(job, target, reason, expected=rate, rules=1))
     return out
 
 
-def _proposal(job: JobState, gpus: int, reason: str, expected: float | None = None) -> ev.RescaleProposed:
+def _proposal(
+    job: JobState, gpus: int, reason: str, *, expected: float | None = None, rules: int
+) -> ev.RescaleProposed:
     return ev.RescaleProposed(
         job=job.job,
         attempt=job.attempt,
@@ -202,4 +410,5 @@ def _proposal(job: JobState, gpus: int, reason: str, expected: float | None = No
         gpus=gpus,
         reason=reason,
         expected_samples_per_s=expected,
+        rules=rules,
     )

@@ -23,6 +23,10 @@ class ElasticState(ClusterState, kw_only=True, gc=False):
     shrunk_at: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its last shrink for waiting jobs
     proposed: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # job -> (generation, at)
     params: dict[str, float] | None = None  # the latest applied ElasticConfigured (None: the decider's default)
+    # The policy's rules in force: the latest applied ElasticConfigured's, else those of the latest
+    # proposal folded (a log of older rules that never recorded them); None: this service's own.
+    rules: int | None = None
+    recorded_rules: int | None = None  # what the latest applied ElasticConfigured says
     elastic_running: int = 0  # running elastic jobs: the timer ticks only while there are some
     elastic_active: dict[str, None] = msgspec.field(default_factory=dict)  # placed or running elastic jobs
 
@@ -54,10 +58,13 @@ def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -
             state.throughput.setdefault(event.job, {})[event.world_before] = event.samples_per_s_before  # type: ignore[assignment]
     elif isinstance(event, ev.RescaleProposed):
         state.proposed[event.job] = (event.generation, event.at)
+        if state.recorded_rules is None:
+            state.rules = event.rules
     elif isinstance(event, ev.JobResized) and event.kind == "shrink":
         state.shrunk_at[event.job] = event.at
     elif isinstance(event, ev.ElasticConfigured) and params_ok:
         state.params = dict(event.params)
+        state.rules = state.recorded_rules = event.rules
     elif isinstance(event, ev.JobFinished):
         for table in (state.models, state.shrunk_at, state.proposed, state.throughput):
             table.pop(event.job, None)

@@ -1,3 +1,4 @@
-from services.memory.service import main
+from gpuherd.runtime.shell import main
+from services.memory.spec import SPEC
 
-main()
+main(SPEC)

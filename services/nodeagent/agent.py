@@ -8,7 +8,7 @@ out its actions with the executor, one by one, deciding nothing itself. Its part
   event touches, each job in a task of its own so one job's slow stop never holds up another's
   start), carrying out the reconcile step's actions, and the ``exits`` loop (the tasks that ended,
   from the executor's queue);
-- ``upkeep.py``: heartbeats and the node's lease, GPU telemetry (health, memory use, lease renewals);
+- ``upkeep.py``: heartbeats and the node's leadership, GPU telemetry (health, memory use, lease renewals);
 - ``messages.py``: what the job's processes report over the control socket (``gpuherd.control``);
 - ``power.py``: powering the node down and up; ``writer.py``: how it writes to the log.
 
@@ -36,7 +36,7 @@ import msgspec
 from prometheus_client import Gauge
 
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, run_until_stopped
+from gpuherd.aio import run_until_stopped
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
@@ -161,8 +161,8 @@ class Agent:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        lease = self.log.lease(f"agent.{self.node}", self.boot_id)  # one agent per node
-        if not await acquire_lease(lease, stop, f"node {self.node}"):
+        leadership = self.log.leadership(f"agent.{self.node}", self.boot_id)  # one agent per node
+        if not await leadership.acquire(stop, f"node {self.node}"):
             return
         self.upkeep.touch_alive()
         socket_ = None
@@ -187,7 +187,7 @@ class Agent:
                 metrics_port=self.metrics_port,
             )
             loops = {
-                "heartbeat": self.upkeep.heartbeats(lease),
+                "heartbeat": self.upkeep.heartbeats(leadership),
                 "telemetry": self.upkeep.samples(),
                 "follow": self._follow(),
                 "exits": self._exits(),
@@ -207,7 +207,7 @@ class Agent:
             if socket_ is not None:
                 socket_.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(lease.release(), 2.0)
+                await asyncio.wait_for(leadership.release(), 2.0)
 
     async def register(self, after_seq: int = 0) -> None:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
@@ -443,6 +443,7 @@ class Agent:
         exit_ = await self.executor.stop(action.key, action.reason, checkpoint_grace_s=action.grace_s)
         self._deadline_missed.pop(action.key, None)
         if action.report is not None:
+            self._exited.add(action.key)  # this part of the attempt is over: never started again
             tail = exit_.output_tail if exit_ else ""
             ended = TaskExit(key=action.key, outcome=action.report, reason=action.reason, output_tail=tail)  # type: ignore[arg-type]
             await self._report(ended)

@@ -250,10 +250,21 @@ class Shim:
                 os.killpg(group, sig)
 
     def fenced(self) -> bool:
+        """Whether the agent has been out of contact for ``fence_after_s``: timed on the monotonic
+        clock from when the shim last saw the alive file change, so a step of the wall clock (NTP,
+        a skewed host) neither hides a silent agent (a step back) nor fences a live one (a step
+        forward). Only the first look judges by the file's wall-clock age (a stale file at start)."""
         try:
-            age = time.time() - self.alive_file.stat().st_mtime
+            mtime: float | None = self.alive_file.stat().st_mtime
         except FileNotFoundError:
-            age = float("inf")
+            mtime = None
+        now = time.monotonic()
+        if not hasattr(self, "_alive_seen"):
+            wall_age = float("inf") if mtime is None else max(0.0, time.time() - mtime)
+            self._alive_seen, self._alive_changed = mtime, now - min(wall_age, 10 * self.fence_after_s)
+        elif mtime != self._alive_seen:
+            self._alive_seen, self._alive_changed = mtime, now
+        age = now - self._alive_changed if mtime is not None else float("inf")
         if age > self.fence_after_s:
             self.stop_reason = f"fenced: the agent was out of contact with the log for {age:.1f}s"
             return True

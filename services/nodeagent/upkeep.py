@@ -1,4 +1,4 @@
-"""A node agent's periodic duties: heartbeats (and its node's lease), GPU telemetry, and what the
+"""A node agent's periodic duties: heartbeats (and its node's leadership), GPU telemetry, and what the
 samples say that the log must hear: a GPU turned unhealthy, memory use that moved, leases of
 running tasks to renew."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.errors import LeaseLost
-from gpuherd.log import Lease, TelemetryBus
+from gpuherd.errors import LeadershipLost
+from gpuherd.log import Leadership, TelemetryBus
 from gpuherd.obs import get_logger
 from services.nodeagent import leases
 from services.nodeagent.executors import Executor
@@ -69,7 +69,7 @@ class NodeUpkeep:
             alive.parent.mkdir(parents=True, exist_ok=True)
             alive.touch()
 
-    async def heartbeats(self, lease: Lease) -> None:
+    async def heartbeats(self, leadership: Leadership) -> None:
         while True:
             pool = self.warm_pool()
             beat = Heartbeat(
@@ -82,11 +82,11 @@ class NodeUpkeep:
             )
             try:
                 await self.telemetry.publish_telemetry(f"{self.node}.heartbeat", msgspec.json.encode(beat))
-                # Taken again if it expired unclaimed while NATS failed over. LeaseLost: another agent
+                # Taken again if it expired unclaimed while NATS failed over. LeadershipLost: another agent
                 # runs this node now, and this one must stop (its tasks fence themselves).
-                await lease.renew()
+                await leadership.renew()
                 self.touch_alive()
-            except LeaseLost:
+            except LeadershipLost:
                 raise
             except Exception as exc:  # the shims fence themselves if this goes on for long
                 log.warning("heartbeat failed", error=repr(exc))

@@ -1,3 +1,4 @@
-from services.scheduler.service import main
+from gpuherd.runtime.shell import main
+from services.scheduler.spec import SPEC
 
-main()
+main(SPEC)

@@ -1,6 +1,6 @@
-"""The scheduler service shell: all of the scheduler's I/O lives here.
+"""The scheduler's I/O beside the generic decider shell (``spec.py`` wires it in).
 
-Its loops share one ``DeciderRunner`` and run only while this instance holds the scheduler's lease:
+Its loops share one ``DeciderRunner`` and run only while this instance leads the scheduler:
 - the runner (folds the log, decides, appends);
 - intake: raw submissions from HERD_INTAKE are handed to the runner, which decides them in turn
   with the log's events; once a verdict is stored, the submitter gets its reply and the message is
@@ -15,10 +15,8 @@ It also answers ``herd.ctl.scheduler.ready`` once intake listens.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 
@@ -36,20 +34,17 @@ from gpuherd.log import (
     Delivery,
     DurableConsumer,
 )
-from gpuherd.obs import configure, get_logger
+from gpuherd.obs import get_logger
 from gpuherd.runtime.core import Decided
 from gpuherd.runtime.deadletters import keep_dead_letter
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
-from gpuherd.runtime.serve import serve_decider
-from gpuherd.service_args import service_parser
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission
-from services.scheduler.policy import make_policy
 from services.scheduler.state import SchedulerState
 
 log = get_logger("gpuherd.scheduler")
 
-INTAKE_CONSUMER = "scheduler-intake"
+INTAKE_CONSUMER = "scheduler-intake"  # its durable consumer of HERD_INTAKE
 FETCH = 512  # intake messages fetched at once (decided together when their intake ids differ)
 
 
@@ -200,7 +195,7 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
                 )
                 if overdue:
                     log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
-                await append_reliably(runner.log, [tick])
+                await runner.append_input([tick])  # fenced: a former leader's stale tick is refused
                 last_tick = time.monotonic()
                 for name in overdue:
                     ticked[name] = _reg(runner, name)
@@ -236,66 +231,22 @@ def policy_recorder(policy: str | None) -> ExtraTask:
         )
         if policy in (None, config.policy):  # the same policy under this scheduler's rules
             new = msgspec.structs.replace(new, backfill=config.backfill, params=dict(config.params))
-        await append_reliably(runner.log, [new])
+        await runner.append_input([new])
         log.info("policy recorded", policy=new.policy, rules=new.rules)
 
     return record
 
 
-def setup(runner: DeciderRunner[SchedulerState], extra: list[ExtraTask], *, ack_wait_s: float = 10.0) -> None:
-    """Give a scheduler's runner its intake, its tasks and its cluster metrics."""
+def setup(runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) -> None:
+    """Give a scheduler's runner its intake and its cluster metrics."""
     intake = Intake(runner, ack_wait_s=ack_wait_s)
     runner.on_external = intake.answer
     runner.on_refused = intake.refused
-    runner.extra_tasks += [intake.loop, *extra]
+    runner.extra_tasks.append(intake.loop)
     runner.metrics.watch_cluster(lambda: runner.state)
 
 
-async def serve(
-    url: str,
-    *,
-    policy: str | None = None,
-    lost_after_s: float = 10.0,
-    tick_s: float = 30.0,
-    instance: str | None = None,
-    metrics_port: int | None = None,
-) -> None:
-    if policy is not None:
-        make_policy(policy)  # fail at start on a name that does not exist
-    extra = [timer(lost_after_s, tick_s), policy_recorder(policy)]
-    await serve_decider(
-        url,
-        SchedulerDecider(),
-        instance=instance,
-        metrics_port=metrics_port,
-        setup=lambda runner: setup(runner, extra),
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = service_parser("scheduler", "gpuherd scheduler: intake, placement, quotas, preemption")
-    parser.add_argument(
-        "--policy",
-        default=os.environ.get("GPUHERD_POLICY"),
-        help="record this policy in the log at start (default: keep the log's, else fifo)",
-    )
-    parser.add_argument(
-        "--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost"
-    )
-    parser.add_argument("--tick", type=float, default=30.0, help="seconds between the timer's passes")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    configure("scheduler")
-    asyncio.run(
-        serve(
-            args.nats_url,
-            policy=args.policy,
-            lost_after_s=args.lost_after,
-            tick_s=args.tick,
-            instance=args.instance,
-            metrics_port=args.metrics_port,
-        )
-    )
+def jobs_wait(state: SchedulerState) -> bool:
+    """Whether the timer's pass can decide anything: only while jobs wait (a tick's other work,
+    declaring silent nodes lost, is the live timer's, which always ticks)."""
+    return bool(state.queue)

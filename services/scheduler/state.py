@@ -122,7 +122,10 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         if duration is None:
             return math.inf
         start = self.now if starting or job.started_at is None else (job.service_from or job.started_at)
-        return start + max(0.0, duration - job.service_gpu_s / job.spec.gpus)
+        left = max(0.0, duration - job.service_gpu_s / job.spec.gpus)
+        if job.spec.elastic is not None and job.held and self.scheduling.rules >= 4:
+            left *= job.spec.gpus / job.held  # an elastic job at another size: its work at that rate (linear)
+        return start + left
 
     def preemptions_within(self, job: str, seconds: float) -> int:
         return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from apps import registry
 from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.fold.invariants import unfinished, violations
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 SEED = int(os.environ.get("CHAOS_SEED", "2026"))
 JOBS_PER_ROUND = 40
-SERVICES = ("scheduler", "elastic", "memory", "analytics")
+SERVICES = tuple(sorted(registry.required(), key=lambda name: name != "scheduler"))  # the scheduler first
 AGENTS = ("agent-1", "agent-2", "agent-3")  # two sim nodes, one cpu node
 LOST_AFTER_S = 6.0
 

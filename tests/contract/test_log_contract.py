@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, LeaseLost
-from gpuherd.log import LEASE_BUCKET, SNAPSHOT_BUCKET, EventLog, MemoryLog, open_log
+from gpuherd.errors import ConcurrencyError, LeadershipLost
+from gpuherd.log import LEADERSHIP_BUCKET, SNAPSHOT_BUCKET, EventLog, InProcessLog, open_log
 
 
 class FakeClock:
@@ -27,7 +27,7 @@ class FakeClock:
 @pytest.fixture(params=["memory", "jetstream"])
 async def log(request, nats_url):
     if request.param == "memory":
-        yield MemoryLog()
+        yield InProcessLog()
         return
     log_ = await open_log(nats_url, name="contract")
     yield log_
@@ -141,8 +141,8 @@ async def test_durable_consumer_resumes_after_last_ack(log: EventLog) -> None:
         redelivered += [d for d in await again.fetch(10, timeout=0.5) if d.subject == f"herd.intake.{source}"]
         if redelivered:
             break
-        if isinstance(log, MemoryLog):
-            await asyncio.sleep(1.1)  # MemoryLog uses the wall clock by default, like JetStream's ack_wait
+        if isinstance(log, InProcessLog):
+            await asyncio.sleep(1.1)  # InProcessLog uses the wall clock by default, like JetStream's ack_wait
     assert [d.data for d in redelivered] == [b"m2"]
     assert redelivered[0].deliveries == 2
     await again.ack(redelivered[0])
@@ -156,29 +156,29 @@ async def test_kv_snapshots(log: EventLog) -> None:
     assert await log.kv_get(SNAPSHOT_BUCKET, key) == b"state-2"
 
 
-async def test_lease_is_exclusive_and_expires(log: EventLog) -> None:
+async def test_leadership_is_exclusive_and_expires(log: EventLog) -> None:
     name = f"l{uid()}"
-    a, b = log.lease(name, "a"), log.lease(name, "b")
+    a, b = log.leadership(name, "a"), log.leadership(name, "b")
     assert await a.try_acquire()
     assert not await b.try_acquire()
     await a.renew()
     await a.release()
-    assert await b.try_acquire(), "a released lease is free at once"
-    with pytest.raises(LeaseLost):
+    assert await b.try_acquire(), "a released leadership is free at once"
+    with pytest.raises(LeadershipLost):
         await a.renew()
     # Expiry: b stops renewing; after the TTL, a gets it.
-    if isinstance(log, MemoryLog):
-        log.lease_ttl = 0.3
-        b2 = log.lease(name, "b")
+    if isinstance(log, InProcessLog):
+        log.leadership_ttl = 0.3
+        b2 = log.leadership(name, "b")
         assert await b2.try_acquire()
-        a = log.lease(name, "a")
-    deadline = asyncio.get_running_loop().time() + log.lease_ttl * 3
+        a = log.leadership(name, "a")
+    deadline = asyncio.get_running_loop().time() + log.leadership_ttl * 3
     while not await a.try_acquire():
-        assert asyncio.get_running_loop().time() < deadline, "the lease never expired"
+        assert asyncio.get_running_loop().time() < deadline, "the leadership never expired"
         await asyncio.sleep(0.2)
-    with pytest.raises(LeaseLost):
+    with pytest.raises(LeadershipLost):
         await b.renew()
-    assert LEASE_BUCKET
+    assert LEADERSHIP_BUCKET
 
 
 async def test_telemetry_follow(log: EventLog) -> None:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUHERD = [sys.executable, "-m", "apps"]
-ENV = dict(os.environ, GPUHERD_LEASE_TTL="2", PYTHONUNBUFFERED="1", COLUMNS="200")
+ENV = dict(os.environ, GPUHERD_LEADERSHIP_TTL="2", PYTHONUNBUFFERED="1", COLUMNS="200")
 ENV.pop("NATS_URL", None)
 
 

@@ -80,7 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     data = tmp_path_factory.mktemp("dashboard-cluster")
     token_file = data / "token"
     token_file.write_text(TOKEN)
-    env = dict(os.environ, GPUHERD_LEASE_TTL="2", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, GPUHERD_LEADERSHIP_TTL="2", PYTHONUNBUFFERED="1")
     env.pop("NATS_URL", None)
     argv = [sys.executable, "-m", "apps", "--data-dir", str(data / "d"), "up", "--agents", "2"]
     argv += ["--gpus-per-node", "4", "--cpu-agents", "1", "--cpu-gpus", "2", "--ui-port", "0"]

@@ -18,7 +18,7 @@ from gpuherd.fold import ClusterState, apply
 from gpuherd.fold.leases import Leases, apply_lease
 from gpuherd.log import EventLog
 
-FAST_ENV = {"GPUHERD_LEASE_TTL": "2", "PYTHONUNBUFFERED": "1", "GPUHERD_LOG_LEVEL": "INFO"}
+FAST_ENV = {"GPUHERD_LEADERSHIP_TTL": "2", "PYTHONUNBUFFERED": "1", "GPUHERD_LOG_LEVEL": "INFO"}
 
 
 class Services:

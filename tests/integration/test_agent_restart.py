@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.log import MemoryLog
+from gpuherd.log import InProcessLog
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.cpu import CpuExecutor
 from tests.integration.test_process_executor import pids_of_job, wait_until
@@ -19,7 +19,7 @@ from tests.integration.test_process_executor import pids_of_job, wait_until
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_agent(log: MemoryLog, data_dir: Path) -> Agent:
+def make_agent(log: InProcessLog, data_dir: Path) -> Agent:
     executor = CpuExecutor(data_dir, gpus=2, alive_file=data_dir / "alive", fence_after_s=60.0, kill_grace_s=1.0)
     return Agent(log, "n1", executor, address="127.0.0.1", port_range=(29000, 29009))
 
@@ -36,7 +36,7 @@ async def running(agent: Agent):
         await asyncio.wait_for(task, 20)
 
 
-async def place(log: MemoryLog, job: str, code: str) -> None:
+async def place(log: InProcessLog, job: str, code: str) -> None:
     spec = ev.JobSpec(name=job, user="u", gpus=1, command=(sys.executable, "-c", code))
     await log.append([ev.JobSubmitted(id=f"sub-{job}", job=job, spec=spec, intake_source="t")])
     await log.append(
@@ -52,12 +52,12 @@ async def place(log: MemoryLog, job: str, code: str) -> None:
     )
 
 
-def events_of(log: MemoryLog, kind: type) -> list:
+def events_of(log: InProcessLog, kind: type) -> list:
     return [r.event for r in log._records if isinstance(r.event, kind)]
 
 
 async def test_restarted_agent_adopts_its_running_task_without_starting_it_again(tmp_path: Path) -> None:
-    log = MemoryLog(lease_ttl=0.5)
+    log = InProcessLog(leadership_ttl=0.5)
     async with running(make_agent(log, tmp_path)):
         await place(log, "keep", "import time; time.sleep(2); print('finished')")
         await wait_until(lambda: bool(pids_of_job("keep")))
@@ -72,7 +72,7 @@ async def test_restarted_agent_adopts_its_running_task_without_starting_it_again
 
 
 async def test_restarted_agent_kills_a_task_whose_job_moved_on_and_registers_again(tmp_path: Path) -> None:
-    log = MemoryLog(lease_ttl=0.5)
+    log = InProcessLog(leadership_ttl=0.5)
     async with running(make_agent(log, tmp_path)):
         await place(log, "moved", "import time; time.sleep(60)")
         await wait_until(lambda: bool(pids_of_job("moved")))
@@ -90,7 +90,7 @@ async def test_restarted_agent_kills_a_task_whose_job_moved_on_and_registers_aga
 async def test_agent_reports_an_unhealthy_gpu_once(tmp_path: Path) -> None:
     from services.nodeagent.executors import GpuSample
 
-    log = MemoryLog(lease_ttl=0.5)
+    log = InProcessLog(leadership_ttl=0.5)
     agent = make_agent(log, tmp_path)
     agent.telemetry_s = 0.1
     agent.executor.sample = lambda: [GpuSample(index=0), GpuSample(index=1, healthy=False, problem="XID 79")]
@@ -102,7 +102,7 @@ async def test_agent_reports_an_unhealthy_gpu_once(tmp_path: Path) -> None:
 
 
 async def test_preemption_gives_the_job_its_checkpoint_signal_and_grace(tmp_path: Path) -> None:
-    log = MemoryLog(lease_ttl=0.5)
+    log = InProcessLog(leadership_ttl=0.5)
     code = (
         "import signal, sys, time\n"
         "def checkpoint(*_):\n"
@@ -128,14 +128,14 @@ async def test_preemption_gives_the_job_its_checkpoint_signal_and_grace(tmp_path
 
 
 async def test_a_restarted_agent_reads_only_the_log_after_its_snapshot(tmp_path: Path) -> None:
-    class Reads(MemoryLog):
+    class Reads(InProcessLog):
         starts: list[int] = []
 
         def read(self, start: int = 1, **kw):  # type: ignore[override]
             self.starts.append(start)
             return super().read(start, **kw)
 
-    log = Reads(lease_ttl=0.5)
+    log = Reads(leadership_ttl=0.5)
     first = make_agent(log, tmp_path)
     first.snapshots.every = 5
     async with running(first):

@@ -70,7 +70,7 @@ async def test_metrics_health_and_status(local_nats, tmp_path) -> None:
         await asyncio.sleep(5.5)  # one status period: every process has said where it stands
         out = subprocess.run(
             [sys.executable, "-m", "apps", "status", "--json"],
-            env={**services.env, "NATS_URL": local_nats.url},
+            env={**services.env, "NATS_URL": local_nats.url, "NATS_MONITOR_URL": local_nats.monitor_url},
             capture_output=True,
             text=True,
             timeout=60,
@@ -81,6 +81,7 @@ async def test_metrics_health_and_status(local_nats, tmp_path) -> None:
         leader = next(s for s in view["services"] if s["role"] == "leader")
         assert leader["lag"] == 0 and leader["decisions"] >= 6 and str(ports["scheduler"]) in leader["metrics_url"]
         assert {s["name"] for s in view["nats"]["streams"]} >= {"HERD", "HERD_INTAKE", "HERD_DEAD"}
+        assert [(d["sync"], d["durable"]) for d in view["nats"]["durability"]] == [("always", True)]
         assert out.returncode == 1, "elastic, memory and analytics are not running: status says degraded"
     finally:
         await client.close()

@@ -16,10 +16,12 @@ import msgspec
 import nats
 import pytest
 
+from apps import registry
+from apps.deployment import accounts, nats_users
 from gpuherd import events as ev
 from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
 from gpuherd.natsd import NatsServer
-from gpuherd.security import SERVICES, password_env, render_accounts, users
+from gpuherd.security import password_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +31,9 @@ SOURCES = ("ci",)
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    passwords = {u.name: secrets.token_hex(8) for u in users(NODES, SOURCES)} | {"sys": secrets.token_hex(8)}
+    passwords = {u.name: secrets.token_hex(8) for u in nats_users(NODES, SOURCES)} | {"sys": secrets.token_hex(8)}
     env = {password_env(name): pw for name, pw in passwords.items()}
-    server = NatsServer(
-        tmp_path_factory.mktemp("nats-secured"), extra_config=render_accounts(NODES, SOURCES), env=env
-    ).start()
+    server = NatsServer(tmp_path_factory.mktemp("nats-secured"), extra_config=accounts(NODES, SOURCES), env=env).start()
     yield server, passwords
     server.stop()
 
@@ -217,7 +217,7 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
     log_start = server.log_file.stat().st_size  # the other tests' refusals are before this
     admin = await _admin_log(secured)
     services = Services(server.url, tmp_path, agents=2, gpus=2)
-    for name in SERVICES:
+    for name in registry.required():
         services.specs[name] = ["-m", f"services.{name}", "--nats-url", server.url]
     for name in services.specs:
         user = name.replace("agent-", "agent-n") if name.startswith("agent-") else name

@@ -52,3 +52,12 @@ def test_event_claiming_to_be_the_scheduler_is_unattributable() -> None:
     )
     report = audit(log, SchedulerDecider())
     assert [m.kind for m in report.mismatches] == ["unattributable"]
+
+
+def test_the_rules_a_service_records_at_start_are_inputs_not_unattributed_decisions() -> None:
+    from services.elastic.decide import ElasticDecider
+
+    log = drive(HISTORY)
+    recorded = ev.ElasticConfigured(id="elastic:rules:1f", source="elastic", params={}, rules=ev.ELASTIC_RULES)
+    log.append(Record(len(log) + 1, recorded))
+    assert audit(log, ElasticDecider()).ok

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from apps.dashboard import SchedulerQueue
 from gpuherd import events as ev
 from gpuherd.log import Record
 from services.dashboard.server import Actions, Backend, make_app
 from services.dashboard.view import HISTORY_BUCKET_S, DashboardView
+from services.scheduler.explain import SchedulerQueue
 from tests.helpers import node, submit
 
 TOKEN = "a-token-of-sixteen-chars"

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import msgspec
+import pytest
+
 from gpuherd import events as ev
+from gpuherd.errors import LeadershipLost
 from gpuherd.fold.invariants import violations
-from gpuherd.log import MemoryLog
+from gpuherd.log import InProcessLog
 from gpuherd.runtime.audit import audit
 from gpuherd.runtime.decider import cause_seq_of
 from gpuherd.runtime.runner import DeciderRunner
@@ -26,18 +30,18 @@ async def until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def placements(log: MemoryLog) -> list[ev.JobPlaced]:
+def placements(log: InProcessLog) -> list[ev.JobPlaced]:
     return [r.event for r in log._records if isinstance(r.event, ev.JobPlaced)]
 
 
-async def start(log: MemoryLog, instance: str = "a", **kw) -> tuple[DeciderRunner, asyncio.Event, asyncio.Task]:
+async def start(log: InProcessLog, instance: str = "a", **kw) -> tuple[DeciderRunner, asyncio.Event, asyncio.Task]:
     runner = DeciderRunner(log, SchedulerDecider(), instance=instance, **kw)
     stop = asyncio.Event()
     return runner, stop, asyncio.create_task(runner.run(stop))
 
 
 async def test_runner_places_and_records_provenance() -> None:
-    log = MemoryLog(duplicate_window=0)
+    log = InProcessLog(duplicate_window=0)
     _, stop, task = await start(log)
     await log.append([node("n1", 2)])
     await log.append([submit("a", 2)])
@@ -58,7 +62,7 @@ async def test_runner_places_and_records_provenance() -> None:
 
 
 async def test_restart_from_snapshot_decides_nothing_twice() -> None:
-    log = MemoryLog(duplicate_window=0)
+    log = InProcessLog(duplicate_window=0)
     _, stop, task = await start(log, snapshot_every=1)
     await log.append([node("n1", 4)])
     for j in "abcd":
@@ -77,7 +81,7 @@ async def test_restart_from_snapshot_decides_nothing_twice() -> None:
     assert violations(log._records) == []
 
 
-class CrashAfterAppend(MemoryLog):
+class CrashAfterAppend(InProcessLog):
     """Appends succeed, then the process 'dies' before it sees its own output."""
 
     def __init__(self, crash_on: int) -> None:
@@ -106,7 +110,7 @@ async def test_crash_right_after_append_then_restart_adds_no_duplicate() -> None
         await until(lambda log=log: len(placements(log)) == 2)
         await log.append([finish("a")])
         await until(task.done, timeout=2)
-        log._leases.clear()  # a killed process's lease expires; skip the wait
+        log._leaderships.clear()  # a killed process's leadership expires; skip the wait
         log.crash_on = 0
         _, stop2, task2 = await start(log, instance="b")
         await until(lambda log=log: len(placements(log)) == 3)
@@ -120,7 +124,7 @@ async def test_crash_right_after_append_then_restart_adds_no_duplicate() -> None
 
 
 async def test_standby_waits_for_the_lease() -> None:
-    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
     a, stop_a, task_a = await start(log, "a")
     await until(lambda: a.is_leader)
     b, stop_b, task_b = await start(log, "b")
@@ -139,11 +143,11 @@ async def test_standby_waits_for_the_lease() -> None:
 
 
 async def test_a_lease_lost_to_another_instance_makes_a_standby_that_leads_again_later() -> None:
-    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
     a, stop, task = await start(log, "a")
     await log.append([node("n1", 2), submit("x", 1)])
     await until(lambda: len(placements(log)) == 1)
-    log._leases["decider.scheduler"] = ("b", log.clock() + 0.6)  # b took over while a could not renew
+    log._leaderships["decider.scheduler"] = ("b", log.clock() + 0.6)  # b took over while a could not renew
     await until(lambda: not a.is_leader)
     assert not task.done(), "a lost lease makes a standby, not a dead process"
     await until(lambda: a.is_leader, timeout=3)  # b went away: its lease expired
@@ -155,12 +159,12 @@ async def test_a_lease_lost_to_another_instance_makes_a_standby_that_leads_again
 
 
 async def test_a_lease_that_expired_unclaimed_during_an_outage_is_taken_again() -> None:
-    log = MemoryLog(duplicate_window=0, lease_ttl=0.3)
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
     a, stop, task = await start(log, "a")
     await until(lambda: a.is_leader)
-    del log._leases["decider.scheduler"]  # expired while NATS was away; nobody else took it
+    del log._leaderships["decider.scheduler"]  # expired while NATS was away; nobody else took it
     await asyncio.sleep(0.3)
-    assert a.is_leader and log._leases["decider.scheduler"][0] == "a"
+    assert a.is_leader and log._leaderships["decider.scheduler"][0] == "a"
     stop.set()
     await task
 
@@ -168,7 +172,7 @@ async def test_a_lease_that_expired_unclaimed_during_an_outage_is_taken_again() 
 async def test_waiting_settlements_of_different_jobs_are_decided_together_and_of_one_job_once() -> None:
     """Task ends waiting at once are settled in one append, on one state; the two task ends of a
     2-node job still settle it once; the audit re-makes every one of those decisions."""
-    log = MemoryLog(duplicate_window=0)
+    log = InProcessLog(duplicate_window=0)
     await log.append([node("n1", 4), node("n2", 4)])
     await log.append([submit("a", 1), submit("b", 1), submit("g", 2, nodes=2)])
     _, stop, task = await start(log)
@@ -192,7 +196,7 @@ async def test_waiting_settlements_of_different_jobs_are_decided_together_and_of
 
 
 async def test_a_pass_larger_than_one_atomic_append_is_appended_in_parts() -> None:
-    log = MemoryLog(duplicate_window=0)
+    log = InProcessLog(duplicate_window=0)
     log.max_batch = 2  # JetStream's is 1,000: a pass on a big cluster can place more jobs than that
     await log.append([node("n1", 8)])
     for j in "abcde":
@@ -217,7 +221,7 @@ async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_r
     from gpuherd.log import SNAPSHOT_BUCKET
     from gpuherd.runtime.snapshots import Snapshot
 
-    log = MemoryLog(duplicate_window=0)
+    log = InProcessLog(duplicate_window=0)
     await log.append([node("n1", 2), submit("a", 1)])
     decider = SchedulerDecider()
     stale = decider.initial_state()
@@ -233,3 +237,53 @@ async def test_a_snapshot_of_another_state_format_is_not_read_and_the_state_is_r
             assert "n1" in runner.state.nodes and len(placements(log)) == 1, "rebuilt from the log, and decided"
         else:
             assert not runner.state.nodes, "a snapshot of this format is trusted (it is only ever written whole)"
+
+
+async def test_a_former_leader_that_wakes_up_is_fenced_out_of_the_log() -> None:
+    """A leader frozen past its lease (a paused process, a partition) still believes it leads when
+    it wakes, and appends what it decided on its stale state. The leader that took over fenced the
+    subject: every append of the former one is refused, and it turns standby."""
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
+    zombie = DeciderRunner(log, SchedulerDecider(), instance="a")
+    assert await zombie.acquire_leadership(asyncio.Event())
+    await log.append([node("n1", 1), submit("x", 1)])
+    del log._leaderships["decider.scheduler"]  # a froze; its leadership expired
+    _, stop_b, task_b = await start(log, "b")
+    await until(lambda: len(placements(log)) == 1)  # b leads, fenced, and placed x
+    head = len(log._records)
+    stale = ev.JobPlaced(
+        id="scheduler:3:0",
+        source="scheduler",
+        job="x",
+        attempt=1,
+        allocations=(ev.Allocation(node="n1", gpus=(0,)),),
+        based_on=2,
+        cause="test:intake:x",
+    )
+    with pytest.raises(LeadershipLost):
+        await zombie._append([stale], [None])
+    with pytest.raises(LeadershipLost):
+        await zombie.append_input([ev.ClockTicked(id="scheduler:tick:z", at=1.0, source="scheduler")])
+    assert len(log._records) == head, "nothing of the former leader reached the log"
+    takes = [r.event for r in log._records if isinstance(r.event, ev.LeadershipTaken)]
+    assert [t.instance for t in takes] == ["a", "b"]
+    stop_b.set()
+    await task_b
+    assert audit(log._records, SchedulerDecider()).ok
+
+
+async def test_the_audit_reports_a_decision_stored_after_a_newer_leader_took_over() -> None:
+    log = InProcessLog(duplicate_window=0)
+    _, stop, task = await start(log, "a")
+    await log.append([node("n1", 2), submit("x", 1)])
+    await until(lambda: len(placements(log)) == 1)
+    stop.set()
+    await task
+    placed = placements(log)[0]
+    await log.append(
+        [ev.LeadershipTaken(id="scheduler:leader:b:1", source="scheduler", service="scheduler", instance="b")]
+    )
+    # What the fence keeps out, forced in by hand: a decision of the former leader, stored late.
+    await log.append([msgspec.structs.replace(placed, id=f"scheduler:{placed.based_on}:9", job="late")])
+    report = audit(log._records, SchedulerDecider())
+    assert [m.kind for m in report.mismatches if m.kind == "stale"] == ["stale"]

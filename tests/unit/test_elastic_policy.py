@@ -27,11 +27,11 @@ def _at(log, seconds: float):
     return drive([tick], log)
 
 
-def _decide(log, **kw) -> list[ev.RescaleProposed]:
+def _decide(log, rules: int = ev.ELASTIC_RULES, **kw) -> list[ev.RescaleProposed]:
     state = _state(log)
     state.shrunk_at = kw.get("shrunk_at", {})
     state.proposed = kw.get("proposed", {})
-    return decide(state, PARAMS)
+    return decide(state, PARAMS, rules)
 
 
 def test_idle_gpus_grow_a_job_to_the_largest_size_that_keeps_its_global_batch() -> None:
@@ -46,7 +46,11 @@ def test_a_job_is_not_resized_again_within_the_minimum_interval_nor_grown_right_
     log = _completed(log, 2, 1, 3)
     assert _decide(log) == []  # within min_interval_s of the last rescale
     later = _at(log, 1000.0 + PARAMS.min_interval_s + 1)
-    assert [p.gpus for p in _decide(later)] == [3]
+    # It measured the same throughput at 3 GPUs as at 2: one more GPU gains nothing (rules 2 grow one
+    # size at a time, while the marginal gain lasts; rules 1 took the largest size of enough average
+    # efficiency).
+    assert [p.gpus for p in _decide(later)] == [2]
+    assert [p.gpus for p in _decide(later, rules=1)] == [3]
     assert _decide(later, shrunk_at={"j": 1000.0}) == []  # held after a shrink for waiting jobs
     # A proposal the scheduler has not answered yet is not repeated before retry_s.
     assert _decide(later, proposed={"j": (2, later[-1].event.at)}) == []
@@ -121,7 +125,7 @@ def test_the_parameters_in_force_are_the_log_s_latest_elastic_configured() -> No
     configured = _e(ev.ElasticConfigured, params={"min_interval_s": 5.0, "hold_after_shrink_s": 0.0}, at=1010.0)
     decider.evolve(state, log[-1].seq + 1, configured)
     assert decider.params_for(state).min_interval_s == 5.0
-    assert [p.gpus for p in decider.decide(state, configured)] == [3]
+    assert [p.gpus for p in decider.decide(state, configured)] == [2]  # (3 measured no faster than 2)
     with pytest.raises(ValueError, match="known parameters"):
         params_from({"min_interval": 5.0})
 
@@ -146,3 +150,33 @@ def test_a_job_is_grown_only_once_it_has_run_grow_after_start_s() -> None:
     (proposal,) = decide(_state(_at(log, 31.0)), settled)
     assert proposal.gpus == 3
     assert [p.gpus for p in decide(_state(_at(log, 10.0)), PARAMS)] == [3]  # 0, the default: at once
+
+
+def test_the_rules_in_force_are_the_log_s_recorded_ones_else_those_its_proposals_were_made_by() -> None:
+    decider = ElasticDecider()
+    state = decider.initial_state()
+    assert decider.rules_for(state) == ev.ELASTIC_RULES  # a new log: this service's own
+    stored_v1 = b'{"type":"RescaleProposed","v":1,"id":"elastic:9:0","job":"j","attempt":0,"generation":0,"gpus":3}'
+    old = ev.decode(stored_v1)
+    assert old.rules == 1, "a proposal stored before rules were versioned was made by the first"
+    decider.evolve(state, 1, old)
+    assert decider.rules_for(state) == 1, "a log of older rules that never recorded them audits by them"
+    decider.evolve(state, 2, _e(ev.ElasticConfigured, params={}))
+    assert decider.rules_for(state) == ev.ELASTIC_RULES
+    decider.evolve(state, 3, old)
+    assert decider.rules_for(state) == ev.ELASTIC_RULES, "what the log records wins over what it learned"
+    stored_v2 = b'{"type":"ElasticConfigured","v":2,"id":"c","params":{}}'
+    assert ev.decode(stored_v2).rules == 1
+
+
+def test_a_waiting_job_gets_its_shrinks_at_once_whatever_the_minimum_interval() -> None:
+    """Rules 2: a shrink for a waiting job does not wait out the interval since the last rescale (a
+    rigid job never waits on an elastic job's hysteresis); a grow does."""
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)  # grew to 3 at t=1000
+    rigid = ev.JobSpec(name="rigid", user="bo", gpus=6, command=("python", "x.py"))  # 5 free
+    log = _at(drive([ev.JobSubmitted(id="s2", source="test", job="r", spec=rigid, intake_source="t")], log), 1010)
+    state = _state(log)
+    assert state.jobs["r"].status == "pending" and len(state.jobs["j"].workers) == 3
+    (proposal,) = _decide(log)
+    assert proposal.gpus < 3 and "r waits" in proposal.reason and proposal.rules == ev.ELASTIC_RULES
+    assert _decide(log, rules=1) == [], "rules 1 waited out the interval"

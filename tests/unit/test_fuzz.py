@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gpuherd import events as ev
 from gpuherd.errors import EventDecodeError, LogError
-from gpuherd.log import HERD_INTAKE, MAX_DELIVERIES, REPLY_HEADER, MemoryLog
+from gpuherd.log import HERD_INTAKE, MAX_DELIVERIES, REPLY_HEADER, InProcessLog
 from gpuherd.runtime.runner import DeciderRunner
 from services.elastic.decide import ElasticDecider
 from services.memory.decide import MemoryDecider
@@ -119,7 +119,7 @@ async def test_a_poison_intake_message_ends_as_a_dead_letter() -> None:
     its last delivery, then it is kept as a dead letter with the reason, its submitter told, and
     acknowledged; the scheduler goes on deciding the rest."""
 
-    class RefusingLog(MemoryLog):
+    class RefusingLog(InProcessLog):
         async def append(self, events, **kwargs):  # type: ignore[override]
             if any(isinstance(e, ev.JobSubmitted) and e.spec.name == "poison" for e in events):
                 raise LogError("refused: message too large")
@@ -128,7 +128,7 @@ async def test_a_poison_intake_message_ends_as_a_dead_letter() -> None:
     log = RefusingLog()
     await log.append([node("n1", 4)])
     runner = DeciderRunner(log, SchedulerDecider(), instance="test")
-    service.setup(runner, [], ack_wait_s=0.05)
+    service.setup(runner, ack_wait_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     poison = msgspec.json.encode({"name": "poison", "user": "u", "gpus": 1, "duration_s": 1})

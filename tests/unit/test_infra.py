@@ -17,10 +17,12 @@ import jsonschema
 import pytest
 import yaml
 
+from apps import registry
 from apps.cli import build_parser
-from apps.registry import SERVICES
+from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts, nats_users
 from gpuherd.natsd import find_binary
-from gpuherd.security import COMPOSE_NODES, COMPOSE_SOURCES, password_env, render_accounts, users
+from gpuherd.runtime import shell
+from gpuherd.security import password_env
 from tests.compose_file import INFRA, load_compose
 
 
@@ -49,8 +51,7 @@ def test_every_command_exists_in_the_cli(compose: dict[str, Any]) -> None:
         argv = service["command"]
         assert build_parser().parse_args(argv).func, name  # exits (SystemExit) on an unknown command or option
         if argv[0] == "serve":
-            assert argv[1] in SERVICES, name
-            SERVICES[argv[1]].parser().parse_args(argv[2:])
+            shell.build_parser(registry.spec(argv[1])).parse_args(argv[2:])
 
 
 def test_three_nats_servers_with_health_checks_and_volumes(compose: dict[str, Any]) -> None:
@@ -65,7 +66,7 @@ def test_three_nats_servers_with_health_checks_and_volumes(compose: dict[str, An
 
 
 def test_every_process_runs_as_its_own_user_with_its_secret(compose: dict[str, Any]) -> None:
-    known = {u.name for u in users(COMPOSE_NODES, COMPOSE_SOURCES)}
+    known = {u.name for u in nats_users(COMPOSE_NODES, COMPOSE_SOURCES)}
     made = shlex.split(re.search(r'USERS="([^"]+)"', (INFRA / "make-secrets.sh").read_text()).group(1))
     assert known | {"sys"} == set(made), "make-secrets.sh and the accounts must name the same users"
     seen_users = set()
@@ -99,7 +100,7 @@ def test_gpu_agent_gets_the_gpus_and_the_dockerfile_runs_as_non_root(compose: di
 @pytest.mark.parametrize("config", ["server.conf", "server-tls.conf"])
 def test_nats_configs_parse(config: str, tmp_path: Path) -> None:
     env = dict(os.environ, NATS_SERVER_NAME="nats-1")
-    env.update({password_env(u.name): "x" for u in users(COMPOSE_NODES, COMPOSE_SOURCES)} | {"GPUHERD_PW_SYS": "x"})
+    env.update({password_env(u.name): "x" for u in nats_users()} | {"GPUHERD_PW_SYS": "x"})
     text = (INFRA / "nats" / config).read_text()
     if "certs" in text:  # the TLS files must exist for the test to pass: make a dev CA for it
         certs = tmp_path / "certs"
@@ -113,6 +114,6 @@ def test_nats_configs_parse(config: str, tmp_path: Path) -> None:
 
 
 def test_committed_accounts_match_the_generator() -> None:
-    assert (INFRA / "nats" / "accounts.conf").read_text() == render_accounts(COMPOSE_NODES, COMPOSE_SOURCES), (
+    assert (INFRA / "nats" / "accounts.conf").read_text() == accounts(COMPOSE_NODES, COMPOSE_SOURCES), (
         "infra/nats/accounts.conf is stale: run `gpuherd security nats-accounts > infra/nats/accounts.conf`"
     )

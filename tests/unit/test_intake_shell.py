@@ -10,7 +10,7 @@ import pytest
 
 from gpuherd import events as ev
 from gpuherd.errors import LogError, LogUnavailable
-from gpuherd.log import REPLY_HEADER, MemoryLog
+from gpuherd.log import REPLY_HEADER, InProcessLog
 from gpuherd.log.jetstream import _refusal
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler import intake, service
@@ -19,9 +19,9 @@ from tests.helpers import node
 
 
 @contextlib.asynccontextmanager
-async def scheduler(log: MemoryLog) -> AsyncIterator[DeciderRunner]:
+async def scheduler(log: InProcessLog) -> AsyncIterator[DeciderRunner]:
     runner = DeciderRunner(log, SchedulerDecider(), instance="test")
-    service.setup(runner, [])
+    service.setup(runner)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -31,7 +31,7 @@ async def scheduler(log: MemoryLog) -> AsyncIterator[DeciderRunner]:
         await asyncio.wait_for(task, 5)
 
 
-async def submit(log: MemoryLog, data: bytes, inbox: str) -> dict:
+async def submit(log: InProcessLog, data: bytes, inbox: str) -> dict:
     """Publish to intake as a plain request would, and wait for the answer sent to ``inbox``."""
     await log.publish_intake("teamA", data, {REPLY_HEADER: inbox})
     for _ in range(500):
@@ -43,7 +43,7 @@ async def submit(log: MemoryLog, data: bytes, inbox: str) -> dict:
 
 
 async def test_a_valid_submission_is_recorded_then_answered_and_its_twin_is_the_same_job() -> None:
-    log = MemoryLog()
+    log = InProcessLog()
     await log.append([node("n1", 4)])
     spec = {"name": "a", "user": "u", "gpus": 2, "duration_s": 1, "intake_id": "x"}
     async with scheduler(log):
@@ -60,7 +60,7 @@ async def test_a_judging_bug_becomes_a_recorded_rejection(monkeypatch: pytest.Mo
         raise KeyError("boom")
 
     monkeypatch.setattr(intake, "judge", broken)
-    log = MemoryLog()
+    log = InProcessLog()
     await log.append([node("n1", 4)])
     async with scheduler(log):
         answer = await submit(log, b'{"name": "a"}', "inbox.1")

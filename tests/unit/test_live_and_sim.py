@@ -16,7 +16,7 @@ import msgspec
 
 from apps.sim.engine import Simulation
 from gpuherd import events as ev
-from gpuherd.log import REPLY_HEADER, MemoryLog, Record
+from gpuherd.log import REPLY_HEADER, InProcessLog, Record
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler import service
 from services.scheduler.decide import SchedulerDecider
@@ -108,14 +108,18 @@ def _inputs(step: tuple, records: list[Record]) -> list[ev.Event]:
     ]
 
 
-def simulated() -> list[ev.Event]:
+def simulated(fence: ev.Event | None = None) -> list[ev.Event]:
+    """``fence``: the live runner's ``LeadershipTaken``, first in its log (a simulation has one
+    leader and fences nothing): given as the first input, so the sequences line up."""
     sim = Simulation([SchedulerDecider()], agents=False)
     agents = Agents()
     seq = itertools.count(1)
-    for step in STEPS:
+    for n, step in enumerate(STEPS):
         at, _, payloads = step
         records = list(sim.records)
-        events = _inputs(step, records) + agents.reports(records, at)
+        events = (
+            ([fence] if fence is not None and n == 0 else []) + _inputs(step, records) + agents.reports(records, at)
+        )
         subs = [Submission(source=SOURCE, seq=next(seq), data=p, at=at, msg_id=None) for p in payloads]
         sim.step(at, events, subs)
     return [r.event for r in sim.records]
@@ -123,9 +127,9 @@ def simulated() -> list[ev.Event]:
 
 async def live() -> list[ev.Event]:
     now = 0.0
-    log = MemoryLog(clock=lambda: now, duplicate_window=0)
+    log = InProcessLog(clock=lambda: now, duplicate_window=0)
     runner = DeciderRunner(log, SchedulerDecider(), instance="live")
-    service.setup(runner, [], ack_wait_s=3600)
+    service.setup(runner, ack_wait_s=3600)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     agents = Agents()
@@ -159,8 +163,9 @@ async def _until(predicate, timeout: float = 5.0) -> None:
 
 
 async def test_the_same_inputs_give_the_same_log_live_and_in_simulation() -> None:
-    expected = simulated()
     got = await live()
+    assert isinstance(got[0], ev.LeadershipTaken), "the live runner fences its leadership first"
+    expected = simulated(fence=got[0])
     kinds = {type(e).__name__ for e in expected}
     assert {"JobSubmitted", "JobRejected", "JobPlaced", "JobFinished", "JobRequeued"} <= kinds, kinds
     assert len({e.based_on for e in expected if isinstance(e, ev.JobSubmitted)}) < len(

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from apps.registry import SERVICES
+from apps import registry
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState
 from gpuherd.metrics import ServiceMetrics
@@ -301,7 +301,7 @@ def test_dashboard_is_read_only_unless_the_operator_file_is_added(compose: dict[
     override = operator["services"]["dashboard"]
     token = override["command"][override["command"].index("--operator-token-file") + 1]
     assert override["command"] == [*command, "--operator-token-file", token]
-    SERVICES["dashboard"].parser().parse_args(override["command"][2:])  # exits on an unknown option
+    registry.spec("dashboard").parser().parse_args(override["command"][2:])  # exits on an unknown option
     secret = token.removeprefix("/run/secrets/")
     assert set(override["secrets"]) == {*dashboard["secrets"], secret}
     assert operator["secrets"][secret]["file"] == f"./secrets/{secret}"

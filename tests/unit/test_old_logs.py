@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.registry import AUDITABLE, SERVICES, make_decider
+from apps import registry
+from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.fold.invariants import violations
 from gpuherd.log import Record
@@ -25,7 +26,7 @@ def load(name: str) -> list[Record]:
 
 
 @pytest.mark.parametrize("name", sorted(LOGS))
-@pytest.mark.parametrize("decider", AUDITABLE)
+@pytest.mark.parametrize("decider", registry.auditable())
 def test_every_decision_of_an_old_log_is_made_again(name: str, decider: str) -> None:
     records = load(name)
     report = audit(records, make_decider(decider, policy=LOGS[name][1]))
@@ -38,10 +39,9 @@ def test_every_decision_of_an_old_log_is_made_again(name: str, decider: str) -> 
 def test_an_old_log_folds_for_every_service_and_keeps_its_invariants(name: str) -> None:
     records = load(name)
     assert violations(records) == []
-    for service in SERVICES.values():
-        if service.decider is not None:
-            state = replay(make_decider(service.name), records)
-            assert state.seq == len(records) and not state.queue, service.name
+    for service in registry.deciders():
+        state = replay(make_decider(service.name), records)
+        assert state.seq == len(records) and not state.queue, service.name
 
 
 def test_what_changed_since_is_upcast_on_read() -> None:

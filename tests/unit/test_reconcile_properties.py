@@ -253,9 +253,11 @@ class Node:
                     self.running.add(launch.key)
                     if launch.elastic and not launch.resume:  # (one adopted has the workers its folder names)
                         self.workers[launch.key] = TaskWorkers(launched=frozenset(launch.gpus))
-                case StopTask(key):
+                case StopTask(key, _, _, report):
                     self.running.discard(key)
                     self.deadline_missed.pop(key, None)
+                    if report is not None:  # a part stopped and reported is over for its attempt
+                        self.exited.add(key)
                 case WritePlan(key, plan):
                     self.planned[key] = plan.generation
                 case WriteTaskFile(key, name, text):

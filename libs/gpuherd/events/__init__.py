@@ -1,76 +1,33 @@
 """The event catalogue: every fact gpuherd records, as small msgspec Structs, one module per aggregate.
 
-- ``base``: ``Event``, ``Decision``, upcaster registration, ids;
+- ``base``: ``Event``, ``Decision``, ``Command``, the catalogue (``EVENT_TYPES``), upcaster
+  registration, ids;
 - ``values``: what events carry (GPUs, job specs, allocations, memory shares);
 - ``nodes``, ``jobs``, ``elastic``, ``leases``, ``cluster``: the events of each aggregate, with the
   upcasters of their old versions beside them;
 - ``codec``: the tagged union of all of them, ``encode`` and ``decode`` (upcasting on read).
 
-``from gpuherd import events as ev`` gives all of it.
+Defining an event class is all it takes to add one: the class registers itself in ``EVENT_TYPES``
+when its module is imported, and this package imports every aggregate module, then exports every
+catalogued class by name. ``from gpuherd import events as ev`` gives all of it (``ev.JobPlaced``).
 """
 
-from gpuherd.events.base import Command, Decision, Event, reported_by, stable_id, upcaster, worker_id
-from gpuherd.events.cluster import (
-    SCHEDULING_RULES,
-    TICK_ONLY_TIMEOUT_S,
-    AnalyticsTicked,
-    ClockTicked,
-    CommandRefused,
-    ElasticTicked,
-    MemoryTicked,
-    PolicyConfigured,
-    Tick,
-    VcConfigured,
+from gpuherd.events import cluster, elastic, jobs, leases, nodes  # noqa: F401 - each registers its events
+from gpuherd.events.base import (
+    EVENT_TYPES,
+    Command,
+    Decision,
+    Event,
+    catalogue,
+    reported_by,
+    stable_id,
+    upcaster,
+    worker_id,
 )
-from gpuherd.events.codec import EVENT_TYPES, AnyEvent, Unreadable, decode, encode, upcast
-from gpuherd.events.elastic import (
-    RESCALE_PHASES,
-    ElasticConfigured,
-    JobResized,
-    RescaleCompleted,
-    RescaleFailed,
-    RescaleProposed,
-    WorkerLost,
-    complete_phase_times,
-)
-from gpuherd.events.jobs import (
-    INTAKE_RULES,
-    JobCancelRequested,
-    JobDurationPredicted,
-    JobFinished,
-    JobPlaced,
-    JobPreempted,
-    JobRejected,
-    JobRequeued,
-    JobStarted,
-    JobSubmitted,
-    ProfileReported,
-    ProfileRequested,
-    TaskEnded,
-)
-from gpuherd.events.leases import (
-    MemoryBrokerConfigured,
-    MemoryLeaseDenied,
-    MemoryLeaseGranted,
-    MemoryLeaseReclaimed,
-    MemoryLeaseReleased,
-    MemoryLeaseRenewed,
-    MemoryLeaseRequested,
-    MemoryLeaseRevoked,
-)
-from gpuherd.events.nodes import (
-    GpuHealthChanged,
-    GpuMemoryReported,
-    NodeDrained,
-    NodeLost,
-    NodePowerDownRequested,
-    NodePoweredDown,
-    NodePoweredUp,
-    NodePowerUpRequested,
-    NodeRegistered,
-    NodeUndrained,
-    NodeWakeRequested,
-)
+from gpuherd.events.cluster import SCHEDULING_RULES, TICK_ONLY_TIMEOUT_S, Tick, leadership_subject
+from gpuherd.events.codec import Unreadable, any_event, decode, encode, upcast
+from gpuherd.events.elastic import ELASTIC_RULES, RESCALE_PHASES, complete_phase_times
+from gpuherd.events.jobs import INTAKE_RULES
 from gpuherd.events.values import (
     MAX_OUTPUT_TAIL,
     MEMORY_TIERS,
@@ -87,11 +44,15 @@ from gpuherd.events.values import (
     PartOutcome,
     Rendezvous,
     RescaleKind,
+    Scaling,
     declared_gpus,
     workers_of,
 )
 
+globals().update(EVENT_TYPES)  # every catalogued event by its name: ev.JobPlaced, ...
+
 __all__ = [
+    "ELASTIC_RULES",
     "EVENT_TYPES",
     "INTAKE_RULES",
     "MAX_OUTPUT_TAIL",
@@ -100,76 +61,36 @@ __all__ = [
     "SCHEDULING_RULES",
     "TICK_ONLY_TIMEOUT_S",
     "Allocation",
-    "AnalyticsTicked",
-    "AnyEvent",
-    "ClockTicked",
     "Command",
-    "CommandRefused",
     "Decision",
     "Elastic",
-    "ElasticConfigured",
-    "ElasticTicked",
     "Event",
-    "GpuHealthChanged",
     "GpuInfo",
-    "GpuMemoryReported",
-    "JobCancelRequested",
-    "JobDurationPredicted",
-    "JobFinished",
-    "JobPlaced",
-    "JobPreempted",
-    "JobRejected",
-    "JobRequeued",
-    "JobResized",
     "JobSpec",
-    "JobStarted",
-    "JobSubmitted",
     "Locality",
     "LrScaling",
-    "MemoryBrokerConfigured",
-    "MemoryLeaseDenied",
-    "MemoryLeaseGranted",
-    "MemoryLeaseReclaimed",
-    "MemoryLeaseReleased",
-    "MemoryLeaseRenewed",
-    "MemoryLeaseRequested",
-    "MemoryLeaseRevoked",
     "MemoryNeeds",
     "MemoryShare",
-    "MemoryTicked",
     "MemoryTier",
-    "NodeDrained",
-    "NodeLost",
-    "NodePowerDownRequested",
-    "NodePowerUpRequested",
-    "NodePoweredDown",
-    "NodePoweredUp",
-    "NodeRegistered",
-    "NodeUndrained",
-    "NodeWakeRequested",
     "Outcome",
     "PartOutcome",
-    "PolicyConfigured",
-    "ProfileReported",
-    "ProfileRequested",
     "Rendezvous",
-    "RescaleCompleted",
-    "RescaleFailed",
     "RescaleKind",
-    "RescaleProposed",
-    "TaskEnded",
+    "Scaling",
     "Tick",
     "Unreadable",
-    "VcConfigured",
-    "WorkerLost",
+    "any_event",
+    "catalogue",
     "complete_phase_times",
     "declared_gpus",
     "decode",
     "encode",
+    "leadership_subject",
     "reported_by",
     "stable_id",
     "upcast",
     "upcaster",
     "worker_id",
     "workers_of",
+    *sorted(EVENT_TYPES),
 ]

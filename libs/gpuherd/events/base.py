@@ -6,6 +6,10 @@ events a service writes in reaction to the log, also carry ``based_on`` (the las
 the decider had folded) and ``cause`` (the id of the event that triggered them); an audit re-runs
 the decider on the state at ``based_on`` and checks it would decide the same again.
 
+Defining a class registers it: every subclass of ``Event`` goes into ``EVENT_TYPES`` (and so into
+the codec's union and ``gpuherd.events``) unless its own body says ``CATALOGUED = False`` (the bases
+``Command``, ``Decision``, ``Tick``, and ``Unreadable``, which readers make and nobody writes).
+
 When a class changes shape its ``VERSION`` goes up and an *upcaster* (registered with
 ``@upcaster`` beside the class) turns the stored old shape into the next one on read, so the log
 is never rewritten (the ``eventsourcing`` library's approach). An upcaster may also rename the
@@ -22,20 +26,60 @@ import msgspec
 
 from gpuherd.jobenv import worker_id as worker_id
 
+# Every event type by name, filled as the classes are defined (``Event.__init_subclass__``).
+EVENT_TYPES: dict[str, type[Event]] = {}
+# Bumped on every registration (a class defined again replaces its name's entry without growing
+# the table), so codecs built from the catalogue know when they are stale.
+CATALOGUE_GENERATION = [0]
+
 
 class Event(msgspec.Struct, kw_only=True, frozen=True, tag_field="type", tag=True, gc=False):
     """Base of every event. ``VERSION`` is the current schema version of the class."""
 
     VERSION: ClassVar[int] = 1
+    CATALOGUED: ClassVar[bool] = False  # (read from each class's own body: a subclass is catalogued)
 
     id: str = ""
     at: float = 0.0
     source: str = ""
     v: int = 1
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("CATALOGUED", True):
+            catalogue(cls)
+
     def subject(self) -> str:
         """The subject of the aggregate this event belongs to (one per job, node, ...)."""
         raise NotImplementedError
+
+
+def catalogue(cls: type[Event]) -> None:
+    """Register an event type under its class name (the ``type`` field of its stored form). A name
+    is one type: a second class of that name is refused, unless it is the same class defined again
+    (a module imported twice)."""
+    known = EVENT_TYPES.get(cls.__name__)
+    if (
+        known is not None
+        and known is not cls
+        and (known.__module__, known.__qualname__)
+        != (
+            cls.__module__,
+            cls.__qualname__,
+        )
+    ):
+        raise TypeError(
+            f"two event types named {cls.__name__}: {known.__module__}.{known.__qualname__} and "
+            f"{cls.__module__}.{cls.__qualname__}; the stored type field must name one class"
+        )
+    EVENT_TYPES[cls.__name__] = cls
+    CATALOGUE_GENERATION[0] += 1
+
+
+def uncatalogue(name: str) -> None:
+    """Forget an event type (a plugin unloaded); records of it then decode as unreadable."""
+    if EVENT_TYPES.pop(name, None) is not None:
+        CATALOGUE_GENERATION[0] += 1
 
 
 class Command(Event, kw_only=True, frozen=True):
@@ -46,6 +90,7 @@ class Command(Event, kw_only=True, frozen=True):
     v1 commands were recorded before services checked them: they upcast with ``unchecked`` set and
     are applied the way they were then (a bad policy or parameter meant the service's default)."""
 
+    CATALOGUED: ClassVar[bool] = False
     VERSION: ClassVar[int] = 2
     v: int = 2
     unchecked: bool = False
@@ -64,6 +109,8 @@ def command_upcaster(event_type: str) -> None:
 
 class Decision(Event, kw_only=True, frozen=True):
     """An event a service decided on, from the log it had folded up to ``based_on``."""
+
+    CATALOGUED: ClassVar[bool] = False
 
     based_on: int = 0
     cause: str = ""

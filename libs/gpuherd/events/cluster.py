@@ -34,7 +34,7 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # by. 2: a VC's first job its quota stops is protected by a reservation, as the gang head is.
 # 3: a duration prediction makes a pass only where it is used (a job of unknown duration, or a
 # policy that ranks by predictions).
-SCHEDULING_RULES = 3
+SCHEDULING_RULES = 4
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
@@ -89,6 +89,8 @@ class Tick(Event, kw_only=True, frozen=True):
     """A service's timer went off. Each service has a tick type of its own (one writer per type),
     and only its own decider acts on it."""
 
+    CATALOGUED: ClassVar[bool] = False
+
     def subject(self) -> str:
         return f"herd.clock.{self.source or 'anon'}"
 
@@ -112,6 +114,26 @@ class ClockTicked(Tick, kw_only=True, frozen=True):
     v: int = 2
     last_heard: dict[str, float] = msgspec.field(default_factory=dict)
     lost_after_s: float = TICK_ONLY_TIMEOUT_S
+
+
+class LeadershipTaken(Event, kw_only=True, frozen=True):
+    """An instance of a decider service took the lead (``instance``: its holder id). It is the fence
+    of that leadership: the instance appends it with the subject's last sequence expected (so two
+    cannot both take it), and every later append of that instance expects it to still be the last
+    event of the subject. Once a newer leader appended its own, a former leader that wakes up (a
+    paused process, a partition healed) has every append refused: it cannot act on stale state.
+    Written by the decider runtime of each service; deciders never follow it."""
+
+    service: str
+    instance: str
+
+    def subject(self) -> str:
+        return leadership_subject(self.service)
+
+
+def leadership_subject(service: str) -> str:
+    """The subject whose last sequence fences ``service``'s leader."""
+    return f"herd.cluster.leader.{service}"
 
 
 class ElasticTicked(Tick, kw_only=True, frozen=True):

@@ -1,117 +1,17 @@
-"""Every event in one tagged union (the JSON field ``type`` names the class), so a single typed
-decoder reads the whole log; old shapes go through the upcasters."""
+"""Every catalogued event in one tagged union (the JSON field ``type`` names the class), so a single
+typed decoder reads the whole log; old shapes go through the upcasters.
+
+The union is made from ``EVENT_TYPES`` (each class registers itself when defined) and made again
+when a type is added later (a plugin service's events, imported after this module)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Union
 
 import msgspec
 
 from gpuherd.errors import EventDecodeError
-from gpuherd.events.base import UPCASTERS, Event
-from gpuherd.events.cluster import (
-    AnalyticsTicked,
-    ClockTicked,
-    CommandRefused,
-    ElasticTicked,
-    MemoryTicked,
-    PolicyConfigured,
-    VcConfigured,
-)
-from gpuherd.events.elastic import (
-    ElasticConfigured,
-    JobResized,
-    RescaleCompleted,
-    RescaleFailed,
-    RescaleProposed,
-    WorkerLost,
-)
-from gpuherd.events.jobs import (
-    JobCancelRequested,
-    JobDurationPredicted,
-    JobFinished,
-    JobPlaced,
-    JobPreempted,
-    JobRejected,
-    JobRequeued,
-    JobStarted,
-    JobSubmitted,
-    ProfileReported,
-    ProfileRequested,
-    TaskEnded,
-)
-from gpuherd.events.leases import (
-    MemoryBrokerConfigured,
-    MemoryLeaseDenied,
-    MemoryLeaseGranted,
-    MemoryLeaseReclaimed,
-    MemoryLeaseReleased,
-    MemoryLeaseRenewed,
-    MemoryLeaseRequested,
-    MemoryLeaseRevoked,
-)
-from gpuherd.events.nodes import (
-    GpuHealthChanged,
-    GpuMemoryReported,
-    NodeDrained,
-    NodeLost,
-    NodePowerDownRequested,
-    NodePoweredDown,
-    NodePoweredUp,
-    NodePowerUpRequested,
-    NodeRegistered,
-    NodeUndrained,
-    NodeWakeRequested,
-)
-
-AnyEvent = (
-    NodeRegistered
-    | NodeDrained
-    | NodeUndrained
-    | NodeLost
-    | NodePowerDownRequested
-    | NodePowerUpRequested
-    | NodeWakeRequested
-    | NodePoweredDown
-    | NodePoweredUp
-    | GpuHealthChanged
-    | GpuMemoryReported
-    | ClockTicked
-    | ElasticTicked
-    | MemoryTicked
-    | AnalyticsTicked
-    | VcConfigured
-    | PolicyConfigured
-    | CommandRefused
-    | JobSubmitted
-    | JobRejected
-    | JobPlaced
-    | JobStarted
-    | JobFinished
-    | TaskEnded
-    | JobCancelRequested
-    | JobDurationPredicted
-    | JobPreempted
-    | JobRequeued
-    | ProfileRequested
-    | ProfileReported
-    | RescaleProposed
-    | JobResized
-    | RescaleCompleted
-    | RescaleFailed
-    | WorkerLost
-    | ElasticConfigured
-    | MemoryLeaseRequested
-    | MemoryLeaseGranted
-    | MemoryLeaseDenied
-    | MemoryLeaseRenewed
-    | MemoryLeaseRevoked
-    | MemoryLeaseReleased
-    | MemoryLeaseReclaimed
-    | MemoryBrokerConfigured
-)
-
-EVENT_TYPES: dict[str, type[Event]] = {cls.__name__: cls for cls in AnyEvent.__args__}  # type: ignore[attr-defined]
+from gpuherd.events.base import CATALOGUE_GENERATION, EVENT_TYPES, UPCASTERS, Event
 
 
 def upcast(raw: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +37,8 @@ class Unreadable(Event, kw_only=True, frozen=True):
     deciders fold it as nothing, and their shell reports it as a dead letter, so one bad message
     neither stops every reader of the log nor vanishes."""
 
+    CATALOGUED: ClassVar[bool] = False
+
     stored_subject: str
     reason: str
     data: bytes = b""
@@ -145,9 +47,32 @@ class Unreadable(Event, kw_only=True, frozen=True):
         return self.stored_subject
 
 
+class _Codecs:
+    """The union of the catalogued types and its decoders, made again when the catalogue changed."""
+
+    def __init__(self) -> None:
+        self.size = -1
+        self.union: Any = None
+        self.json: msgspec.json.Decoder[Any] | None = None
+
+    def current(self) -> _Codecs:
+        if self.size != CATALOGUE_GENERATION[0]:
+            types = tuple(EVENT_TYPES[name] for name in sorted(EVENT_TYPES))
+            self.union = Union[types]  # noqa: UP007 - a union of a runtime tuple of classes
+            self.json = msgspec.json.Decoder(self.union)
+            self.size = CATALOGUE_GENERATION[0]
+        return self
+
+
+_codecs = _Codecs()
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(AnyEvent)
 _raw_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+def any_event() -> Any:
+    """The tagged union of every catalogued event type, for a typed decoder of events (msgpack, or
+    events inside another structure): ``msgspec.msgpack.Decoder(list[any_event()])``."""
+    return _codecs.current().union
 
 
 def encode(event: Event) -> bytes:
@@ -156,8 +81,9 @@ def encode(event: Event) -> bytes:
 
 def decode(data: bytes) -> Event:
     """Decode one stored event; old versions go through the upcasters."""
+    codecs = _codecs.current()
     try:
-        event = _decoder.decode(data)
+        event = codecs.json.decode(data)  # type: ignore[union-attr]
     except msgspec.ValidationError:
         event = None  # possibly an older shape: take the slow path
     except msgspec.DecodeError as exc:
@@ -166,7 +92,7 @@ def decode(data: bytes) -> Event:
         return event
     try:
         raw = _raw_decoder.decode(data)
-        return msgspec.convert(upcast(raw), AnyEvent)
+        return msgspec.convert(upcast(raw), codecs.union)
     except msgspec.ValidationError as exc:
         raise EventDecodeError(f"invalid event: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a field an upcaster needs is unusable

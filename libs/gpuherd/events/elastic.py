@@ -10,12 +10,25 @@ import msgspec
 from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by, upcaster
 from gpuherd.events.values import Allocation, Rendezvous, RescaleKind
 
+# The rules of the elastic service's policy (``services/elastic/policy.py``). The service records the
+# ones it decides by in ``ElasticConfigured`` and each proposal carries them, so every proposal is
+# re-derived by the rules it was made by. 2: shrink for every waiting job that shrinks let start
+# (at once, whatever the minimum interval), lend only GPUs no waiting job can use, one allowed size
+# at a time to the job whose throughput gains most per GPU, and only where the gain over the
+# minimum interval outweighs the rescale's pause.
+ELASTIC_RULES = 2
+
 
 class RescaleProposed(Decision, kw_only=True, frozen=True):
     """The elastic service would run an elastic job at ``gpus`` GPUs: grow into GPUs that would
     stay idle, or shrink so that waiting jobs start. The scheduler, sole owner of GPUs, commits it
-    (``JobResized``) if it still holds when it decides; a stale proposal changes nothing."""
+    (``JobResized``) if it still holds when it decides; a stale proposal changes nothing.
 
+    v2: ``rules``, the version of the policy's rules it was decided by (v1: the first rules)."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
+    rules: int = ELASTIC_RULES
     job: str
     attempt: int
     generation: int  # the generation it was based on
@@ -25,6 +38,11 @@ class RescaleProposed(Decision, kw_only=True, frozen=True):
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
+
+
+@upcaster("RescaleProposed", 1)
+def _proposal_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    return {**raw, "rules": 1, "v": 2}
 
 
 class JobResized(Decision, kw_only=True, frozen=True):
@@ -155,13 +173,24 @@ class WorkerLost(Event, kw_only=True, frozen=True):
 
 class ElasticConfigured(Command, kw_only=True, frozen=True):
     """The elastic service's parameters from now on (``services/elastic/policy.py:ElasticParams``;
-    names not given keep their defaults). Recorded so that a replay audits with the parameters each
-    decision was made with."""
+    names not given keep their defaults) and the rules of its policy (``ELASTIC_RULES``; a service of
+    newer rules records its own when it starts on a log of older ones). Recorded so that a replay
+    audits with the parameters and rules each decision was made with.
 
+    v3: ``rules`` (v2 and older were decided by the first rules)."""
+
+    VERSION: ClassVar[int] = 3
+    v: int = 3
     params: dict[str, float] = msgspec.field(default_factory=dict)
+    rules: int = ELASTIC_RULES
 
     def subject(self) -> str:
         return "herd.cluster.elastic"
 
 
 command_upcaster("ElasticConfigured")
+
+
+@upcaster("ElasticConfigured", 2)
+def _elastic_configured_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    return {**raw, "rules": 1, "v": 3}

@@ -70,6 +70,16 @@ class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return [w for w in every if self.global_batch % (w * self.micro_batch) == 0]
 
 
+class Scaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """How a data-parallel job's throughput scales with its workers, as its per-layer profile says
+    (``gpuherd profile --ddp``): compute time per sample and the gradient bytes each step
+    all-reduces (``gpuherd.scaling``). An elastic job may declare it; the elastic service predicts
+    its throughput from it until it has measured, and a simulated job runs by it."""
+
+    compute_per_sample_s: float
+    grad_bytes: int
+
+
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
     """What a submitter asks for. See ``services/scheduler/intake.py`` for validation rules."""
 
@@ -88,6 +98,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     env: dict[str, str] | None = None  # extra environment of the job's processes
     workdir: str | None = None  # working directory of the job's processes (default: the agent's)
     memory: MemoryNeeds | None = None  # lease memory beyond the job's GPUs (the memory broker's tiers)
+    scaling: Scaling | None = None  # how its throughput scales (elastic jobs: a prior for the elastic service)
 
 
 class Allocation(msgspec.Struct, frozen=True, gc=False):

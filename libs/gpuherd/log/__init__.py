@@ -1,6 +1,7 @@
 """The event log: narrow interfaces (``interfaces``), a JetStream and an in-memory implementation,
 and the log as a file (simulations)."""
 
+from gpuherd.log.inprocess import InProcessLog
 from gpuherd.log.interfaces import (
     Connection,
     DeadLetters,
@@ -9,13 +10,12 @@ from gpuherd.log.interfaces import (
     EventStore,
     IntakeQueue,
     KeyValue,
-    Lease,
-    Leases,
+    Leadership,
+    Leaderships,
     RequestHandler,
     Requests,
     TelemetryBus,
 )
-from gpuherd.log.memory import MemoryLog
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 from gpuherd.log.streams import (
     CONTROL_PREFIX,
@@ -26,7 +26,7 @@ from gpuherd.log.streams import (
     HERD_SUBJECTS,
     HERD_TELEMETRY,
     INTAKE_PREFIX,
-    LEASE_BUCKET,
+    LEADERSHIP_BUCKET,
     MAX_DELIVERIES,
     REPLY_HEADER,
     SNAPSHOT_BUCKET,
@@ -44,7 +44,7 @@ __all__ = [
     "HERD_SUBJECTS",
     "HERD_TELEMETRY",
     "INTAKE_PREFIX",
-    "LEASE_BUCKET",
+    "LEADERSHIP_BUCKET",
     "MAX_DELIVERIES",
     "REPLY_HEADER",
     "SNAPSHOT_BUCKET",
@@ -59,11 +59,11 @@ __all__ = [
     "DurableConsumer",
     "EventLog",
     "EventStore",
+    "InProcessLog",
     "IntakeQueue",
     "KeyValue",
-    "Lease",
-    "Leases",
-    "MemoryLog",
+    "Leadership",
+    "Leaderships",
     "Record",
     "RequestHandler",
     "Requests",
@@ -75,13 +75,13 @@ __all__ = [
 async def open_log(url: str, *, name: str = "gpuherd", persistent: bool = True, **settings: object) -> EventLog:
     """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client).
 
-    ``GPUHERD_LEASE_TTL`` and ``GPUHERD_REPLICAS`` set the lease TTL and stream replicas
+    ``GPUHERD_LEADERSHIP_TTL`` and ``GPUHERD_REPLICAS`` set the lease TTL and stream replicas
     when the streams are first created (3 replicas in the compose cluster)."""
     import os
 
     from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings
 
-    settings.setdefault("lease_ttl_s", float(os.environ.get("GPUHERD_LEASE_TTL", "6")))
+    settings.setdefault("leadership_ttl_s", float(os.environ.get("GPUHERD_LEADERSHIP_TTL", "6")))
     settings.setdefault("replicas", int(os.environ.get("GPUHERD_REPLICAS", "1")))
     settings.setdefault("streams", os.environ.get("GPUHERD_STREAMS", "create"))
     return await JetStreamLog.open(

@@ -4,11 +4,47 @@ dashboard's services view show it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 
-async def nats_overview(log_: Any) -> dict[str, Any]:
-    """The connected server and each stream's replicas, from JetStream's own stream info."""
+def sync_mode(varz: dict[str, Any]) -> str:
+    """How a server's JetStream syncs, from its ``/varz``: "always" (fsync before every
+    acknowledgement) or the interval between fsyncs (nats-server's default: 2m)."""
+    config = (varz.get("jetstream") or {}).get("config") or {}
+    if config.get("sync_always"):
+        return "always"
+    interval_ns = int(config.get("sync_interval") or 120_000_000_000)
+    seconds = interval_ns / 1e9
+    return f"{seconds / 60:g}m" if seconds >= 60 and seconds % 60 == 0 else f"{seconds:g}s"
+
+
+def _varz(url: str, timeout: float) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url.rstrip('/')}/varz", timeout=timeout) as answer:
+        return json.load(answer)
+
+
+async def durability(monitor_urls: Sequence[str], timeout: float = 2.0) -> list[dict[str, Any]]:
+    """Each server's sync mode, read from its monitoring endpoint (``server``, ``sync``, ``durable``;
+    ``error`` when it could not be read)."""
+    out = []
+    for url in monitor_urls:
+        try:
+            varz = await asyncio.to_thread(_varz, url, timeout)
+        except (OSError, ValueError) as exc:
+            out.append({"server": url, "sync": "unknown", "durable": None, "error": str(exc)})
+            continue
+        mode = sync_mode(varz)
+        out.append({"server": varz.get("server_name") or url, "sync": mode, "durable": mode == "always"})
+    return out
+
+
+async def nats_overview(log_: Any, monitor_urls: Sequence[str] = ()) -> dict[str, Any]:
+    """The connected server and each stream's replicas, from JetStream's own stream info; with the
+    servers' monitoring endpoints, how each syncs its store (``durability``)."""
     nc = log_.nc
     info = getattr(nc, "_server_info", {}) or {}
     streams = []
@@ -40,4 +76,5 @@ async def nats_overview(log_: Any) -> dict[str, Any]:
         "version": info.get("version", "?"),
         "cluster": info.get("cluster", ""),
         "streams": streams,
+        "durability": await durability(monitor_urls),
     }

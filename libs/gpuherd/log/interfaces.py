@@ -11,16 +11,25 @@ JetStream log and the in-memory log both provide (``EventLog`` is all of them at
 | ``DeadLetters``  | HERD_DEAD: what no consumer could handle, and why             | every consumer, ``gpuherd``      |
 | ``Requests``     | core request-reply on ``herd.ctl.>`` (answers, not history)   | agents (job logs), the CLI       |
 | ``KeyValue``     | snapshots and service status                                  | deciders, agents, ``status``     |
-| ``Leases``       | one leader per decider, one agent per node                    | deciders, agents                 |
+| ``Leaderships``  | one leader per decider, one agent per node (KV, expiring)     | deciders, agents                 |
+
+Words: a *leadership* is the right to act for a decider or a node (one holder, expiring unless
+renewed); a *lease* is always a memory lease (``MemoryLease*`` events: neighbor-GPU memory lent to
+a job), never this.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from gpuherd.events import Event
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.log")
 
 RequestHandler = Callable[[bytes], Awaitable[bytes]]
 # The W3C traceparent that travels with appended events: one for all, or one per event (None: none).
@@ -152,8 +161,9 @@ class KeyValue(abc.ABC):
         """Every live key of ``bucket`` and its value."""
 
 
-class Lease(abc.ABC):
-    """A leader lease: at most one holder at a time; it expires unless renewed within ``ttl``."""
+class Leadership(abc.ABC):
+    """The right to act as ``name`` (a decider, a node's agent): at most one holder at a time; it
+    expires unless renewed within ``ttl``."""
 
     name: str
     holder: str
@@ -164,22 +174,41 @@ class Lease(abc.ABC):
 
     @abc.abstractmethod
     async def renew(self) -> None:
-        """Extend the lease. One that expired unclaimed (NATS away for longer than the TTL, a server
+        """Extend the term. One that expired unclaimed (NATS away for longer than the TTL, a server
         failing over) is taken again: nobody held it meanwhile, so nobody acted on it. Raises
-        LeaseLost if another holder has it now, or it was never acquired or was released."""
+        LeadershipLost if another holder has it now, or it was never acquired or was released."""
 
     @abc.abstractmethod
     async def release(self) -> None: ...
 
+    async def acquire(self, stop: asyncio.Event, what: str) -> bool:
+        """Wait as a standby until this leadership is ours (True) or ``stop`` is set (False)."""
+        announced = False
+        while not stop.is_set():
+            try:
+                acquired = await self.try_acquire()
+            except Exception as exc:  # NATS away or a stream electing its leader: try again, as a standby would
+                log.warning("leadership not acquirable yet; retrying", leadership=self.name, error=repr(exc))
+                acquired = False
+            if acquired:
+                log.info("leadership acquired", leadership=self.name, holder=self.holder)
+                return True
+            if not announced:
+                log.info(f"standby: another instance leads {what}", leadership=self.name)
+                announced = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.ttl / 3)
+        return False
 
-class Leases(abc.ABC):
-    """Leader leases: one active instance per decider, one agent per node."""
 
-    lease_ttl: float = 6.0
+class Leaderships(abc.ABC):
+    """One active instance per decider, one agent per node."""
+
+    leadership_ttl: float = 6.0
 
     @abc.abstractmethod
-    def lease(self, name: str, holder: str) -> Lease:
-        """The lease ``name`` as seen by ``holder``; it lasts ``lease_ttl`` seconds unless renewed."""
+    def leadership(self, name: str, holder: str) -> Leadership:
+        """The leadership ``name`` as seen by ``holder``; it lasts ``leadership_ttl`` seconds unless renewed."""
 
 
 class Connection:
@@ -196,5 +225,5 @@ class Connection:
         return None
 
 
-class EventLog(EventStore, IntakeQueue, TelemetryBus, DeadLetters, Requests, KeyValue, Leases, Connection):
+class EventLog(EventStore, IntakeQueue, TelemetryBus, DeadLetters, Requests, KeyValue, Leaderships, Connection):
     """Every interface at once: what the JetStream and in-memory implementations provide."""

@@ -7,9 +7,9 @@
 - ``read`` is an ordered consumer: an ephemeral pull consumer that is
   recreated from the last sequence seen whenever it breaks (server restart,
   reconnect), so a reader sees every sequence exactly once, in order.
-- Snapshots and leases are KV buckets. A lease is a key written with
+- Snapshots and leaderships are KV buckets. A leadership is a key written with
   ``create`` (only if absent) and renewed with ``update(last=revision)``; the
-  bucket's max age makes an unrenewed lease expire.
+  bucket's max age makes an unrenewed leadership expire.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, EventDecodeError, LeaseLost, LogError, LogUnavailable
-from gpuherd.log.interfaces import DurableConsumer, EventLog, Lease, RequestHandler, Traces, trace_of
+from gpuherd.aio import patiently
+from gpuherd.errors import ConcurrencyError, EventDecodeError, LeadershipLost, LogError, LogUnavailable
+from gpuherd.log.interfaces import DurableConsumer, EventLog, Leadership, RequestHandler, Traces, trace_of
 from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 from gpuherd.log.streams import (
@@ -58,7 +59,7 @@ from gpuherd.log.streams import (
     HERD_SUBJECTS,
     HERD_TELEMETRY,
     INTAKE_PREFIX,
-    LEASE_BUCKET,
+    LEADERSHIP_BUCKET,
     REPLY_HEADER,
     SNAPSHOT_BUCKET,
     STATUS_BUCKET,
@@ -79,7 +80,7 @@ class JetStreamSettings(msgspec.Struct, kw_only=True):
     duplicate_window_s: float = 7200.0
     intake_max_age_s: float = 7 * 86400.0
     telemetry_max_age_s: float = 3600.0
-    lease_ttl_s: float = 6.0
+    leadership_ttl_s: float = 6.0
     snapshot_max_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 5.0
     # "create": create or update the streams and buckets on open (the local default, and the
@@ -158,7 +159,7 @@ class JetStreamLog(EventLog):
     def __init__(self, nc: NatsClient, settings: JetStreamSettings | None = None) -> None:
         self.nc = nc
         self.settings = settings or JetStreamSettings()
-        self.lease_ttl = self.settings.lease_ttl_s
+        self.leadership_ttl = self.settings.leadership_ttl_s
         self.js: JetStreamContext = nc.jetstream(timeout=self.settings.request_timeout_s)
         self._kv: dict[str, Any] = {}
         self._owns_connection = False
@@ -255,7 +256,11 @@ class JetStreamLog(EventLog):
                 max_value_size=s.snapshot_max_bytes,
             ),
             KeyValueConfig(
-                bucket=LEASE_BUCKET, history=1, ttl=s.lease_ttl_s, storage=StorageType.FILE, replicas=s.replicas
+                bucket=LEADERSHIP_BUCKET,
+                history=1,
+                ttl=s.leadership_ttl_s,
+                storage=StorageType.FILE,
+                replicas=s.replicas,
             ),
             # What each running service says about itself (``gpuherd status``); gone when it stops saying.
             KeyValueConfig(
@@ -342,15 +347,33 @@ class JetStreamLog(EventLog):
     # -- HERD ----------------------------------------------------------------------------
 
     @staticmethod
-    def _headers(event: ev.Event, expect: Mapping[str, int] | None, trace: str | None) -> dict[str, str]:
+    def _headers(
+        event: ev.Event, expect: Mapping[str, int] | None, trace: str | None, fence: tuple[str, int] | None = None
+    ) -> dict[str, str]:
         headers = {"Nats-Msg-Id": event.id} if event.id else {}
         if expect is not None:
             expected = expect.get(event.subject())
             if expected is not None:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
+        if fence is not None:  # another subject's last sequence, checked on this message (a leader's fence)
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(fence[1])
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence[0]
         if trace:
             headers[TRACEPARENT] = trace
         return headers
+
+    @staticmethod
+    def _fences(events: Sequence[ev.Event], expect: Mapping[str, int] | None) -> dict[int, tuple[str, int]]:
+        """Expected subjects none of ``events`` is on (a leader's fence): each is checked on an event
+        of its own that checks nothing else (JetStream checks one subject per message)."""
+        if not expect:
+            return {}
+        own = {e.subject() for e in events}
+        others = [(subject, seq) for subject, seq in expect.items() if subject not in own]
+        free = [i for i, e in enumerate(events) if e.subject() not in expect]
+        if len(others) > len(free):
+            raise LogError(f"cannot check {len(others)} other subjects on {len(free)} events: {sorted(expect)}")
+        return dict(zip(free, others, strict=False))
 
     async def append(
         self,
@@ -365,12 +388,13 @@ class JetStreamLog(EventLog):
             raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
         if len(events) == 1:
             event = events[0]
+            fence = self._fences(events, expect).get(0)
             try:
                 ack = await self.js.publish(
-                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace_of(trace, 0))
+                    event.subject(), ev.encode(event), headers=self._headers(event, expect, trace_of(trace, 0), fence)
                 )
             except nats.js.errors.APIError as exc:
-                raise self._map_error(exc, event.subject(), expect) from exc
+                raise self._map_error(exc, fence[0] if fence else event.subject(), expect) from exc
             return AppendResult(seqs=(ack.seq,), duplicate=bool(ack.duplicate))
         return await self._append_batch(events, expect, trace)
 
@@ -382,13 +406,14 @@ class JetStreamLog(EventLog):
     ) -> AppendResult:
         batch_id = f"{self.nc.client_id}-{next(_batch_numbers)}-{time.monotonic_ns() % 10**12}"
         seen: set[str] = set()  # the same subject twice in one batch is checked on its first event only
+        fences = self._fences(events, expect)
         timeout = self.settings.request_timeout_s
         last = len(events)
         for n, event in enumerate(events, start=1):
             subject = event.subject()
             check = expect if subject not in seen else None
             seen.add(subject)
-            headers = self._headers(event, check, trace_of(trace, n - 1))
+            headers = self._headers(event, check, trace_of(trace, n - 1), fences.get(n - 1))
             headers["Nats-Batch-Id"] = batch_id
             headers["Nats-Batch-Sequence"] = str(n)
             data = ev.encode(event)
@@ -402,8 +427,8 @@ class JetStreamLog(EventLog):
                     if code == ERR_BATCH_DUPLICATE_ID:
                         return AppendResult(seqs=(), duplicate=True)
                     if code == ERR_WRONG_LAST_SEQUENCE:
-                        subj = next(iter(expect or {"?": 0}))
-                        raise ConcurrencyError(subj, (expect or {}).get(subj, 0))
+                        subj = next(iter(fences.values()), None) or next(iter((expect or {"?": 0}).items()))
+                        raise ConcurrencyError(subj[0], subj[1])
                     raise _refusal("atomic append", error)
                 last_seq = int(answer["seq"])
                 return AppendResult(seqs=tuple(range(last_seq - last + 1, last_seq + 1)))
@@ -412,6 +437,9 @@ class JetStreamLog(EventLog):
                 reply = await self.nc.request(subject, data, headers=headers, timeout=timeout)
                 if reply.data:
                     error = msgspec.json.decode(reply.data).get("error")
+                    if error and error.get("err_code") == ERR_WRONG_LAST_SEQUENCE:
+                        subj = fences.get(0) or next(iter((expect or {"?": 0}).items()))
+                        raise ConcurrencyError(subj[0], subj[1])
                     if error:
                         raise _refusal("atomic append", error)
             else:
@@ -462,8 +490,6 @@ class JetStreamLog(EventLog):
     async def last_seq(self) -> int:
         # A server failing over or a stream electing its leader answers late: wait for it (what
         # asks is about to read the log, which waits through the same outage anyway).
-        from gpuherd.aio import patiently
-
         async def head() -> int:
             return int((await self.js.stream_info(HERD)).state.last_seq)
 
@@ -592,8 +618,8 @@ class JetStreamLog(EventLog):
                     out[key] = entry.value
         return out
 
-    def lease(self, name: str, holder: str) -> Lease:
-        return _JetStreamLease(self, name, holder)
+    def leadership(self, name: str, holder: str) -> Leadership:
+        return _JetStreamLeadership(self, name, holder)
 
 
 _COMPARED = (
@@ -715,17 +741,17 @@ class _JetStreamConsumer(DurableConsumer):
                 await msg.ack()
 
 
-class _JetStreamLease(Lease):
+class _JetStreamLeadership(Leadership):
     def __init__(self, log_: JetStreamLog, name: str, holder: str) -> None:
         self._log = log_
         self.name = name
         self.holder = holder
-        self.ttl = log_.lease_ttl
+        self.ttl = log_.leadership_ttl
         self._revision: int | None = None
 
     @property
     def _kv(self) -> Any:
-        return self._log._kv[LEASE_BUCKET]
+        return self._log._kv[LEADERSHIP_BUCKET]
 
     async def try_acquire(self) -> bool:
         try:
@@ -748,14 +774,14 @@ class _JetStreamLease(Lease):
 
     async def renew(self) -> None:
         if self._revision is None:
-            raise LeaseLost(f"lease {self.name!r} was never acquired by {self.holder!r}")
+            raise LeadershipLost(f"leadership {self.name!r} was never acquired by {self.holder!r}")
         try:
             self._revision = await self._kv.update(self.name, self.holder.encode(), last=self._revision)
         except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.APIError) as exc:
             if await self.try_acquire():  # it expired unclaimed: ours again
-                log.warning("lease expired during an outage and was taken again", lease=self.name)
+                log.warning("leadership expired during an outage and was taken again", leadership=self.name)
                 return
-            raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}") from exc
+            raise LeadershipLost(f"leadership {self.name!r} is no longer held by {self.holder!r}") from exc
 
     async def release(self) -> None:
         if self._revision is None:

@@ -33,7 +33,7 @@ CONTROL_PREFIX = "herd.ctl"
 DEAD_LETTER_PREFIX = "herd.dead"
 
 SNAPSHOT_BUCKET = "herd_snapshots"
-LEASE_BUCKET = "herd_leases"
+LEADERSHIP_BUCKET = "herd_leases"  # (its stored name predates the word: a running older process must see the same keys)
 STATUS_BUCKET = "herd_services"
 
 TRACEPARENT = "traceparent"

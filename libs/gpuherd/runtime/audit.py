@@ -5,6 +5,10 @@ For each batch of decisions (all caused by one event), the audit folds the log u
 compares. Answers to inputs from outside the log (intake verdicts) are re-judged on the state at
 their ``based_on`` by the decider's ``recheck``. Any difference, or an event that claims the
 decider as source but is none of its decisions, is a mismatch. An untampered log has none.
+
+Fencing is checked too: a decision stored after a ``LeadershipTaken`` of its service but made on a
+state from before it (``based_on`` earlier) came from a former leader that lost the lead: a
+``stale`` mismatch. The runtime's fence keeps such appends out of the log.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ _RECORDED_INPUTS: dict[str, tuple[type[ev.Event], ...]] = {
     "tick": (ev.Tick,),
     "policy": (ev.PolicyConfigured,),  # the scheduler's --policy at start
     "config": (ev.ElasticConfigured, ev.MemoryBrokerConfigured),  # a service's --params at start
+    "leader": (ev.LeadershipTaken,),  # an instance took the lead (its fence)
+    "rules": (ev.ElasticConfigured,),  # the rules a service runs by, recorded when they changed
 }
 _DECISION_ID = re.compile(r"^[^:]+:\d+:\d+$")
 
@@ -33,7 +39,7 @@ _DECISION_ID = re.compile(r"^[^:]+:\d+:\d+$")
 class Mismatch(msgspec.Struct, frozen=True):
     seq: int
     event_id: str
-    kind: str  # "differs" | "missing" | "unexpected" | "unattributable" | "answer"
+    kind: str  # "differs" | "missing" | "unexpected" | "unattributable" | "answer" | "stale"
     detail: str
 
 
@@ -64,10 +70,22 @@ def audit(
     by_seq = {r.seq: r for r in records}
     batches: dict[int, list[Record]] = defaultdict(list)  # cause seq -> recorded decisions
     answers: dict[int, list[Record]] = defaultdict(list)  # based_on -> recorded answers to outside inputs
+    fence = 0  # the sequence of the service's latest LeadershipTaken so far
     for record in records:
         event = record.event
+        if isinstance(event, ev.LeadershipTaken) and event.service == decider.name:
+            fence = record.seq
         if event.source != decider.name:
             continue
+        if isinstance(event, ev.Decision) and event.based_on < fence:
+            report.mismatches.append(
+                Mismatch(
+                    record.seq,
+                    event.id,
+                    "stale",
+                    f"decided on the log up to {event.based_on}, stored after a newer leader took over at {fence}",
+                )
+            )
         cause = cause_seq_of(event, decider.name)
         if cause is not None and _DECISION_ID.match(event.id):
             batches[cause].append(record)

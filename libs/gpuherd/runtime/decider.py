@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.fold import ClusterState, apply
 from gpuherd.log import Record
 
 
@@ -130,6 +131,85 @@ class RecordedParams(Generic[P]):
         return self._cached[1]
 
 
+class ConfiguredDecider(Decider[S], Generic[S, P]):
+    """A decider whose parameters are an operator command (``CONFIGURED``, a ``...Configured``
+    event), acting on ``TRIGGERS`` and its own ticks.
+
+    The parameters in force are the log's latest applied command, else this decider's default. A
+    command it cannot apply is refused (``CommandRefused``, with the reason) and folded as nothing;
+    one recorded unchecked (before commands were checked) that does not convert means the default,
+    as it did then.
+
+    A subclass declares its pieces: ``STATE`` (a core-fold state keeping no finished job, with the
+    latest applied ``params``) and ``FOLD`` (``fold(state, seq, event, *, params_ok)``), ``PARAMS``
+    (the parameters class; its defaults are the default) and ``CONVERT`` (recorded values ->
+    parameters, ValueError for ones it cannot apply), and writes ``decide``."""
+
+    CONFIGURED: ClassVar[type[ev.Command]]
+    TRIGGERS: ClassVar[frozenset[type[ev.Event]]]
+    PARAMS_EXAMPLE: ClassVar[str] = "{}"  # what ``--params`` takes (shown in --help)
+    STATE: ClassVar[type[Any]]
+    FOLD: ClassVar[Callable[..., Any]]
+    PARAMS: ClassVar[type[Any]]
+    CONVERT: ClassVar[Callable[[dict[str, float]], Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "TRIGGERS" in cls.__dict__:
+            cls.FOLLOWS = cls.TRIGGERS  # what it acts on
+        if "CONFIGURED" in cls.__dict__:
+            cls.REFUSES = frozenset({cls.CONFIGURED})  # the one command it checks and applies
+
+    def __init__(self, params: P | None = None) -> None:
+        default = params if params is not None else self.default_params()
+
+        def lenient(values: dict[str, float]) -> P:
+            try:
+                return self.convert_params(values)
+            except ValueError:
+                return default
+
+        self.params = RecordedParams(default, lenient)
+
+    def default_params(self) -> P:
+        return self.PARAMS()
+
+    def convert_params(self, values: dict[str, float]) -> P:
+        """Recorded values as parameters; ValueError (naming what is wrong) for ones it cannot apply."""
+        return type(self).CONVERT(values)
+
+    def initial_state(self) -> S:
+        return self.STATE(retain_finished=False)
+
+    def state_type(self) -> type[S]:
+        return self.STATE
+
+    def evolve(self, state: S, seq: int, event: ev.Event) -> S:
+        return type(self).FOLD(state, seq, event, params_ok=self.applies(event))
+
+    def params_for(self, state: S) -> P:
+        """The parameters in force at ``state``."""
+        return self.params.get(state.params)  # type: ignore[attr-defined]
+
+    def applies(self, event: ev.Event) -> bool:
+        """Whether ``event`` is a parameters command that is applied when folded."""
+        return isinstance(event, self.CONFIGURED) and (
+            event.unchecked or params_problem(event.params, self.convert_params) is None  # type: ignore[attr-defined]
+        )
+
+    def triggered(self, event: ev.Event) -> bool:
+        """Whether ``decide`` acts on ``event``. (Any tick: logs of older versions had one tick type for
+        every service, and it triggered this decider.)"""
+        return type(event) in self.TRIGGERS or isinstance(event, ev.Tick)
+
+    def refusal(self, event: ev.Event) -> list[ev.Event]:
+        """The refusal of a parameters command it cannot apply ([] for anything else)."""
+        if not isinstance(event, self.CONFIGURED) or event.unchecked:
+            return []
+        problem = params_problem(event.params, self.convert_params)  # type: ignore[attr-defined]
+        return [] if problem is None else [refused(event, problem)]
+
+
 def params_problem(params: dict[str, float], convert: Callable[[dict[str, float]], object]) -> str | None:
     """Why recorded parameters cannot be applied (None: they can)."""
     try:
@@ -190,3 +270,35 @@ def replay(decider: Decider[S], records: Sequence[Record], state: S | None = Non
     for record in records:
         state = decider.evolve(state, record.seq, record.event)
     return state
+
+
+class CoreFoldDecider(Decider[ClusterState]):
+    """A decider that needs no state beyond the core fold (nodes, GPUs, jobs): a small service is
+    then its spec and one pure ``decide(state, event)`` function."""
+
+    def __init__(
+        self,
+        name: str,
+        decide: Callable[[ClusterState, ev.Event], list[ev.Event]],
+        *,
+        follows: frozenset[type[ev.Event]],
+        emits: frozenset[type[ev.Event]],
+        state_format: int = 1,
+    ) -> None:
+        self.name = name  # type: ignore[misc]
+        self.FOLLOWS = follows  # type: ignore[misc]
+        self.EMITS = emits  # type: ignore[misc]
+        self.STATE_FORMAT = state_format  # type: ignore[misc]
+        self._decide = decide
+
+    def initial_state(self) -> ClusterState:
+        return ClusterState(retain_finished=False)
+
+    def state_type(self) -> type[ClusterState]:
+        return ClusterState
+
+    def evolve(self, state: ClusterState, seq: int, event: ev.Event) -> ClusterState:
+        return apply(state, seq, event)
+
+    def decide(self, state: ClusterState, event: ev.Event) -> list[ev.Event]:
+        return self._decide(state, event)

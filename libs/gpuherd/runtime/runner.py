@@ -1,4 +1,4 @@
-"""The live shell of a decider: lease, snapshot, catch-up, consume -> ``DecisionCore`` -> append.
+"""The live shell of a decider: leadership, snapshot, catch-up, consume -> ``DecisionCore`` -> append.
 
 All of a decider's I/O is here; what is decided on which state is the core's (``core.py``):
 
@@ -8,8 +8,14 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
 * **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
   ``STATE_FORMAT`` is ignored), then folds the log to its head; the core decides what the tail
   still lacks.
-* **One active instance.** The runner acts only while it holds the KV lease ``decider.<service>``;
+* **One active instance.** The runner acts only while it holds the KV leadership ``decider.<service>``;
   standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once.
+* **Fenced.** Having taken the lease, the runner appends ``LeadershipTaken`` (expecting the last
+  leader's as the last event of ``herd.cluster.leader.<service>``), and every later append of its
+  own (decisions, its timer's ticks, recorded parameters) expects its own to still be the last
+  there. The lease alone cannot stop a leader that froze past it (a paused process, a partition
+  healed) from appending what it decided on stale state; the fence makes the log refuse it, and
+  the refusal turns it into a standby.
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic
 
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.aio import acquire_lease, run_until_stopped
-from gpuherd.errors import LeaseLost, LogError
-from gpuherd.log import AppendResult, EventLog, EventStore, Lease
-from gpuherd.log.interfaces import Traces
+from gpuherd.aio import run_until_stopped
+from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError
+from gpuherd.log import AppendResult, EventLog, EventStore, Leadership
+from gpuherd.log.interfaces import Traces, trace_of
 from gpuherd.metrics import ServiceMetrics, status_reporter
 from gpuherd.obs import child_traceparent, get_logger
 from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
@@ -49,13 +56,18 @@ async def append_reliably(
 
     Refusals by the log (LogError, ConcurrencyError among them) are not retried. An atomic batch
     refused because one of its events is stored already (a re-run after a crash) is appended one
-    by one instead, so the others are not lost."""
+    by one instead, so the others are not lost (each still checked against ``expect``)."""
     deadline = time.monotonic() + give_up_after
     delay = 0.05
     while True:
         try:
             result = await log_.append(events, expect=expect, trace=trace)
             if result.duplicate and len(events) > 1 and not result.seqs:
+                if expect:
+                    seqs_: list[int] = []
+                    for n, event in enumerate(events):
+                        seqs_ += (await log_.append([event], expect=expect, trace=trace_of(trace, n))).seqs
+                    return AppendResult(seqs=tuple(seqs_), duplicate=True)
                 seqs = await log_.append_pipelined(events)
                 return AppendResult(seqs=tuple(seqs), duplicate=True)
             return result
@@ -75,7 +87,7 @@ OnRefused = Callable[[Decided, LogError], Awaitable[None]]
 
 
 class DeciderRunner(Generic[S]):
-    """Runs one decider against a log: lease, snapshot, catch-up, live loop."""
+    """Runs one decider against a log: leadership, snapshot, catch-up, live loop."""
 
     def __init__(
         self,
@@ -104,7 +116,8 @@ class DeciderRunner(Generic[S]):
         self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
-        self._lease: Lease | None = None
+        self._leadership: Leadership | None = None
+        self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
 
@@ -141,26 +154,61 @@ class DeciderRunner(Generic[S]):
         self.snapshot_bytes = size
         self.snapshots.taken(state.seq)
 
-    # -- lease ---------------------------------------------------------------------------------
+    # -- leadership ---------------------------------------------------------------------------------
 
     async def acquire_leadership(self, stop: asyncio.Event) -> bool:
-        lease = self.log.lease(f"decider.{self.name}", self.instance)
-        if not await acquire_lease(lease, stop, f"decider {self.name}"):
+        leadership = self.log.leadership(f"decider.{self.name}", self.instance)
+        if not await leadership.acquire(stop, f"decider {self.name}"):
             return False
-        self._lease = lease
+        self._leadership = leadership
+        await self._take_fence()
         self.is_leader = True
         return True
 
-    async def _keep_lease(self) -> None:
-        assert self._lease is not None
-        while True:
-            await asyncio.sleep(self._lease.ttl / 3)
+    async def _take_fence(self, tries: int = 20) -> None:
+        """Append this leadership's ``LeadershipTaken``, expecting the last one seen to still be the
+        subject's last: from then on, appends of any earlier leader are refused."""
+        subject = ev.leadership_subject(self.name)
+        for _ in range(tries):
+            last = await self.log.subject_last_seq(subject)
+            taken = ev.LeadershipTaken(
+                id=f"{self.name}:leader:{self.instance}:{uuid.uuid4().hex[:12]}",
+                at=time.time(),
+                source=self.name,
+                service=self.name,
+                instance=self.instance,
+            )
             try:
-                await self._lease.renew()  # taken again if it expired unclaimed during an outage
-            except LeaseLost:
+                result = await append_reliably(self.log, [taken], expect={subject: last})
+            except ConcurrencyError:
+                continue  # read a stale last sequence, or another instance fenced in between: read again
+            self._fence = (subject, result.seqs[0])
+            log.info("leadership fenced", decider=self.name, instance=self.instance, fence_seq=result.seqs[0])
+            return
+        raise LeadershipLost(f"{self.name}: could not append the leadership's fence in {tries} tries")
+
+    def _expect(self) -> dict[str, int] | None:
+        """What every append of this leader expects: its fence is still the latest."""
+        return None if self._fence is None else {self._fence[0]: self._fence[1]}
+
+    async def append_input(self, events: Sequence[ev.Event]) -> AppendResult:
+        """Append inputs the shell records (its timer's ticks, parameters given at start), fenced like
+        decisions: a former leader's stale tick never reaches the log either."""
+        try:
+            return await append_reliably(self.log, events, expect=self._expect())
+        except ConcurrencyError as exc:
+            raise LeadershipLost(f"{self.name}: a newer leader fenced this one ({exc})") from exc
+
+    async def _keep_leadership(self) -> None:
+        assert self._leadership is not None
+        while True:
+            await asyncio.sleep(self._leadership.ttl / 3)
+            try:
+                await self._leadership.renew()  # taken again if it expired unclaimed during an outage
+            except LeadershipLost:
                 raise  # another instance leads: run() turns this one into a standby
-            except Exception as exc:  # NATS briefly away: keep trying until the lease would expire
-                log.warning("lease renewal failed; retrying", error=repr(exc))
+            except Exception as exc:  # NATS briefly away: keep trying until the leadership would expire
+                log.warning("leadership renewal failed; retrying", error=repr(exc))
 
     # -- health ----------------------------------------------------------------------------------
 
@@ -197,23 +245,32 @@ class DeciderRunner(Generic[S]):
         )
         try:
             while not stop.is_set():
-                if not await self.acquire_leadership(stop):
-                    return
+                try:
+                    if not await self.acquire_leadership(stop):
+                        return
+                except LeadershipLost as exc:
+                    log.warning("could not fence the leadership; standby again", error=str(exc))
+                    self._reset()
+                    continue
                 self.metrics.leader.set(1)
                 await self.load_snapshot()
-                coroutines = {"lease": self._keep_lease(), "consume": self._consume(), "decide": self._decide()}
+                coroutines = {
+                    "leadership": self._keep_leadership(),
+                    "consume": self._consume(),
+                    "decide": self._decide(),
+                }
                 for extra in self.extra_tasks:
                     coroutines[getattr(extra, "__name__", f"extra-{len(coroutines)}")] = extra(self)
                 try:
                     await run_until_stopped(coroutines, stop)
                     return  # stopped, or a loop died (cancelled from inside): the process ends
-                except LeaseLost as exc:
+                except LeadershipLost as exc:
                     log.warning("another instance leads now; back to standby", error=str(exc))
                     self._reset()
                 finally:
-                    if stop.is_set() and self._lease is not None:
+                    if stop.is_set() and self._leadership is not None:
                         with contextlib.suppress(Exception):
-                            await asyncio.wait_for(self._lease.release(), 2.0)
+                            await asyncio.wait_for(self._leadership.release(), 2.0)
                     self.is_leader = False
                     self.metrics.leader.set(0)
         finally:
@@ -227,6 +284,7 @@ class DeciderRunner(Generic[S]):
         self.caught_up = asyncio.Event()
         self.snapshots.seq = 0
         self._coalesced_seen = 0
+        self._fence = None
 
     def offer(self, external: Any) -> None:
         """An input from outside the log (intake), decided in its turn."""
@@ -330,12 +388,18 @@ class DeciderRunner(Generic[S]):
         if not outputs:
             return AppendResult(seqs=())
         step = self.log.max_batch
-        if len(outputs) <= step:
-            return await append_reliably(self.log, outputs, trace=traces)
-        seqs: list[int] = []
-        for start in range(0, len(outputs), step):
-            part = await append_reliably(self.log, outputs[start : start + step], trace=traces[start : start + step])
-            seqs.extend(part.seqs)
+        expect = self._expect()
+        try:
+            if len(outputs) <= step:
+                return await append_reliably(self.log, outputs, trace=traces, expect=expect)
+            seqs: list[int] = []
+            for start in range(0, len(outputs), step):
+                part = await append_reliably(
+                    self.log, outputs[start : start + step], trace=traces[start : start + step], expect=expect
+                )
+                seqs.extend(part.seqs)
+        except ConcurrencyError as exc:  # a newer leader's fence: what this one decided is stale
+            raise LeadershipLost(f"{self.name}: a newer leader fenced this one ({exc})") from exc
         return AppendResult(seqs=tuple(seqs))
 
     async def _maybe_snapshot(self) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuherd import events as ev
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 
 
 def tick_event(kind: type[ev.Tick], service: str, now: float) -> ev.Tick:
@@ -29,6 +29,6 @@ def clock_ticker(
         while True:
             await asyncio.sleep(every_s)
             if needed(runner.state):
-                await append_reliably(runner.log, [tick_event(kind, runner.name, time.time())])
+                await runner.append_input([tick_event(kind, runner.name, time.time())])  # fenced
 
     return tick

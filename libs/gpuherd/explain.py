@@ -1,10 +1,9 @@
-"""What the queue view asks of the scheduler's policy: each waiting job's position, why it waits and
-when it is expected to start.
+"""A queue explained: each waiting job's position, why it waits and when it is expected to start.
 
-The dashboard is a service and never imports another service, so the scheduler's own pass is handed
-in by the composition layer (``apps.views.SchedulerQueue``: the scheduler decider's fold, its
-``plan`` and ``forecast_starts``). Without one (the dashboard alone, in its own tests) the queue is
-shown in submission order with no reasons: ``SubmissionOrder``.
+The contract between a decider that explains its queue (the scheduler's spec offers an
+``explainer``: its own fold, pass and forecast) and the readers that show it (the dashboard), which
+never import each other: the application layer hands a reader the specs of the others. Without an
+explainer the queue is shown in submission order with no reasons: ``SubmissionOrder``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 It keeps every behaviour a caller can observe: sequences start at 1 and have
 no gaps, appends are all-or-nothing and idempotent by event id within the
 duplicate window, expected subject sequences are checked, durable consumers
-redeliver what was not acknowledged within ``ack_wait``, leases expire. Time
+redeliver what was not acknowledged within ``ack_wait``, leaderships expire. Time
 comes from an injectable clock so a simulation can run on a virtual one.
 """
 
@@ -14,19 +14,19 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from gpuherd.errors import ConcurrencyError, LeaseLost, LogError, LogUnavailable
+from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError, LogUnavailable
 from gpuherd.events import Event
-from gpuherd.log.interfaces import DurableConsumer, EventLog, Lease, RequestHandler, Traces, trace_of
+from gpuherd.log.interfaces import DurableConsumer, EventLog, Leadership, RequestHandler, Traces, trace_of
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 
 Clock = Callable[[], float]
 
 
-class MemoryLog(EventLog):
-    def __init__(self, *, clock: Clock = time.time, duplicate_window: float = 7200.0, lease_ttl: float = 6.0):
+class InProcessLog(EventLog):
+    def __init__(self, *, clock: Clock = time.time, duplicate_window: float = 7200.0, leadership_ttl: float = 6.0):
         self.clock = clock
         self.duplicate_window = duplicate_window
-        self.lease_ttl = lease_ttl
+        self.leadership_ttl = leadership_ttl
         self._records: list[Record] = []
         self._subject_last: dict[str, int] = {}
         self._ids: dict[str, tuple[int, float]] = {}  # event id -> (seq, stored at)
@@ -38,7 +38,7 @@ class MemoryLog(EventLog):
         self._telemetry: deque[Delivery] = deque(maxlen=100_000)
         self._telemetry_changed = asyncio.Condition()
         self._kv: dict[tuple[str, str], bytes] = {}
-        self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, expires at)
+        self._leaderships: dict[str, tuple[str, float]] = {}  # name -> (holder, expires at)
         self.replies: list[tuple[str, bytes]] = []  # what reply() sent, for tests
         self._dead: dict[str, DeadLetter] = {}
 
@@ -219,8 +219,8 @@ class MemoryLog(EventLog):
     async def kv_entries(self, bucket: str) -> dict[str, bytes]:
         return {key: value for (b, key), value in self._kv.items() if b == bucket}
 
-    def lease(self, name: str, holder: str) -> Lease:
-        return _MemoryLease(self, name, holder)
+    def leadership(self, name: str, holder: str) -> Leadership:
+        return _InProcessLeadership(self, name, holder)
 
 
 class _ConsumerState:
@@ -230,7 +230,7 @@ class _ConsumerState:
 
 
 class _MemoryConsumer(DurableConsumer):
-    def __init__(self, log: MemoryLog, state: _ConsumerState, ack_wait: float) -> None:
+    def __init__(self, log: InProcessLog, state: _ConsumerState, ack_wait: float) -> None:
         self._log = log
         self._state = state
         self._ack_wait = ack_wait
@@ -281,29 +281,29 @@ class _MemoryConsumer(DurableConsumer):
         self._state.pending.pop(delivery.seq, None)
 
 
-class _MemoryLease(Lease):
-    def __init__(self, log: MemoryLog, name: str, holder: str) -> None:
+class _InProcessLeadership(Leadership):
+    def __init__(self, log: InProcessLog, name: str, holder: str) -> None:
         self._log = log
         self.name = name
         self.holder = holder
-        self.ttl = log.lease_ttl
+        self.ttl = log.leadership_ttl
         self._held = False
 
     async def try_acquire(self) -> bool:
         now = self._log.clock()
-        current = self._log._leases.get(self.name)
+        current = self._log._leaderships.get(self.name)
         if current is None or current[1] <= now or current[0] == self.holder:
-            self._log._leases[self.name] = (self.holder, now + self.ttl)
+            self._log._leaderships[self.name] = (self.holder, now + self.ttl)
             self._held = True
             return True
         return False
 
     async def renew(self) -> None:
         if not self._held or not await self.try_acquire():  # try_acquire: ours, or expired unclaimed
-            raise LeaseLost(f"lease {self.name!r} is no longer held by {self.holder!r}")
+            raise LeadershipLost(f"leadership {self.name!r} is no longer held by {self.holder!r}")
 
     async def release(self) -> None:
-        current = self._log._leases.get(self.name)
+        current = self._log._leaderships.get(self.name)
         self._held = False
         if current is not None and current[0] == self.holder:
-            del self._log._leases[self.name]
+            del self._log._leaderships[self.name]

@@ -1,23 +1,16 @@
-"""What the dashboard service uses of other services' code, wired here (services never import each
-other): the scheduler's explanation of its queue (its own fold, pass and forecast, what ``gpuherd
-why`` says) and the audit of every auditable decider (what ``gpuherd replay --audit`` does)."""
+"""The scheduler's queue, explained by its own code: its fold, its pass and its forecast (what
+``gpuherd why`` says), for readers that show it (the dashboard gets it through this service's spec;
+services never import each other)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any
 
-import msgspec
-
-from apps.registry import AUDITABLE, make_decider
 from gpuherd import events as ev
-from gpuherd.log import Record
-from gpuherd.runtime.audit import audit
-from services.dashboard.queue import QueueAnswer, Waiting
-from services.dashboard.service import Tools
+from gpuherd.explain import QueueAnswer, Waiting
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.forecast import forecast_starts
+from services.scheduler.policy import make_policy
 
 FORECAST_EVERY_S = 2.0  # a forecast runs the policy forward: at most this often while the log moves
 PLAN_EVERY_S = 0.5  # the pass that explains the queue: at most this often (pages follow within a second)
@@ -27,8 +20,7 @@ class SchedulerQueue:
     """The scheduler's own state, folded by its own fold, explained by its own pass."""
 
     def __init__(self) -> None:
-        self.decider = make_decider("scheduler")
-        assert isinstance(self.decider, SchedulerDecider)
+        self.decider = SchedulerDecider(make_policy("fifo"))
         self.state = self.decider.initial_state()
         self._forecast: dict[str, float] = {}
         self._forecast_at = -FORECAST_EVERY_S
@@ -64,15 +56,3 @@ class SchedulerQueue:
             key=lambda w: w.position,
         )
         return QueueAnswer(policy=policy.name, waiting=rows, fair_share=fair)
-
-
-def audit_all(records: Sequence[Record]) -> dict[str, Any]:
-    """Every auditable decider's audit of the log: clean, or its mismatches."""
-    reports = {name: audit(records, make_decider(name)) for name in AUDITABLE}
-    return {
-        "ok": all(r.ok for r in reports.values()),
-        "deciders": {name: msgspec.to_builtins(r) | {"ok": r.ok} for name, r in reports.items()},
-    }
-
-
-TOOLS = Tools(queue=SchedulerQueue, audit=audit_all)

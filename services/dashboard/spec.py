@@ -1,0 +1,44 @@
+"""The dashboard, as a service: a reader of the log serving a live web UI and JSON API. It
+decides nothing and needs no leadership: any number may run. Its pages' operator actions (cancel a
+job, drain and undrain a node) are operator commands, sent only for a request carrying its token."""
+
+from __future__ import annotations
+
+from gpuherd.log import CONTROL_PREFIX, STATUS_BUCKET
+from gpuherd.runtime.spec import LocalContext, ServiceSpec
+from gpuherd.security import Permissions, inbox, kv_write, read_log
+from services.dashboard import service
+
+# The HERD subjects of the operator commands it offers (JobCancelRequested, NodeDrained,
+# NodeUndrained): each aggregate's own subject, never an agent's ``.by.<node>`` one.
+APPENDS = ("herd.job.*", "herd.node.*")
+
+
+def permissions(_: str) -> Permissions:
+    """What the reader may, the operator commands of its pages, and its own status entry."""
+    publish = (*read_log(), f"{CONTROL_PREFIX}.>", *APPENDS, kv_write(STATUS_BUCKET, "dashboard.>"))
+    return Permissions(publish=publish, subscribe=(inbox("dashboard"),))
+
+
+def local_argv(ctx: LocalContext) -> list[str] | None:
+    """Served on ``ui_port`` (0: any free one; None: no dashboard), its URL written to ``url_file``."""
+    if ctx.option("ui_port") is None:
+        return None
+    argv = ["--port", str(ctx.option("ui_port")), "--report-dir", str(ctx.data_dir / "report")]
+    argv += ["--url-file", str(ctx.option("url_file", ctx.data_dir / "dashboard.url"))]
+    token = ctx.option("ui_token_file")
+    return argv + (["--operator-token-file", token] if token else [])
+
+
+SPEC = ServiceSpec(
+    name="dashboard",
+    about="the live web dashboard and its JSON API (a reader of the log)",
+    role="reader",
+    follows=frozenset(),
+    emits=frozenset(),  # (its operator actions are operator commands, as the CLI's)
+    permissions=permissions,
+    main=service.main,
+    parser=service.build_parser,
+    local_argv=local_argv,
+    required=False,
+)

@@ -1,0 +1,19 @@
+"""The memory broker, as a service: its pure decider (``decide.py``) and this spec are all of it;
+the generic shell runs it. It owns memory leases only; GPUs stay the scheduler's, and agents
+carry out what it decides."""
+
+from gpuherd import events as ev
+from gpuherd.runtime.spec import TimerSpec, switched_decider
+from services.memory.decide import MemoryDecider
+from services.memory.state import MemoryState
+
+TICK_S = 5.0  # while leases exist: expiries and revocation deadlines fire when due
+
+
+def _lending(state: MemoryState) -> bool:
+    return bool(state.leases)
+
+
+SPEC = switched_decider(
+    MemoryDecider, "leases spare neighbor-GPU and host memory", TimerSpec(ev.MemoryTicked, TICK_S, needed=_lending)
+)
