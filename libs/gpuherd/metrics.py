@@ -105,7 +105,7 @@ class _ClusterCollector(Collector):
         counts["pending"] = len(state.queue)
         for job in state.active_jobs():
             counts[job.status] = counts.get(job.status, 0) + 1
-        for name in ("pending", "placed", "running", "completed", "failed", "cancelled"):
+        for name in ("pending", "placed", "running", "completed", "failed", "cancelled", "timeout"):
             jobs.add_metric([name], counts.get(name, 0))
         yield jobs
         gpus = GaugeMetricFamily("gpuherd_gpus", "GPUs by state", labels=["state"])

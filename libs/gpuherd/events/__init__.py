@@ -29,9 +29,15 @@ from gpuherd.events.codec import Unreadable, any_event, decode, encode, upcast
 from gpuherd.events.elastic import RESCALE_PHASES, complete_phase_times
 from gpuherd.events.jobs import INTAKE_RULES
 from gpuherd.events.values import (
+    DEPENDENCY_KINDS,
     MAX_OUTPUT_TAIL,
     MEMORY_TIERS,
+    OUTCOMES,
     Allocation,
+    ArrayMember,
+    ArraySpec,
+    Dependencies,
+    DependencyKind,
     Elastic,
     GpuInfo,
     JobSpec,
@@ -44,6 +50,7 @@ from gpuherd.events.values import (
     PartOutcome,
     Rendezvous,
     RescaleKind,
+    WorkflowMember,
     declared_gpus,
     workers_of,
 )
@@ -51,16 +58,22 @@ from gpuherd.events.values import (
 globals().update(EVENT_TYPES)  # every catalogued event by its name: ev.JobPlaced, ...
 
 __all__ = [
+    "DEPENDENCY_KINDS",
     "EVENT_TYPES",
     "INTAKE_RULES",
     "MAX_OUTPUT_TAIL",
     "MEMORY_TIERS",
+    "OUTCOMES",
     "RESCALE_PHASES",
     "SCHEDULING_RULES",
     "TICK_ONLY_TIMEOUT_S",
     "Allocation",
+    "ArrayMember",
+    "ArraySpec",
     "Command",
     "Decision",
+    "Dependencies",
+    "DependencyKind",
     "Elastic",
     "Event",
     "GpuInfo",
@@ -76,6 +89,7 @@ __all__ = [
     "RescaleKind",
     "Tick",
     "Unreadable",
+    "WorkflowMember",
     "any_event",
     "catalogue",
     "complete_phase_times",
