@@ -585,7 +585,7 @@ def _resolve_all(state: SchedulerState, planned: _Planned) -> list[_Job] | str:
             out.append(job)
             continue
         own = {job.job, *(a.array for a in (job.spec.array_of,) if a is not None)}
-        resolved: dict[str, list[str]] = {}
+        resolved: dict[str, tuple[str, ...]] = {}
         for kind, names in deps.kinds():
             ids = []
             for name in names:
@@ -602,7 +602,7 @@ def _resolve_all(state: SchedulerState, planned: _Planned) -> list[_Job] | str:
                 if dep in step_of and job.step is not None:
                     edges.setdefault(job.step, set()).add(step_of[dep])
                 ids.append(dep)
-            resolved[kind] = list(dict.fromkeys(ids))
+            resolved[kind] = tuple(dict.fromkeys(ids))
         spec = msgspec.structs.replace(job.spec, depends_on=ev.Dependencies(**resolved))
         out.append(job._replace(spec=spec))
     cycle = _cycle(edges)

@@ -259,6 +259,7 @@ def next_deadline(state: SchedulerState) -> float | None:
 
 
 def jobs_wait(state: SchedulerState) -> bool:
-    """Whether the timer's pass can decide anything: only while jobs wait (a tick's other work,
-    declaring silent nodes lost, is the live timer's, which always ticks)."""
-    return bool(state.queue)
+    """Whether the timer's pass can decide anything: only while jobs wait that may still start (a
+    job whose dependency can never be met waits until cancelled, and a tick changes nothing for it;
+    a tick's other work, declaring silent nodes lost, is the live timer's, which always ticks)."""
+    return len(state.queue) > len(state.stuck)

@@ -122,11 +122,12 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     rejected: int = 0
     # Dependencies: ended jobs and arrays (oldest first), live arrays, and for each job or array the
     # waiting jobs that depend on it; ``doomed``: waiting jobs whose dependency can no longer be met
-    # (and that are cancelled for it), with the reason.
+    # (and that are cancelled for it, or ``stuck`` waiting until cancelled), with the reason.
     outcomes: dict[str, EndedJob] = msgspec.field(default_factory=dict)
     arrays: dict[str, ArrayBook] = msgspec.field(default_factory=dict)
     dependants: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
     doomed: dict[str, str] = msgspec.field(default_factory=dict)
+    stuck: dict[str, str] = msgspec.field(default_factory=dict)  # the same, kept waiting (kill_on_invalid_dep off)
     # Per user of a VC ("vc/user"): GPUs held and jobs placed or running.
     user_gpus: dict[str, int] = msgspec.field(default_factory=dict)
     user_active: dict[str, int] = msgspec.field(default_factory=dict)
@@ -357,6 +358,7 @@ def follow_dependencies(state: SchedulerState, job: JobState, *, created: bool, 
     if not ended:
         return
     state.doomed.pop(job.job, None)
+    state.stuck.pop(job.job, None)
     at = job.finished_at if job.finished_at is not None else state.now
     _ended(state, job.job, job.status, at)
     if book is not None and member is not None:
@@ -388,16 +390,16 @@ def _ended(state: SchedulerState, job_or_array: str, outcome: str, at: float) ->
 def _dependency_moved(state: SchedulerState, dep: str) -> None:
     for waiting in state.dependants.get(dep, ()):
         job = state.jobs.get(waiting)
-        if job is not None and waiting not in state.doomed:
+        if job is not None and waiting not in state.doomed and waiting not in state.stuck:
             _check_dependant(state, waiting, job.spec)
 
 
 def _check_dependant(state: SchedulerState, job_id: str, spec: ev.JobSpec) -> None:
-    if not spec.kill_on_invalid_dep or spec.depends_on is None:
+    if spec.depends_on is None:
         return
     never = dependency_wait(state, spec.depends_on)[1]
     if never is not None:
-        state.doomed[job_id] = never
+        (state.doomed if spec.kill_on_invalid_dep else state.stuck)[job_id] = never
 
 
 def _forget_dependant(state: SchedulerState, job_id: str, deps: ev.Dependencies) -> None:
