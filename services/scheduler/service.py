@@ -40,7 +40,7 @@ from gpuherd.runtime.deadletters import keep_dead_letter
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import SchedulerState, gpu_seconds_by_user
 
 log = get_logger("gpuherd.scheduler")
 
@@ -251,6 +251,7 @@ def setup(runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) ->
     runner.on_refused = intake.refused
     runner.extra_tasks.append(intake.loop)
     runner.metrics.watch_cluster(lambda: runner.state)
+    runner.metrics.watch_usage(lambda: gpu_seconds_by_user(runner.state))
 
 
 def next_deadline(state: SchedulerState) -> float | None:

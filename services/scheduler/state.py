@@ -131,6 +131,7 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     # Per user of a VC ("vc/user"): GPUs held and jobs placed or running.
     user_gpus: dict[str, int] = msgspec.field(default_factory=dict)
     user_active: dict[str, int] = msgspec.field(default_factory=dict)
+    gpu_seconds: dict[str, float] = msgspec.field(default_factory=dict)  # "vc/user" -> GPU-seconds charged
     # Running jobs with a time limit, by when they reach it (sorted), and each one's.
     deadlines: list[tuple[float, str]] = msgspec.field(default_factory=list)
     deadline_of: dict[str, float] = msgspec.field(default_factory=dict)
@@ -194,6 +195,18 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
 
     def preemptions_within(self, job: str, seconds: float) -> int:
         return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)
+
+
+def gpu_seconds_by_user(state: SchedulerState) -> dict[tuple[str, str], float]:
+    """GPU-seconds used per (VC, user): what was charged, and the running jobs' use up to the newest event."""
+    out = {tuple(key.split("/", 1)): used for key, used in state.gpu_seconds.items()}
+    for job_id in state.active:
+        job = state.jobs[job_id]
+        running = job.running_gpu_s(state.now)
+        if running:
+            key = (job.spec.vc, job.spec.user)
+            out[key] = out.get(key, 0.0) + running  # type: ignore[index]
+    return out  # type: ignore[return-value]
 
 
 def new_state() -> SchedulerState:
@@ -456,7 +469,9 @@ def dependency_wait(state: SchedulerState, deps: ev.Dependencies) -> tuple[str |
 
 
 def _charge(state: SchedulerState, job: JobState, at: float, used: float) -> None:
-    """Add GPU-seconds a job ran to its user's and its VC's decayed usage."""
+    """Add GPU-seconds a job ran to its user's and its VC's decayed usage (and to their plain sum)."""
+    key = user_key(job.spec.vc, job.spec.user)
+    state.gpu_seconds[key] = state.gpu_seconds.get(key, 0.0) + used
     half_life = state.scheduling.half_life_s
     for key in (f"user:{job.spec.user}", f"vc:{job.spec.vc}"):
         usage = state.usage.setdefault(key, Usage(at=at))
