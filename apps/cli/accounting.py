@@ -157,7 +157,7 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--by", default="vc", help="vc, user, or vc,user (default vc)")
     u.add_argument("--since", help="from this time (2024-05-01, 2024-05-01T12:00 UTC, or 7d ago)")
     u.add_argument("--until", help="until this time (same forms)")
-    u.add_argument("--per", choices=("day", "week"), help="one row per day or ISO week (UTC)")
+    u.add_argument("--per", choices=("hour", "day", "week"), help="one row per hour, day or ISO week (UTC)")
     u.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     fmt = u.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true")

@@ -29,7 +29,7 @@ import msgspec
 from gpuherd import events as ev
 
 GroupBy = Literal["vc", "user"]
-Per = Literal["day", "week"]
+Per = Literal["hour", "day", "week"]
 _DAY = 86400.0
 _WEEK_ORIGIN = 4 * _DAY  # 1970-01-05 was a Monday: ISO weeks start there
 
@@ -199,7 +199,7 @@ _LABELS: dict[tuple[str, int], str] = {}
 
 
 def period_of(at: float, per: Per | None) -> tuple[str, float]:
-    """The label and start of the period (UTC day, or ISO week from Monday) that holds ``at``."""
+    """The label and start of the period (UTC hour or day, or ISO week from Monday) that holds ``at``."""
     if per is None:
         return "", -math.inf
     length = _period_length(per)
@@ -211,6 +211,8 @@ def period_of(at: float, per: Per | None) -> tuple[str, float]:
         when = dt.datetime.fromtimestamp(start, dt.UTC)
         if per == "day":
             label = when.strftime("%Y-%m-%d")
+        elif per == "hour":
+            label = when.strftime("%Y-%m-%d %H:00")
         else:
             year, week, _ = when.isocalendar()
             label = f"{year}-W{week:02d}"
@@ -219,7 +221,7 @@ def period_of(at: float, per: Per | None) -> tuple[str, float]:
 
 
 def _period_length(per: Per) -> float:
-    return _DAY if per == "day" else 7 * _DAY
+    return {"hour": 3600.0, "day": _DAY, "week": 7 * _DAY}[per]
 
 
 class Accounting:
@@ -238,8 +240,8 @@ class Accounting:
         for key in by:
             if key not in ("vc", "user"):
                 raise ValueError(f"usage is grouped by vc, user or both; not {key!r}")
-        if per not in (None, "day", "week"):
-            raise ValueError(f"usage is given per day or per week; not {per!r}")
+        if per not in (None, "hour", "day", "week"):
+            raise ValueError(f"usage is given per hour, day or week; not {per!r}")
         self.by = tuple(dict.fromkeys(by))
         self.per = per
         self.since = -math.inf if since is None else since
@@ -249,6 +251,7 @@ class Accounting:
         self.figures: dict[tuple[tuple[str, ...], str], Figures] = {}
         self.finished: list[FinishedJob] | None = [] if history else None
         self._period: tuple[float, float, str] = (-math.inf, math.inf, "") if per is None else (0.0, 0.0, "")
+        self._starts: dict[str, float] = {}  # each period's start, by its label
         self._handlers: dict[str, Callable[[_Live, Any], None]] = {
             "JobPlaced": self._placed,
             "JobStarted": self._started,
@@ -412,6 +415,7 @@ class Accounting:
             return ""
         label, start = period_of(at, self.per)
         self._period = (start, start + _period_length(self.per), label)
+        self._starts[label] = start
         return label
 
     def _figures(self, live: _Live, at: float) -> Figures:
@@ -462,6 +466,7 @@ class Accounting:
             row: dict[str, Any] = dict(zip(self.by, group, strict=True))
             if self.per is not None:
                 row["period"] = period
+                row["period_start"] = self._starts[period]
             rows.append(row | f.row())
             total.add(f)
         return {
