@@ -324,3 +324,17 @@ def test_records_of_a_simulation_replay_to_the_same_state() -> None:
         state = again.evolve(state, record.seq, record.event)
     assert msgspec.msgpack.encode(state) == msgspec.msgpack.encode(sim.state_of("scheduler"))
     assert isinstance(sim.records[0], Record)
+
+
+@pytest.mark.parametrize(("limit", "grows"), [(2, False), (4, True)])
+def test_an_elastic_job_grows_only_within_its_users_gpu_limit(limit: int, grows: bool) -> None:
+    from services.scheduler.resize import on_proposal
+
+    state = cluster(ev.VcConfigured(id="vc", vc="lab", max_gpus_per_user=limit), nodes=1, gpus=8)
+    spec = job("elastic", gpus=2, vc="lab", duration=100, elastic={"min": 1, "max": 4}, intake_id="e")
+    for e in judge(state, submission(spec)).events():
+        _scheduler.evolve(state, state.seq + 1, e)
+    (placed,) = plan_and_fold(state)
+    _scheduler.evolve(state, state.seq + 1, ev.JobStarted(id="s", at=2.0, job=placed.job, attempt=0, node="n0"))
+    proposal = ev.RescaleProposed(id="p", job=placed.job, attempt=0, generation=0, gpus=4, reason="idle GPUs")
+    assert bool(on_proposal(state, proposal)) is grows
