@@ -20,6 +20,7 @@ those and only what it reads of them (``fold_stored``): a long log folds fast.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -185,14 +186,10 @@ class _At(msgspec.Struct, gc=False):
 
 
 _JOB_EVENT = msgspec.json.Decoder(_JobEvent)
-_LITE: dict[bytes, tuple[str, msgspec.json.Decoder[Any]]] = {
-    b"JobSubmitted": ("JobSubmitted", msgspec.json.Decoder(_Submitted)),
-    **{name.encode(): (name, _JOB_EVENT) for name in (
-        "JobPlaced", "JobStarted", "JobResized", "RescaleCompleted", "JobRequeued", "JobFinished"
-    )},
-}  # fmt: skip
+_SUBMITTED = msgspec.json.Decoder(_Submitted)
 _AT = msgspec.json.Decoder(_At)
 _TYPE_PREFIX = b'{"type":"'
+_TYPE_AT = len(_TYPE_PREFIX)
 
 
 _LABELS: dict[tuple[str, int], str] = {}
@@ -260,6 +257,15 @@ class Accounting:
             "JobRequeued": self._requeued,
             "JobFinished": self._finished,
         }
+        # The stored events it reads (by the type at the start of their JSON): their decoder, their handler.
+        self._stored: dict[bytes, tuple[msgspec.json.Decoder[Any], Callable[[Any], None]]] = {
+            b"JobSubmitted": (_SUBMITTED, self._submitted),
+            **{
+                kind.encode(): (_JOB_EVENT, functools.partial(self._job_event, handler))
+                for kind, handler in self._handlers.items()
+            },
+        }
+        self._tail: bytes | None = None  # the last stored event read, if it was not decoded
 
     # -- folding ---------------------------------------------------------------------------------
 
@@ -269,21 +275,24 @@ class Accounting:
 
     def fold_stored(self, seq: int, data: bytes) -> None:
         """Fold one event as the log stores it (its JSON), decoding only what accounting reads: the
-        fast path for a long log (``gpuherd usage --log``). Anything else is decoded in full."""
+        fast path for a long log (``gpuherd usage --log``). Events that change no figure are not
+        decoded (the time of the last of them is read when asked: it is the log's end); an event of
+        an older shape is decoded in full (the upcasters)."""
         if data.startswith(_TYPE_PREFIX):
-            end = data.find(b'"', len(_TYPE_PREFIX))
-            name = data[len(_TYPE_PREFIX) : end]
-            lite = _LITE.get(name)
-            try:
-                if lite is not None:
-                    self._fold(lite[0], lite[1].decode(data))
-                else:
-                    at = _AT.decode(data).at
-                    if at > self.now:
-                        self.now = at
+            end = data.find(b'"', _TYPE_AT)
+            entry = self._stored.get(data[_TYPE_AT:end])
+            if entry is None:
+                self._tail = data
                 return
+            try:
+                event = entry[0].decode(data)
             except msgspec.ValidationError:
                 pass  # (an older shape: the full decoder upcasts it)
+            else:
+                self._tail = None
+                entry[1](event)
+                return
+        self._tail = None
         self.fold(seq, ev.decode(data))
 
     def fold_all(self, records: Iterable[Any]) -> Accounting:
@@ -292,21 +301,28 @@ class Accounting:
         return self
 
     def _fold(self, kind: str, event: Any) -> None:
-        at = event.at
-        if at > self.now:
-            self.now = at
         if kind == "JobSubmitted":
-            if event.job not in self.live and event.spec.gpus >= 1:
-                self._submitted(event)
+            self._submitted(event)
             return
         handler = self._handlers.get(kind)
         if handler is None:
+            if event.at > self.now:
+                self.now = event.at
             return
+        self._job_event(handler, event)
+
+    def _job_event(self, handler: Callable[[_Live, Any], None], event: Any) -> None:
+        if event.at > self.now:
+            self.now = event.at
         live = self.live.get(event.job)
         if live is not None and event.attempt == live.attempt:
             handler(live, event)
 
     def _submitted(self, event: Any) -> None:
+        if event.at > self.now:
+            self.now = event.at
+        if event.job in self.live or event.spec.gpus < 1:
+            return  # (a second submission of an id changes nothing; nor does a spec intake would refuse)
         spec = event.spec
         group = tuple(spec.vc if key == "vc" else spec.user for key in self.by)
         self.live[event.job] = _Live(spec, event.at, group)
@@ -451,6 +467,9 @@ class Accounting:
         """The figures per group and period (jobs still running: their use up to the log's end), and
         their total."""
         figures = {key: msgspec.structs.replace(f, ended=dict(f.ended)) for key, f in self.figures.items()}
+        if self._tail is not None:  # the log ends with events not decoded: its end is the last one's time
+            self.now = max(self.now, _AT.decode(self._tail).at)
+            self._tail = None
         now = self.now
         for live in self.live.values():
             if live.status != _RUNNING or live.started_at is None:
