@@ -160,13 +160,33 @@ def test_workflow_array_time_limit_dependencies_and_usage_on_cpu_agents(cpu_clus
         f"afterok:{parent['job_id']}",
     )
 
-    everything = [*steps.values(), *array["job_ids"], parent["job_id"], child["job_id"]]
+    # A workflow and an array cancelled as a whole: every job of them not ended yet.
+    held = submit(
+        data,
+        tmp_path,
+        {
+            "workflow": "held",
+            "user": "eve",
+            "gpus": 1,
+            "steps": [
+                {"name": "first", "command": sleep(600)},
+                {"name": "second", "command": sleep(0), "depends_on": {"afterany": ["first"]}},
+            ],
+        },
+    )
+    idle = submit(data, tmp_path, {"name": "idle", "user": "eve", "gpus": 1, "command": sleep(600)}, "--array", "3")
+    assert "cancel requested for 2 of the 2 jobs of held" in cli(data, "cancel", "held").stdout
+    assert "cancel requested for 3 of the 3 jobs" in cli(data, "cancel", idle["array"]).stdout
+    cancelled_groups = [*held["job_ids"], *idle["job_ids"]]
+
+    everything = [*steps.values(), *array["job_ids"], parent["job_id"], child["job_id"], *cancelled_groups]
     wait_for(lambda: all(statuses(data).get(j) in ("completed", "failed", "cancelled") for j in everything), 240)
     wait_for(lambda: statuses(data)[limited_id] == "timeout", 60)
     now = statuses(data)
     assert [now[j] for j in steps.values()] == ["completed"] * 3
     assert all(now[j] == "completed" for j in array["job_ids"]) and len(array["job_ids"]) == 8
     assert now[parent["job_id"]] == "failed" and now[child["job_id"]] == "cancelled"
+    assert all(now[j] == "cancelled" for j in cancelled_groups)
 
     log = events(data)
     runs = run_records(log)
@@ -193,7 +213,7 @@ def test_workflow_array_time_limit_dependencies_and_usage_on_cpu_agents(cpu_clus
     expected = sum(a["gpus"] * (a["ended"] - a["started"]) for a in runs.values() if "started" in a)
     usage = json.loads(cli(data, "usage", "--json", "--by", "vc,user").stdout)
     assert usage["total"]["gpu_seconds"] == pytest.approx(expected, rel=1e-9, abs=1e-6)
-    assert usage["total"]["jobs"] == {"completed": 11, "failed": 1, "cancelled": 1, "timeout": 1}
+    assert usage["total"]["jobs"] == {"completed": 11, "failed": 1, "cancelled": 6, "timeout": 1}
     by_user = {row["user"]: row for row in usage["rows"]}
     assert by_user["ben"]["gpu_seconds"] == pytest.approx(sum(e["ended"] - e["started"] for e in elements))
     history = json.loads(cli(data, "history", "--json", "--state", "timeout").stdout)
