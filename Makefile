@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-## run: embedded NATS + scheduler + 4 sim and 2 cpu agents; real DDP training next to a 300-job Philly slice; summary, audit
+## run: embedded NATS + scheduler + 4 sim and 2 cpu agents; real DDP training next to a 300-job Philly slice; summary,
+## audit; then the cluster and its dashboard keep serving (with commands to try) until Ctrl-C
 run: install
 	$(VENV)/bin/gpuherd --data-dir .gpuherd/demo up --fresh --agents 4 --gpus-per-node 8 --cpu-agents 2 --cpu-gpus 4 --demo philly
 

@@ -10,11 +10,11 @@ import argparse
 import os
 import sys
 
-from apps.cli import analytics, config, history, jobs, nodes, ops, profile, run
+from apps.cli import accounting, analytics, config, history, jobs, nodes, ops, profile, run
 from apps.cli.common import DEFAULT_DATA_DIR, console
 from gpuherd.errors import GpuherdError
 
-GROUPS = (run, jobs, nodes, config, history, analytics, profile, ops)
+GROUPS = (run, jobs, nodes, config, history, accounting, analytics, profile, ops)
 
 
 def build_parser() -> argparse.ArgumentParser:

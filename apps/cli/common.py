@@ -117,3 +117,45 @@ def name_values(items: list[str] | None) -> dict[str, float]:
         except ValueError:
             raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
     return params
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``30m``, ``2h``, ``1d``, ``1w`` or ``[D-]HH:MM:SS`` (Slurm's)."""
+    value = text.strip().lower()
+    try:
+        if ":" in value:
+            days, _, clock = value.rpartition("-")
+            parts = [float(p) for p in clock.split(":")]
+            if len(parts) > 3:
+                raise ValueError
+            seconds = sum(p * 60.0**i for i, p in enumerate(reversed(parts)))
+            return seconds + (float(days) * 86400.0 if days else 0.0)
+        if value and value[-1] in _UNITS:
+            return float(value[:-1]) * _UNITS[value[-1]]
+        return float(value)
+    except ValueError:
+        raise GpuherdError(f"not a duration: {text!r} (e.g. 3600, 90m, 2h, 1d, 1-12:00:00)") from None
+
+
+def parse_when(text: str, *, now: float | None = None) -> float:
+    """Unix seconds from a date or time (``2024-05-01``, ``2024-05-01T12:00``; UTC unless it says),
+    Unix seconds, or a time ago (``7d``, ``12h``)."""
+    import datetime as dt
+
+    value = text.strip()
+    if value and value[-1].lower() in _UNITS and value[:-1].replace(".", "", 1).isdigit():
+        return (time.time() if now is None else now) - parse_duration(value)
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise GpuherdError(f"not a date: {text!r} (e.g. 2024-05-01, 2024-05-01T12:00, 7d for 7 days ago)") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.timestamp()

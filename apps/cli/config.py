@@ -12,24 +12,46 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import client_call, console, name_values, print_json, read_records
+from apps.cli.common import client_call, console, name_values, parse_duration, print_json, read_records
 from apps.registry import make_decider, replay_state
 from gpuherd.errors import GpuherdError
 from services.elastic.policy import params_from as elastic_params
 from services.scheduler.policy import POLICIES, check_policy
 
 
+def _option(value: str | None, convert: Any, current: Any) -> Any:
+    """A ``vc set`` option: not given keeps the VC's current value, ``none`` clears it."""
+    if value is None:
+        return current
+    if value.strip().lower() == "none":
+        return None
+    try:
+        return convert(value)
+    except ValueError:
+        raise GpuherdError(f"not a number: {value!r} (or 'none')") from None
+
+
 def cmd_vc(args: argparse.Namespace) -> int:
     if args.vc_command == "set":
-        quota = None if args.quota in (None, "none") else int(args.quota)
-        client_call(
-            args,
-            lambda c: c.configure_vc(args.name, gpu_quota=quota, can_borrow=not args.no_borrow, weight=args.weight),
-        )
-        console.print(
-            f"VC {args.name}: quota {quota if quota is not None else 'none'}, "
-            f"{'may not' if args.no_borrow else 'may'} borrow, weight {args.weight}"
-        )
+        # Options not given keep what the VC has (a VcConfigured is its whole configuration).
+        current = replay_state(make_decider("scheduler"), read_records(args)).vcs.get(args.name)
+        config = {
+            "gpu_quota": _option(args.quota, int, current.gpu_quota if current else None),
+            "can_borrow": args.borrow if args.borrow is not None else (current.can_borrow if current else True),
+            "weight": args.weight if args.weight is not None else (current.weight if current else 1.0),
+            "default_time_limit_s": _option(
+                args.default_time_limit, parse_duration, current.default_time_limit_s if current else None
+            ),
+            "max_time_limit_s": _option(
+                args.max_time_limit, parse_duration, current.max_time_limit_s if current else None
+            ),
+            "max_gpus_per_user": _option(args.max_gpus_per_user, int, current.max_gpus_per_user if current else None),
+            "max_running_per_user": _option(
+                args.max_running_per_user, int, current.max_running_per_user if current else None
+            ),
+        }
+        client_call(args, lambda c: c.configure_vc(args.name, **config))
+        console.print(f"VC {args.name}: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in config.items()))
         return 0
     state = replay_state(make_decider("scheduler"), read_records(args))
     used = state.vc_used
@@ -37,7 +59,8 @@ def cmd_vc(args: argparse.Namespace) -> int:
         print_json([msgspec.to_builtins(v) | {"used": used.get(v.vc, 0)} for v in state.vcs.values()])
         return 0
     table = Table(title=f"virtual clusters ({len(state.vcs)})")
-    for col in ("vc", "quota", "in use", "borrowing", "may borrow", "weight", "waiting", "past use (GPU-h)"):
+    columns = ("vc", "quota", "in use", "borrowing", "may borrow", "weight", "waiting", "past use (GPU-h)")
+    for col in (*columns, "time limit (default/max s)", "per user (GPUs/running)"):
         table.add_column(col)
     for vc in sorted(state.vcs.values(), key=lambda v: v.vc):
         borrowing = sum(j.borrowed for j in state.active_jobs() if j.spec.vc == vc.vc)
@@ -50,9 +73,15 @@ def cmd_vc(args: argparse.Namespace) -> int:
             f"{vc.weight:g}",
             str(len(state.queued_by_vc.get(vc.vc, ()))),
             f"{state.past_usage(f'vc:{vc.vc}') / 3600:.1f}",
+            f"{_or_dash(vc.default_time_limit_s)}/{_or_dash(vc.max_time_limit_s)}",
+            f"{_or_dash(vc.max_gpus_per_user)}/{_or_dash(vc.max_running_per_user)}",
         )
     console.print(table)
     return 0
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
@@ -105,11 +134,17 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     vc = sub.add_parser("vc", help="virtual clusters: quotas, borrowing, weights")
     vc_sub = vc.add_subparsers(dest="vc_command", required=True)
-    vc_set = vc_sub.add_parser("set", help="create or change a VC")
+    vc_set = vc_sub.add_parser("set", help="create or change a VC (options not given keep their value)")
     vc_set.add_argument("name")
     vc_set.add_argument("--quota", default=None, help="GPUs of its own (a number, or 'none')")
-    vc_set.add_argument("--no-borrow", action="store_true", help="never run beyond the quota")
-    vc_set.add_argument("--weight", type=float, default=1.0, help="its share under fair share")
+    vc_set.add_argument(
+        "--borrow", action=argparse.BooleanOptionalAction, default=None, help="run beyond the quota on idle GPUs"
+    )
+    vc_set.add_argument("--weight", type=float, default=None, help="its share under fair share (default 1)")
+    vc_set.add_argument("--default-time-limit", help="a job's time limit when it gives none (e.g. 2h; 'none')")
+    vc_set.add_argument("--max-time-limit", help="the longest time limit a job may ask for (e.g. 1d; 'none')")
+    vc_set.add_argument("--max-gpus-per-user", help="GPUs one user's jobs may hold at once ('none')")
+    vc_set.add_argument("--max-running-per-user", help="jobs of one user placed or running at once ('none')")
     vc_list = vc_sub.add_parser("list", help="VCs, their quota and use")
     vc_list.add_argument("--json", action="store_true")
     vc.set_defaults(func=cmd_vc)

@@ -1,4 +1,4 @@
-"""Jobs: ``submit``, ``jobs``, ``why``, ``cancel``, ``logs``."""
+"""Jobs: ``submit``, ``jobs``, ``why``, ``cancel``, ``logs`` (also of arrays and workflows)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,20 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import client_call, console, fmt_time, open_cli_log, print_json, read_cluster
+from apps.cli.common import (
+    client_call,
+    console,
+    fmt_time,
+    open_cli_log,
+    parse_duration,
+    print_json,
+    read_cluster,
+)
 from apps.registry import make_decider, replay_state
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
+from gpuherd.fold import TERMINAL, ClusterState, JobState
 from gpuherd.log import Record
 from gpuherd.output import fetch_output
 from services.scheduler.forecast import forecast_starts
@@ -42,19 +51,99 @@ def _starts_in(at: float | None, now: float) -> str:
     return f"{fmt_time(at)} (in {max(0.0, at - now):,.0f}s)"
 
 
+def parse_depends(text: str) -> dict[str, list[str]]:
+    """``--depends afterok:ID[:ID...][,afterany:ID...]`` (Slurm's ``--dependency``) as a spec's ``depends_on``."""
+    out: dict[str, list[str]] = {}
+    for part in text.split(","):
+        kind, _, ids = part.strip().partition(":")
+        if kind not in ev.DEPENDENCY_KINDS or not ids:
+            raise GpuherdError(
+                f"--depends takes KIND:ID[:ID...] separated by commas, KIND one of {', '.join(ev.DEPENDENCY_KINDS)}; "
+                f"got {part!r}"
+            )
+        out.setdefault(kind, []).extend(i for i in ids.split(":") if i)
+    return out
+
+
+def spec_with_options(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The file's spec with what the command line adds (dependencies, a time limit, an array)."""
+    given = {
+        "depends_on": parse_depends(args.depends) if args.depends else None,
+        "time_limit_s": parse_duration(args.time_limit) if args.time_limit else None,
+        "kill_on_invalid_dep": False if args.keep_on_invalid_dep else None,
+    }
+    if args.array is not None or args.array_values is not None:
+        array: dict[str, Any] = {}
+        if args.array is not None:
+            array["count"] = args.array
+        if args.array_values is not None:
+            array["values"] = args.array_values.split(",")
+        if args.max_running is not None:
+            array["max_running"] = args.max_running
+        given["array"] = array
+    elif args.max_running is not None:
+        raise GpuherdError("--max-running limits an array: give --array N or --array-values too")
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and ("workflow" in spec or "steps" in spec):
+        raise GpuherdError(f"{', '.join(given)}: for a workflow, give them in its steps")
+    return spec | given
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    spec = load_spec_file(args.file)
-    job_id = client_call(args, lambda c: c.submit(spec, timeout=args.timeout), source=args.source)
+    spec = spec_with_options(load_spec_file(args.file), args)
+    verdict = client_call(args, lambda c: c.submit_verdict(spec, timeout=args.timeout), source=args.source)
     if args.json:
-        print_json({"ok": True, "job_id": job_id})
+        print_json({k: v for k, v in msgspec.to_builtins(verdict).items() if v is not None})
+        return 0
+    if verdict.workflow is not None:
+        steps = ", ".join(f"{name} {' '.join(ids)}" for name, ids in (verdict.steps or {}).items())
+        console.print(f"submitted workflow [bold]{verdict.workflow}[/bold]: {steps}", highlight=False)
+    elif verdict.array is not None:
+        ids = verdict.job_ids or []
+        console.print(f"submitted array [bold]{verdict.array}[/bold]: {len(ids)} jobs {ids[0]} .. {ids[-1]}")
     else:
-        console.print(f"submitted [bold]{job_id}[/bold]")
+        console.print(f"submitted [bold]{verdict.job_id}[/bold]")
     return 0
 
 
+def members(state: ClusterState, group: str) -> list[JobState]:
+    """The jobs of an array or a workflow (by its id, or a workflow by its name), in submission order."""
+    found = [
+        j
+        for j in state.jobs.values()
+        if (j.spec.array_of is not None and j.spec.array_of.array == group)
+        or (j.spec.workflow_of is not None and group in (j.spec.workflow_of.workflow, j.spec.workflow_of.name))
+    ]
+    workflows = {j.spec.workflow_of.workflow for j in found if j.spec.workflow_of is not None}
+    if len(workflows) > 1:
+        live = {j.spec.workflow_of.workflow for j in found if j.spec.workflow_of and j.status not in TERMINAL}
+        if len(live) != 1:
+            raise GpuherdError(
+                f"{len(workflows)} workflows are named {group!r} ({', '.join(sorted(workflows))}): give its id"
+            )
+        found = [j for j in found if j.spec.workflow_of is not None and j.spec.workflow_of.workflow in live]
+    return sorted(found, key=lambda j: j.order)
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
-    client_call(args, lambda c: c.cancel(args.job, args.reason))
-    console.print(f"cancel requested for {args.job}")
+    """A job, or every unfinished job of an array or a workflow."""
+
+    if client_call(args, lambda c: c.job_exists(args.job)):
+        client_call(args, lambda c: c.cancel(args.job, args.reason))
+        console.print(f"cancel requested for {args.job}")
+        return 0
+    state, _ = read_cluster(args)
+    jobs = members(state, args.job)
+    if not jobs:
+        raise GpuherdError(f"no job, array or workflow {args.job!r}: see `gpuherd jobs` for the ids")
+    open_jobs = [j.job for j in jobs if j.status not in TERMINAL]
+    if not open_jobs:
+        console.print(f"nothing to cancel: the {len(jobs)} jobs of {args.job} have all ended")
+        return 0
+    client_call(args, lambda c: c.cancel_jobs(open_jobs, args.reason))
+    console.print(
+        f"cancel requested for {len(open_jobs)} of the {len(jobs)} jobs of {args.job}: {', '.join(open_jobs)}"
+    )
     return 0
 
 
@@ -97,7 +186,13 @@ def cmd_why(args: argparse.Namespace) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     state, records = read_cluster(args)
     _, pending, starts = why_waiting(records, forecast=args.status in (None, "pending"))
-    jobs = sorted(state.jobs.values(), key=lambda j: j.order)
+    if args.workflow or args.array:
+        jobs = members(state, args.workflow or args.array)
+        if not jobs:
+            what = "workflow" if args.workflow else "array"
+            raise GpuherdError(f"no {what} {args.workflow or args.array!r}: see `gpuherd jobs` for the ids")
+    else:
+        jobs = sorted(state.jobs.values(), key=lambda j: j.order)
     if args.status:
         jobs = [j for j in jobs if j.status == args.status]
     if args.json:
@@ -107,7 +202,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 row["estimated_start"] = starts.get(j.job)
         print_json(out)
         return 0
-    table = Table(title=f"jobs ({len(jobs)})")
+    title = f"jobs ({len(jobs)})"
+    if args.workflow and jobs and jobs[0].spec.workflow_of is not None:
+        title = f"workflow {jobs[0].spec.workflow_of.name} ({jobs[0].spec.workflow_of.workflow}): {len(jobs)} jobs"
+    table = Table(title=title)
     columns = ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "starts")
     for col in (*columns, "nodes", "why"):
         table.add_column(col)
@@ -118,6 +216,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         if j.job in pending:
             p = pending[j.job]
             why = f"#{p.position} {p.kind}: {p.detail}"
+        if j.spec.depends_on is not None and j.status == "pending" and j.job not in pending:
+            why = "depends on " + ", ".join(f"{k}:{':'.join(ids)}" for k, ids in j.spec.depends_on.kinds() if ids)
         gpus = str(j.gpus)
         if j.spec.elastic is not None:  # elastic: GPUs now, and its range
             gpus = f"{len(j.workers) if j.allocations else j.gpus} ({j.spec.elastic.min}..{j.spec.elastic.max})"
@@ -178,8 +278,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    s = sub.add_parser("submit", help="submit a job spec (JSON or YAML) through intake")
+    s = sub.add_parser("submit", help="submit a job spec, an array or a workflow (JSON or YAML) through intake")
     s.add_argument("file")
+    s.add_argument("--depends", help="KIND:ID[:ID...][,KIND:ID...], KIND afterok, afterany, afternotok or after")
+    s.add_argument(
+        "--keep-on-invalid-dep",
+        action="store_true",
+        help="keep waiting when a dependency can no longer be met (default: cancelled)",
+    )
+    s.add_argument("--time-limit", help="its run time per attempt, e.g. 3600, 90m, 2h, 1-00:00:00")
+    s.add_argument("--array", type=int, help="an array of N jobs, <name>[i] (GPUHERD_ARRAY_INDEX=i)")
+    s.add_argument("--array-values", help="an array of one job per value, comma separated (GPUHERD_ARRAY_VALUE)")
+    s.add_argument("--max-running", type=int, help="an array's elements placed or running at once")
     s.add_argument("--source", default="cli", help="intake source (herd.intake.<source>)")
     s.add_argument("--timeout", type=float, default=30.0)
     s.add_argument("--json", action="store_true")
@@ -187,12 +297,14 @@ def add_commands(sub: Any) -> None:
 
     j = sub.add_parser("jobs", help="list jobs and why they wait")
     j.add_argument("--status", default=None)
+    j.add_argument("--workflow", default=None, help="only this workflow's jobs (its id, or its name)")
+    j.add_argument("--array", default=None, help="only this array's jobs (its id)")
     j.add_argument("--limit", type=int, default=50)
     j.add_argument("--json", action="store_true")
     j.set_defaults(func=cmd_jobs)
 
-    c = sub.add_parser("cancel", help="cancel a job")
-    c.add_argument("job")
+    c = sub.add_parser("cancel", help="cancel a job, or the unfinished jobs of an array or a workflow")
+    c.add_argument("job", help="a job id, an array id, or a workflow id (or name)")
     c.add_argument("--reason", default="cancelled by user")
     c.set_defaults(func=cmd_cancel)
 

@@ -25,7 +25,10 @@ def add_commands(sub: Any) -> None:
     up.add_argument("--policy", default=None, help="record this policy at start (default: keep the log's; fifo)")
     up.add_argument("--vcs", default=None, help="a YAML/JSON file of virtual clusters to configure at start")
     up.add_argument("--lost-after", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
-    up.add_argument("--demo", choices=["philly"], default=None, help="submit a demo workload, report, and stop")
+    up.add_argument(
+        "--demo", choices=["philly"], default=None, help="submit a demo workload and report, then keep serving"
+    )
+    up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo has reported")
     up.add_argument("--demo-jobs", type=int, default=300)
     up.add_argument("--demo-seconds", type=float, default=45.0, help="wall time the demo's arrivals span")
     up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")

@@ -60,6 +60,44 @@ def _free_or_any(port: int) -> int | None:
     return port
 
 
+def what_to_try(args: argparse.Namespace, dashboard: str | None) -> str:
+    """After the demo's report: the cluster keeps serving; where to look and what to type."""
+    gpuherd = _command_name()
+    if Path(args.data_dir) != Path(".gpuherd"):
+        gpuherd += f" --data-dir {args.data_dir}"
+    lines = [
+        "",
+        "[bold]The cluster keeps serving until Ctrl-C[/bold] (which stops every process cleanly).",
+        f"dashboard: {dashboard}" if dashboard else "dashboard: not serving (see its log)",
+        "try, in another terminal in this folder:",
+        f"  {gpuherd} jobs                                   # jobs, where they run, why they wait",
+        f"  {gpuherd} why JOB                                # why a job waits, when it should start",
+        f"  {gpuherd} usage --by vc,user                     # GPU-hours, ends, queueing (also --per day --csv)",
+        f"  {gpuherd} history --limit 20                     # finished jobs, like sacct",
+        f"  {gpuherd} submit examples/workflow.yaml          # a 4-step workflow on the cpu agents",
+        f"  {gpuherd} jobs --workflow pipeline               # its steps (and the dashboard's Workflows page)",
+        f"  {gpuherd} submit examples/jobs/sweep-array.yaml  # an array of 8, at most 2 at once",
+        f"  {gpuherd} replay --audit                         # every decision made again",
+    ]
+    return "\n".join(lines)
+
+
+def _command_name() -> str:
+    """How this command was called, as a person would type it again from here."""
+    import sys
+
+    called = Path(sys.argv[0])
+    if called.name == "gpuherd":
+        on_path = shutil.which("gpuherd")
+        if on_path is not None and Path(on_path).resolve() == called.resolve():
+            return "gpuherd"
+        try:
+            return str(called.resolve().relative_to(Path.cwd()))
+        except ValueError:
+            return str(called)
+    return "python -m apps"
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and data_dir.exists():
@@ -117,11 +155,14 @@ def run_cluster(args: argparse.Namespace) -> int:
             from apps.cluster.demo import run_demo
 
             code = asyncio.run(run_demo(url, args, cluster.supervise_once, lambda: stopping))
+            if args.exit_after_demo or stopping:
+                return code
+            console.print(what_to_try(args, cluster.dashboard_url() if layout.ui_port is not None else None))
         else:
             console.print("cluster is up; Ctrl-C stops it. Try: gpuherd nodes, gpuherd submit job.yaml, gpuherd jobs")
-            while not stopping:
-                cluster.supervise_once()
-                time.sleep(0.5)
+        while not stopping:
+            cluster.supervise_once()
+            time.sleep(0.5)
     finally:
         console.print("stopping services ...")
         cluster.stop()

@@ -75,6 +75,9 @@ class Timer:
     # Started again after a pause, it ticks when it would have had it never paused (its ticks keep
     # their times: a timer whose pauses only skip ticks that could change nothing changes no decision).
     on_grid: bool = False
+    # When a time-based decision falls due in its decider's state (a job's time limit): it also ticks
+    # then, as the live timer does, whether or not ``needed``.
+    due: Callable[[Any], float | None] | None = None
 
 
 class Simulation:
@@ -120,6 +123,8 @@ class Simulation:
         self._more_jobs = False
         self._ticking: set[int] = set()  # timers with a tick on the heap
         self._last_tick: dict[int, float] = {}  # on-grid timers: the time of their latest tick, made or skipped
+        self._due_at: dict[int, float] = {}  # timers with a tick for a due decision on the heap: its time
+        self._ticked_at: dict[int, float] = {}  # each timer's latest tick made (one tick per moment)
         self.submitted = 0
         self.decisions = 0
 
@@ -265,12 +270,16 @@ class Simulation:
                         on_submit(1)
                 elif kind == "tick":
                     self._tick(payload)
+                elif kind == "due":
+                    self._due_tick(payload, at)
                 elif self.agents is not None:
                     self._append(self.agents.fire(kind, payload, self.now))
             self._drain()
             for n, timer in enumerate(self.timers):  # a timer that was not needed may be now
                 if n not in self._ticking:
                     self._schedule_tick(n, timer)
+                if timer.due is not None:
+                    self._schedule_due(n, timer)
         if until is None and self._open_jobs():
             raise SimulationError(
                 f"{self._open_jobs()} jobs never finished: nothing left to happen while they wait "
@@ -299,12 +308,41 @@ class Simulation:
                     at += timer.every_s
             self._push(at, "tick", n)
 
+    def _schedule_due(self, n: int, timer: Timer) -> None:
+        """A tick when the timer's decider has a decision due (at once, if that time has come)."""
+        assert timer.due is not None
+        at = timer.due(self._timer_cores[timer.decider].state)
+        if at is None:
+            return
+        at = max(at, self.now)
+        scheduled = self._due_at.get(n)
+        if scheduled is not None and scheduled <= at:
+            return  # one is on its way, no later than this
+        if at == self.now and self._ticked_at.get(n) == self.now:
+            return  # it ticked at this moment: what it decided is folded, nothing more is due now
+        self._due_at[n] = at
+        self._push(at, "due", n)
+
+    def _due_tick(self, n: int, at: float) -> None:
+        if self._due_at.get(n) != at:
+            return  # replaced by an earlier one
+        del self._due_at[n]
+        if self._ticked_at.get(n) != self.now:  # (its periodic tick at this moment does the same)
+            self._append([self._tick_event(self.timers[n])])
+            self._ticked_at[n] = self.now
+
     def _tick(self, n: int) -> None:
         self._ticking.discard(n)
         timer = self.timers[n]
         self._last_tick[n] = self.now
         if not self._needed(timer):
             return  # nothing left for it to do: it stops ticking
+        if self._ticked_at.get(n) != self.now:
+            self._append([self._tick_event(timer)])
+            self._ticked_at[n] = self.now
+        self._schedule_tick(n, timer)
+
+    def _tick_event(self, timer: Timer) -> ev.Event:
         if timer.kind is ev.ClockTicked:
             tick: ev.Event = ev.ClockTicked(
                 id=f"{timer.decider}:tick:{self.now:.3f}",
@@ -315,8 +353,7 @@ class Simulation:
             )
         else:
             tick = timer.kind(id=f"{timer.decider}:tick:{self.now:.3f}", at=self.now, source=timer.decider)
-        self._append([tick])
-        self._schedule_tick(n, timer)
+        return tick
 
     def _next_submission(self, jobs: Iterator[Any]) -> None:
         job = next(jobs, None)

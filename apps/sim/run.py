@@ -66,7 +66,11 @@ def make_deciders(
         deciders.append(part.decider)
         timer = spec.timer
         if timer is not None and part.tick_every_s is not None and timer.active(part.decider):
-            timers.append(Timer(spec.name, timer.tick, part.tick_every_s, needed=timer.needed, on_grid=timer.on_grid))
+            timers.append(
+                Timer(
+                    spec.name, timer.tick, part.tick_every_s, needed=timer.needed, on_grid=timer.on_grid, due=timer.due
+                )
+            )
     return deciders, timers
 
 

@@ -24,6 +24,7 @@ import yaml
 
 from gpuherd import events as ev
 from gpuherd.errors import SubmissionError
+from gpuherd.fold import vc_problem
 from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import current_traceparent, tracer
 
@@ -31,10 +32,17 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class Verdict(msgspec.Struct, frozen=True):
+    """The scheduler's answer to a submission. For an array or a workflow, ``job_id`` is the array's
+    or the workflow's id and ``job_ids`` lists every job it made (``steps``: by step name)."""
+
     ok: bool
     job_id: str | None = None
     duplicate: bool = False
     error: str | None = None
+    job_ids: list[str] | None = None
+    array: str | None = None
+    workflow: str | None = None
+    steps: dict[str, list[str]] | None = None
 
 
 def load_data_file(path: str | Path) -> Any:
@@ -97,14 +105,23 @@ class Client:
             await self.nc.drain()
 
     async def submit(self, spec: Mapping[str, Any], *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> str:
-        """Submit one job; returns its job id or raises SubmissionError with the scheduler's reason."""
+        """Submit one job (or an array, or a workflow); returns its id (the array's, the workflow's)
+        or raises SubmissionError with the scheduler's reason."""
+        verdict = await self.submit_verdict(spec, timeout=timeout, attempt_timeout=attempt_timeout)
+        assert verdict.job_id is not None
+        return verdict.job_id
+
+    async def submit_verdict(
+        self, spec: Mapping[str, Any], *, timeout: float = 30.0, attempt_timeout: float = 3.0
+    ) -> Verdict:
+        """Submit a job spec, an array or a workflow (``{"workflow": name, "steps": [...]}``); the
+        accepted verdict (with every job's id), or SubmissionError with the scheduler's reason."""
         spec = dict(spec)
         spec.setdefault("intake_id", uuid.uuid4().hex)
         verdict = await self.submit_raw(msgspec.json.encode(spec), timeout=timeout, attempt_timeout=attempt_timeout)
         if not verdict.ok:
             raise SubmissionError(verdict.error or "rejected without a reason")
-        assert verdict.job_id is not None
-        return verdict.job_id
+        return verdict
 
     async def submit_raw(self, data: bytes, *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> Verdict:
         """Publish raw bytes as a submission and wait for the verdict (retrying the same bytes).
@@ -149,6 +166,18 @@ class Client:
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
         await log_.append([ev.JobCancelRequested(**self._stamp("cancel"), job=job_id, reason=reason)])
 
+    async def job_exists(self, job_id: str) -> bool:
+        """Whether the log holds a job of this id (an array's or a workflow's id is no job)."""
+        return await (await self._log()).subject_last_seq(f"herd.job.{job_id}") > 0
+
+    async def cancel_jobs(self, job_ids: list[str], reason: str = "") -> None:
+        """Ask for several jobs to be cancelled at once (an array's, a workflow's unfinished jobs):
+        one JobCancelRequested each, appended together (all of them or none)."""
+        log_ = await self._log()
+        events = [ev.JobCancelRequested(**self._stamp("cancel"), job=job, reason=reason) for job in job_ids]
+        for start in range(0, len(events), log_.max_batch):
+            await log_.append(events[start : start + log_.max_batch])
+
     async def request_profile(self, job_id: str, steps: int = 5) -> str:
         """Ask a running job to profile ``steps`` of its training steps; the request's event id
         (its ``ProfileReported`` names it)."""
@@ -162,16 +191,37 @@ class Client:
         return request.id
 
     async def configure_vc(
-        self, vc: str, *, gpu_quota: int | None, can_borrow: bool = True, weight: float = 1.0
+        self,
+        vc: str,
+        *,
+        gpu_quota: int | None,
+        can_borrow: bool = True,
+        weight: float = 1.0,
+        default_time_limit_s: float | None = None,
+        max_time_limit_s: float | None = None,
+        max_gpus_per_user: int | None = None,
+        max_running_per_user: int | None = None,
     ) -> None:
-        """Create or change a virtual cluster (recorded as VcConfigured)."""
+        """Create or change a virtual cluster (recorded as VcConfigured: the whole configuration from
+        now on). The scheduler checks it as it applies it; checking here first answers at once."""
         if not _TOKEN.match(vc):
             raise SubmissionError(f"VC names are 1-64 letters, digits, '_' or '-'; got {vc!r}")
         if gpu_quota is not None and gpu_quota < 0:
             raise SubmissionError(f"a GPU quota cannot be negative, got {gpu_quota}")
-        if weight <= 0:
-            raise SubmissionError(f"a fair-share weight must be positive, got {weight}")
-        event = ev.VcConfigured(**self._stamp("vc"), vc=vc, gpu_quota=gpu_quota, can_borrow=can_borrow, weight=weight)
+        event = ev.VcConfigured(
+            **self._stamp("vc"),
+            vc=vc,
+            gpu_quota=gpu_quota,
+            can_borrow=can_borrow,
+            weight=weight,
+            default_time_limit_s=default_time_limit_s,
+            max_time_limit_s=max_time_limit_s,
+            max_gpus_per_user=max_gpus_per_user,
+            max_running_per_user=max_running_per_user,
+        )
+        problem = vc_problem(event)
+        if problem is not None:
+            raise SubmissionError(problem)
         await (await self._log()).append([event])
 
     async def configure_policy(

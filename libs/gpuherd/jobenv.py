@@ -124,3 +124,12 @@ GPU_ORDER = "GPUHERD_GPU_ORDER"  # the node GPU index of each CUDA ordinal the p
 MEMORY_LEASES_FILE = "memory-leases.json"
 
 RESERVED = RESERVED | {GPU_INDEX, GPU_ORDER}
+
+# -- job arrays -------------------------------------------------------------------------------------
+# Each element of an array (``array: {count: N}`` or ``{values: [...]}``) runs with its index, and its
+# value when the array was given values. Intake writes them into the element's ``env``.
+ARRAY_INDEX = "GPUHERD_ARRAY_INDEX"
+ARRAY_VALUE = "GPUHERD_ARRAY_VALUE"
+ARRAY_ID = "GPUHERD_ARRAY_ID"
+
+RESERVED = RESERVED | {ARRAY_INDEX, ARRAY_VALUE, ARRAY_ID}

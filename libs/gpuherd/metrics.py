@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpuherd.aio import serve_until_signal
@@ -75,6 +75,11 @@ class ServiceMetrics:
         """Expose jobs and GPUs by state from a ``ClusterState`` read at scrape time (never on the hot path)."""
         self.registry.register(_ClusterCollector(get_state))
 
+    def watch_usage(self, get_usage: Callable[[], dict[tuple[str, str], float]]) -> None:
+        """``gpuherd_gpu_seconds_total{vc,user}``: GPU-seconds used, read at scrape time from
+        ``get_usage`` ((VC, user) -> GPU-seconds so far, running jobs included)."""
+        self.registry.register(_UsageCollector(get_usage))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -105,7 +110,7 @@ class _ClusterCollector(Collector):
         counts["pending"] = len(state.queue)
         for job in state.active_jobs():
             counts[job.status] = counts.get(job.status, 0) + 1
-        for name in ("pending", "placed", "running", "completed", "failed", "cancelled"):
+        for name in ("pending", "placed", "running", "completed", "failed", "cancelled", "timeout"):
             jobs.add_metric([name], counts.get(name, 0))
         yield jobs
         gpus = GaugeMetricFamily("gpuherd_gpus", "GPUs by state", labels=["state"])
@@ -130,6 +135,25 @@ class _ClusterCollector(Collector):
             queue_gpus.add_metric([vc], asked[vc])
         yield queue_jobs
         yield queue_gpus
+
+
+class _UsageCollector(Collector):
+    """A counter never goes down: a running job's use is read as of the newest event, and its final
+    charge (made when it ends, from the same clock) only adds to it; any step back is held."""
+
+    def __init__(self, get_usage: Callable[[], dict[tuple[str, str], float]]) -> None:
+        self._get_usage = get_usage
+        self._exported: dict[tuple[str, str], float] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counter = CounterMetricFamily(
+            "gpuherd_gpu_seconds", "GPU-seconds used by jobs, per VC and user", labels=["vc", "user"]
+        )
+        for key, value in sorted(self._get_usage().items()):
+            value = max(value, self._exported.get(key, 0.0))
+            self._exported[key] = value
+            counter.add_metric(list(key), value)
+        yield counter
 
 
 Health = Callable[[], tuple[bool, dict[str, Any]]]

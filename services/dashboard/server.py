@@ -152,6 +152,18 @@ class Routes:
     async def history(self, request: web.Request) -> web.Response:
         return _json(self.view.history_view())
 
+    async def usage(self, request: web.Request) -> web.Response:
+        return _json(self.view.usage_view())
+
+    async def workflows(self, request: web.Request) -> web.Response:
+        return _json(self.view.workflow_list())
+
+    async def workflow(self, request: web.Request) -> web.Response:
+        found = self.view.workflow(request.match_info["workflow"])
+        if found is None:
+            return _error(404, f"no workflow {request.match_info['workflow']!r}: see /api/workflows for the ids")
+        return _json(found)
+
     async def services(self, request: web.Request) -> web.Response:
         return _json(await self.backend.services())
 
@@ -279,6 +291,9 @@ def make_app(backend: Backend) -> web.Application:
         "/api/nodes": r.nodes,
         "/api/vcs": r.vcs,
         "/api/history": r.history,
+        "/api/usage": r.usage,
+        "/api/workflows": r.workflows,
+        "/api/workflows/{workflow}": r.workflow,
         "/api/services": r.services,
         "/api/audit": r.audit_get,
         "/api/reports": r.reports,

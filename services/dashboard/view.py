@@ -20,7 +20,8 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.explain import QueueAnswer, QueueExplainer, SubmissionOrder
-from gpuherd.fold import ClusterState, JobState, apply
+from gpuherd.fold import TERMINAL, ClusterState, JobState, apply
+from gpuherd.fold.accounting import Accounting
 from gpuherd.fold.state import NodeState
 from gpuherd.log import Record
 from gpuherd.metrics import gpu_state
@@ -34,6 +35,7 @@ CAUSES_KEPT = 20_000  # recent event ids -> time, to measure decision latency
 SAMPLES_PER_GPU = 120
 PROGRESS_POINTS = 300
 PROGRESS_JOBS = 500  # jobs whose progress is kept (the most recently reporting)
+USAGE_USERS_PLOTTED = 8  # the heaviest users get a line on the usage page (the table lists them all)
 
 # The events a job's timeline shows, and what each says in a word.
 _TIMELINE: dict[type[ev.Event], str] = {
@@ -50,6 +52,7 @@ _TIMELINE: dict[type[ev.Event], str] = {
     ev.WorkerLost: "worker lost",
     ev.TaskEnded: "task ended",
     ev.JobCancelRequested: "cancel requested",
+    ev.JobTimeLimitReached: "time limit reached",
     ev.JobFinished: "finished",
     ev.MemoryLeaseGranted: "memory lease granted",
     ev.MemoryLeaseRevoked: "memory lease revoked",
@@ -80,6 +83,8 @@ def _detail(event: ev.Event) -> str:
             return f"{event.world_before} -> {event.world} workers"
         case ev.RescaleFailed() | ev.WorkerLost():
             return str(getattr(event, "reason", ""))
+        case ev.JobTimeLimitReached():
+            return f"attempt {event.attempt}: {event.limit_s:g} s of run time"
         case _:
             return ""
 
@@ -121,6 +126,10 @@ class DashboardView:
         self.version = 0  # goes up at every change a page may show
         self.last_audit: dict[str, Any] | None = None
         self._queue_cache: tuple[int, QueueAnswer] | None = None
+        # GPU-hours, ends and queueing per VC and user and hour of log time (the usage page).
+        self.usage = Accounting(by=("vc", "user"), per="hour")
+        # Workflows: id -> (name, its steps in order: step -> its jobs), from their submissions.
+        self.workflows: dict[str, tuple[str, dict[str, list[str]]]] = {}
 
     # -- folding ---------------------------------------------------------------------------------
 
@@ -131,6 +140,13 @@ class DashboardView:
         self._sample_history(event.at)
         apply(state, seq, event)
         self.queue.fold(seq, event)
+        self.usage.fold(seq, event)
+        if isinstance(event, ev.JobSubmitted) and event.spec.workflow_of is not None and event.job in state.jobs:
+            member = event.spec.workflow_of
+            steps = self.workflows.setdefault(member.workflow, (member.name, {}))[1]
+            jobs = steps.setdefault(member.step, [])
+            if event.job not in jobs:
+                jobs.append(event.job)
         self.version += 1
         stamp = event.at if stored_at is None else stored_at
         if event.id:
@@ -392,6 +408,122 @@ class DashboardView:
             "queue": [p["queue"] for p in points],
             "busy": {vc: [p["busy"].get(vc, 0) for p in points] for vc in vcs},
         }
+
+    # -- usage and workflows --------------------------------------------------------------------
+
+    def usage_view(self) -> dict[str, Any]:
+        """GPU-hours per hour of log time by VC and by user (the plots), and each VC's and user's
+        totals: GPU-hours, jobs by how they ended, average queueing (``gpuherd usage``'s figures)."""
+        report = self.usage.report()
+        hours = sorted({row["period_start"] for row in report["rows"]})
+        at = {start: i for i, start in enumerate(hours)}
+        by_vc: dict[str, list[float]] = {}
+        by_user: dict[str, list[float]] = {}
+        totals: dict[tuple[str, str], dict[str, Any]] = {}
+        for row in report["rows"]:
+            i = at[row["period_start"]]
+            by_vc.setdefault(row["vc"], [0.0] * len(hours))[i] += row["gpu_hours"]
+            by_user.setdefault(row["user"], [0.0] * len(hours))[i] += row["gpu_hours"]
+            total = totals.setdefault(
+                (row["vc"], row["user"]), {"gpu_hours": 0.0, "jobs": {}, "started": 0, "queued_s": 0.0}
+            )
+            total["gpu_hours"] += row["gpu_hours"]
+            for outcome, n in row["jobs"].items():
+                total["jobs"][outcome] = total["jobs"].get(outcome, 0) + n
+            total["started"] += row["started"]
+            total["queued_s"] += (row["avg_queue_s"] or 0.0) * row["started"]
+        top_users = sorted(by_user, key=lambda u: -sum(by_user[u]))[:USAGE_USERS_PLOTTED]
+        rows = [
+            {
+                "vc": vc,
+                "user": user,
+                "gpu_hours": t["gpu_hours"],
+                "jobs": t["jobs"],
+                "avg_queue_s": t["queued_s"] / t["started"] if t["started"] else None,
+            }
+            for (vc, user), t in sorted(totals.items(), key=lambda item: -item[1]["gpu_hours"])
+        ]
+        return {
+            "per": "hour",
+            "at": hours,
+            "by_vc": by_vc,
+            "by_user": {user: by_user[user] for user in top_users},
+            "users": len(by_user),
+            "rows": rows,
+            "total": report["total"],
+            "running": report["running"],
+            "log_end": report["log_end"],
+        }
+
+    def workflow_list(self) -> list[dict[str, Any]]:
+        """Every workflow, newest first: its steps and how many of its jobs are in each state."""
+        out = []
+        for workflow, (name, steps) in reversed(self.workflows.items()):
+            jobs = [self.state.jobs[j] for ids in steps.values() for j in ids if j in self.state.jobs]
+            if not jobs:
+                continue
+            states = Counter(j.status for j in jobs)
+            out.append(
+                {
+                    "workflow": workflow,
+                    "name": name,
+                    "user": jobs[0].spec.user,
+                    "submitted": min(j.submitted_at for j in jobs),
+                    "steps": len(steps),
+                    "jobs": len(jobs),
+                    "states": dict(states),
+                    "status": _overall(states),
+                }
+            )
+        return out
+
+    def workflow(self, workflow: str) -> dict[str, Any] | None:
+        """A workflow as a graph: each step with its jobs and their states, and what it depends on
+        (``{kind, step}``: a step of the workflow, or ``{kind, job}`` outside it)."""
+        found = self.workflows.get(workflow)
+        if found is None:
+            return None
+        name, steps = found
+        step_of = {job: step for step, jobs in steps.items() for job in jobs}
+        step_of |= {f"{workflow}-{step}": step for step in steps}  # (an array step's id is its array's)
+        out = []
+        for step, ids in steps.items():
+            jobs = [self.state.jobs[j] for j in ids if j in self.state.jobs]
+            if not jobs:
+                continue
+            depends: list[dict[str, str]] = []
+            deps = jobs[0].spec.depends_on
+            for kind, names in deps.kinds() if deps is not None else ():
+                for dep in names:
+                    depends.append(
+                        {"kind": kind, "step": step_of[dep]} if dep in step_of else {"kind": kind, "job": dep}
+                    )
+            states = Counter(j.status for j in jobs)
+            out.append(
+                {
+                    "step": step,
+                    "status": _overall(states),
+                    "states": dict(states),
+                    "jobs": [{"job": j.job, "status": j.status} for j in jobs],
+                    "depends": depends,
+                    "gpus": jobs[0].spec.gpus,
+                    "time_limit_s": jobs[0].spec.time_limit_s,
+                }
+            )
+        return {"workflow": workflow, "name": name, "steps": out}
+
+
+def _overall(states: Counter[str]) -> str:
+    """One word for a group of jobs: the worst end once all ended, else how far it got."""
+    if all(s in TERMINAL for s in states):
+        for bad in ("failed", "timeout", "cancelled"):
+            if states.get(bad):
+                return bad
+        return "completed"
+    for state in ("running", "placed"):
+        if states.get(state):
+            return state
+    return "pending"
 
 
 _SORTS: dict[str, Any] = {

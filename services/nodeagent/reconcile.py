@@ -233,6 +233,8 @@ def stop_reason(job: JobState) -> str:
         return "cancelled on request"
     if job.preempt_reason is not None:
         return job.preempt_reason
+    if job.time_limit_reached:
+        return f"time limit of {job.spec.time_limit_s:g}s reached"
     for node, part in job.parts_ended.items():
         if part.outcome != "completed":
             return f"the gang is stopping: its part on {node} {part.outcome} ({part.reason or part.exit_code})"

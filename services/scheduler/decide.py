@@ -6,7 +6,12 @@ order, each on a whole gang of GPUs, within VC quotas, with backfill and preempt
 is the log's latest applied ``PolicyConfigured`` (this decider's default before there is one),
 so a replay uses the policy each decision was made with.
 
-- A tick of its own timer -> a pass; one that shows a node silent for too long -> ``NodeLost``.
+- A tick of its own timer -> a pass; one that shows a node silent for too long -> ``NodeLost``;
+  a running attempt past its time limit -> ``JobTimeLimitReached`` (its parts stop, then it is
+  settled as ``timeout``). The live timer ticks when the earliest time limit is reached.
+- A waiting job whose dependency can no longer be met (``afterok`` on a job that failed, ...) is
+  cancelled (``JobFinished``, with the reason) before the pass, unless it said
+  ``kill_on_invalid_dep: false``; the pass holds back jobs whose dependencies are not met yet.
 - A GPU turning unhealthy -> its job is preempted (no grace) and requeued.
 - A lost node's jobs, a failed part, a cancel: the attempt must end on every node. Agents stop
   their parts and report ``TaskEnded``; once every part of the attempt has ended (a lost node's
@@ -65,8 +70,17 @@ def _prediction_matters(state: SchedulerState, policy: Policy, e: ev.JobDuration
     return job is not None and (job.spec.duration_s is None or policy.ranks_by_prediction)
 
 
-def _lost_nodes(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
-    return lost_nodes(state, tick)
+def _on_tick(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
+    return [*lost_nodes(state, tick), *time_limits(state, tick)]
+
+
+def _begins_a_dependency(state: SchedulerState, policy: Policy, e: ev.JobPlaced) -> bool:
+    """A placement makes a pass only when a waiting job depends on the job beginning (``after``)."""
+    if e.attempt != 0:
+        return False
+    job = state.jobs.get(e.job)
+    member = job.spec.array_of if job is not None else None
+    return e.job in state.dependants or (member is not None and member.array in state.dependants)
 
 
 def _settle_on_node(state: SchedulerState, e: ev.NodeLost) -> list[ev.Event]:
@@ -94,7 +108,8 @@ ROUTES: dict[type[ev.Event], Route] = {
     ev.RescaleCompleted: Route(),  # a shrink's GPUs are given back
     ev.JobResized: Route(),
     # its own reactions
-    ev.ClockTicked: Route(_lost_nodes),
+    ev.JobPlaced: Route(passes=_begins_a_dependency),  # `after` dependencies are met once a job begins
+    ev.ClockTicked: Route(_on_tick),
     ev.NodeLost: Route(_settle_on_node),
     ev.GpuHealthChanged: Route(_unhealthy),
     ev.TaskEnded: Route(_settle_task, passes=False),  # settling frees GPUs only once folded: that event passes
@@ -118,7 +133,6 @@ COALESCIBLE: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() 
 # recorded when every event made one.
 NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
     {
-        ev.JobPlaced,
         ev.JobRejected,
         ev.JobStarted,
         ev.JobPreempted,
@@ -133,7 +147,9 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
-    STATE_FORMAT = 9  # 8: active jobs indexed by VC; 9: running jobs by expected end
+    # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
+    # counts, time limits
+    STATE_FORMAT = 10
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(
@@ -144,6 +160,7 @@ class SchedulerDecider(Decider[SchedulerState]):
             ev.JobPreempted,
             ev.JobRequeued,
             ev.JobFinished,
+            ev.JobTimeLimitReached,
             ev.JobResized,
             ev.NodeLost,
             ev.NodeWakeRequested,
@@ -188,6 +205,7 @@ class SchedulerDecider(Decider[SchedulerState]):
             return decisions
         if any(type(d) is ev.NodeLost for d in decisions):
             return decisions  # pass once the loss is folded: this state still shows the node up
+        decisions += doomed(state, decisions)
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         return decisions + self._schedule(state, decided)
 
@@ -267,6 +285,35 @@ def cancel(state: SchedulerState, e: ev.JobCancelRequested) -> list[ev.Event]:
     return settle_all(state, [e.job])
 
 
+def doomed(state: SchedulerState, decided: list[ev.Event]) -> list[ev.Event]:
+    """Waiting jobs whose dependency can no longer be met are cancelled, with the reason."""
+    if not state.doomed:
+        return []
+    ended = {d.job for d in decided if isinstance(d, ev.JobFinished)}
+    out: list[ev.Event] = []
+    for job_id, never in state.doomed.items():
+        job = state.jobs.get(job_id)
+        if job is not None and job.status == "pending" and job_id not in ended:
+            out.append(ev.JobFinished(job=job_id, attempt=job.attempt, outcome="cancelled", reason=never))
+    return out
+
+
+# -- time limits -------------------------------------------------------------------------------------
+
+
+def time_limits(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
+    """Running attempts past their time limit at the tick's time: each is stopped and ends as ``timeout``."""
+    out: list[ev.Event] = []
+    for deadline, job_id in state.deadlines:
+        if deadline > tick.at:
+            break
+        job = state.jobs[job_id]
+        if job.stopping() or job.spec.time_limit_s is None:
+            continue  # already stopping for another reason: that one stands
+        out.append(ev.JobTimeLimitReached(job=job_id, attempt=job.attempt, limit_s=job.spec.time_limit_s))
+    return out
+
+
 # -- ending attempts ---------------------------------------------------------------------
 
 
@@ -299,6 +346,16 @@ def settle(job: JobState) -> ev.JobFinished | ev.JobRequeued:
             outcome="completed",
             node=parts[0][0],
             exit_code=leader.exit_code,
+            metrics=leader.metrics,
+            output_tail=leader.output_tail,
+        )
+    if job.time_limit_reached:  # (its parts were stopped for it; a rank that died of the stop is no failure)
+        return ev.JobFinished(
+            job=job.job,
+            attempt=job.attempt,
+            outcome="timeout",
+            node=parts[0][0],
+            reason=f"time limit of {job.spec.time_limit_s:g}s reached",
             metrics=leader.metrics,
             output_tail=leader.output_tail,
         )

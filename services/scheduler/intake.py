@@ -1,5 +1,12 @@
 """Intake: turn a raw submission into JobSubmitted, or JobRejected with a reason a person can act on.
 
+A submission is one job spec, an array (a spec with ``array``: one job per index or value), or a
+workflow (``{"workflow": name, "steps": [spec, ...]}``: steps that depend on each other by name).
+An array or a workflow is judged as a whole: every job of it is accepted (one ``JobSubmitted``
+each, appended together) or none is, with one answer that lists the ids. Dependencies must name
+jobs the scheduler knows (waiting, running, or ended within ``state.OUTCOMES_KEPT_S``) or steps
+of the same workflow; a job may not depend on itself, and a workflow's steps may not form a cycle.
+
 ``judge`` is pure: it reads the submission and the scheduler's state, nothing else. The scheduler
 decides submissions in the log's order like any other input (``SchedulerDecider.take``), so a
 verdict's ``based_on`` is exactly the state it was judged on, and the audit re-judges it there
@@ -8,17 +15,27 @@ verdict's ``based_on`` is exactly the state it was judged on, and the audit re-j
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import msgspec
 
 from gpuherd import events as ev
 from gpuherd import jobenv
+from gpuherd.fold import VcState
 from services.scheduler.placement import can_run
-from services.scheduler.state import SchedulerState, intake_key
+from services.scheduler.state import OUTCOMES_KEPT_S, SchedulerState, intake_key
 
 MAX_SUBMISSION_BYTES = 64 * 1024
+# The jobs one submission may make (an array's elements, a workflow's steps): one atomic append
+# holds them all (JetStream's limit for an atomic batch), so they are accepted together or not at all.
+MAX_JOBS_PER_SUBMISSION = 1000
+MAX_DEPENDENCIES = 1000  # ids one job may depend on
+_STEP_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Workflow-wide fields a step takes unless it sets its own; these are each step's alone.
+_PER_STEP_ONLY = frozenset({"name", "intake_id", "depends_on", "array", "array_of", "workflow_of"})
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:@/+=-]{1,128}$")
 _SOURCE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _spec_decoder = msgspec.json.Decoder(ev.JobSpec)
@@ -28,17 +45,31 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
 class Verdict(msgspec.Struct, frozen=True):
     event: ev.JobSubmitted | ev.JobRejected
-    job_id: str | None = None
+    job_id: str | None = None  # the job's id; an array's or a workflow's id for those
     duplicate: bool = False  # the same intake id was submitted before: same job, nothing new
+    more: tuple[ev.JobSubmitted, ...] = ()  # the other jobs of an array or a workflow
+    array: str | None = None
+    workflow: str | None = None
+    steps: dict[str, list[str]] | None = None  # a workflow's step names -> their job ids
 
     def events(self) -> list[ev.Event]:
         """What to append: nothing for a duplicate (the log holds its job already)."""
-        return [] if self.duplicate else [self.event]
+        return [] if self.duplicate else [self.event, *self.more]
+
+    def job_ids(self) -> list[str]:
+        return [e.job for e in (self.event, *self.more) if isinstance(e, ev.JobSubmitted)]
 
     def reply(self) -> bytes:
         if isinstance(self.event, ev.JobRejected):
             return msgspec.json.encode({"ok": False, "error": self.event.reason})
-        return msgspec.json.encode({"ok": True, "job_id": self.job_id, "duplicate": self.duplicate})
+        answer: dict[str, object] = {"ok": True, "job_id": self.job_id, "duplicate": self.duplicate}
+        if self.array is not None or self.workflow is not None:
+            answer["job_ids"] = self.job_ids()
+            if self.array is not None:
+                answer["array"] = self.array
+            if self.workflow is not None:
+                answer |= {"workflow": self.workflow, "steps": self.steps}
+        return msgspec.json.encode(answer)
 
 
 def job_id_for(source: str, intake_id: str) -> str:
@@ -83,8 +114,15 @@ def _memory_problem(memory: ev.MemoryNeeds) -> str | None:
 
 
 def _spec_problem(
-    spec: ev.JobSpec, state: SchedulerState, by_kind: NodeSizes | None = None, rules: int = ev.INTAKE_RULES
+    spec: ev.JobSpec,
+    state: SchedulerState,
+    by_kind: NodeSizes | None = None,
+    rules: int = ev.INTAKE_RULES,
+    *,
+    made: bool = False,
 ) -> str | None:
+    """Why ``spec`` cannot be a job (None: it can); ``made``: a spec intake made (an element of an
+    array, a step of a workflow), as the log holds it."""
     if not spec.name.strip():
         return "`name` must not be empty"
     if len(spec.name) > 256 or len(spec.user) > 256:
@@ -99,7 +137,7 @@ def _spec_problem(
         return "`command` must be a non-empty list of non-empty strings"
     if spec.duration_s is not None and not spec.duration_s > 0:
         return f"`duration_s` must be positive, got {spec.duration_s}"
-    if spec.intake_id is not None and not _ID_PATTERN.match(spec.intake_id):
+    if spec.intake_id is not None and not _ID_PATTERN.match(_base_intake_id(spec) if made else spec.intake_id):
         return "`intake_id` must be 1-128 characters of letters, digits and _.:@/+=-"
     if spec.elastic is not None:
         lo, hi = spec.elastic.min, spec.elastic.max
@@ -119,7 +157,8 @@ def _spec_problem(
         if not 1 <= spec.procs_per_node <= 256:
             return f"`procs_per_node` must be between 1 and 256, got {spec.procs_per_node}"
     if spec.env is not None:
-        bad = [k for k in spec.env if not _ENV_NAME.match(k) or k in jobenv.RESERVED]
+        ours = _array_env(spec.array_of) if made and spec.array_of is not None else {}
+        bad = [k for k in spec.env if not _ENV_NAME.match(k) or (k in jobenv.RESERVED and ours.get(k) != spec.env[k])]
         if bad:
             return f"`env` names must be identifiers and not set by gpuherd itself ({', '.join(sorted(bad))})"
     if spec.workdir is not None and not spec.workdir.strip():
@@ -133,6 +172,8 @@ def _spec_problem(
             f"asks for {spec.gpus} GPUs but VC {vc.vc} has a quota of {vc.gpu_quota} and may not borrow, "
             "so it could never start; ask for fewer GPUs or use another VC"
         )
+    if rules >= 3 and (problem := _limits_problem(spec, vc, made=made)):
+        return problem
     if not state.nodes:
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
     # Only nodes whose executor can run this job count: processes for a command, sim for a duration.
@@ -162,6 +203,65 @@ def _spec_problem(
             largest = "the largest node" if every else "the largest node that can run it"
             return f"asks for {per_node} GPUs per node but {largest} has {sizes.largest}"
     return None
+
+
+def _limits_problem(spec: ev.JobSpec, vc: VcState, *, made: bool) -> str | None:
+    """Intake rules 3: what only intake may set, time limits within the VC's maximum, per-user
+    limits a job could ever fit, and the shape of an array."""
+    if not made and (spec.array_of is not None or spec.workflow_of is not None):
+        return "`array_of` and `workflow_of` are set by gpuherd; submit an `array`, or a workflow, instead"
+    if made and spec.array is not None:
+        return "a job made from an array or a workflow is not itself an array"
+    limit = spec.time_limit_s
+    if limit is not None:
+        if not 0 < limit < math.inf:
+            return f"`time_limit_s` must be a positive number of seconds, got {limit}"
+        if vc.max_time_limit_s is not None and limit > vc.max_time_limit_s:
+            return (
+                f"`time_limit_s` ({limit:g}s) is above VC {vc.vc}'s maximum of {vc.max_time_limit_s:g}s; "
+                "ask for at most that"
+            )
+    if vc.max_gpus_per_user is not None and spec.gpus > vc.max_gpus_per_user:
+        return (
+            f"asks for {spec.gpus} GPUs but VC {vc.vc} allows {vc.max_gpus_per_user} per user, "
+            "so it could never start; ask for fewer GPUs or use another VC"
+        )
+    if spec.depends_on is not None and len(spec.depends_on.ids()) > MAX_DEPENDENCIES:
+        return f"depends on {len(spec.depends_on.ids())} jobs; at most {MAX_DEPENDENCIES}"
+    if spec.array is not None:
+        return _array_problem(spec.array)
+    return None
+
+
+def _array_problem(array: ev.ArraySpec) -> str | None:
+    if (array.count is None) == (array.values is None):
+        return "an `array` gives either `count` (elements 0..count-1) or `values` (one element per value)"
+    size = array.count if array.count is not None else len(array.values or ())
+    if not 1 <= size <= MAX_JOBS_PER_SUBMISSION:
+        return f"an array has 1 to {MAX_JOBS_PER_SUBMISSION} elements; this one has {size} (too large)"
+    if array.values is not None and any(len(str(v)) > 1024 for v in array.values):
+        return "an array's `values` are limited to 1024 characters each"
+    if array.max_running is not None and array.max_running < 1:
+        return f"`array.max_running` must be at least 1, got {array.max_running}"
+    return None
+
+
+def _array_env(member: ev.ArrayMember) -> dict[str, str]:
+    """What an array element finds in its environment: its index, its value, its array's id."""
+    env = {jobenv.ARRAY_INDEX: str(member.index), jobenv.ARRAY_ID: member.array}
+    if member.value is not None:
+        env[jobenv.ARRAY_VALUE] = member.value
+    return env
+
+
+def _base_intake_id(spec: ev.JobSpec) -> str:
+    """The intake id a made job's came from (``<id>#<step>[<index>]``: the submission's ``<id>``)."""
+    intake_id = spec.intake_id or ""
+    if spec.workflow_of is not None:
+        intake_id = intake_id.rpartition("#")[0] or intake_id
+    if spec.array_of is not None:
+        intake_id = intake_id.rpartition("[")[0] or intake_id
+    return intake_id
 
 
 def _elastic_problem(spec: ev.JobSpec, elastic: ev.Elastic) -> str | None:
@@ -210,6 +310,9 @@ class Submission(msgspec.Struct, frozen=True, kw_only=True):
 
 class _IntakeId(msgspec.Struct):
     intake_id: str | None = None
+    workflow: Any = None
+    steps: Any = None
+    array: Any = None
 
 
 _intake_id_decoder = msgspec.json.Decoder(_IntakeId)
@@ -217,12 +320,15 @@ _intake_id_decoder = msgspec.json.Decoder(_IntakeId)
 
 def submission_key(sub: Submission) -> str | None:
     """The intake key a submission would take (decided together with others only if distinct);
-    None when it cannot be read (it is decided alone)."""
+    None when it cannot be read, or makes several jobs (it is decided alone: its jobs then fit one
+    atomic append)."""
     try:
-        intake_id = _intake_id_decoder.decode(sub.data).intake_id
+        head = _intake_id_decoder.decode(sub.data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return intake_key(sub.source, intake_id or sub.msg_id or f"seq-{sub.seq}")
+    if head.workflow is not None or head.steps is not None or head.array is not None:
+        return None
+    return intake_key(sub.source, head.intake_id or sub.msg_id or f"seq-{sub.seq}")
 
 
 def rejection(
@@ -249,8 +355,35 @@ def rejection(
 def judge(
     state: SchedulerState, sub: Submission, *, service: str = "scheduler", sizes: NodeSizes | None = None
 ) -> Verdict:
-    """Decide on one submission: JobSubmitted, or JobRejected with a reason a person can act on."""
+    """Decide on one submission: JobSubmitted (one per job it makes), or JobRejected with a reason a
+    person can act on."""
     return _judge(state, sub, service=service, sizes=sizes, rules=ev.INTAKE_RULES)
+
+
+class _Job(NamedTuple):
+    """A job a submission makes: its id and spec (dependencies not yet resolved), and the names and
+    ids it answers to within the submission (a workflow step's name; an array's id)."""
+
+    job: str
+    spec: ev.JobSpec
+    step: str | None = None  # its workflow step
+
+
+class _Planned(NamedTuple):
+    jobs: list[_Job]
+    job_id: str  # what the answer calls the submission: the job, the array or the workflow
+    array: str | None = None
+    workflow: str | None = None
+    steps: dict[str, list[str]] | None = None
+    by_name: dict[str, str] | None = None  # a workflow's step names -> the id a dependency names
+
+
+class _Shape(msgspec.Struct):
+    workflow: Any = None
+    steps: Any = None
+
+
+_shape_decoder = msgspec.json.Decoder(_Shape)
 
 
 def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeSizes | None, rules: int) -> Verdict:
@@ -263,33 +396,251 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         return reject("publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'")
     if len(data) > MAX_SUBMISSION_BYTES:
         return reject(f"submission is {len(data)} bytes; the limit is {MAX_SUBMISSION_BYTES} bytes")
-    try:
-        spec = _spec_decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        return reject(f"invalid job spec: {exc}")
-    except msgspec.DecodeError as exc:
-        return reject(f"submission is not valid JSON: {exc}")
-    problem = _spec_problem(spec, state, sizes, rules)
-    if problem is not None:
-        return reject(problem, spec.intake_id)
-    intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
-    if spec.intake_id is None:
-        spec = msgspec.structs.replace(spec, intake_id=intake_id)
-    job_id = job_id_for(source, intake_id)
-    existing = state.intake_index.get(intake_key(source, intake_id))
-    submitted = ev.JobSubmitted(
-        id=f"{service}:intake:{source}:{intake_id}",
-        at=sub.at,
-        source=service,
-        based_on=state.seq,
-        cause=sub.cause,
-        job=job_id,
-        spec=spec,
-        intake_source=source,
-        intake_seq=sub.seq,
-        intake_rules=rules,
+    workflow = False
+    if rules >= 3:
+        try:
+            shape = _shape_decoder.decode(data)
+            workflow = shape.workflow is not None or shape.steps is not None
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # (the spec's own decoder says what is wrong with it)
+    if workflow:
+        planned = _plan_workflow(state, sub, sizes, rules)
+        intake_id = _intake_id_of(data)
+    else:
+        try:
+            spec = _spec_decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            return reject(f"invalid job spec: {exc}")
+        except msgspec.DecodeError as exc:
+            return reject(f"submission is not valid JSON: {exc}")
+        problem = _spec_problem(spec, state, sizes, rules)
+        if problem is not None:
+            return reject(problem, spec.intake_id)
+        intake_id = spec.intake_id
+        planned = _plan_job(state, sub, spec, rules)
+    if isinstance(planned, str):
+        return reject(planned, intake_id)
+    jobs = planned.jobs
+    if rules >= 3:
+        problem = _resolve_all(state, planned)
+        if isinstance(problem, str):
+            return reject(problem, intake_id)
+        jobs = problem
+    first = jobs[0].spec
+    existing = state.intake_index.get(intake_key(source, first.intake_id or ""))
+    events = [
+        ev.JobSubmitted(
+            id=f"{service}:intake:{source}:{job.spec.intake_id}",
+            at=sub.at,
+            source=service,
+            based_on=state.seq,
+            cause=sub.cause,
+            job=job.job,
+            spec=job.spec,
+            intake_source=source,
+            intake_seq=sub.seq,
+            intake_rules=rules,
+        )
+        for job in jobs
+    ]
+    return Verdict(
+        events[0],
+        job_id=planned.job_id,
+        duplicate=existing is not None,
+        more=tuple(events[1:]),
+        array=planned.array,
+        workflow=planned.workflow,
+        steps=planned.steps,
     )
-    return Verdict(submitted, job_id=job_id, duplicate=existing is not None)
+
+
+def _intake_id_of(data: bytes) -> str | None:
+    try:
+        intake_id = _intake_id_decoder.decode(data).intake_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return intake_id if isinstance(intake_id, str) else None
+
+
+def _plan_job(state: SchedulerState, sub: Submission, spec: ev.JobSpec, rules: int) -> _Planned | str:
+    """One job, or an array of them."""
+    intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
+    job_id = job_id_for(sub.source, intake_id)
+    spec = msgspec.structs.replace(spec, intake_id=intake_id)
+    if rules >= 3:
+        spec = _with_default_limit(state, spec)
+    if spec.array is None:
+        return _Planned([_Job(job_id, spec)], job_id)
+    jobs = _elements(job_id, spec, intake_id)
+    return _Planned(jobs, job_id, array=job_id)
+
+
+def _with_default_limit(state: SchedulerState, spec: ev.JobSpec) -> ev.JobSpec:
+    """A job without a time limit gets its VC's default (so the log says what it runs under)."""
+    vc = state.vcs.get(spec.vc)
+    if spec.time_limit_s is None and vc is not None and vc.default_time_limit_s is not None:
+        return msgspec.structs.replace(spec, time_limit_s=vc.default_time_limit_s)
+    return spec
+
+
+def _elements(array_id: str, spec: ev.JobSpec, intake_id: str) -> list[_Job]:
+    """The jobs of an array: ``<array>_<i>``, named ``<name>[i]``, each with its index (and value)."""
+    array = spec.array
+    assert array is not None
+    values: list[str | None] = (
+        [str(v) for v in array.values] if array.values is not None else [None] * (array.count or 0)
+    )
+    out = []
+    for index, value in enumerate(values):
+        member = ev.ArrayMember(
+            array=array_id, index=index, size=len(values), value=value, max_running=array.max_running
+        )
+        element = msgspec.structs.replace(
+            spec,
+            name=f"{spec.name}[{index}]",
+            intake_id=f"{intake_id}[{index}]",
+            array=None,
+            array_of=member,
+            env={**(spec.env or {}), **_array_env(member)},
+        )
+        out.append(_Job(f"{array_id}_{index}", element))
+    return out
+
+
+def workflow_id_for(source: str, intake_id: str) -> str:
+    return "w" + ev.stable_id(source, intake_id, length=11)
+
+
+def _plan_workflow(state: SchedulerState, sub: Submission, sizes: NodeSizes | None, rules: int) -> _Planned | str:
+    """A workflow's steps, each a job (or an array), checked one by one: the first problem refuses all."""
+    try:
+        raw = msgspec.json.decode(sub.data)
+    except msgspec.DecodeError as exc:
+        return f"submission is not valid JSON: {exc}"
+    if not isinstance(raw, dict):
+        return 'a workflow is a mapping: {"workflow": name, "steps": [job spec, ...]}'
+    name, steps, intake_id = raw.get("workflow"), raw.get("steps"), raw.get("intake_id")
+    if not isinstance(name, str) or not name.strip() or len(name) > 256:
+        return "a workflow needs `workflow`: its name (1-256 characters)"
+    if not isinstance(steps, list) or not steps:
+        return "a workflow needs `steps`: a non-empty list of job specs, each with its step `name`"
+    if len(steps) > MAX_JOBS_PER_SUBMISSION:
+        return f"a workflow has at most {MAX_JOBS_PER_SUBMISSION} steps; this one has {len(steps)}"
+    if intake_id is not None and (not isinstance(intake_id, str) or not _ID_PATTERN.match(intake_id)):
+        return "`intake_id` must be 1-128 characters of letters, digits and _.:@/+=-"
+    shared = {k: v for k, v in raw.items() if k not in ("workflow", "steps", "intake_id")}
+    if per_step := sorted(_PER_STEP_ONLY & shared.keys()):
+        return f"`{per_step[0]}` is given per step, not for the whole workflow"
+    intake_id = intake_id or sub.msg_id or f"seq-{sub.seq}"
+    workflow = workflow_id_for(sub.source, intake_id)
+    jobs: list[_Job] = []
+    ids: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for n, step in enumerate(steps):
+        if not isinstance(step, dict):
+            return f"step {n + 1} is not a job spec (a mapping)"
+        step_name = step.get("name")
+        if not isinstance(step_name, str) or not _STEP_PATTERN.match(step_name):
+            return f"step {n + 1}: a step's `name` is 1-64 letters, digits, '_' or '-' (it names the step)"
+        if step_name in by_name:
+            return f"two steps are named {step_name!r}; each step's name is its own"
+        if "intake_id" in step:
+            return f"step {step_name}: a step has no `intake_id` of its own (the workflow's names it)"
+        try:
+            spec = msgspec.convert({**shared, **step}, ev.JobSpec)
+        except msgspec.ValidationError as exc:
+            return f"step {step_name}: invalid job spec: {exc}"
+        problem = _spec_problem(spec, state, sizes, rules)
+        if problem is not None:
+            return f"step {step_name}: {problem}"
+        step_id = f"{workflow}-{step_name}"
+        member = ev.WorkflowMember(workflow=workflow, name=name, step=step_name)
+        spec = msgspec.structs.replace(spec, intake_id=f"{intake_id}#{step_name}", workflow_of=member)
+        spec = _with_default_limit(state, spec)
+        made = (
+            [_Job(step_id, spec, step_name)]
+            if spec.array is None
+            else [j._replace(step=step_name) for j in _elements(step_id, spec, spec.intake_id or "")]
+        )
+        if len(jobs) + len(made) > MAX_JOBS_PER_SUBMISSION:
+            return f"a workflow makes at most {MAX_JOBS_PER_SUBMISSION} jobs (arrays count each element)"
+        jobs += made
+        ids[step_name] = [j.job for j in made]
+        by_name[step_name] = step_id
+    return _Planned(jobs, workflow, workflow=workflow, steps=ids, by_name=by_name)
+
+
+def _resolve_all(state: SchedulerState, planned: _Planned) -> list[_Job] | str:
+    """Every job's dependencies as ids the scheduler knows (a workflow's step names resolved), or
+    why they cannot be: an unknown id, a job depending on itself, a cycle of steps."""
+    by_name = planned.by_name or {}
+    made = {job.job for job in planned.jobs}
+    step_of = {job.job: job.step for job in planned.jobs if job.step is not None}
+    step_of |= {step_id: name for name, step_id in by_name.items()}  # (an array step's id is its array's)
+    out = []
+    edges: dict[str, set[str]] = {}
+    for job in planned.jobs:
+        deps = job.spec.depends_on
+        if deps is None:
+            out.append(job)
+            continue
+        own = {job.job, *(a.array for a in (job.spec.array_of,) if a is not None)}
+        resolved: dict[str, tuple[str, ...]] = {}
+        for kind, names in deps.kinds():
+            ids = []
+            for name in names:
+                dep = by_name.get(name, name)
+                if dep in own:
+                    where = f"step {job.step}" if job.step else "a job"
+                    return f"{where} cannot depend on itself ({kind}:{name})"
+                if dep not in made and dep not in by_name.values() and not _known(state, dep):
+                    return (
+                        f"depends ({kind}) on {name!r}, which is no job, array or workflow step the scheduler "
+                        f"knows (an id from `gpuherd jobs`, a step of the same workflow, or a job that ended "
+                        f"within the last {OUTCOMES_KEPT_S / 86400:.0f} days)"
+                    )
+                if dep in step_of and job.step is not None:
+                    edges.setdefault(job.step, set()).add(step_of[dep])
+                ids.append(dep)
+            resolved[kind] = tuple(dict.fromkeys(ids))
+        spec = msgspec.structs.replace(job.spec, depends_on=ev.Dependencies(**resolved))
+        out.append(job._replace(spec=spec))
+    cycle = _cycle(edges)
+    if cycle:
+        return f"the steps' dependencies form a cycle ({' -> '.join(cycle)}), so none of them could ever start"
+    return out
+
+
+def _known(state: SchedulerState, job_or_array: str) -> bool:
+    return job_or_array in state.jobs or job_or_array in state.arrays or job_or_array in state.outcomes
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str]:
+    """A cycle in the steps' dependency graph (step -> the steps it depends on), as a path; [] if none."""
+    done: set[str] = set()
+    for start in sorted(edges):
+        if start in done:
+            continue
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack: list[tuple[str, Iterable[str]]] = [(start, iter(sorted(edges.get(start, ()))))]
+        path.append(start)
+        on_path.add(start)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)  # type: ignore[call-overload]
+            if child is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif child in on_path:
+                return [*path[path.index(child) :], child]
+            elif child not in done:
+                stack.append((child, iter(sorted(edges.get(child, ())))))
+                path.append(child)
+                on_path.add(child)
+    return []
 
 
 def recheck(
@@ -297,12 +648,16 @@ def recheck(
 ) -> str | None:
     """Why a recorded verdict would not be given again on ``state`` (its ``based_on``), by the rules
     it was judged by; None if it would. An accepted spec must still be valid and new; a rejected
-    submission whose whole payload the log kept must still be rejected, for the same reason."""
+    submission whose whole payload the log kept must still be rejected, for the same reason. (A job
+    of an array or a workflow is rechecked on its own: its dependencies on the jobs accepted with
+    it are taken as they are; a cycle among them is checked when the workflow is judged.)"""
     if isinstance(verdict, ev.JobSubmitted):
         key = intake_key(verdict.intake_source, verdict.spec.intake_id or "")
         if verdict.spec.intake_id is not None and key in state.intake_index:
             return f"intake id {verdict.spec.intake_id!r} of {verdict.intake_source} was taken already (a duplicate)"
-        problem = _spec_problem(verdict.spec, state, rules=verdict.intake_rules)
+        problem = _spec_problem(verdict.spec, state, rules=verdict.intake_rules, made=True)
+        if problem is None and verdict.intake_rules >= 3:
+            problem = _made_problem(state, verdict)
         return None if problem is None else f"would now be rejected: {problem}"
     payload = verdict.payload_excerpt.encode()
     complete = (
@@ -318,4 +673,25 @@ def recheck(
         return "would now be accepted"
     if again.event.reason != verdict.reason:
         return f"would now be rejected for another reason: {again.event.reason}"
+    return None
+
+
+def _made_problem(state: SchedulerState, verdict: ev.JobSubmitted) -> str | None:
+    """Intake rules 3, on an accepted job as the log holds it: its id, its time limit and its dependencies."""
+    spec = verdict.spec
+    member, step = spec.array_of, spec.workflow_of
+    if member is not None and verdict.job != f"{member.array}_{member.index}":
+        return f"element {member.index} of array {member.array} would be {member.array}_{member.index}"
+    vc = state.vcs.get(spec.vc)
+    if spec.time_limit_s is None and vc is not None and vc.default_time_limit_s is not None:
+        return f"it would get VC {vc.vc}'s default time limit ({vc.default_time_limit_s:g}s)"
+    if spec.depends_on is None:
+        return None
+    for kind, ids in spec.depends_on.kinds():
+        for dep in ids:
+            if dep == verdict.job or (member is not None and dep == member.array):
+                return f"a job cannot depend on itself ({kind}:{dep})"
+            sibling = step is not None and dep.startswith(f"{step.workflow}-")
+            if not sibling and not _known(state, dep):
+                return f"depends ({kind}) on {dep!r}, which the scheduler does not know"
     return None

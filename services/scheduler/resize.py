@@ -12,7 +12,8 @@ Rules of a generation, which the runtime relies on:
 - ``state_from`` is the first worker of the last completed generation that is still there: it
   holds the committed state the others take;
 - a grow takes free GPUs on the nodes the job already runs on first (NVLink, no network),
-  then on the nodes with the most free GPUs, within the VC's quota unless the VC may borrow;
+  then on the nodes with the most free GPUs, within the VC's quota unless the VC may borrow, and
+  within the VC's per-user GPU limit;
 - a shrink lets the newest workers go; their GPUs stay the job's until the rescale ends.
 """
 
@@ -22,7 +23,7 @@ from gpuherd import events as ev
 from gpuherd.fold import JobState, NodeState
 from services.scheduler.placement import can_run
 from services.scheduler.schedule import choose_rendezvous, ports_in_use
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import SchedulerState, user_key
 
 
 def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.Event]:
@@ -37,6 +38,8 @@ def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.
         return []
     size = len(job.workers)
     if proposal.gpus > size:
+        if _over_user_limit(state, job, proposal.gpus - size):
+            return []
         grown = _grow(state, job, proposal.gpus - size)
         if grown is None:
             return []
@@ -49,6 +52,14 @@ def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.
         borrowed = max(0, job.borrowed - (size - proposal.gpus))
         return [_resized(state, job, allocations, "shrink", proposal.reason, releasing=leaving, borrowed=borrowed)]
     return []
+
+
+def _over_user_limit(state: SchedulerState, job: JobState, more: int) -> bool:
+    """Growing by ``more`` GPUs would take the job's user past its VC's per-user GPU limit."""
+    vc = state.vcs.get(job.spec.vc)
+    if vc is None or vc.max_gpus_per_user is None:
+        return False
+    return state.user_gpus.get(user_key(job.spec.vc, job.spec.user), 0) + more > vc.max_gpus_per_user
 
 
 def on_failed(state: SchedulerState, failed: ev.RescaleFailed) -> list[ev.Event]:

@@ -9,7 +9,8 @@ is the reason the scheduler acted on.
 It runs in numbered phases, one function each (the shape of Kueue's scheduling cycle):
 
 1. **candidates**: the waiting jobs in the policy's order (a deep queue is pruned of jobs whose
-   VC's quota is used up, unless every reason is wanted);
+   VC's quota is used up, unless every reason is wanted); a job its dependencies, its array's
+   ``max_running`` or its VC's per-user limits hold back takes no part in the pass (``holds.py``);
 2. **quota**: its VC's GPUs in use plus its own must stay within the VC's quota, unless the VC
    may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``, and is
    reclaimable). The first job of a VC that its quota stops is that VC's *quota head*, protected
@@ -53,6 +54,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.fold import JobState, NodeState
+from services.scheduler.holds import Holds
 from services.scheduler.placement import (
     IslandIndex,
     NodeView,
@@ -69,7 +71,19 @@ from services.scheduler.state import SchedulerState
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
 
 PendingKind = Literal[
-    "quota", "gang", "powered-down", "drained", "no-node", "order", "reserved", "depth", "preempting", "cancelling"
+    "quota",
+    "gang",
+    "powered-down",
+    "drained",
+    "no-node",
+    "order",
+    "reserved",
+    "depth",
+    "preempting",
+    "cancelling",
+    "dependency",
+    "array limit",
+    "user limit",
 ]
 
 # How many waiting jobs behind the head (the first that does not fit) a pass looks at for
@@ -120,6 +134,7 @@ class Pass:
     free_total: dict[bool, int]  # free GPUs by executor kind (runs processes or not)
     index: IslandIndex
     vc_used: dict[str, int]
+    holds: Holds
     out: Plan = field(default_factory=Plan)
     extra: int = 0  # GPUs the head will not need at its reserved start
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
@@ -159,7 +174,7 @@ def plan(
     if not state.queue:
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
-    work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage())
+    work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
     out, skip = work.out, work.skip
     index.begin_pass(work.replaced)
     try:
@@ -174,6 +189,11 @@ def plan(
                 continue
             if job.cancel_requested:
                 work.wait(job, "cancelling", "cancel requested", position)
+                continue
+            held = work.holds.check(job)
+            if held is not None:
+                if work.explain:
+                    work.wait(job, *held, position)
                 continue
             borrowed = check_quota(work, job, position)
             if borrowed is not None:
@@ -328,6 +348,7 @@ def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> No
         work.ports = ports_in_use(state)  # only real nodes take a rendezvous port
     work.vc_used[job.spec.vc] = work.vc_used.get(job.spec.vc, 0) + job.spec.gpus
     work.placed_by_vc.setdefault(job.spec.vc, []).append(job)
+    work.holds.placed(job)
     hold = work.quota_holds.get(job.spec.vc)
     if hold is not None and not _ends_before(work, job, hold.reserved_at):
         hold.spare -= job.spec.gpus  # it holds quota past the quota head's start
@@ -462,7 +483,7 @@ def _ends_before(work: Pass, job: JobState, reserved_at: float | None) -> bool:
     """Backfill: started now, the job is expected to end by ``reserved_at``."""
     if not work.backfill or reserved_at is None:
         return False
-    duration = work.state.expected_duration(job)
+    duration = work.state.duration_bound(job)  # (its time limit bounds it)
     return duration is not None and work.state.now + duration <= reserved_at
 
 

@@ -6,8 +6,8 @@ Its loops share one ``DeciderRunner`` and run only while this instance leads the
   with the log's events; once a verdict is stored, the submitter gets its reply and the message is
   acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter);
 - the timer: a ``ClockTicked`` every ``--tick`` seconds (time-based decisions: fair-share decay,
-  starvation, reservations), and at once when a node's heartbeats stop, so the decider can
-  declare it lost;
+  starvation, reservations), when a running job reaches its time limit (the decider stops it), and
+  at once when a node's heartbeats stop, so the decider can declare it lost;
 - at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs, or records older
   scheduling rules).
 It also answers ``herd.ctl.scheduler.ready`` once intake listens.
@@ -40,7 +40,7 @@ from gpuherd.runtime.deadletters import keep_dead_letter
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission
-from services.scheduler.state import SchedulerState
+from services.scheduler.state import SchedulerState, gpu_seconds_by_user
 
 log = get_logger("gpuherd.scheduler")
 
@@ -165,6 +165,7 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
         last_seen: dict[str, float] = {}
         ticked: dict[str, int] = {}  # node -> registration seq a tick was written for
         last_tick = time.monotonic()
+        ticked_deadline: float | None = None  # the time limit a tick was written for
 
         async def watch() -> None:
             async for beat in runner.log.telemetry("*.heartbeat"):
@@ -173,8 +174,12 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
         watcher = asyncio.create_task(watch())
         try:
             while True:
-                await asyncio.sleep(min(1.0, lost_after_s / 4, tick_s))
+                deadline = next_deadline(runner.state)
+                until_deadline = 1.0 if deadline is None else max(0.02, deadline - time.time())
+                await asyncio.sleep(min(1.0, lost_after_s / 4, tick_s, until_deadline))
                 now = time.time()
+                deadline = next_deadline(runner.state)
+                limit_due = deadline is not None and deadline <= now and deadline != ticked_deadline
                 # Our own outage is no evidence against a node: count silence from our reconnect.
                 floor = max(started, runner.log.connected_since())
                 heard = {
@@ -184,7 +189,7 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
                 }
                 overdue = [n for n, t in heard.items() if now - t > lost_after_s and ticked.get(n) != _reg(runner, n)]
                 due = time.monotonic() - last_tick >= tick_s
-                if not overdue and not due:
+                if not overdue and not due and not limit_due:
                     continue
                 tick = ev.ClockTicked(
                     id=f"scheduler:tick:{uuid.uuid4().hex}",
@@ -197,6 +202,8 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
                     log.warning("nodes silent", nodes=overdue, lost_after_s=lost_after_s)
                 await runner.append_input([tick])  # fenced: a former leader's stale tick is refused
                 last_tick = time.monotonic()
+                if limit_due:
+                    ticked_deadline = deadline
                 for name in overdue:
                     ticked[name] = _reg(runner, name)
         finally:
@@ -244,9 +251,16 @@ def setup(runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) ->
     runner.on_refused = intake.refused
     runner.extra_tasks.append(intake.loop)
     runner.metrics.watch_cluster(lambda: runner.state)
+    runner.metrics.watch_usage(lambda: gpu_seconds_by_user(runner.state))
+
+
+def next_deadline(state: SchedulerState) -> float | None:
+    """When the timer must tick for a time limit: the earliest one a running job reaches."""
+    return state.next_deadline()
 
 
 def jobs_wait(state: SchedulerState) -> bool:
-    """Whether the timer's pass can decide anything: only while jobs wait (a tick's other work,
-    declaring silent nodes lost, is the live timer's, which always ticks)."""
-    return bool(state.queue)
+    """Whether the timer's pass can decide anything: only while jobs wait that may still start (a
+    job whose dependency can never be met waits until cancelled, and a tick changes nothing for it;
+    a tick's other work, declaring silent nodes lost, is the live timer's, which always ticks)."""
+    return len(state.queue) > len(state.stuck)

@@ -16,7 +16,7 @@ from services.scheduler.decide import SchedulerDecider
 from services.scheduler.explain import SchedulerQueue
 from services.scheduler.policy import make_policy
 
-TICK_S = 30.0  # live: a pass for time-based decisions this often, and node liveness every second
+TICK_S = 30.0  # live: a pass for time-based decisions this often (and at each time limit), node liveness every second
 SIM_TICK_S = 300.0  # simulated: while jobs wait (a simulation hears no heartbeats)
 
 
@@ -76,6 +76,7 @@ SPEC = ServiceSpec(
         TICK_S,
         needed=service.jobs_wait,
         on_grid=True,
+        due=service.next_deadline,
         live=lambda args: service.timer(args.lost_after, args.tick),
     ),
     add_arguments=_arguments,

@@ -7,7 +7,12 @@
   changed since the pass before;
 - **fair-share usage**: decayed GPU-seconds per user and VC;
 - **preemption bookkeeping**: when each job's attempts were preempted (at most N per hour);
-- **the policy in force**, **duration predictions**, and **intake's index** of submitted ids.
+- **the policy in force**, **duration predictions**, and **intake's index** of submitted ids;
+- **dependencies**: the outcome of recently ended jobs and arrays (what a dependency may still
+  name), each array's elements placed or running, the waiting jobs that depend on each job, and
+  those whose dependency can no longer be met (to be cancelled);
+- **limits**: GPUs and placed or running jobs per user of each VC, and running jobs by the time
+  their time limit is reached (the timer fires then).
 
 Finished jobs leave the state (``retain_finished`` off): it is bounded by the live jobs, whatever
 the length of the history. Every index is kept from the core's transitions (a job entering or
@@ -19,6 +24,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import msgspec
 
@@ -64,6 +70,33 @@ def intake_key(source: str, intake_id: str) -> str:
     return f"{source}/{intake_id}"
 
 
+# How long (log time) and how many ended jobs' outcomes are kept for dependencies to name (Slurm's
+# MinJobAge, longer): a dependency on a job forgotten longer ago is refused as unknown. An outcome
+# a waiting job still depends on is kept whatever its age.
+OUTCOMES_KEPT_S = 14 * 86400.0
+OUTCOMES_KEPT = 50_000
+
+
+class EndedJob(msgspec.Struct, array_like=True, gc=False):
+    outcome: str
+    at: float
+
+
+class ArrayBook(msgspec.Struct, kw_only=True, gc=False):
+    """A job array while any element of it has not ended."""
+
+    size: int
+    max_running: int | None = None
+    live: int = 0  # elements not ended
+    active: int = 0  # elements placed or running
+    begun: int = 0  # elements placed at least once, or ended
+    not_ok: int = 0  # elements that ended other than completed
+
+
+def user_key(vc: str, user: str) -> str:
+    return f"{vc}/{user}"
+
+
 class SchedulerState(ClusterState, kw_only=True, gc=False):
     vc_used: dict[str, int] = msgspec.field(default_factory=dict)  # GPUs the active jobs hold, per VC
     # The queue by VC (unordered: a pass sorts by policy) and how many wait at each priority.
@@ -87,6 +120,21 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     stopping_for: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
     intake_index: dict[str, str] = msgspec.field(default_factory=dict)  # "source/intake_id" -> job id
     rejected: int = 0
+    # Dependencies: ended jobs and arrays (oldest first), live arrays, and for each job or array the
+    # waiting jobs that depend on it; ``doomed``: waiting jobs whose dependency can no longer be met
+    # (and that are cancelled for it, or ``stuck`` waiting until cancelled), with the reason.
+    outcomes: dict[str, EndedJob] = msgspec.field(default_factory=dict)
+    arrays: dict[str, ArrayBook] = msgspec.field(default_factory=dict)
+    dependants: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
+    doomed: dict[str, str] = msgspec.field(default_factory=dict)
+    stuck: dict[str, str] = msgspec.field(default_factory=dict)  # the same, kept waiting (kill_on_invalid_dep off)
+    # Per user of a VC ("vc/user"): GPUs held and jobs placed or running.
+    user_gpus: dict[str, int] = msgspec.field(default_factory=dict)
+    user_active: dict[str, int] = msgspec.field(default_factory=dict)
+    gpu_seconds: dict[str, float] = msgspec.field(default_factory=dict)  # "vc/user" -> GPU-seconds charged
+    # Running jobs with a time limit, by when they reach it (sorted), and each one's.
+    deadlines: list[tuple[float, str]] = msgspec.field(default_factory=list)
+    deadline_of: dict[str, float] = msgspec.field(default_factory=dict)
 
     # -- derived views --------------------------------------------------------------------------
 
@@ -114,21 +162,54 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
             return job.spec.duration_s
         return self.predicted.get(job.job)
 
+    def duration_bound(self, job: JobState) -> float | None:
+        """How long the job runs at most, started now: its expected duration, bounded by its time limit."""
+        duration = self.expected_duration(job)
+        limit = job.spec.time_limit_s
+        if limit is None:
+            return duration
+        return limit if duration is None else min(duration, limit)
+
     def expected_end(self, job: JobState, *, starting: bool = False) -> float:
         """When a placed or running job (``starting``: one placed now, or not started yet) is expected
         to end (inf: unknown): what its duration leaves after the work done before, counted from when
-        its work was last accounted (its start, or its latest resize)."""
+        its work was last accounted (its start, or its latest resize); at the latest when its attempt
+        reaches its time limit."""
         duration = self.expected_duration(job)
-        if duration is None:
-            return math.inf
-        start = self.now if starting or job.started_at is None else (job.service_from or job.started_at)
-        left = max(0.0, duration - job.service_gpu_s / job.spec.gpus)
-        if job.spec.elastic is not None and job.held and self.scheduling.rules >= 4:
-            left *= job.spec.gpus / job.held  # an elastic job at another size: its work at that rate (linear)
-        return start + left
+        end = math.inf
+        if duration is not None:
+            start = self.now if starting or job.started_at is None else (job.service_from or job.started_at)
+            left = max(0.0, duration - job.service_gpu_s / job.spec.gpus)
+            if job.spec.elastic is not None and job.held and self.scheduling.rules >= 5:
+                left *= job.spec.gpus / job.held  # an elastic job at another size: its work at that rate (linear)
+            end = start + left
+        if job.spec.time_limit_s is not None:
+            begun = self.now if starting or job.started_at is None else job.started_at
+            end = min(end, begun + job.spec.time_limit_s)
+        return end
+
+    def next_deadline(self) -> float | None:
+        """The earliest time limit a running job (not stopping already) reaches: when the timer must tick."""
+        jobs = self.jobs
+        for at, job_id in self.deadlines:
+            if not jobs[job_id].stopping():
+                return at
+        return None
 
     def preemptions_within(self, job: str, seconds: float) -> int:
         return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)
+
+
+def gpu_seconds_by_user(state: SchedulerState) -> dict[tuple[str, str], float]:
+    """GPU-seconds used per (VC, user): what was charged, and the running jobs' use up to the newest event."""
+    out = {tuple(key.split("/", 1)): used for key, used in state.gpu_seconds.items()}
+    for job_id in state.active:
+        job = state.jobs[job_id]
+        running = job.running_gpu_s(state.now)
+        if running:
+            key = (job.spec.vc, job.spec.user)
+            out[key] = out.get(key, 0.0) + running  # type: ignore[index]
+    return out  # type: ignore[return-value]
 
 
 def new_state() -> SchedulerState:
@@ -187,6 +268,7 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     was_active, active = status in ("placed", "running"), job.job in state.active
     if was_active != active:
         _count_up(state.active_priorities, spec.priority, 1 if active else -1)
+        _count_up(state.user_active, user_key(spec.vc, spec.user), 1 if active else -1)
         if active:
             state.active_by_vc.setdefault(spec.vc, {})[job.job] = None
         else:
@@ -197,6 +279,11 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     now_held = job.held if active else 0
     if now_held != (held if was_active else 0):
         _count_up(state.vc_used, spec.vc, now_held - (held if was_active else 0))
+        _count_up(state.user_gpus, user_key(spec.vc, spec.user), now_held - (held if was_active else 0))
+    if created or spec.depends_on is not None or spec.array_of is not None or job.job not in state.jobs:
+        follow_dependencies(state, job, created=created, was_active=was_active, active=active)
+    if spec.time_limit_s is not None:
+        _follow_deadline(state, job)
     for _, at, used in state.accounted:
         _charge(state, job, at, used)
     if preempt_reason is None and job.preempt_reason is not None and isinstance(e, ev.JobPreempted):
@@ -245,8 +332,149 @@ def _follow_end(state: SchedulerState, job: JobState, active: bool) -> None:
         state.unstarted.pop(job.job, None)
 
 
+def _follow_deadline(state: SchedulerState, job: JobState) -> None:
+    """Keep the job's place among the running jobs by time limit (it leaves once it reached it)."""
+    deadline = job.deadline() if job.job in state.jobs and not job.time_limit_reached else None
+    old = state.deadline_of.get(job.job)
+    if old == deadline:
+        return
+    if old is not None:
+        del state.deadlines[bisect.bisect_left(state.deadlines, (old, job.job))]
+        del state.deadline_of[job.job]
+    if deadline is not None:
+        bisect.insort(state.deadlines, (deadline, job.job))
+        state.deadline_of[job.job] = deadline
+
+
+# -- dependencies -----------------------------------------------------------------------------------
+
+
+def follow_dependencies(state: SchedulerState, job: JobState, *, created: bool, was_active: bool, active: bool) -> None:
+    """Keep what dependencies read in step with ``job``: its array's counts, its own outcome once it
+    ended, which waiting jobs depend on what, and which of them can no longer start."""
+    spec = job.spec
+    ended = job.job not in state.jobs
+    member = spec.array_of
+    book = state.arrays.get(member.array) if member is not None else None
+    if created:
+        if member is not None:
+            book = state.arrays.setdefault(member.array, ArrayBook(size=member.size, max_running=member.max_running))
+            book.live += 1
+        if spec.depends_on is not None:
+            for dep in spec.depends_on.ids():
+                state.dependants.setdefault(dep, {})[job.job] = None
+            _check_dependant(state, job.job, spec)
+    placed_now = active and not was_active
+    if book is not None and was_active != active:
+        book.active += 1 if active else -1
+        if placed_now and job.attempt == 0:
+            book.begun += 1  # (attempt 0 is placed once: a requeued job's next placement is attempt 1)
+    if spec.depends_on is not None and (ended or placed_now):
+        _forget_dependant(state, job.job, spec.depends_on)  # placed (its dependencies were met), or ended
+    if not ended:
+        return
+    state.doomed.pop(job.job, None)
+    state.stuck.pop(job.job, None)
+    at = job.finished_at if job.finished_at is not None else state.now
+    _ended(state, job.job, job.status, at)
+    if book is not None and member is not None:
+        book.live -= 1
+        book.begun += job.first_placed_at is None  # (ended without ever starting: it will not begin)
+        book.not_ok += job.status != "completed"
+        if book.live == 0:
+            del state.arrays[member.array]
+            _ended(state, member.array, "completed" if book.not_ok == 0 else "failed", at)
+        elif job.status != "completed":
+            _dependency_moved(state, member.array)  # an `afterok` on the array can no longer be met
+
+
+def _ended(state: SchedulerState, job_or_array: str, outcome: str, at: float) -> None:
+    """Remember how a job (or a whole array) ended, forget the oldest outcomes no waiting job depends
+    on, and mark the waiting jobs this end leaves without a way to start."""
+    outcomes = state.outcomes
+    outcomes[job_or_array] = EndedJob(outcome, at)
+    for _ in range(len(outcomes)):
+        oldest = next(iter(outcomes))
+        if len(outcomes) <= OUTCOMES_KEPT and outcomes[oldest].at >= at - OUTCOMES_KEPT_S:
+            break
+        kept = outcomes.pop(oldest)
+        if oldest in state.dependants:
+            outcomes[oldest] = kept  # a waiting job still depends on it: keep it (at the young end)
+    _dependency_moved(state, job_or_array)
+
+
+def _dependency_moved(state: SchedulerState, dep: str) -> None:
+    for waiting in state.dependants.get(dep, ()):
+        job = state.jobs.get(waiting)
+        if job is not None and waiting not in state.doomed and waiting not in state.stuck:
+            _check_dependant(state, waiting, job.spec)
+
+
+def _check_dependant(state: SchedulerState, job_id: str, spec: ev.JobSpec) -> None:
+    if spec.depends_on is None:
+        return
+    never = dependency_wait(state, spec.depends_on)[1]
+    if never is not None:
+        (state.doomed if spec.kill_on_invalid_dep else state.stuck)[job_id] = never
+
+
+def _forget_dependant(state: SchedulerState, job_id: str, deps: ev.Dependencies) -> None:
+    for dep in deps.ids():
+        waiting = state.dependants.get(dep)
+        if waiting is not None:
+            waiting.pop(job_id, None)
+            if not waiting:
+                del state.dependants[dep]
+
+
+DepVerdict = Literal["met", "wait", "never"]
+
+
+def dependency_verdict(state: SchedulerState, kind: str, dep: str) -> tuple[DepVerdict, str]:
+    """Whether one dependency is met, may still be, or can never be, and the dependency's state in words."""
+    book = state.arrays.get(dep)
+    if book is not None:
+        ended = book.size - book.live
+        where = f"array of {book.size}: {ended} ended, {book.not_ok} not completed, {book.active} placed or running"
+        if kind == "afterok" and book.not_ok:
+            return "never", where
+        if kind == "after" and book.begun >= book.size:
+            return "met", where
+        return "wait", where
+    job = state.jobs.get(dep)
+    if job is not None:
+        if kind == "after" and job.first_placed_at is not None:
+            return "met", job.status
+        return "wait", job.status
+    done = state.outcomes.get(dep)
+    if done is None:
+        return "never", "no longer known"
+    ok = done.outcome == "completed"
+    if kind == "afterok":
+        return ("met" if ok else "never"), done.outcome
+    if kind == "afternotok":
+        return ("never" if ok else "met"), done.outcome
+    return "met", done.outcome
+
+
+def dependency_wait(state: SchedulerState, deps: ev.Dependencies) -> tuple[str | None, str | None]:
+    """What a job's dependencies hold it back for (None: every one is met), and why they can never all
+    be met (None: they still may be)."""
+    waiting: str | None = None
+    for kind, ids in deps.kinds():
+        for dep in ids:
+            verdict, where = dependency_verdict(state, kind, dep)
+            if verdict == "never":
+                return waiting, f"dependency {kind}:{dep} can never be met ({dep}: {where})"
+            if verdict == "wait" and waiting is None:
+                waiting = f"{kind}:{dep} ({where})"
+    return waiting, None
+
+
 def _charge(state: SchedulerState, job: JobState, at: float, used: float) -> None:
-    """Add GPU-seconds a job ran to its user's and its VC's decayed usage."""
+    """Add GPU-seconds a job ran to its user's and its VC's decayed usage (and to their plain sum)."""
+    key = user_key(job.spec.vc, job.spec.user)
+    state.gpu_seconds[key] = state.gpu_seconds.get(key, 0.0) + used
     half_life = state.scheduling.half_life_s
     for key in (f"user:{job.spec.user}", f"vc:{job.spec.vc}"):
         usage = state.usage.setdefault(key, Usage(at=at))
@@ -277,6 +505,23 @@ def index_problems(state: SchedulerState) -> list[str]:
         priorities[job.spec.priority] = priorities.get(job.spec.priority, 0) + 1
     if state.vc_used != vc_used:
         problems.append(f"the per-VC GPU count drifted: {state.vc_used} kept, {vc_used} held")
+    user_gpus: dict[str, int] = {}
+    user_active: dict[str, int] = {}
+    array_active: dict[str, int] = {}
+    for job in active:
+        key = user_key(job.spec.vc, job.spec.user)
+        if job.held:
+            user_gpus[key] = user_gpus.get(key, 0) + job.held
+        user_active[key] = user_active.get(key, 0) + 1
+        if job.spec.array_of is not None:
+            array_active[job.spec.array_of.array] = array_active.get(job.spec.array_of.array, 0) + 1
+    if state.user_gpus != user_gpus or state.user_active != user_active:
+        problems.append(f"the per-user counts drifted: {state.user_gpus}/{state.user_active} kept")
+    if {a: b.active for a, b in state.arrays.items() if b.active} != array_active:
+        problems.append("the arrays' counts of placed and running elements drifted")
+    deadlines = {j.job: d for j in active if not j.time_limit_reached and (d := j.deadline()) is not None}
+    if state.deadline_of != deadlines or state.deadlines != sorted((d, j) for j, d in deadlines.items()):
+        problems.append("the running jobs' time limits drifted")
     if state.active_priorities != priorities:
         problems.append("the per-priority count of active jobs drifted")
     active_by_vc: dict[str, set[str]] = {}

@@ -156,6 +156,7 @@ def test_demo_runs_and_audits_clean(tmp_path) -> None:
             "4",
             "--trace",
             str(trace),
+            "--exit-after-demo",
         ],
         capture_output=True,
         text=True,

@@ -194,6 +194,31 @@ def test_every_view_loads_and_shows_the_cluster(page: Any, cluster: dict[str, st
 
 
 @needs_browser
+def test_a_workflow_shows_as_a_graph_and_usage_as_plots(page: Any, cluster: dict[str, str]) -> None:
+    from playwright.sync_api import expect
+
+    steps = [
+        {"name": "prep", "duration_s": 1},
+        {"name": "train", "duration_s": 2, "depends_on": {"afterok": ["prep"]}},
+        {"name": "eval", "duration_s": 1, "depends_on": {"afterok": ["train"]}},
+    ]
+    workflow = submit(cluster["nats_url"], {"workflow": "pipe", "user": "gus", "gpus": 1, "steps": steps})
+    open_view(page, cluster, "workflows")
+    expect(page.locator("[data-testid=workflows-table]")).to_contain_text(workflow)
+    open_view(page, cluster, f"workflow/{workflow}")
+    graph = page.locator("[data-testid=workflow-graph]")
+    expect(graph.locator("rect")).to_have_count(3)
+    expect(graph.locator("line")).to_have_count(2)  # prep -> train -> eval
+    expect(graph.locator("[data-step=eval]")).to_have_attribute("data-status", "completed", timeout=60_000)
+    shot(page, "workflow")
+    open_view(page, cluster, "usage")
+    expect(page.locator("[data-testid=usage-vc]")).to_be_visible()
+    expect(page.locator("[data-testid=usage-table]")).to_contain_text("gus")
+    shot(page, "usage")
+    assert page.errors == [], page.errors  # type: ignore[attr-defined]
+
+
+@needs_browser
 def test_an_open_page_follows_placements_and_ends_without_a_reload(page: Any, cluster: dict[str, str]) -> None:
     from playwright.sync_api import expect
 

@@ -200,3 +200,24 @@ def test_metrics_say_the_queue_per_vc_and_the_connection_at_every_scrape() -> No
     assert scraped["gpuherd_nats_connected"] == 1
     connected[0] = False
     assert parse_metrics(metrics.render().decode())["gpuherd_nats_connected"] == 0
+
+
+def test_usage_and_workflows_come_from_the_log_as_gpuherd_usage_has_them() -> None:
+    from apps.sim.engine import Simulation
+    from gpuherd.fold.accounting import Accounting
+    from tests.unit.test_workflows import job, pipeline, simulate
+
+    sim: Simulation = simulate([(1.0, pipeline()), (2.0, job("sweep", duration=5, array={"count": 3}))])
+    view = DashboardView(SchedulerQueue())
+    view.fold_all(sim.records)
+    usage = view.usage_view()
+    cli = Accounting(by=("vc", "user")).fold_all(sim.records).report()
+    assert usage["total"] == cli["total"] and usage["total"]["gpu_seconds"] == 10 + 60 + 5 + 15
+    assert usage["by_vc"] == {"default": [pytest.approx(90 / 3600)]} and usage["at"] == [0.0]
+    (listed,) = view.workflow_list()
+    assert listed["name"] == "pipe" and listed["status"] == "completed" and listed["steps"] == 3
+    graph = view.workflow(listed["workflow"])
+    assert graph is not None and [s["step"] for s in graph["steps"]] == ["prep", "train", "eval"]
+    assert graph["steps"][1]["depends"] == [{"kind": "afterok", "step": "prep"}]
+    assert all(s["status"] == "completed" for s in graph["steps"])
+    assert view.workflow("w-none") is None

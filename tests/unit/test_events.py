@@ -104,6 +104,7 @@ SAMPLES: list[ev.Event] = [
     ev.ElasticTicked(id="w3", at=5.0, source="elastic"),
     ev.MemoryTicked(id="w4", at=5.0, source="memory"),
     ev.AnalyticsTicked(id="w5", at=5.0, source="analytics"),
+    ev.JobTimeLimitReached(id="t1", job="j1", attempt=0, limit_s=600.0, based_on=12, cause="m"),
 ]
 
 
@@ -291,7 +292,7 @@ def test_policies_recorded_before_the_pass_had_versioned_rules_keep_the_first_ru
     for version in (1, 2):
         old = ev.decode(_v1("PolicyConfigured", "cli", policy="fifo").replace(b'"v":1', f'"v":{version}'.encode()))
         assert isinstance(old, ev.PolicyConfigured) and old.rules == 1 and old.v == 3
-    assert ev.PolicyConfigured(policy="fifo").rules == ev.SCHEDULING_RULES == 4
+    assert ev.PolicyConfigured(policy="fifo").rules == ev.SCHEDULING_RULES == 5
 
 
 def test_verdicts_of_v1_were_judged_by_the_first_intake_rules() -> None:

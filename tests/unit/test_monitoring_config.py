@@ -60,6 +60,7 @@ def exported_series() -> set[str]:
     they have no samples until a label value is used, so names come from each family's type)."""
     metrics = ServiceMetrics("monitoring-test")
     metrics.watch_cluster(ClusterState)  # the cluster gauges are collected only from a state
+    metrics.watch_usage(dict)  # (the scheduler's GPU-seconds by VC and user)
     names: set[str] = set()
     for family in metrics.registry.collect():
         names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))

@@ -18,12 +18,23 @@ class VcConfigured(Command, kw_only=True, frozen=True):
     those borrowed GPUs are given back (by preemption) when a VC whose quota
     they fall under has jobs waiting. ``weight`` is its share under fair share.
     The scheduler refuses (``CommandRefused``) a negative quota or a weight that is not positive.
+
+    Limits (None: none): a job's time limit when it gives none (``default_time_limit_s``) and the
+    most it may ask for (``max_time_limit_s``); the GPUs one user's jobs may hold at once
+    (``max_gpus_per_user``) and how many of one user's jobs may be placed or run at once
+    (``max_running_per_user``). v3 added them.
     """
 
+    VERSION: ClassVar[int] = 3
+    v: int = 3
     vc: str
     gpu_quota: int | None = None
     can_borrow: bool = True
     weight: float = 1.0
+    default_time_limit_s: float | None = None
+    max_time_limit_s: float | None = None
+    max_gpus_per_user: int | None = None
+    max_running_per_user: int | None = None
 
     def subject(self) -> str:
         return f"herd.vc.{self.vc}"
@@ -33,8 +44,11 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # ones it decides by in ``PolicyConfigured``, so every pass is re-derived by the rules it was made
 # by. 2: a VC's first job its quota stops is protected by a reservation, as the gang head is.
 # 3: a duration prediction makes a pass only where it is used (a job of unknown duration, or a
-# policy that ranks by predictions).
-SCHEDULING_RULES = 4
+# policy that ranks by predictions). 4: a job waits for its dependencies, its array's
+# ``max_running`` and its VC's per-user limits; a time limit bounds a job's expected duration
+# (backfill, reservations, forecasts). (No log of older rules holds a job with any of these.)
+# 5: an elastic job's expected end runs its remaining work at its current size.
+SCHEDULING_RULES = 5
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
@@ -59,6 +73,12 @@ class PolicyConfigured(Command, kw_only=True, frozen=True):
 
 command_upcaster("VcConfigured")
 command_upcaster("PolicyConfigured")
+
+
+@upcaster("VcConfigured", 2)
+def _vc_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["v"] = 3  # (no limits: the defaults of the new fields)
+    return raw
 
 
 @upcaster("PolicyConfigured", 2)

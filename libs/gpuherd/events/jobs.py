@@ -12,15 +12,20 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 
 # The rules intake judges by (``services/scheduler/intake.py``); each verdict records the ones it
 # was judged by, so the audit re-judges it by the same. 2: a job larger than its VC's quota, in a
-# VC that may not borrow, is refused (it could never start).
-INTAKE_RULES = 2
+# VC that may not borrow, is refused (it could never start). 3: dependencies, arrays, workflows,
+# time limits (a VC's default filled in, its maximum checked) and per-user limits.
+INTAKE_RULES = 3
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
-    """A valid submission from intake; the job exists from here on."""
+    """A valid submission from intake; the job exists from here on. An array or a workflow is one
+    submission of several jobs: intake writes one ``JobSubmitted`` per job, all in one atomic append
+    (so all of them or none), each with the same ``intake_seq``.
 
-    VERSION: ClassVar[int] = 2
-    v: int = 2
+    v3: the spec may carry dependencies, a time limit, and the array or workflow it belongs to."""
+
+    VERSION: ClassVar[int] = 3
+    v: int = 3
     job: str
     spec: JobSpec
     intake_source: str
@@ -53,6 +58,12 @@ class JobRejected(Decision, kw_only=True, frozen=True):
 def _verdict_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
     raw["intake_rules"] = 1
     raw["v"] = 2
+    return raw
+
+
+@upcaster("JobSubmitted", 2)
+def _submitted_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    raw["v"] = 3  # (the spec's new fields are absent from a v2 spec: their defaults say what it meant)
     return raw
 
 
@@ -113,6 +124,19 @@ class TaskEnded(Event, kw_only=True, frozen=True):
 
     def subject(self) -> str:
         return reported_by(f"herd.job.{self.job}", self.node)
+
+
+class JobTimeLimitReached(Decision, kw_only=True, frozen=True):
+    """The scheduler's timer found a running attempt past its time limit (``limit_s`` of run time,
+    from its start). Agents stop its parts as for a cancel (SIGTERM, then SIGKILL after their kill
+    grace); once all have stopped the attempt ends as ``timeout`` (never retried)."""
+
+    job: str
+    attempt: int
+    limit_s: float
+
+    def subject(self) -> str:
+        return f"herd.job.{self.job}"
 
 
 class JobCancelRequested(Command, kw_only=True, frozen=True):

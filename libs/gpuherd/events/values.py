@@ -80,8 +80,72 @@ class Scaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False)
     grad_bytes: int
 
 
+class Dependencies(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """Jobs a job waits for, as Slurm's ``--dependency`` says it (``gpuherd submit --depends``).
+
+    Each list names job ids (an array's id stands for all its elements), or, within a workflow, the
+    names of its steps; intake resolves every name to job ids, so a stored spec holds ids only.
+
+    - ``after``: each has started (or ended);
+    - ``afterany``: each has ended, however;
+    - ``afterok``: each has completed (can no longer be met once one failed, timed out or was cancelled);
+    - ``afternotok``: each has failed, timed out or been cancelled (can no longer be met once one completed).
+    """
+
+    afterok: tuple[str, ...] = ()
+    afterany: tuple[str, ...] = ()
+    afternotok: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+    def kinds(self) -> tuple[tuple[DependencyKind, tuple[str, ...]], ...]:
+        return (
+            ("afterok", self.afterok),
+            ("afterany", self.afterany),
+            ("afternotok", self.afternotok),
+            ("after", self.after),
+        )
+
+    def ids(self) -> list[str]:
+        """Every job named, once, in the order first named."""
+        return list(dict.fromkeys(job for _, jobs in self.kinds() for job in jobs))
+
+
+DependencyKind = Literal["afterok", "afterany", "afternotok", "after"]
+DEPENDENCY_KINDS: tuple[DependencyKind, ...] = ("afterok", "afterany", "afternotok", "after")
+
+
+class ArraySpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """A job array (Slurm's ``--array``): one submission, ``count`` jobs (or one per value of
+    ``values``) named ``<name>[i]``, at most ``max_running`` of them placed or running at once."""
+
+    count: int | None = None
+    values: tuple[str | int | float, ...] | None = None
+    max_running: int | None = None
+
+
+class ArrayMember(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """Element ``index`` of array ``array`` (of ``size`` elements): set by intake, never by a submitter."""
+
+    array: str  # the array's id; its elements are ``<array>_<index>``
+    index: int
+    size: int
+    value: str | None = None  # its value, when the array was given ``values``
+    max_running: int | None = None
+
+
+class WorkflowMember(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
+    """Step ``step`` of workflow ``workflow`` (its id; ``name`` as submitted): set by intake."""
+
+    workflow: str
+    name: str
+    step: str
+
+
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, gc=False):
-    """What a submitter asks for. See ``services/scheduler/intake.py`` for validation rules."""
+    """What a submitter asks for. See ``services/scheduler/intake.py`` for validation rules.
+
+    ``array_of`` and ``workflow_of`` are intake's: a job made from an array or a workflow carries
+    them; a submission that sets them is refused."""
 
     name: str
     user: str
@@ -99,6 +163,12 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     workdir: str | None = None  # working directory of the job's processes (default: the agent's)
     memory: MemoryNeeds | None = None  # lease memory beyond the job's GPUs (the memory broker's tiers)
     scaling: Scaling | None = None  # how its throughput scales (elastic jobs: a prior for the elastic service)
+    depends_on: Dependencies | None = None  # jobs it waits for (job ids once intake resolved the names)
+    kill_on_invalid_dep: bool = True  # cancelled when a dependency can no longer be met (else it waits)
+    time_limit_s: float | None = None  # its run time, per attempt; past it the attempt is stopped (``timeout``)
+    array: ArraySpec | None = None  # a submission of an array (intake makes its elements)
+    array_of: ArrayMember | None = None
+    workflow_of: WorkflowMember | None = None
 
 
 class Allocation(msgspec.Struct, frozen=True, gc=False):
@@ -119,7 +189,8 @@ Locality = Literal["island", "node", "rack", "cluster"]
 PartOutcome = Literal["completed", "failed", "stopped", "lost"]
 
 
-Outcome = Literal["completed", "failed", "cancelled"]
+Outcome = Literal["completed", "failed", "cancelled", "timeout"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled", "timeout")
 
 # ---------------------------------------------------------------------------
 # nodes

@@ -54,6 +54,18 @@ def vc_problem(e: ev.VcConfigured) -> str | None:
         return f"a GPU quota cannot be negative, got {e.gpu_quota}"
     if not e.weight > 0:
         return f"a fair-share weight must be positive, got {e.weight}"
+    for name, limit in (("default time limit", e.default_time_limit_s), ("maximum time limit", e.max_time_limit_s)):
+        if limit is not None and not 0 < limit < float("inf"):
+            return f"a {name} must be a positive number of seconds, got {limit}"
+    default, most = e.default_time_limit_s, e.max_time_limit_s
+    if default is not None and most is not None and default > most:
+        return (
+            f"the default time limit ({default:g}s) is above the maximum ({most:g}s): "
+            "every job without a limit would be refused"
+        )
+    for name, count in (("GPUs per user", e.max_gpus_per_user), ("running jobs per user", e.max_running_per_user)):
+        if count is not None and count < 1:
+            return f"a limit of {name} must be at least 1, got {count}"
     return None
 
 
@@ -251,7 +263,16 @@ def _node_powered_up(state: ClusterState, seq: int, e: ev.NodePoweredUp) -> None
 
 def _vc_configured(state: ClusterState, seq: int, e: ev.VcConfigured) -> None:
     if e.unchecked or vc_problem(e) is None:  # else refused by the scheduler (CommandRefused): no change
-        state.vcs[e.vc] = VcState(vc=e.vc, gpu_quota=e.gpu_quota, can_borrow=e.can_borrow, weight=e.weight)
+        state.vcs[e.vc] = VcState(
+            vc=e.vc,
+            gpu_quota=e.gpu_quota,
+            can_borrow=e.can_borrow,
+            weight=e.weight,
+            default_time_limit_s=e.default_time_limit_s,
+            max_time_limit_s=e.max_time_limit_s,
+            max_gpus_per_user=e.max_gpus_per_user,
+            max_running_per_user=e.max_running_per_user,
+        )
 
 
 # -- jobs --------------------------------------------------------------------------------------------
@@ -353,6 +374,12 @@ def _job_preempted(state: ClusterState, seq: int, e: ev.JobPreempted) -> None:
     job.preempt_grace_s = e.grace_s
 
 
+def _job_time_limit_reached(state: ClusterState, seq: int, e: ev.JobTimeLimitReached) -> None:
+    job = state.jobs.get(e.job)
+    if job is not None and job.status in ACTIVE and e.attempt == job.attempt:
+        job.time_limit_reached = True
+
+
 def _job_cancel_requested(state: ClusterState, seq: int, e: ev.JobCancelRequested) -> None:
     job = state.jobs.get(e.job)
     if job is not None and job.status not in TERMINAL:
@@ -378,6 +405,7 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     job.reason = e.reason
     job.preempt_reason = None
     job.preempted_for = ""
+    job.time_limit_reached = False
     job.borrowed = 0
     job.waiting_since = e.at
     _enqueue(state, job)
@@ -499,6 +527,7 @@ HANDLERS: dict[type, Callable[[ClusterState, int, ev.Event], None]] = {
     ev.JobCancelRequested: _job_cancel_requested,
     ev.JobRequeued: _job_requeued,
     ev.JobPreempted: _job_preempted,
+    ev.JobTimeLimitReached: _job_time_limit_reached,
     ev.JobResized: _job_resized,
     ev.RescaleCompleted: _rescale_completed,
     ev.RescaleFailed: _rescale_failed,

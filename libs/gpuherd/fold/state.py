@@ -17,8 +17,8 @@ from gpuherd import jobenv
 
 NodeStatus = Literal["up", "drained", "lost"]
 PowerState = Literal["on", "draining", "off", "booting"]  # cluster energy saving (CES)
-JobStatus = Literal["pending", "placed", "running", "completed", "failed", "cancelled"]
-TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+JobStatus = Literal["pending", "placed", "running", "completed", "failed", "cancelled", "timeout"]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled", "timeout"})
 ACTIVE: frozenset[str] = frozenset({"placed", "running"})
 
 
@@ -122,6 +122,7 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     preempt_reason: str | None = None  # set while the current attempt is being preempted
     preempted_for: str = ""  # the job its GPUs go to
     preempt_grace_s: float = 0.0  # how long its processes have to checkpoint after SIGUSR1
+    time_limit_reached: bool = False  # the current attempt ran past its time limit: it is stopping
     borrowed: int = 0  # GPUs of the current attempt beyond its VC's quota
     last_nodes: list[str] = msgspec.field(default_factory=list)  # where the latest attempt was placed
     final_metrics: dict[str, float] | None = None  # what rank 0 last reported, once finished
@@ -156,8 +157,15 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
         return (
             self.cancel_requested
             or self.preempt_reason is not None
+            or self.time_limit_reached
             or any(p.outcome != "completed" for p in self.parts_ended.values())
         )
+
+    def deadline(self) -> float | None:
+        """When the running attempt reaches its time limit (None: no limit, or not started)."""
+        if self.spec.time_limit_s is None or self.started_at is None or self.status != "running":
+            return None
+        return self.started_at + self.spec.time_limit_s
 
     def running_gpu_s(self, now: float) -> float:
         """GPU-seconds of the current attempt so far (at its current size since its last resize)."""
@@ -202,6 +210,10 @@ class VcState(msgspec.Struct, kw_only=True, gc=False):
     gpu_quota: int | None = None
     can_borrow: bool = True
     weight: float = 1.0
+    default_time_limit_s: float | None = None
+    max_time_limit_s: float | None = None
+    max_gpus_per_user: int | None = None
+    max_running_per_user: int | None = None
 
 
 def _default_vcs() -> dict[str, VcState]:

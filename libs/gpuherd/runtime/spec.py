@@ -51,6 +51,9 @@ class TimerSpec:
     active: Callable[[Decider[Any]], bool] = _always
     # (Simulation) after a pause, it ticks when it would have had it never paused.
     on_grid: bool = False
+    # When a time-based decision next falls due in the decider's state (e.g. a job's time limit; None:
+    # none): the timer also ticks then, between its periodic ticks (live and simulated).
+    due: Callable[[Any], float | None] | None = None
     # A live ticker of its own (e.g. one that also listens to heartbeats), from the command line;
     # None: a plain clock ticker (``runtime.timers.clock_ticker``) every ``--tick`` while ``needed``.
     live: Callable[[argparse.Namespace], ExtraTask] | None = None

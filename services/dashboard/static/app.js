@@ -184,7 +184,7 @@ views.jobs = async (arg, params) => {
   const { body: jobs, res } = await api(`/api/jobs?${query}`);
   const total = Number(res.headers.get("X-Total-Count"));
   const field = (name, placeholder) => h("input", { name, placeholder, value: params.get(name) || "" });
-  const status = h("select", { name: "status" }, ["", "pending", "placed", "running", "completed", "failed", "cancelled"].map((s) =>
+  const status = h("select", { name: "status" }, ["", "pending", "placed", "running", "completed", "failed", "cancelled", "timeout"].map((s) =>
     h("option", { value: s, selected: params.get("status") === s && s !== "" }, s || "any status")));
   const sort = h("select", { name: "sort" }, [["-order", "newest first"], ["order", "oldest first"], ["-gpus", "most GPUs"], ["user", "user"], ["name", "name"], ["vc", "VC"], ["status", "status"]].map(([v, l]) =>
     h("option", { value: v, selected: (params.get("sort") || "-order") === v }, l)));
@@ -211,6 +211,13 @@ views.job = async (id) => {
     facts.push(["expected start", j.estimated_start ? fmtTime(j.estimated_start) : "unknown"]);
   }
   if (j.spec.command && j.spec.command.length) facts.push(["command", j.spec.command.join(" ")]);
+  if (j.spec.workflow_of) facts.push(["workflow", h("a", { href: `#/workflow/${encodeURIComponent(j.spec.workflow_of.workflow)}` }, `${j.spec.workflow_of.name} (${j.spec.workflow_of.workflow}), step ${j.spec.workflow_of.step}`)]);
+  if (j.spec.array_of) facts.push(["array", `element ${j.spec.array_of.index} of ${j.spec.array_of.size} of ${j.spec.array_of.array}` + (j.spec.array_of.max_running ? `, at most ${j.spec.array_of.max_running} at once` : "")]);
+  if (j.spec.depends_on) {
+    const deps = Object.entries(j.spec.depends_on).filter(([, ids]) => ids.length);
+    facts.push(["depends on", h("span", {}, deps.map(([kind, ids]) => h("span", {}, `${kind}: `, ids.map((id) => [jobLink(id), " "]))))]);
+  }
+  if (j.spec.time_limit_s) facts.push(["time limit", fmtDur(j.spec.time_limit_s)]);
   if (j.locality) facts.push(["locality", j.locality]);
   if (j.allocations.length) facts.push(["placement", j.allocations.map((a) => `${a.node}: GPUs ${a.gpus.join(",")}`).join("; ")]);
   if (j.final_metrics) facts.push(["final metrics", JSON.stringify(j.final_metrics)]);
@@ -232,7 +239,7 @@ views.job = async (id) => {
   const keys = [...new Set(progress.flatMap((p) => Object.keys(p)))].filter((k) => !["at", "step"].includes(k));
   const charts = h("div", { class: "grid2" }, keys.slice(0, 4).map((k) =>
     lineChart(k, progress.map((p) => p.step), [{ label: k, values: progress.map((p) => p[k] ?? null) }], { xNotTime: true, height: 200, testid: `progress-${k}` })));
-  const canCancel = session.actions && !["completed", "failed", "cancelled"].includes(j.status);
+  const canCancel = session.actions && !["completed", "failed", "cancelled", "timeout"].includes(j.status);
   return h("section", {},
     h("h1", {}, `Job ${j.job}`),
     canCancel ? h("button", { class: "danger", "data-testid": "cancel", onclick: () => act(`/api/jobs/${encodeURIComponent(j.job)}/cancel`, "cancelled from the dashboard") }, "cancel job") : null,
@@ -294,6 +301,81 @@ views.history = async () => {
     h("p", { class: "dim" }, `one point per ${hist.bucket_s} s of log time`));
 };
 
+views.usage = async () => {
+  const { body: u } = await api("/api/usage");
+  const outcomes = ["completed", "failed", "cancelled", "timeout"];
+  const vcs = Object.keys(u.by_vc), users = Object.keys(u.by_user);
+  return h("section", {},
+    h("h1", {}, `Usage: ${num(u.total.gpu_hours, 2)} GPU-hours`),
+    lineChart("GPU-hours per hour, by VC", u.at, vcs.map((vc) => ({ label: vc, values: u.by_vc[vc] })), { testid: "usage-vc" }),
+    lineChart(`GPU-hours per hour, by user (${users.length < u.users ? `the ${users.length} heaviest of ${u.users}` : "all"})`, u.at,
+      users.map((user) => ({ label: user, values: u.by_user[user] })), { testid: "usage-user", height: 220 }),
+    table(["VC", "user", { label: "GPU-hours", num: true }, ...outcomes.map((o) => ({ label: o, num: true })), { label: "avg queue", num: true }], u.rows,
+      (r) => [r.vc, r.user, num(r.gpu_hours, 3), ...outcomes.map((o) => num(r.jobs[o] || 0)), fmtDur(r.avg_queue_s)], { "data-testid": "usage-table" }),
+    h("p", { class: "dim" }, `exact GPU-seconds from the log (gpuherd usage gives the same); ${u.running} jobs still running count up to ${fmtTime(u.log_end)}`));
+};
+
+views.workflows = async () => {
+  const { body: wfs } = await api("/api/workflows");
+  return h("section", {},
+    h("h1", {}, `Workflows: ${wfs.length}`),
+    wfs.length === 0 ? h("p", { class: "dim" }, "No workflow yet: gpuherd submit examples/workflow.yaml") :
+      table(["workflow", "name", "user", "submitted", { label: "steps", num: true }, { label: "jobs", num: true }, "status", "jobs by state"], wfs,
+        (w) => [h("a", { href: `#/workflow/${encodeURIComponent(w.workflow)}` }, w.workflow), w.name, w.user, fmtTime(w.submitted), w.steps, w.jobs, badge(w.status),
+          Object.entries(w.states).map(([s, n]) => `${s} ${n}`).join(", ")], { "data-testid": "workflows-table" }));
+};
+
+views.workflow = async (id) => {
+  const { body: wf } = await api(`/api/workflows/${encodeURIComponent(id)}`);
+  // Layers: a step sits one right of the deepest step it depends on.
+  const depth = {};
+  const byName = Object.fromEntries(wf.steps.map((s) => [s.step, s]));
+  const level = (name, seen = new Set()) => {
+    if (depth[name] !== undefined) return depth[name];
+    if (seen.has(name)) return 0;
+    seen.add(name);
+    const ups = byName[name].depends.filter((d) => d.step && byName[d.step]).map((d) => level(d.step, seen) + 1);
+    return (depth[name] = Math.max(0, ...ups));
+  };
+  wf.steps.forEach((s) => level(s.step));
+  const columns = {};
+  for (const s of wf.steps) (columns[depth[s.step]] = columns[depth[s.step]] || []).push(s.step);
+  const W = 170, H = 54, GX = 60, GY = 24;
+  const pos = {};
+  Object.entries(columns).forEach(([d, names]) => names.forEach((n, i) => { pos[n] = { x: 20 + Number(d) * (W + GX), y: 20 + i * (H + GY) }; }));
+  const width = 40 + (Math.max(...Object.keys(columns).map(Number)) + 1) * (W + GX) - GX;
+  const height = 40 + Math.max(...Object.values(columns).map((c) => c.length)) * (H + GY) - GY;
+  const g = svg("svg", { class: "wfgraph", width, height, viewBox: `0 0 ${width} ${height}`, "data-testid": "workflow-graph" });
+  const defs = svg("defs");
+  const marker = svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 10, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" });
+  marker.append(svg("path", { d: "M 0 0 L 10 5 L 0 10 z", fill: "#8a96a3" }));
+  defs.append(marker);
+  g.append(defs);
+  for (const s of wf.steps) for (const d of s.depends) if (d.step && pos[d.step]) {
+    const a = pos[d.step], b = pos[s.step];
+    const line = svg("line", { x1: a.x + W, y1: a.y + H / 2, x2: b.x, y2: b.y + H / 2, "marker-end": "url(#arrow)" });
+    const title = svg("title"); title.textContent = `${s.step} ${d.kind} ${d.step}`; line.append(title);
+    g.append(line);
+  }
+  for (const s of wf.steps) {
+    const p = pos[s.step];
+    const link = svg("a", { href: `#/job/${encodeURIComponent(s.jobs[0].job)}`, "data-step": s.step, "data-status": s.status });
+    link.append(svg("rect", { x: p.x, y: p.y, width: W, height: H, class: s.status }));
+    const name = svg("text", { x: p.x + 10, y: p.y + 22 }); name.textContent = s.step;
+    const done = s.jobs.filter((j) => ["completed", "failed", "cancelled", "timeout"].includes(j.status)).length;
+    const note = svg("text", { x: p.x + 10, y: p.y + 40, class: "dim" });
+    note.textContent = s.jobs.length > 1 ? `${s.status}: ${done}/${s.jobs.length} ended` : s.status;
+    const tip = svg("title"); tip.textContent = `${s.step}: ${Object.entries(s.states).map(([k, n]) => `${k} ${n}`).join(", ")}`;
+    link.append(name, note, tip);
+    g.append(link);
+  }
+  return h("section", {},
+    h("h1", {}, `Workflow ${wf.name} (${wf.workflow})`),
+    g,
+    table(["step", "status", { label: "GPUs", num: true }, "time limit", "depends on", "jobs"], wf.steps, (s) => [s.step, badge(s.status), s.gpus, fmtDur(s.time_limit_s),
+      s.depends.map((d) => `${d.kind}:${d.step || d.job}`).join(", "), h("span", {}, s.jobs.map((j) => [jobLink(j.job), " ", badge(j.status), " "]))], { "data-testid": "workflow-steps" }));
+};
+
 views.services = async () => {
   const { body: s } = await api("/api/services");
   return h("section", {},
@@ -353,7 +435,7 @@ async function draw() {
       const r = route();
       const fresh = !current || current.name !== r.name || current.arg !== r.arg || String(current.params) !== String(r.params);
       current = r;
-      for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.view === r.name || (r.name === "job" && a.dataset.view === "jobs"));
+      for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.view === r.name || (r.name === "job" && a.dataset.view === "jobs") || (r.name === "workflow" && a.dataset.view === "workflows"));
       let node;
       try { node = await views[r.name](r.arg, r.params); }
       catch (err) { node = h("section", {}, h("h1", {}, "Cannot show this"), h("p", { class: "error" }, err.message)); }
