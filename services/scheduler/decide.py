@@ -133,7 +133,7 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
-    STATE_FORMAT = 9  # 8: active jobs indexed by VC; 9: running jobs by expected end
+    STATE_FORMAT = 10  # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: predictions' spread
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(

@@ -82,6 +82,8 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
     predicted: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its latest predicted duration
+    # job -> (log-spread, the user's finished jobs the model knew) of that prediction, where sigma > 0
+    predicted_spread: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
     preempted_at: dict[str, list[float]] = msgspec.field(default_factory=dict)  # job -> when it was preempted
     # Preemptors and the victims still stopping for them: a preemptor waits for its victims' GPUs.
     stopping_for: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
@@ -207,8 +209,13 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
                 del state.stopping_for[preempted_for]
     if isinstance(e, ev.JobDurationPredicted) and job.job in state.jobs:
         state.predicted[job.job] = e.seconds
+        if e.sigma > 0 or e.user_history:
+            state.predicted_spread[job.job] = (e.sigma, e.user_history)
+        else:
+            state.predicted_spread.pop(job.job, None)
     if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
         state.predicted.pop(job.job, None)
+        state.predicted_spread.pop(job.job, None)
         state.preempted_at.pop(job.job, None)
     if was_active != active or type(e) in _MOVES_END:
         _follow_end(state, job, active)
