@@ -50,6 +50,7 @@ def make_deciders(
     elastic: bool = False,
     memory: bool = False,
     estimates: Mapping[str, float] | None = None,
+    predictor: Mapping[str, Any] | None = None,
 ) -> tuple[list[Decider[Any]], list[Timer]]:
     """The deciders of a simulation and their timers: the scheduler under ``policy`` (its timer every
     ``tick_s``, set by ``simulate``), the analytics decider (predictions, or the ``estimates``
@@ -58,7 +59,9 @@ def make_deciders(
     deciders: list[Decider[Any]] = [SchedulerDecider(make_policy(policy))]
     if predict or estimates is not None or ces is not None:  # (else it would only fold)
         energy = CesParams(**ces) if ces is not None else None
-        deciders.append(AnalyticsDecider(predict=predict or estimates is not None, ces=energy, estimates=estimates))
+        deciders.append(
+            AnalyticsDecider(predict=predict or estimates is not None, ces=energy, estimates=estimates, model=predictor)
+        )
     timers: list[Timer] = []
     if elastic:
         deciders.append(ElasticDecider())
@@ -123,6 +126,7 @@ def simulate(
     workers: int | None = None,
     keep_log: bool = True,
     digest: bool = False,
+    predictor: Mapping[str, Any] | None = None,
 ) -> SimResult:
     """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
     model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
@@ -136,7 +140,7 @@ def simulate(
     run = functools.partial(
         _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
         start=start, elastic=elastic, memory=memory, model=model, estimates=estimates, keep_log=keep_log,
-        digest=digest,
+        digest=digest, predictor=predictor,
     )  # fmt: skip
     if not model.partition_vcs:
         parts = {"": run(jobs, cluster, on_submit=on_submit)}
@@ -232,9 +236,10 @@ def _simulate(
     estimates: Mapping[str, float] | None,
     keep_log: bool,
     digest: bool,
+    predictor: Mapping[str, Any] | None,
 ) -> _Part:
     deciders, timers = make_deciders(
-        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates
+        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates, predictor=predictor
     )
     # The scheduler's tick decides something only while jobs wait (a simulation hears no heartbeats,
     # so it never finds a node lost): it pauses while none does, and keeps its times.
