@@ -57,12 +57,15 @@ class Route(NamedTuple):
 
 def _prediction_matters(state: SchedulerState, policy: Policy, e: ev.JobDurationPredicted) -> bool:
     """A prediction changes what a pass places only where it is used: for a job of unknown duration
-    (backfill, SJF and SRTF order), or under a policy that ranks by predictions (QSSF). (Before
+    (backfill, SJF and SRTF order; every job where declared durations are not trusted), or under a
+    policy that ranks by predictions (QSSF). (Before
     scheduling rules 3, every prediction made a pass.)"""
     if state.scheduling.rules < 3:
         return True
     job = state.jobs.get(e.job)
-    return job is not None and (job.spec.duration_s is None or policy.ranks_by_prediction)
+    return job is not None and (
+        job.spec.duration_s is None or policy.ranks_by_prediction or not state.scheduling.trusts_declared
+    )
 
 
 def _lost_nodes(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:

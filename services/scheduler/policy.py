@@ -294,6 +294,8 @@ def check_policy(name: str, params: dict[str, float]) -> str | None:
     )
     if bad:
         return f"parameters must be non-negative numbers (half_life_s positive): {', '.join(bad)}"
+    if params.get("declared_durations", 1.0) not in (0.0, 1.0):
+        return "declared_durations is 1 (jobs run what they declare) or 0 (predictions count instead)"
     if not 0 < params.get("quantile", 0.5) < 1 or params.get("fallback_quantile", -1.0) >= 1:
         return "quantile and fallback_quantile must lie between 0 and 1 (fallback_quantile negative: none)"
     return None

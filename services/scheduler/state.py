@@ -31,6 +31,9 @@ CLUSTER_PARAMS: dict[str, float] = {
     "half_life_s": DEFAULT_HALF_LIFE_S,
     "preemption_grace_s": 30.0,  # SIGUSR1 to SIGTERM: time for a preempted job to checkpoint
     "max_preemptions_per_hour": 2.0,  # per job
+    # 1: a spec's duration_s is what a job is expected to run; 0: it is not trusted, predictions
+    # count (as for jobs that declare none): what a trace simulation of a scheduler told no durations runs
+    "declared_durations": 1.0,
 }
 
 
@@ -48,6 +51,10 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
     @property
     def half_life_s(self) -> float:
         return self.param("half_life_s")
+
+    @property
+    def trusts_declared(self) -> bool:
+        return self.param("declared_durations") > 0
 
 
 class Usage(msgspec.Struct, kw_only=True, gc=False):
@@ -111,8 +118,9 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         return 0.0 if usage is None else usage.value(self.now, self.scheduling.half_life_s)
 
     def expected_duration(self, job: JobState) -> float | None:
-        """The spec's ``duration_s`` if given, else the latest prediction."""
-        if job.spec.duration_s is not None:
+        """The spec's ``duration_s`` if given (and the cluster trusts declared durations), else the
+        latest prediction."""
+        if job.spec.duration_s is not None and self.scheduling.trusts_declared:
             return job.spec.duration_s
         return self.predicted.get(job.job)
 
@@ -152,9 +160,13 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
         state.node_changes[name] = state.nodes[name].version
     if isinstance(e, ev.PolicyConfigured):
         if e.unchecked or policy_problem(e.policy, e.params) is None:  # else refused, nothing changes
+            trusted = state.scheduling.trusts_declared
             state.scheduling = SchedulingConfig(
                 policy=e.policy, backfill=e.backfill, params=dict(e.params), rules=e.rules
             )
+            if state.scheduling.trusts_declared != trusted:  # every expected end moves
+                for active in list(state.active):
+                    _follow_end(state, state.jobs[active], True)
     elif isinstance(e, ev.JobRejected):
         state.rejected += 1
     return state

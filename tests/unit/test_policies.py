@@ -258,3 +258,15 @@ def test_las_preempts_only_a_job_that_ran_its_minimum_and_starving_jobs_never_pr
     state.now = 30_000.0  # waited more than 4 x 5000 s
     assert policy.queue(new, state) == 0 and policy.starving(new, state)
     assert not policy.outranks(new, old, state)
+
+
+def test_a_cluster_that_trusts_no_declared_duration_expects_the_predicted_one() -> None:
+    from services.scheduler.state import index_problems
+
+    state = state_of(node("n1", 2), submit("a", 1, duration=100), *run("a", "n1", (0,), at=0.0))
+    apply(state, 20, ev.JobDurationPredicted(id="pa", at=1.0, job="a", seconds=5000))
+    assert state.expected_end(state.jobs["a"]) == 100.0
+    apply(state, 21, ev.PolicyConfigured(id="pc", at=2.0, policy="fifo", params={"declared_durations": 0.0}))
+    assert state.expected_duration(state.jobs["a"]) == 5000 and state.expected_end(state.jobs["a"]) == 5000.0
+    assert index_problems(state) == []  # the running jobs' ends moved with it
+    assert check_policy("fifo", {"declared_durations": 0.5}) is not None
