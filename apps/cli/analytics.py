@@ -59,13 +59,32 @@ def sim_model(args: argparse.Namespace) -> Any:
     from apps.sim.model import HELIOS, MODELS
 
     checkpoint = args.checkpoint_cost
+    if checkpoint is None:
+        costs = None  # the model's
+    elif checkpoint == "helios":
+        costs = HELIOS.checkpoint_costs
+    else:
+        costs = ((1 << 30, float(checkpoint)),) if float(checkpoint) > 0 else ()
     return MODELS[args.model].with_switches(
         partition_vcs=args.partition_vcs,
         backfill=args.backfill,
         consolidate=args.consolidate,
         per_second=args.per_second,
-        checkpoint_costs=None if checkpoint is None else (HELIOS.checkpoint_costs if checkpoint else ()),
+        checkpoint_costs=costs,
     )
+
+
+def checkpoint_cost(text: str) -> str:
+    """``--checkpoint-cost``: seconds (0: none) or ``helios`` (by size)."""
+    if text == "helios":
+        return text
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give seconds or 'helios', not {text!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"a checkpoint cost is seconds >= 0, not {text}")
+    return str(seconds)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -274,7 +293,14 @@ def add_commands(sub: Any) -> None:
         "--per-second", action=on_off, help="decide once a second, after its ends and arrivals (whole-second durations)"
     )
     switches.add_argument(
-        "--checkpoint-cost", action=on_off, help="a preemption costs a restore: 7 s (1 GPU), 30 s (<= 8), 60 s (more)"
+        "--checkpoint-cost",
+        type=checkpoint_cost,
+        metavar="S",
+        help="each preemption costs a restore of S seconds (gpuherd: 3.5, a measured restart), or 'helios': "
+        "7 s (1 GPU), 30 s (<= 8), 60 s (more); 0: none",
+    )
+    switches.add_argument(
+        "--no-checkpoint-cost", dest="checkpoint_cost", action="store_const", const="0", help="same as 0"
     )
     s.add_argument("--estimates", help="QSSF: a CSV of job_id,estimate_s to use instead of the duration model")
     s.add_argument("--out", "-o", help="write events.jsonl, jobs.csv, utilization.csv, summary.json per policy here")

@@ -85,6 +85,8 @@ def _or_dash(value: float | None) -> str:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
+    if args.policy_command == "advise":
+        return cmd_policy_advise(args)
     if args.policy_command == "set":
         params = name_values(args.param)
         problem = check_policy(args.name, params)
@@ -101,6 +103,71 @@ def cmd_policy(args: argparse.Namespace) -> int:
     console.print(
         f"policy {config.policy or 'fifo (default)'}, backfill {'on' if config.backfill else 'off'}, "
         f"params {config.params or '{}'}; available: {', '.join(sorted(POLICIES))}"
+    )
+    return 0
+
+
+def cmd_policy_advise(args: argparse.Namespace) -> int:
+    """Replay the recent history under each policy and recommend one, with the table behind it."""
+    from apps.sim.cluster import ClusterSpec
+    from apps.sim.policies import compare, recent, recommend
+    from services.analytics.jobs import job_table
+    from services.analytics.traces import load_trace, vc_peak_demand
+
+    if args.source and not args.source.endswith(".jsonl"):
+        history = load_trace(args.source, args.kind)
+    else:
+        if args.source:
+            from gpuherd.log.files import read_log_file
+
+            records = read_log_file(args.source)
+        else:
+            records = read_records(args)
+        history = job_table(records, name="gpuherd")
+        done = history.jobs
+        history.jobs = done[(done["state"] == "completed") & (done["duration"] > 0)].reset_index(drop=True)
+    history = recent(history, args.days or None)
+    if history.jobs.empty:
+        raise GpuherdError("no finished job with a run time in that history: nothing to replay")
+    if args.cluster:
+        cluster = ClusterSpec.from_file(args.cluster)
+    else:
+        cluster = ClusterSpec.from_peaks(vc_peak_demand(history), scale=args.scale)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise GpuherdError(f"unknown policies: {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
+    if not args.json:
+        console.print(
+            f"replaying {len(history.jobs):,} jobs ({history.name}"
+            f"{f', the last {args.days:g} days' if args.days else ''}) on {cluster.total_gpus:,} GPUs "
+            f"under {', '.join(policies)} (sjf with the true durations is the oracle) ..."
+        )
+    runs = compare(history, cluster, policies, workers=args.workers)
+    advice = recommend(runs)
+    if args.json:
+        print_json({"recommended": advice.policy, "reason": advice.reason, "runs": [r.as_dict() for r in runs]})
+        return 0
+    table = Table(
+        title=f"{history.name}: {len(history.jobs):,} jobs on {cluster.total_gpus:,} GPUs", title_justify="left"
+    )
+    for col in ("policy", "avg JCT s", "p95 JCT s", "avg queue s", "preemptions", "vs FIFO", "oracle share"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in runs:
+        table.add_row(
+            r.policy
+            + (" (oracle)" if r.policy == "sjf" else "")
+            + (" <- recommended" if r.policy == advice.policy else ""),
+            f"{r.avg_jct_s:,.0f}",
+            f"{r.p95_jct_s:,.0f}",
+            f"{r.avg_queue_s:,.0f}",
+            f"{r.preemptions:,}",
+            "" if r.vs_fifo is None else f"{r.vs_fifo:.2f}x",
+            "" if r.oracle_share is None else f"{r.oracle_share:.0%}",
+        )
+    console.print(table)
+    console.print(
+        f"recommended: [bold]{advice.policy}[/bold] ({advice.reason}); set it with `gpuherd policy set {advice.policy}`"
     )
     return 0
 
@@ -157,6 +224,17 @@ def add_commands(sub: Any) -> None:
     pol_set.add_argument("--no-backfill", action="store_true")
     pol_show = pol_sub.add_parser("show")
     pol_show.add_argument("--json", action="store_true")
+    pol_advise = pol_sub.add_parser(
+        "advise", help="replay the recent history under each policy and recommend one, with the table behind it"
+    )
+    pol_advise.add_argument("source", nargs="?", help="a trace, or a log file (.jsonl); default: the live log")
+    pol_advise.add_argument("--kind", help="trace format, when the file name and columns do not tell")
+    pol_advise.add_argument("--days", type=float, default=14.0, help="replay the last D days (0: all of it)")
+    pol_advise.add_argument("--policies", default="fifo,sjf,qssf,las,srtf")
+    pol_advise.add_argument("--scale", type=float, default=1.0, help="each VC at this x its peak demand in the history")
+    pol_advise.add_argument("--cluster", help="cluster spec file (JSON/YAML) instead")
+    pol_advise.add_argument("--workers", type=int, default=1, help="simulations at a time")
+    pol_advise.add_argument("--json", action="store_true")
     pol.set_defaults(func=cmd_policy)
 
     el = sub.add_parser("elastic", help="the elastic service's parameters: show, or set them live")

@@ -10,8 +10,10 @@ Each switch, with gpuherd's default (what runs live) -> the ``helios`` model:
   a node's GPUs on one node, a larger one on whole nodes.
 - ``per_second``: each end and arrival decided as it happens -> all ends, then all arrivals of one
   second, then one pass; durations in whole seconds.
-- ``checkpoint_costs``: a preempted job resumes where it stopped -> each preemption costs a
-  restore of 7 s (1 GPU), 30 s (up to 8) or 60 s (more).
+- ``checkpoint_costs``: each preemption costs a restore of ``RESTART_S`` (3.5 s: what
+  ``bench/bench_elastic.py`` measures for a restart of the example CNN from its checkpoint) ->
+  7 s (1 GPU), 30 s (up to 8) or 60 s (more). ``--checkpoint-cost S`` sets one cost for every size
+  (0: a preempted job resumes where it stopped, at no cost).
 - ``preemption_grace_s`` / ``unlimited_preemptions``: 30 s from the checkpoint signal to the stop,
   at most 2 preemptions of a job per hour -> 0 s, no limit.
 - ``predict_always``: every job's duration predicted (as live) -> only under a policy that ranks
@@ -94,7 +96,10 @@ class SimModel(msgspec.Struct, frozen=True, kw_only=True):
             yield job
 
 
-GPUHERD = SimModel()
+# A restart from a checkpoint: bench_elastic's restart baseline of the example CNN (3-4 s).
+RESTART_S = 3.5
+
+GPUHERD = SimModel(checkpoint_costs=((1 << 30, RESTART_S),))
 HELIOS = SimModel(
     partition_vcs=True,
     backfill=False,

@@ -46,17 +46,19 @@ def make_deciders(
     elastic: bool = False,
     memory: bool = False,
     estimates: Mapping[str, float] | None = None,
+    predictor: Mapping[str, Any] | None = None,
     tick_s: float = 300.0,
     **switches: Any,
 ) -> tuple[list[Decider[Any]], list[Timer]]:
     """The deciders of a simulation and their timers, from every service's spec (``simulated``: its
     part, given the simulation's switches). The switches the built-in services read: ``policy``, the
-    scheduler's (its timer every ``tick_s`` while jobs wait); ``predict``, ``estimates`` and ``ces``,
-    the analytics service's (predictions, given estimates, energy saving on its timer every
-    ``tick_s``); ``elastic`` and ``memory``, whether the elastic service and the memory broker take
-    part. The judge of submissions decides first, then the others by name."""
+    scheduler's (its timer every ``tick_s`` while jobs wait); ``predict``, ``estimates``,
+    ``predictor`` and ``ces``, the analytics service's (predictions, given estimates, the duration
+    model's settings, energy saving on its timer every ``tick_s``); ``elastic`` and ``memory``,
+    whether the elastic service and the memory broker take part. The judge of submissions decides
+    first, then the others by name."""
     given = {"policy": policy, "predict": predict, "ces": ces, "elastic": elastic, "memory": memory}
-    given |= {"estimates": estimates, "tick_s": tick_s, **switches}
+    given |= {"estimates": estimates, "tick_s": tick_s, "predictor": predictor, **switches}
     deciders: list[Decider[Any]] = []
     timers: list[Timer] = []
     for spec in sorted(registry.specs(), key=lambda s: (not s.takes_intake, s.name)):
@@ -129,6 +131,7 @@ def simulate(
     keep_log: bool = True,
     digest: bool = False,
     elastic_jobs: ElasticWorkload | None = None,
+    predictor: Mapping[str, Any] | None = None,
 ) -> SimResult:
     """Run ``submissions`` on ``cluster`` under ``policy``, modelled as ``model`` says. A partitioned
     model runs each VC as a cluster of its own, on its own nodes: on ``workers`` processes (default:
@@ -145,7 +148,7 @@ def simulate(
     run = functools.partial(
         _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
         start=start, elastic=elastic, memory=memory, model=model, estimates=estimates, keep_log=keep_log,
-        digest=digest,
+        digest=digest, predictor=predictor,
     )  # fmt: skip
     if not model.partition_vcs:
         parts = {"": run(jobs, cluster, on_submit=on_submit)}
@@ -237,11 +240,19 @@ def _simulate(
     estimates: Mapping[str, float] | None,
     keep_log: bool,
     digest: bool,
+    predictor: Mapping[str, Any] | None,
 ) -> _Part:
     # (The scheduler's tick decides something only while jobs wait: a simulation hears no heartbeats,
     # so it never finds a node lost. It pauses while none does, and keeps its times.)
     deciders, timers = make_deciders(
-        policy, predict=predict, ces=ces, elastic=elastic, memory=memory, estimates=estimates, tick_s=tick_s
+        policy,
+        predict=predict,
+        ces=ces,
+        elastic=elastic,
+        memory=memory,
+        estimates=estimates,
+        tick_s=tick_s,
+        predictor=predictor,
     )
     table = JobTable()
     sinks: list[Callable[[Record], None]] = [lambda record: table.add(record.event)]

@@ -3,10 +3,13 @@
 State (``state.py``): the core fold, the duration model, and the CES demand history. All of them
 change only in ``evolve``, so a replay rebuilds them exactly.
 
-- ``JobSubmitted`` -> ``JobDurationPredicted`` (the model as it stands: it has learned from
-  every job finished before this submission, never from the future).
-- ``JobFinished`` (folded) -> the model learns the job's run time (GPU-seconds / GPUs over all
-  its attempts), if it ran at all.
+- ``JobSubmitted`` -> ``JobDurationPredicted``: the prediction the fold made when it folded the
+  submission (the model as it stood: it had learned from every job finished before this
+  submission, never from the future).
+- ``JobFinished`` -> the model learned the job's run time (GPU-seconds / GPUs over all its
+  attempts) in the fold, if it ran at all; its burst-mates that have not ended are predicted
+  again (``JobDurationPredicted``) where what it taught moves their prediction by more than
+  ``REVISE_LOG`` (about 22%) or their spread by more than ``REVISE_SIGMA``.
 - ``AnalyticsTicked`` (its timer, with CES on) -> samples demand, forecasts its peak, and powers
   idle nodes down (``NodePowerDownRequested``) or powered-down nodes up (``NodePowerUpRequested``).
   The scheduler also wakes nodes when jobs wait for GPUs that only powered-down nodes have
@@ -15,26 +18,38 @@ change only in ``evolve``, so a replay rebuilds them exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import Any
 
 from gpuherd import events as ev
 from gpuherd.fold import TERMINAL
 from gpuherd.runtime.decider import Decider
 from services.analytics.ces import CesParams, forecast_peak, plan_power
-from services.analytics.predict import MODEL_NAME
-from services.analytics.state import AnalyticsState, evolve, features
+from services.analytics.predict import MODEL_NAME, DurationModel, Prediction
+from services.analytics.state import AnalyticsState, evolve
+
+REVISE_LOG = 0.2  # a revision is recorded when it moves the median by more than this (log seconds)
+REVISE_SIGMA = 0.25  # ... or the spread by more than this
 
 
 class AnalyticsDecider(Decider[AnalyticsState]):
     name = "analytics"
-    STATE_FORMAT = 2
-    FOLLOWS = frozenset({ev.JobSubmitted, ev.AnalyticsTicked})
+    STATE_FORMAT = 3  # 3: the duration model of trees, bursts and spreads; predictions made in the fold
+    FOLLOWS = frozenset({ev.JobSubmitted, ev.JobFinished, ev.AnalyticsTicked})
     EMITS = frozenset({ev.JobDurationPredicted, ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.AnalyticsTicked})
 
     def __init__(
-        self, *, predict: bool = True, ces: CesParams | None = None, estimates: Mapping[str, float] | None = None
+        self,
+        *,
+        predict: bool = True,
+        ces: CesParams | None = None,
+        estimates: Mapping[str, float] | None = None,
+        model: Mapping[str, Any] | None = None,
     ) -> None:
         self.predict = predict
+        self.model = dict(model or {})  # the duration model's settings (``DurationModel``'s fields)
+        DurationModel(**self.model)  # (an unknown setting fails here, not at the first event)
         self.ces = ces  # None: no energy saving
         # Given estimates (intake id -> seconds), e.g. another system's, instead of the model's:
         # a job without one gets the model's prediction.
@@ -42,16 +57,18 @@ class AnalyticsDecider(Decider[AnalyticsState]):
 
     def follows(self, event: ev.Event) -> bool:
         kind = type(event)
-        return (kind is ev.JobSubmitted and self.predict) or (kind is ev.AnalyticsTicked and self.ces is not None)
+        return (kind in (ev.JobSubmitted, ev.JobFinished) and self.predict) or (
+            kind is ev.AnalyticsTicked and self.ces is not None
+        )
 
     def initial_state(self) -> AnalyticsState:
-        return AnalyticsState(retain_finished=False)
+        return AnalyticsState(retain_finished=False, model=DurationModel(**self.model))
 
     def state_type(self) -> type[AnalyticsState]:
         return AnalyticsState
 
     def evolve(self, state: AnalyticsState, seq: int, event: ev.Event) -> AnalyticsState:
-        return evolve(state, seq, event, self.ces)
+        return evolve(state, seq, event, self.ces, predict=self.predict)
 
     def independent(self, event: ev.Event) -> str | None:
         # A prediction reads the model and the job alone.
@@ -67,8 +84,20 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             given = self.estimates.get(job.spec.intake_id or "") if self.estimates is not None else None
             if given is not None:
                 return [ev.JobDurationPredicted(job=event.job, seconds=given, model="given", basis="estimates file")]
-            guess = state.model.predict(features(job))
-            return [ev.JobDurationPredicted(job=event.job, seconds=guess.seconds, model=MODEL_NAME, basis=guess.basis)]
+            guess = state.fresh.get(event.job)
+            return [] if guess is None else [_predicted(event.job, guess)]
+        if isinstance(event, ev.JobFinished) and self.predict:
+            out = []
+            for mate in state.model.mates(event.job):
+                before = state.predicted.get(mate)
+                if before is None or mate not in state.jobs or state.jobs[mate].status in TERMINAL:
+                    continue  # (not predicted yet: its first prediction already knows)
+                if self.estimates is not None and state.jobs[mate].spec.intake_id in self.estimates:
+                    continue
+                guess = state.model.revise(mate)
+                if guess is not None and _moved(before, guess):
+                    out.append(_predicted(mate, guess))
+            return out
         if isinstance(event, ev.AnalyticsTicked) and self.ces is not None:
             return self._power(state, event.at)
         return []
@@ -88,3 +117,24 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             asleep = sorted((n for n in nodes if n.power in ("draining", "off")), key=lambda n: (n.power, n.node))
             return [ev.NodePowerUpRequested(node=n.node, reason=reason) for n in asleep[: plan.up]]
         return []
+
+
+def _predicted(job: str, guess: Prediction) -> ev.JobDurationPredicted:
+    return ev.JobDurationPredicted(
+        job=job,
+        seconds=guess.seconds,
+        model=MODEL_NAME,
+        basis=guess.basis,
+        sigma=guess.sigma,
+        user_history=guess.user_history,
+        version=guess.version,
+        features=guess.digest,
+    )
+
+
+def _moved(before: tuple[float, float], guess: Prediction) -> bool:
+    seconds, sigma = before
+    return (
+        abs(math.log(max(guess.seconds, 1.0) / max(seconds, 1.0))) > REVISE_LOG
+        or abs(guess.sigma - sigma) > REVISE_SIGMA
+    )

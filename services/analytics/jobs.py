@@ -79,12 +79,13 @@ class JobTable:
             _close_attempt(job, event.at)
             job.end = event.at
             job.state = event.outcome
-        elif isinstance(event, ev.JobDurationPredicted):
-            job.predicted_s = event.seconds
+        elif isinstance(event, ev.JobDurationPredicted) and job.start is None:
+            job.predicted_s = event.seconds  # (the one in force when it first started)
 
     def trace(self, name: str = "log") -> Trace:
         """The table of every job added so far (plus columns ``jct``, ``run``, ``preemptions``,
-        ``attempts``, ``predicted``). Rejected submissions count as not used."""
+        ``attempts``, ``predicted``: the duration predicted when it first started, or the latest if
+        it never did). Rejected submissions count as not used."""
         rows = []
         for job in self.jobs.values():
             jct = None if job.end is None else job.end - job.submit

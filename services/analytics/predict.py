@@ -1,97 +1,517 @@
 """Online job-duration prediction from the history of finished jobs (Helios' QSSF input).
 
-The model learns as jobs finish, from what a submission says about a job:
-user, job name, VC and GPU count. Public traces often lack some of these
-(``philly.csv`` has neither user nor name; ITP has no VC), so features are
-used as a back-off ladder, most specific first:
+What a submission says about a job (user, name, VC, GPUs, nodes, the time it came) is turned into
+a feature vector made of the history the model has folded so far, and a gradient-boosted tree model
+(LightGBM), refitted in batches inside the fold, maps it to a log-duration. Between refits the
+features themselves are the cheap online layer: they move with every finished job.
 
-    user+name  ->  user+gpus  ->  vc+gpus  ->  vc  ->  gpus  ->  all
+Features (``FEATURES``; NaN where a trace does not have it):
 
-The prediction is the median of the last ``window`` durations seen under the
-first key with at least ``min_samples`` of them, taken in log space (durations
-span seconds to months; the median is robust to the long tail). Recent jobs
-weigh by being in the window: repeated runs of one experiment, the common
-case in DL clusters, are what the user+name key catches when a trace has it.
+- the job: log2 GPUs, nodes, hour of day and day of week of its submission;
+- for each history key (``user+name``, ``user+gpus``, ``user``, ``vc+gpus``, ``vc``, ``gpus``,
+  ``all``): the median, spread and last value of the log-durations of its last ``window``
+  finished jobs, and how many there were. Traces without users or names (``philly.csv``, ITP)
+  keep the keys they have;
+- its *burst*: jobs of the same (user, VC, GPUs) submitted within ``burst_gap_s`` of each other
+  (a sweep, a resubmission): its place in the burst, the burst's age, the gap since the previous
+  submission of that key, and the previous burst's size and median finished duration.
 
-Why not a GBDT (LightGBM, as in Helios)? The model must learn after every
-finished job inside a pure decider (deterministic, replayable, cheap enough
-for 82k-job simulations); a median over a back-off ladder updates in O(1)
-and, on the features these traces have, a tree model has little more to
-split on. ``evaluate`` reports the accuracy this gets on any trace.
+What it predicts is a log-normal: ``mu`` (log seconds) and ``sigma``, the spread of the model's
+own out-of-sample errors (each job's error at its submission, learned when it finishes), so a
+scheduler can rank by any quantile (``Prediction.quantile``). When jobs of a burst finish, the
+prediction of their burst-mates that have not ended is revised (``revise``): a normal-normal update
+of ``mu`` with the finished mates' median, weighted by the within-burst spread learned online.
+
+Learning happens only in ``observe`` (a job finished) and ``refit`` (every ``refit_every``
+finished jobs, at most ``train_window`` of the latest), both called from the analytics decider's
+fold: the model knows only jobs that finished before the prediction it makes (``evaluate`` holds
+trace replays to the same rule), and the same log refolds the same model, bit for bit
+(LightGBM single-threaded, deterministic, seeded). ``version`` counts refits and goes into each
+``JobDurationPredicted`` with a digest of the feature vector, so an audit can re-derive it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import statistics
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
 import pandas as pd
 
-MODEL_NAME = "backoff-median"
+from gpuherd.stats import quantile_s
 
-
+MODEL_NAME = "history-gbdt"
 # What a trace records for a user or a job name it does not have (intake needs both to be given).
 UNKNOWN = "-"
 
+KEYS = ("user+name", "user+gpus", "user", "vc+gpus", "vc", "gpus", "all")
+_PER_KEY = ("med", "sd", "last", "n")
+FEATURES: tuple[str, ...] = (
+    "log2_gpus",
+    "nodes",
+    "hour",
+    "weekday",
+    *(f"{key}.{stat}" for key in KEYS for stat in _PER_KEY),
+    "burst.position",
+    "burst.age_s",
+    "burst.gap_s",
+    "burst.previous_size",
+    "burst.previous_med",
+    "ladder",  # the back-off median (the trees learn a correction of it)
+)
+_NAN = float("nan")
+
 
 class Features(msgspec.Struct, frozen=True):
+    """What a submission says about a job."""
+
     vc: str
     gpus: int
     user: str = ""
     name: str = ""
+    nodes: int = 0
+    at: float = 0.0  # submission time (Unix seconds)
 
-    def ladder(self) -> list[tuple[str, str]]:
-        """(ladder level, history key), most specific first; levels whose features are absent (or
-        ``UNKNOWN``) are skipped."""
-        out = []
+    def history_keys(self) -> list[tuple[str, str]]:
+        """(key kind, history key) for each key the job has (unknown users and names are left out)."""
         user = self.user if self.user != UNKNOWN else ""
         name = self.name if self.name != UNKNOWN else ""
+        out = []
         if user and name:
-            out.append(("user+name", f"un|{self.user}|{self.name}"))
+            out.append(("user+name", f"un|{user}|{name}"))
         if user:
-            out.append(("user+gpus", f"ug|{self.user}|{self.gpus}"))
+            out.append(("user+gpus", f"ug|{user}|{self.gpus}"))
+            out.append(("user", f"u|{user}"))
         out.append(("vc+gpus", f"vg|{self.vc}|{self.gpus}"))
         out.append(("vc", f"v|{self.vc}"))
         out.append(("gpus", f"g|{self.gpus}"))
         out.append(("all", "all"))
         return out
 
+    def burst_key(self) -> str:
+        user = self.user if self.user != UNKNOWN else ""
+        return f"{user}|{self.vc}|{self.gpus}"
+
 
 class Prediction(msgspec.Struct, frozen=True):
-    seconds: float
-    basis: str  # the ladder level and how many jobs it rests on
+    seconds: float  # the median: exp(mu)
+    basis: str  # what it rests on
+    mu: float = 0.0  # log seconds
+    sigma: float = 0.0  # spread of log seconds
+    version: int = 0  # the model's refit count
+    digest: str = ""  # of the feature vector
+    user_history: int = 0  # the user's finished jobs the model knew
+
+    def quantile(self, q: float) -> float:
+        return quantile_s(self.seconds, self.sigma, q)
 
 
-class DurationModel(msgspec.Struct, kw_only=True):
+class Burst(msgspec.Struct, kw_only=True, gc=False):
+    """Jobs of one key submitted close together: their number, first and last submission, and the
+    log-durations of those finished."""
+
+    first_at: float
+    last_at: float
+    size: int = 0
+    finished: list[float] = msgspec.field(default_factory=list)
+    open_jobs: list[str] = msgspec.field(default_factory=list)  # submitted, not ended (forgotten when none is)
+
+
+class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A submitted job the model has predicted and not yet seen finish."""
+
+    x: tuple[float, ...]  # its features at submission (a training row once it finishes)
+    mu: float  # the model's log-duration at submission (its error feeds sigma)
+    burst: str  # its burst's id
+    version: int  # the model's version at submission
+    error_key: str  # the history key whose errors give its spread
+    user_history: int
+    basis: str
+    digest: str  # of ``x``
+
+
+# Trees compiled from a model's text, once per process (the state keeps only the text).
+_TREES: dict[str, Trees] = {}
+
+
+class Trees:
+    """A LightGBM model's trees as flat lists, evaluated in Python: one row at a time, as the decider
+    predicts, this is several times faster than a call into LightGBM, and gives the same numbers
+    (``tests/unit/test_predict.py`` holds it to ``Booster.predict``)."""
+
+    def __init__(self, text: str) -> None:
+        import lightgbm
+
+        dump = lightgbm.Booster(model_str=text).dump_model()
+        self.trees = [_flatten(info["tree_structure"]) for info in dump["tree_info"]]
+
+    def predict(self, x: list[float]) -> float:
+        total = 0.0
+        for feature, threshold, left, right, mode, leaf_value in self.trees:
+            node = 0
+            while node >= 0:
+                value = x[feature[node]]
+                how = mode[node]
+                if how == 0:
+                    if value != value:
+                        value = 0.0
+                    node = left[node] if value <= threshold[node] else right[node]
+                elif (value != value) if how < 4 else (value != value or abs(value) <= 1e-35):
+                    node = left[node] if how & 1 else right[node]
+                else:
+                    node = left[node] if value <= threshold[node] else right[node]
+            total += leaf_value[-node - 1]
+        return total
+
+
+Tree = tuple[list[int], list[float], list[int], list[int], list[int], list[float]]
+
+
+def _flatten(root: dict) -> Tree:
+    """One tree of ``dump_model`` as lists: split feature, threshold, left and right child (a leaf
+    as a negative index, -1 the first), how a missing value goes (0: as 0.0; 1/2: NaN goes left/right;
+    5/6: NaN or zero goes left/right), leaf values."""
+    feature: list[int] = []
+    threshold: list[float] = []
+    left: list[int] = []
+    right: list[int] = []
+    mode: list[int] = []
+    leaf_value: list[float] = []
+
+    def add(node: dict) -> int:
+        if "split_feature" not in node:
+            leaf_value.append(float(node.get("leaf_value", 0.0)))
+            return -len(leaf_value)
+        i = len(feature)
+        feature.append(int(node["split_feature"]))
+        threshold.append(float(node["threshold"]))
+        missing = node.get("missing_type", "None")
+        way = 1 if node.get("default_left", True) else 2
+        mode.append(0 if missing == "None" else way + (4 if missing == "Zero" else 0))
+        left.append(0)
+        right.append(0)
+        left[i] = add(node["left_child"])
+        right[i] = add(node["right_child"])
+        return i
+
+    if add(root) < 0:  # a tree of one leaf: a split that always goes to it
+        feature.append(0)
+        threshold.append(math.inf)
+        left.append(-1)
+        right.append(-1)
+        mode.append(0)
+    return feature, threshold, left, right, mode, leaf_value
+
+
+_LAST: list[Any] = [None, None]  # the text last compiled, and its trees (most calls ask for it again)
+
+
+def _trees(text: str) -> Trees:
+    if _LAST[0] is text:
+        return _LAST[1]
+    key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    trees = _TREES.get(key)
+    if trees is None:
+        if len(_TREES) > 8:
+            _TREES.clear()
+        trees = _TREES[key] = Trees(text)
+    _LAST[:] = [text, trees]
+    return trees
+
+
+class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     """The learned history (part of the analytics decider's state, so it snapshots and replays)."""
 
-    window: int = 32
-    min_samples: int = 3
+    window: int = 32  # finished jobs per history key
+    min_samples: int = 3  # before a key's median counts for the fallback ladder
     default_s: float = 3600.0  # before anything has finished
+    burst_gap_s: float = 60.0
+    refit_every: int = 1000  # finished jobs between refits (and the first refit)
+    train_window: int = 20_000  # the latest finished jobs a refit learns from
+    trees: int = 30
+    learning_rate: float = 0.05
+    min_leaf: int = 100
+    objective: str = "regression_l1"  # the conditional median of log seconds
+    seed: int = 0
+    learner: str = "lightgbm"  # or "ladder": no trees, the back-off median alone
     history: dict[str, list[float]] = msgspec.field(default_factory=dict)  # key -> recent log(seconds)
+    bursts: dict[str, Burst] = msgspec.field(default_factory=dict)  # burst id -> burst
+    open_burst: dict[str, str] = msgspec.field(default_factory=dict)  # burst key -> its latest burst's id
+    previous_burst: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # key -> (size, median)
+    pending: dict[str, Pending] = msgspec.field(default_factory=dict)  # job -> its submission's features
+    rows: list[tuple[float, ...]] = msgspec.field(default_factory=list)  # training rows (features + target)
+    errors: list[float] = msgspec.field(default_factory=list)  # recent out-of-sample errors of mu
+    burst_errors: list[float] = msgspec.field(default_factory=list)  # finished job vs its burst's earlier ones
+    error_sq: float = 0.0  # sums of squares of both (kept as they move)
+    burst_error_sq: float = 0.0
+    key_errors: dict[str, list[float]] = msgspec.field(default_factory=dict)  # the errors of each VC+GPUs or user
+    key_error_sq: dict[str, float] = msgspec.field(default_factory=dict)
+    ended_in: dict[str, str] = msgspec.field(default_factory=dict)  # recently ended job -> its burst (bounded)
     observed: int = 0
+    since_refit: int = 0
+    version: int = 0
+    booster: str = ""  # LightGBM model text ("" before the first refit)
+    fit_s: float = 0.0  # wall time spent refitting (not part of any decision)
 
-    def observe(self, features: Features, seconds: float) -> None:
+    def compiled(self) -> Trees:
+        return _trees(self.booster)
+
+    # -- features ---------------------------------------------------------------------------------
+
+    def features(self, f: Features, burst_id: str | None = None) -> list[float]:
+        """The feature vector of a job submitted now (``FEATURES``' order)."""
+        x = [math.log2(max(f.gpus, 1)), float(f.nodes or 0)]
+        if f.at > 1e8:  # calendar time (traces that give offsets have no time of day)
+            day = f.at / 86400.0
+            x += [(day % 1.0) * 24.0, float(int(day + 3) % 7)]  # 1970-01-01 was a Thursday
+        else:
+            x += [_NAN, _NAN]
+        present = dict(f.history_keys())
+        for kind in KEYS:
+            recent = self.history.get(present.get(kind, ""))
+            if recent:
+                ordered = sorted(recent)
+                n = len(ordered)
+                med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+                x += [med, ordered[(3 * n) // 4] - ordered[n // 4], recent[-1], float(n)]
+            else:
+                x += [_NAN, _NAN, _NAN, 0.0]
+        burst = self.bursts.get(burst_id) if burst_id is not None else None
+        key = f.burst_key()
+        size, med = self.previous_burst.get(key, (0, _NAN))
+        if burst is not None:
+            x += [math.log1p(burst.size - 1), math.log1p(f.at - burst.first_at)]
+        else:
+            x += [0.0, 0.0]
+        last = self.bursts.get(self.open_burst.get(key, ""))
+        gap = f.at - last.last_at if last is not None and burst is not last else _NAN
+        x += [math.log1p(max(gap, 0.0)) if gap == gap else _NAN, math.log1p(size), med]
+        x.append(self._ladder(f)[0])
+        return x
+
+    # -- predicting ---------------------------------------------------------------------------------
+
+    def submit(self, job: str, f: Features) -> Prediction:
+        """Predict a job submitted now and remember its features (its training row once it finishes)."""
+        burst_id = self._join_burst(job, f)
+        x = self.features(f, burst_id)
+        mu, basis = self._mu(f, x)
+        pending = self._pending(f, x, mu, basis, burst_id)
+        self.pending[job] = pending
+        return self._prediction(pending)
+
+    def predict(self, f: Features) -> Prediction:
+        """What ``submit`` would predict, without remembering the job."""
+        x = self.features(f, None)
+        mu, basis = self._mu(f, x)
+        return self._prediction(self._pending(f, x, mu, basis, ""))
+
+    def _pending(self, f: Features, x: list[float], mu: float, basis: str, burst_id: str) -> Pending:
+        error_key, history = self._error_key(f), self._user_history(f)
+        return Pending(tuple(x), mu, burst_id, self.version, error_key, history, basis, features_digest(x))
+
+    def revise(self, job: str) -> Prediction | None:
+        """The prediction of a job not yet ended, with what its burst-mates' ends taught since
+        its submission (None: nothing they taught)."""
+        pending = self.pending.get(job)
+        if pending is None:
+            return None
+        burst = self.bursts.get(pending.burst)
+        if burst is None or not burst.finished:
+            return None
+        return self._prediction(pending)
+
+    def mates(self, job: str) -> list[str]:
+        """The jobs of the burst of ``job`` (which just ended) that have not ended."""
+        burst = self.bursts.get(self.ended_in.get(job, ""))
+        return list(burst.open_jobs) if burst is not None else []
+
+    def _user_history(self, f: Features) -> int:
+        user = f.user if f.user != UNKNOWN else ""
+        return len(self.history.get(f"u|{user}", ())) if user else 0
+
+    @staticmethod
+    def _error_key(f: Features) -> str:
+        user = f.user if f.user != UNKNOWN else ""
+        return f"u|{user}" if user else f"vg|{f.vc}|{f.gpus}"
+
+    def sigma(self, error_key: str) -> float:
+        """The spread of the model's errors on jobs of ``error_key`` (else on all jobs)."""
+        errors = self.key_errors.get(error_key)
+        if errors is not None and len(errors) >= 10:
+            return max(math.sqrt(max(self.key_error_sq[error_key], 0.0) / len(errors)), 0.05)
+        n = len(self.errors)
+        return max(math.sqrt(max(self.error_sq, 0.0) / n), 0.05) if n >= 20 else 1.5
+
+    def _mu(self, f: Features, x: list[float]) -> tuple[float, str]:
+        base, basis = self._ladder(f)
+        if self.booster and self.learner == "lightgbm":
+            value = base + self.compiled().predict(x)
+            return value, f"gbdt v{self.version} on {min(self.observed, self.train_window):,} jobs + {basis}"
+        return base, basis
+
+    def _ladder(self, f: Features) -> tuple[float, str]:
+        """The back-off median: of the most specific history key with ``min_samples`` jobs."""
+        for kind, key in f.history_keys():
+            recent = self.history.get(key)
+            if recent is not None and len(recent) >= self.min_samples:
+                return statistics.median(recent), f"{kind}: last {len(recent)} jobs"
+        return math.log(self.default_s), "default: no history yet"
+
+    def _prediction(self, pending: Pending) -> Prediction:
+        mu, basis, sigma = pending.mu, pending.basis, self.sigma(pending.error_key)
+        burst = self.bursts.get(pending.burst) if pending.burst else None
+        if burst is not None and burst.finished:
+            # Normal-normal update: the model's mu (spread sigma) with the median of the finished
+            # burst-mates (each of spread ``within``).
+            n = len(self.burst_errors)
+            within = max(math.sqrt(max(self.burst_error_sq, 0.0) / n), 0.1) if n >= 20 else 0.5
+            k = len(burst.finished)
+            w0, w1 = 1.0 / sigma**2, k / within**2
+            mu = (w0 * mu + w1 * statistics.median(burst.finished)) / (w0 + w1)
+            sigma = math.sqrt(1.0 / (w0 + w1))
+            basis = f"{basis}; {k} of its burst finished"
+        seconds = round(math.exp(min(mu, 25.0)), 1)
+        return Prediction(
+            seconds=seconds,
+            basis=basis,
+            mu=round(mu, 6),
+            sigma=round(sigma, 4),
+            version=pending.version,
+            digest=pending.digest,
+            user_history=pending.user_history,
+        )
+
+    def _join_burst(self, job: str, f: Features) -> str:
+        key = f.burst_key()
+        current = self.open_burst.get(key)
+        burst = self.bursts.get(current) if current is not None else None
+        if burst is None or f.at - burst.last_at > self.burst_gap_s:
+            if burst is not None:
+                self._close_burst(key, burst, current)  # type: ignore[arg-type]
+            current = f"{key}#{job}"
+            burst = self.bursts[current] = Burst(first_at=f.at, last_at=f.at)
+            self.open_burst[key] = current
+        burst.last_at = f.at
+        burst.size += 1
+        burst.open_jobs.append(job)
+        return current
+
+    def _close_burst(self, key: str, burst: Burst, burst_id: str) -> None:
+        med = statistics.median(burst.finished) if burst.finished else _NAN
+        if burst.finished or key not in self.previous_burst:
+            self.previous_burst[key] = (burst.size, med)
+        if not burst.open_jobs:
+            self.bursts.pop(burst_id, None)
+
+    # -- learning ---------------------------------------------------------------------------------
+
+    def observe(self, job: str, f: Features, seconds: float) -> None:
+        """A job finished after running ``seconds``: learn it."""
         value = math.log(max(seconds, 1.0))
-        for _, key in features.ladder():
+        for _, key in f.history_keys():
             recent = self.history.setdefault(key, [])
             recent.append(value)
             if len(recent) > self.window:
                 del recent[0]
         self.observed += 1
+        pending = self.pending.pop(job, None)
+        if pending is None:
+            return  # (submitted before the model followed it: nothing to train on)
+        error = value - pending.mu
+        self.error_sq += _push(self.errors, error, 2000)
+        key_errors = self.key_errors.setdefault(pending.error_key, [])
+        self.key_error_sq[pending.error_key] = self.key_error_sq.get(pending.error_key, 0.0) + _push(
+            key_errors, error, 64
+        )
+        burst = self.bursts.get(pending.burst)
+        if burst is not None:
+            if burst.finished:
+                self.burst_error_sq += _push(self.burst_errors, value - statistics.median(burst.finished), 2000)
+            burst.finished.append(value)
+            if len(burst.finished) > self.window:
+                del burst.finished[0]
+        self._ended(job, pending, f.burst_key())
+        self.rows.append((*pending.x, value))
+        if len(self.rows) > self.train_window:
+            del self.rows[: len(self.rows) - self.train_window]
+        self.since_refit += 1
+        if self.learner == "lightgbm" and self.since_refit >= max(self.refit_every, self.observed // 8):
+            self.refit()
 
-    def predict(self, features: Features) -> Prediction:
-        for level, key in features.ladder():
-            recent = self.history.get(key)
-            if recent is not None and len(recent) >= self.min_samples:
-                seconds = math.exp(statistics.median(recent))
-                return Prediction(seconds=round(seconds, 1), basis=f"{level}: last {len(recent)} jobs")
-        return Prediction(seconds=self.default_s, basis="default: no history yet")
+    def forget(self, job: str, f: Features) -> None:
+        """A job ended without running (cancelled, failed to start): nothing to learn."""
+        pending = self.pending.pop(job, None)
+        if pending is not None:
+            self._ended(job, pending, f.burst_key())
+
+    def _ended(self, job: str, pending: Pending, key: str) -> None:
+        """``job`` left its burst (a burst with no open job left, and no longer the open one, goes)."""
+        self.ended_in[job] = pending.burst
+        if len(self.ended_in) > 4096:
+            del self.ended_in[next(iter(self.ended_in))]
+        burst = self.bursts.get(pending.burst)
+        if burst is None:
+            return
+        burst.open_jobs.remove(job)
+        if not burst.open_jobs and self.open_burst.get(key) != pending.burst:
+            del self.bursts[pending.burst]
+
+    def refit(self) -> None:
+        """Fit the trees on the latest finished jobs (deterministic: one thread, fixed seed)."""
+        import lightgbm
+
+        t0 = time.perf_counter()
+        data = np.asarray(self.rows, dtype=np.float64)
+        params = {
+            "objective": self.objective,
+            "learning_rate": self.learning_rate,
+            "num_leaves": 31,
+            "min_data_in_leaf": self.min_leaf,
+            "feature_fraction": 0.9,
+            "bagging_fraction": 1.0,
+            "lambda_l2": 1.0,
+            "num_threads": 1,
+            "deterministic": True,
+            "force_row_wise": True,
+            "seed": self.seed,
+            "verbosity": -1,
+        }
+        # The trees learn what to add to the back-off median (the last feature): a staircase of
+        # splits approximates the identity badly, a correction of it well.
+        label = data[:, -1] - data[:, -2]
+        dataset = lightgbm.Dataset(data[:, :-1], label=label, feature_name=list_names(), free_raw_data=True)
+        booster = lightgbm.train(params, dataset, num_boost_round=self.trees)
+        self.booster = booster.model_to_string()
+        self.version += 1
+        self.since_refit = 0
+        self.fit_s += time.perf_counter() - t0
+
+
+def features_digest(x: Iterable[float]) -> str:
+    """A short digest of a feature vector (what ``JobDurationPredicted.features`` records)."""
+    return hashlib.blake2b(np.asarray(tuple(x), dtype=np.float64).tobytes(), digest_size=6).hexdigest()
+
+
+def list_names() -> list[str]:
+    return [name.replace("+", "_").replace(".", "_") for name in FEATURES]
+
+
+def _push(values: list[float], value: float, limit: int) -> float:
+    """Append ``value`` to the window ``values``; returns the change of its sum of squares."""
+    values.append(value)
+    change = value * value
+    if len(values) > limit:
+        change -= values[0] * values[0]
+        del values[0]
+    return change
 
 
 # -- accuracy on a trace ---------------------------------------------------------------------------
@@ -104,6 +524,8 @@ class Accuracy:
     median_relative_error: float
     within_2x: float  # share of predictions within a factor of two of the truth
     by_basis: dict[str, int]
+    fit_s: float = 0.0
+    predict_s: float = 0.0
 
     def row(self) -> dict[str, float | int]:
         return {
@@ -118,21 +540,32 @@ def features_of(row: object) -> Features:
     def text(value: object) -> str:
         return "" if value is None or pd.isna(value) else str(value)
 
+    nodes = getattr(row, "nodes", 0)
     return Features(
         vc=text(getattr(row, "vc", "")) or "default",
         gpus=int(getattr(row, "gpus", 1)),
         user=text(getattr(row, "user", "")),
         name=text(getattr(row, "name", "")),
+        nodes=0 if nodes is None or pd.isna(nodes) else int(nodes),
+        at=float(getattr(row, "submit_time", 0.0)),
     )
 
 
-def evaluate(jobs: pd.DataFrame, model: DurationModel | None = None) -> tuple[Accuracy, np.ndarray]:
+def evaluate(
+    jobs: pd.DataFrame,
+    model: DurationModel | None = None,
+    *,
+    on_predict: Callable[[int, Prediction], None] | None = None,
+    freeze_after: float | None = None,
+) -> tuple[Accuracy, np.ndarray]:
     """Predict every job at its submission from the jobs that had *finished* by then (a
     time-ordered split: the model never sees the future), learning as they finish.
 
     A job's finish is its recorded end time, else submit + queue + duration, else (no queueing
     recorded, as in ``philly.csv``) submit + duration: the earliest it could have finished, so
     with unknown queueing the model may learn from a job slightly before it really finished.
+    ``freeze_after``: the model learns nothing from jobs that finish after this time (a time
+    split: how well a model trained on the first weeks does on the rest, without learning).
     Returns the accuracy and the predictions (in the table's row order)."""
     model = model or DurationModel()
     ends = jobs["end_time"].to_numpy(dtype="float64", na_value=np.nan)
@@ -142,24 +575,36 @@ def evaluate(jobs: pd.DataFrame, model: DurationModel | None = None) -> tuple[Ac
     finish = np.where(np.isfinite(ends), ends, submit + queue + duration)
     order = np.argsort(submit, kind="stable")
     rows = list(jobs.itertuples(index=False))
+    ids = [str(i) for i in range(len(rows))]
     feats = [features_of(r) for r in rows]
     predicted = np.empty(len(rows))
     bases: dict[str, int] = {}
     finished: list[tuple[float, int]] = []  # (finish time, row) of submitted jobs not yet learned
+    predict_s = 0.0
     for i in order:
         while finished and finished[0][0] <= submit[i]:
-            _, j = heapq.heappop(finished)
-            model.observe(feats[j], duration[j])
-        guess = model.predict(feats[i])
+            end, j = heapq.heappop(finished)
+            if freeze_after is None or end <= freeze_after:
+                model.observe(ids[j], feats[j], duration[j])
+        t0 = time.perf_counter()
+        guess = model.submit(ids[i], feats[i])
+        predict_s += time.perf_counter() - t0
         predicted[i] = guess.seconds
-        level = guess.basis.split(":")[0]
+        if on_predict is not None:
+            on_predict(int(i), guess)
+        level = guess.basis.split(":")[0].split(" v")[0]
         bases[level] = bases.get(level, 0) + 1
         heapq.heappush(finished, (finish[i], int(i)))
-    return accuracy(predicted, duration, bases), predicted
+    result = accuracy(predicted, duration, bases)
+    return (
+        Accuracy(**{**result.__dict__, "fit_s": model.fit_s, "predict_s": predict_s}),
+        predicted,
+    )
 
 
 def accuracy(predicted: np.ndarray, actual: np.ndarray, by_basis: dict[str, int] | None = None) -> Accuracy:
     actual = np.maximum(actual, 1.0)
+    predicted = np.asarray(predicted, dtype=np.float64)
     error = np.abs(predicted - actual)
     ratio = np.maximum(predicted / actual, actual / np.maximum(predicted, 1e-9))
     return Accuracy(

@@ -43,12 +43,15 @@ def _tasks(args: argparse.Namespace) -> list[ExtraTask]:
 
 def _simulated(switches: Mapping[str, Any]) -> Simulated | None:
     """Predictions (or the ``estimates`` given) where a policy ranks by them or they are asked for,
-    and energy saving with ``ces`` (its parameters; ``{}`` for the defaults)."""
+    by the duration model ``predictor`` (its settings; default the model's own), and energy saving
+    with ``ces`` (its parameters; ``{}`` for the defaults)."""
     predict, estimates, ces = switches.get("predict", True), switches.get("estimates"), switches.get("ces")
     if not predict and estimates is None and ces is None:
         return None  # (it would only fold)
     energy = CesParams(**ces) if ces is not None else None
-    made = AnalyticsDecider(predict=predict or estimates is not None, ces=energy, estimates=estimates)
+    made = AnalyticsDecider(
+        predict=predict or estimates is not None, ces=energy, estimates=estimates, model=switches.get("predictor")
+    )
     return Simulated(made, tick_every_s=switches.get("tick_s", 300.0))
 
 

@@ -1,5 +1,10 @@
 """The analytics service's own state: the core fold plus its duration model (learned from every
-finished job), the jobs it predicted, and the history of node demand energy saving forecasts from."""
+finished job), the predictions it made and recorded, and the history of node demand energy saving
+forecasts from.
+
+A submission is predicted when it is folded (the model as it stands then: it has learned from every
+job finished before, never from the future); the decider records that prediction. The model learns
+only here, from the log, so a replay rebuilds it exactly."""
 
 from __future__ import annotations
 
@@ -10,18 +15,24 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd.fold import TERMINAL, ClusterState, JobState, apply
 from services.analytics.ces import CesParams, DemandHistory
-from services.analytics.predict import DurationModel, Features
+from services.analytics.predict import DurationModel, Features, Prediction
 
 
 class AnalyticsState(ClusterState, kw_only=True, gc=False):
     model: DurationModel = msgspec.field(default_factory=DurationModel)
-    predicted: dict[str, None] = msgspec.field(default_factory=dict)  # jobs with a JobDurationPredicted
+    # Jobs with a recorded JobDurationPredicted -> its (seconds, sigma): the latest one in force
+    predicted: dict[str, tuple[float, float]] = msgspec.field(default_factory=dict)
+    fresh: dict[str, Prediction] = msgspec.field(default_factory=dict)  # made at submission, not yet recorded
     demand: DemandHistory = msgspec.field(default_factory=DemandHistory)
     last_power_down_at: float = -1e18
 
 
 def features(job: JobState) -> Features:
-    return Features(vc=job.spec.vc, gpus=job.spec.gpus, user=job.spec.user, name=job.spec.name)
+    spec = job.spec
+    name = spec.name
+    if spec.command:  # the script's name says more than a free-form job name, where both are given
+        name = f"{name}|{' '.join(spec.command[:2])}"
+    return Features(vc=spec.vc, gpus=spec.gpus, user=spec.user, name=name, nodes=spec.nodes or 0, at=job.submitted_at)
 
 
 def demand_nodes(state: ClusterState) -> int:
@@ -35,20 +46,32 @@ def demand_nodes(state: ClusterState) -> int:
     return busy + math.ceil(max(0, waiting - free) / per_node)
 
 
-def evolve(state: AnalyticsState, seq: int, event: ev.Event, ces: CesParams | None) -> AnalyticsState:
-    """Fold ``event``: the model learns a job's run time when it finishes (never from the future)."""
+def evolve(
+    state: AnalyticsState, seq: int, event: ev.Event, ces: CesParams | None, *, predict: bool = True
+) -> AnalyticsState:
+    """Fold ``event``: a submission is predicted, and the model learns a job's run time when it
+    finishes (never from the future)."""
     if isinstance(event, ev.JobFinished):
         job = state.jobs.get(event.job)
         was_active = job is not None and job.status not in TERMINAL
         apply(state, seq, event)
-        if job is not None and was_active and job.service_gpu_s > 0:
-            state.model.observe(features(job), job.service_gpu_s / job.spec.gpus)
+        if job is not None and was_active and predict:
+            if job.service_gpu_s > 0:
+                state.model.observe(job.job, features(job), job.service_gpu_s / job.spec.gpus)
+            else:
+                state.model.forget(job.job, features(job))
         if event.job not in state.jobs:
             state.predicted.pop(event.job, None)
+            state.fresh.pop(event.job, None)
         return state
+    new = isinstance(event, ev.JobSubmitted) and event.job not in state.jobs
     apply(state, seq, event)
-    if isinstance(event, ev.JobDurationPredicted) and event.job in state.jobs:
-        state.predicted[event.job] = None
+    if new and predict and event.job in state.jobs:  # type: ignore[union-attr]
+        job = state.jobs[event.job]  # type: ignore[union-attr]
+        state.fresh[job.job] = state.model.submit(job.job, features(job))
+    elif isinstance(event, ev.JobDurationPredicted) and event.job in state.jobs:
+        state.predicted[event.job] = (event.seconds, event.sigma)
+        state.fresh.pop(event.job, None)
     elif isinstance(event, ev.NodePowerDownRequested):
         state.last_power_down_at = event.at
     elif isinstance(event, ev.AnalyticsTicked) and ces is not None:

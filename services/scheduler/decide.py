@@ -62,12 +62,15 @@ class Route(NamedTuple):
 
 def _prediction_matters(state: SchedulerState, policy: Policy, e: ev.JobDurationPredicted) -> bool:
     """A prediction changes what a pass places only where it is used: for a job of unknown duration
-    (backfill, SJF and SRTF order), or under a policy that ranks by predictions (QSSF). (Before
+    (backfill, SJF and SRTF order; every job where declared durations are not trusted), or under a
+    policy that ranks by predictions (QSSF). (Before
     scheduling rules 3, every prediction made a pass.)"""
     if state.scheduling.rules < 3:
         return True
     job = state.jobs.get(e.job)
-    return job is not None and (job.spec.duration_s is None or policy.ranks_by_prediction)
+    return job is not None and (
+        job.spec.duration_s is None or policy.ranks_by_prediction or not state.scheduling.trusts_declared
+    )
 
 
 def _on_tick(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
@@ -148,8 +151,8 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
-    # counts, time limits
-    STATE_FORMAT = 10
+    # counts, time limits; 11: predictions' spread
+    STATE_FORMAT = 11
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(

@@ -11,13 +11,16 @@ scheduling pass's (``schedule.py``), the same for every policy.
 | fifo       | arrival                                                    | no                       |
 | sjf        | expected duration (declared, else predicted; unknown last) | no                       |
 | srtf       | expected remaining time                                    | a job with more left     |
-| las        | Tiresias 2D-LAS queue of attained GPU-time                 | a job in a lower queue   |
-| qssf       | predicted duration x GPUs (default duration when unknown)  | no                       |
+| las        | Tiresias 2D-LAS queue of attained GPU-time                 | a job in a higher queue  |
+| qssf       | a quantile of the predicted duration x GPUs                | no                       |
 | fairshare  | decayed GPU use of the job's VC (per weight), then user    | no                       |
 
 Expected duration: the spec's ``duration_s`` if given, else the latest
-``JobDurationPredicted``. QSSF uses the prediction only, and ``DEFAULT_DURATION_S`` (one hour)
-before there is one.
+``JobDurationPredicted``. QSSF uses the prediction only: the ``quantile`` of its log-normal
+(``fallback_quantile`` for a job whose user has no history the model knew, when that is set), and
+``default_duration_s`` (one hour) before there is one.
+
+LAS preempts only a job that has run ``min_run_s`` since it last started.
 
 ``PolicyConfigured`` also carries cluster-wide parameters that every policy takes
 (``services/scheduler/state.py:CLUSTER_PARAMS``); ``check_policy`` says what the scheduler refuses.
@@ -32,6 +35,7 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from gpuherd.fold import JobState
+from gpuherd.stats import quantile_s
 from services.scheduler.state import CLUSTER_PARAMS, SchedulerState
 
 DEFAULT_DURATION_S = 3600.0
@@ -139,55 +143,90 @@ class Srtf(Policy):
 
 
 class Las(Policy):
-    """Tiresias' discretized two-dimensional least-attained-service.
+    """Tiresias' discretized two-dimensional least-attained-service, with hysteresis.
 
-    A job's attained service is GPUs x seconds it has run (all attempts). Jobs
-    sit in queues by service: below ``first_queue_gpu_s``, below that times
-    ``queue_ratio``, and above; lower queues go first, FIFO within a queue,
-    and a job in a lower queue preempts one in a higher queue. Starvation
-    guard: a job that has waited more than ``starvation_factor`` times its
-    run time so far (and at least ``min_starvation_s``) moves to the first queue.
+    A job's attained service is GPUs x seconds it has run (all attempts). Jobs sit in ``queues``
+    queues by service: below ``first_queue_gpu_s``, below that times ``queue_ratio``, and so on,
+    the last one unbounded; lower queues go first, FIFO within a queue, and a job in a lower queue
+    preempts one in a higher queue, but only one that has run ``min_run_s`` since it last started
+    (so a job is not stopped again and again for a few seconds of work each time, paying its
+    checkpoint and restore every time).
+
+    Starvation guard: a waiting job that has waited more than ``starvation_factor`` times its run
+    time so far (and at least ``min_starvation_s``) moves to the first queue, to be the next to
+    start, but it preempts only by the queue its service puts it in: a guard that preempted would
+    stop the very jobs it was protected from, which then starve in turn.
     """
 
     name = "las"
     preemptive = True
-    PARAMS = {"first_queue_gpu_s": 3600.0, "queue_ratio": 10.0, "starvation_factor": 4.0, "min_starvation_s": 600.0}
+    PARAMS = {
+        "first_queue_gpu_s": 3600.0,
+        "queue_ratio": 10.0,
+        "queues": 3.0,
+        "starvation_factor": 4.0,
+        "min_starvation_s": 600.0,
+        "min_run_s": 600.0,
+    }
+
+    def service_queue(self, job: JobState, state: SchedulerState) -> int:
+        """The queue its attained service puts it in."""
+        service = job.service_gpu_s + job.running_gpu_s(state.now)
+        bound = self.params["first_queue_gpu_s"]
+        last = max(1, int(self.params["queues"])) - 1
+        for queue in range(last):
+            if service < bound:
+                return queue
+            bound *= max(self.params["queue_ratio"], 1.0)
+        return last
+
+    def starving(self, job: JobState, state: SchedulerState) -> bool:
+        if job.status != "pending":
+            return False
+        waited = state.now - job.waiting_since
+        ran = job.service_gpu_s / job.spec.gpus
+        return waited > max(self.params["min_starvation_s"], self.params["starvation_factor"] * ran)
 
     def queue(self, job: JobState, state: SchedulerState) -> int:
-        service = job.service_gpu_s + job.running_gpu_s(state.now)
-        if job.status == "pending":
-            waited = state.now - job.waiting_since
-            ran = job.service_gpu_s / job.spec.gpus
-            if waited > max(self.params["min_starvation_s"], self.params["starvation_factor"] * ran):
-                return 0
-        first = self.params["first_queue_gpu_s"]
-        if service < first:
-            return 0
-        return 1 if service < first * self.params["queue_ratio"] else 2
+        return 0 if self.starving(job, state) else self.service_queue(job, state)
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (self.queue(job, state),)
 
     def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
-        return self.queue(waiting, state) < self.queue(running, state)
+        if running.started_at is None or state.now - running.started_at < self.params["min_run_s"]:
+            return False
+        return self.service_queue(waiting, state) < self.service_queue(running, state)
 
 
 class Qssf(Policy):
-    """Helios' quasi-shortest-service-first: predicted duration x GPUs, smallest first.
+    """Helios' quasi-shortest-service-first: a quantile of the predicted duration x GPUs, smallest
+    first.
 
     Only the duration model's prediction counts (``JobDurationPredicted``), not what the spec
     declares: QSSF exists because users' own estimates are unreliable, and in a trace
-    simulation the declared duration is the truth, which QSSF must not see. A job not yet
-    predicted counts ``default_duration_s``."""
+    simulation the declared duration is the truth, which QSSF must not see. A prediction is a
+    log-normal (median ``seconds``, log-spread ``sigma``); QSSF ranks by its ``quantile`` (0.5:
+    the median), and a job whose user has no history the model knew (it rests on the cluster's
+    history: same VC and size, its burst) by ``fallback_quantile`` (negative: ``quantile``). A job
+    not yet predicted counts ``default_duration_s``."""
 
     name = "qssf"
     ranks_by_prediction = True
-    PARAMS = {"default_duration_s": DEFAULT_DURATION_S}
+    PARAMS = {"default_duration_s": DEFAULT_DURATION_S, "quantile": 0.5, "fallback_quantile": -1.0}
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
+        return (self.duration(job, state) * job.spec.gpus,)
+
+    def duration(self, job: JobState, state: SchedulerState) -> float:
         predicted = state.predicted.get(job.job)
-        duration = predicted if predicted is not None else self.params["default_duration_s"]
-        return (duration * job.spec.gpus,)
+        if predicted is None:
+            return self.params["default_duration_s"]
+        sigma, user_history = state.predicted_spread.get(job.job, (0.0, 0))
+        q = self.params["quantile"]
+        if not user_history and self.params["fallback_quantile"] >= 0:
+            q = self.params["fallback_quantile"]
+        return quantile_s(predicted, sigma, q)
 
 
 class FairShare(Policy):
@@ -247,7 +286,16 @@ def check_policy(name: str, params: dict[str, float]) -> str | None:
     if unknown:
         takes = ", ".join(sorted({*own, *CLUSTER_PARAMS}))
         return f"policy {name} has no parameter {', '.join(unknown)}; it takes: {takes}"
-    bad = sorted(k for k, v in params.items() if not v >= 0 or (k == "half_life_s" and not v > 0))
+    negative_ok = {"fallback_quantile"}  # (negative: none)
+    bad = sorted(
+        k
+        for k, v in params.items()
+        if not (v >= 0 or (k in negative_ok and v == v)) or (k == "half_life_s" and not v > 0)
+    )
     if bad:
         return f"parameters must be non-negative numbers (half_life_s positive): {', '.join(bad)}"
+    if params.get("declared_durations", 1.0) not in (0.0, 1.0):
+        return "declared_durations is 1 (jobs run what they declare) or 0 (predictions count instead)"
+    if not 0 < params.get("quantile", 0.5) < 1 or params.get("fallback_quantile", -1.0) >= 1:
+        return "quantile and fallback_quantile must lie between 0 and 1 (fallback_quantile negative: none)"
     return None

@@ -37,6 +37,9 @@ CLUSTER_PARAMS: dict[str, float] = {
     "half_life_s": DEFAULT_HALF_LIFE_S,
     "preemption_grace_s": 30.0,  # SIGUSR1 to SIGTERM: time for a preempted job to checkpoint
     "max_preemptions_per_hour": 2.0,  # per job
+    # 1: a spec's duration_s is what a job is expected to run; 0: it is not trusted, predictions
+    # count (as for jobs that declare none): what a trace simulation of a scheduler told no durations runs
+    "declared_durations": 1.0,
 }
 
 
@@ -54,6 +57,10 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
     @property
     def half_life_s(self) -> float:
         return self.param("half_life_s")
+
+    @property
+    def trusts_declared(self) -> bool:
+        return self.param("declared_durations") > 0
 
 
 class Usage(msgspec.Struct, kw_only=True, gc=False):
@@ -115,6 +122,8 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
     predicted: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its latest predicted duration
+    # job -> (log-spread, the user's finished jobs the model knew) of that prediction, where sigma > 0
+    predicted_spread: dict[str, tuple[float, int]] = msgspec.field(default_factory=dict)
     preempted_at: dict[str, list[float]] = msgspec.field(default_factory=dict)  # job -> when it was preempted
     # Preemptors and the victims still stopping for them: a preemptor waits for its victims' GPUs.
     stopping_for: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
@@ -157,8 +166,9 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         return 0.0 if usage is None else usage.value(self.now, self.scheduling.half_life_s)
 
     def expected_duration(self, job: JobState) -> float | None:
-        """The spec's ``duration_s`` if given, else the latest prediction."""
-        if job.spec.duration_s is not None:
+        """The spec's ``duration_s`` if given (and the cluster trusts declared durations), else the
+        latest prediction."""
+        if job.spec.duration_s is not None and self.scheduling.trusts_declared:
             return job.spec.duration_s
         return self.predicted.get(job.job)
 
@@ -234,9 +244,13 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
         state.node_changes[name] = state.nodes[name].version
     if isinstance(e, ev.PolicyConfigured):
         if e.unchecked or policy_problem(e.policy, e.params) is None:  # else refused, nothing changes
+            trusted = state.scheduling.trusts_declared
             state.scheduling = SchedulingConfig(
                 policy=e.policy, backfill=e.backfill, params=dict(e.params), rules=e.rules
             )
+            if state.scheduling.trusts_declared != trusted:  # every expected end moves
+                for active in list(state.active):
+                    _follow_end(state, state.jobs[active], True)
     elif isinstance(e, ev.JobRejected):
         state.rejected += 1
     return state
@@ -297,8 +311,13 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
                 del state.stopping_for[preempted_for]
     if isinstance(e, ev.JobDurationPredicted) and job.job in state.jobs:
         state.predicted[job.job] = e.seconds
+        if e.sigma > 0 or e.user_history:
+            state.predicted_spread[job.job] = (e.sigma, e.user_history)
+        else:
+            state.predicted_spread.pop(job.job, None)
     if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
         state.predicted.pop(job.job, None)
+        state.predicted_spread.pop(job.job, None)
         state.preempted_at.pop(job.job, None)
     if was_active != active or type(e) in _MOVES_END:
         _follow_end(state, job, active)

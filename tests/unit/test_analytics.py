@@ -162,10 +162,10 @@ def test_shared_traces_load() -> None:
 
 
 def test_duration_model_backs_off_to_what_it_has_seen() -> None:
-    model = DurationModel(min_samples=2)
+    model = DurationModel(min_samples=2, learner="ladder")
     assert model.predict(Features(vc="a", gpus=1)).basis.startswith("default")
-    for seconds in (100, 200, 400):
-        model.observe(Features(vc="a", gpus=1, user="u", name="resnet"), seconds)
+    for n, seconds in enumerate((100, 200, 400)):
+        model.observe(f"j{n}", Features(vc="a", gpus=1, user="u", name="resnet"), seconds)
     exact = model.predict(Features(vc="a", gpus=1, user="u", name="resnet"))
     assert exact.seconds == pytest.approx(200, rel=1e-6) and exact.basis.startswith("user+name")
     assert model.predict(Features(vc="a", gpus=1)).basis.startswith("vc+gpus")

@@ -329,3 +329,10 @@ def test_complete_phase_times_fills_forward_from_the_next_known_and_falls_back_a
     assert ev.complete_phase_times({}, fallback=7.0) == dict.fromkeys(ev.RESCALE_PHASES, 7.0)
     out = ev.complete_phase_times({"noticed": 2.0, "restored": 4.0, "first_step": None})
     assert out == {"decided": 2.0, "noticed": 2.0, "quiesced": 4.0, "reformed": 4.0, "restored": 4.0, "first_step": 4.0}
+
+
+def test_a_duration_prediction_of_v1_reads_as_a_point_estimate_of_an_unversioned_model() -> None:
+    raw = b'{"type":"JobDurationPredicted","id":"p","at":5.0,"v":1,"job":"j1","seconds":600.0,"model":"backoff-median"}'
+    event = ev.decode(raw)
+    assert isinstance(event, ev.JobDurationPredicted) and event.v == 2
+    assert (event.seconds, event.sigma, event.user_history, event.version, event.features) == (600.0, 0.0, 0, 0, "")

@@ -6,7 +6,7 @@ import pytest
 
 from gpuherd import events as ev
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.policy import POLICIES, Las, make_policy
+from services.scheduler.policy import POLICIES, Las, check_policy, make_policy
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 from tests.helpers import node, submit
@@ -230,3 +230,43 @@ def test_pending_reasons_name_the_cause_and_position() -> None:
     assert result.pending["behind"].kind == "reserved" and "would delay head" in result.pending["behind"].detail
     assert result.head == "head" and result.reserved_at == 1000.0
     assert [p.job for p in result.placed] == ["spare"]
+
+
+def test_qssf_ranks_by_a_quantile_of_the_prediction_and_a_fallback_without_user_history() -> None:
+    state = state_of(node("n1", 4), submit("sure", 1, duration=10), submit("unsure", 1, duration=10))
+    # Same median; "unsure" spreads widely and its user has no history the model knew.
+    apply(state, 10, ev.JobDurationPredicted(id="p1", job="sure", seconds=1000, sigma=0.1, user_history=5))
+    apply(state, 11, ev.JobDurationPredicted(id="p2", job="unsure", seconds=900, sigma=2.0))
+    order = lambda **p: [j.job for j in make_policy("qssf", p).order(state)]  # noqa: E731
+    assert order() == ["unsure", "sure"]  # by the median
+    assert order(quantile=0.8) == ["sure", "unsure"]  # the spread counts against it
+    assert order(quantile=0.8, fallback_quantile=0.5) == ["unsure", "sure"]  # ... but not without user history
+    assert "between 0 and 1" in (check_policy("qssf", {"quantile": 1.5}) or "")
+
+
+def test_las_preempts_only_a_job_that_ran_its_minimum_and_starving_jobs_never_preempt() -> None:
+    policy = Las(first_queue_gpu_s=100.0, queue_ratio=10.0, min_run_s=300.0, min_starvation_s=50.0)
+    state = state_of(node("n1", 1), submit("old", 1, duration=None, command=("x",)), *run("old", "n1", (0,), at=0.0))
+    apply(state, 50, submit("new", 1, duration=None, command=("x",)))
+    state.now = 200.0  # old attained 200 GPU-s (second queue) but ran under min_run_s
+    new, old = state.jobs["new"], state.jobs["old"]
+    assert policy.service_queue(old, state) == 1 and not policy.outranks(new, old, state)
+    state.now = 400.0
+    assert policy.outranks(new, old, state)
+    # A job promoted by the starvation guard goes first but takes nobody's GPUs.
+    state.jobs["new"].service_gpu_s = 5000.0  # (as if it had run 5000 s before)
+    state.now = 30_000.0  # waited more than 4 x 5000 s
+    assert policy.queue(new, state) == 0 and policy.starving(new, state)
+    assert not policy.outranks(new, old, state)
+
+
+def test_a_cluster_that_trusts_no_declared_duration_expects_the_predicted_one() -> None:
+    from services.scheduler.state import index_problems
+
+    state = state_of(node("n1", 2), submit("a", 1, duration=100), *run("a", "n1", (0,), at=0.0))
+    apply(state, 20, ev.JobDurationPredicted(id="pa", at=1.0, job="a", seconds=5000))
+    assert state.expected_end(state.jobs["a"]) == 100.0
+    apply(state, 21, ev.PolicyConfigured(id="pc", at=2.0, policy="fifo", params={"declared_durations": 0.0}))
+    assert state.expected_duration(state.jobs["a"]) == 5000 and state.expected_end(state.jobs["a"]) == 5000.0
+    assert index_problems(state) == []  # the running jobs' ends moved with it
+    assert check_policy("fifo", {"declared_durations": 0.5}) is not None

@@ -152,15 +152,40 @@ command_upcaster("JobCancelRequested")
 
 class JobDurationPredicted(Decision, kw_only=True, frozen=True):
     """A duration model's estimate of how long a job runs (QSSF, SJF and backfill use it).
-    ``basis`` says what history it came from (e.g. ``vc+gpus: 40 jobs``)."""
+    ``basis`` says what history it came from (e.g. ``vc+gpus: 40 jobs``). A job may be predicted
+    again while it has not ended (when jobs submitted with it finish): the latest one counts.
+
+    v2: ``seconds`` is the median of a log-normal whose log-spread is ``sigma`` (0: a point
+    estimate), so a policy can rank by any quantile; ``user_history`` is how many of the user's
+    finished jobs the model knew (0: none, the prediction rests on the cluster's history);
+    ``version`` is the model's version (its refit count) and ``features`` a digest of the
+    feature vector it was given, so an audit can re-derive it. v1 records read as point estimates
+    of an unversioned model."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
 
     job: str
     seconds: float
     model: str = ""
     basis: str = ""
+    sigma: float = 0.0
+    user_history: int = 0
+    version: int = 0
+    features: str = ""
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"
+
+
+@upcaster("JobDurationPredicted", 1)
+def _job_duration_predicted_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    raw.setdefault("sigma", 0.0)
+    raw.setdefault("user_history", 0)
+    raw.setdefault("version", 0)
+    raw.setdefault("features", "")
+    raw["v"] = 2
+    return raw
 
 
 class JobPreempted(Decision, kw_only=True, frozen=True):

@@ -1,0 +1,157 @@
+"""The duration model: no look-ahead, determinism, the compiled trees, burst revisions, snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import lightgbm
+import numpy as np
+import pandas as pd
+import pytest
+
+from apps.registry import make_decider
+from gpuherd import events as ev
+from services.analytics.predict import FEATURES, DurationModel, Features, evaluate
+
+
+def _jobs(n: int, seed: int = 0) -> pd.DataFrame:
+    """Bursts of jobs whose duration depends on their size and burst (what the model can learn)."""
+    rng = np.random.default_rng(seed)
+    submit = np.cumsum(rng.choice([1.0, 2.0, 900.0], size=n, p=[0.5, 0.3, 0.2]))
+    gpus = rng.choice([1, 2, 8], size=n)
+    burst = np.cumsum(np.diff(submit, prepend=0.0) > 60)
+    duration = np.exp(4 + gpus / 2 + (burst % 5) + rng.normal(0, 0.3, size=n))
+    return pd.DataFrame(
+        {
+            "job_id": [f"j{i}" for i in range(n)],
+            "submit_time": submit + 1.5e9,
+            "duration": duration,
+            "gpus": gpus,
+            "vc": "v",
+            "end_time": np.nan,
+            "queue": np.nan,
+            "user": pd.NA,
+            "name": pd.NA,
+        }
+    )
+
+
+def test_no_prediction_knows_a_job_that_finished_after_it() -> None:
+    jobs = _jobs(900)
+    _, before = evaluate(jobs, DurationModel(refit_every=100))
+    # Change every job that finishes after t: what was predicted before t must not change.
+    t = float(jobs["submit_time"].iloc[600])
+    finish = jobs["submit_time"] + jobs["duration"]
+    changed = jobs.copy()
+    changed.loc[finish > t, "duration"] *= 7.0
+    model = DurationModel(refit_every=100)
+    _, after = evaluate(changed, model)
+    assert model.version >= 3, "the trees were refitted along the way"
+    known = (jobs["submit_time"] <= t).to_numpy()
+    np.testing.assert_array_equal(before[known], after[known])
+    assert not np.array_equal(before[~known], after[~known]), "(the change does reach later predictions)"
+
+
+def test_the_decider_predicts_from_what_it_had_folded_at_the_submission_even_when_it_decides_later() -> None:
+    analytics = make_decider("analytics")
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
+    log: list[ev.Event] = [ev.NodeRegistered(id="r", node="n1", gpus=gpus)]
+    for i in range(6):
+        spec = ev.JobSpec(name="train", user="ana", gpus=1, duration_s=100)
+        log.append(ev.JobSubmitted(id=f"s{i}", at=float(i * 1000), job=f"j{i}", spec=spec, intake_source="t"))
+        log.append(ev.JobFinished(id=f"f{i}", at=float(i * 1000 + 100), job=f"j{i}", attempt=0, outcome="completed"))
+    # (The core folds a start for service time: give each job a placement and a start.)
+    full: list[ev.Event] = []
+    for e in log:
+        if isinstance(e, ev.JobFinished):
+            full.append(ev.JobPlaced(id=f"p{e.job}", at=e.at - 100, job=e.job, attempt=0,
+                                     allocations=(ev.Allocation(node="n1", gpus=(0,)),)))  # fmt: skip
+            full.append(ev.JobStarted(id=f"st{e.job}", at=e.at - 100, job=e.job, attempt=0, node="n1"))
+        full.append(e)
+    late = ev.JobSubmitted(
+        id="sx", at=9000.0, job="x", spec=ev.JobSpec(name="train", user="ana", gpus=1, duration_s=1), intake_source="t"
+    )
+    state = analytics.initial_state()
+    seq = 0
+    for e in [*full, late]:
+        seq += 1
+        state = analytics.evolve(state, seq, e)
+    (first,) = analytics.decide(state, late)
+    assert first.seconds == pytest.approx(100.0) and first.user_history == 6 and first.features
+    # Jobs that finish after x's submission, folded before the decision: the same prediction.
+    for i in range(3):
+        spec = ev.JobSpec(name="train", user="ana", gpus=1, duration_s=1)
+        for e in (
+            ev.JobSubmitted(id=f"ls{i}", at=9001.0 + i, job=f"late{i}", spec=spec, intake_source="t"),
+            ev.JobPlaced(
+                id=f"lp{i}", at=9001.0 + i, job=f"late{i}", attempt=0, allocations=(ev.Allocation("n1", (1 + i,)),)
+            ),
+            ev.JobStarted(id=f"lst{i}", at=9001.0 + i, job=f"late{i}", attempt=0, node="n1"),
+            ev.JobFinished(id=f"lf{i}", at=99_999.0, job=f"late{i}", attempt=0, outcome="completed"),
+        ):  # fmt: skip
+            seq += 1
+            state = analytics.evolve(state, seq, e)
+    assert analytics.decide(state, late) == [first]
+
+
+def test_a_burst_s_predictions_are_revised_as_its_jobs_finish() -> None:
+    analytics = make_decider("analytics")
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
+    events: list[ev.Event] = [ev.NodeRegistered(id="r", node="n1", gpus=gpus)]
+    for i in range(4):  # a sweep of four, submitted within seconds
+        spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
+        events.append(ev.JobSubmitted(id=f"s{i}", at=float(i), job=f"b{i}", spec=spec, intake_source="t"))
+    state = analytics.initial_state()
+    seq = 0
+    for e in events:
+        seq += 1
+        state = analytics.evolve(state, seq, e)
+        if isinstance(e, ev.JobSubmitted):
+            for made in analytics.decide(state, e):
+                seq += 1
+                state = analytics.evolve(state, seq, made)
+    assert state.predicted["b1"][0] == pytest.approx(3600.0)  # nothing known: the default
+    for e in (
+        ev.JobPlaced(id="p", at=5.0, job="b0", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),)),
+        ev.JobStarted(id="st", at=5.0, job="b0", attempt=0, node="n1"),
+        ev.JobFinished(id="f", at=55.0, job="b0", attempt=0, outcome="completed"),
+    ):
+        seq += 1
+        state = analytics.evolve(state, seq, e)
+    revised = analytics.decide(state, e)
+    assert sorted(r.job for r in revised) == ["b1", "b2", "b3"]
+    assert all(r.seconds < 600 and "1 of its burst finished" in r.basis for r in revised)
+
+
+def test_the_model_is_deterministic_and_its_compiled_trees_match_lightgbm() -> None:
+    jobs = _jobs(700, seed=1)
+    first, second = DurationModel(refit_every=200), DurationModel(refit_every=200)
+    a = evaluate(jobs, first)[1]
+    b = evaluate(jobs, second)[1]
+    np.testing.assert_array_equal(a, b)
+    assert first.booster == second.booster and first.version == second.version >= 2
+    rows = np.asarray([r[:-1] for r in first.rows], dtype=np.float64)
+    rows[::3, FEATURES.index("hour")] = np.nan  # missing values take the trees' default ways
+    rows[::5, FEATURES.index("burst.position")] = 0.0
+    reference = lightgbm.Booster(model_str=first.booster).predict(rows)
+    compiled = first.compiled()
+    np.testing.assert_allclose([compiled.predict(list(r)) for r in rows], reference, rtol=0, atol=1e-12)
+
+
+def test_a_snapshot_of_the_model_predicts_what_the_model_did() -> None:
+    analytics = make_decider("analytics")
+    model = DurationModel(refit_every=100)
+    evaluate(_jobs(400, seed=2), model)
+    state = analytics.initial_state()
+    state.model = model
+    copy = analytics.decode_state(analytics.encode_state(state)).model
+    f = Features(vc="v", gpus=2, at=1.6e9)
+    assert copy.predict(f) == model.predict(f)
+
+
+def test_quantiles_of_a_prediction() -> None:
+    model = DurationModel(learner="ladder")
+    guess = model.predict(Features(vc="v", gpus=1))
+    assert guess.sigma > 0 and guess.quantile(0.5) == guess.seconds
+    assert guess.quantile(0.9) == pytest.approx(guess.seconds * math.exp(1.2815515655 * guess.sigma), rel=1e-6)
+    assert guess.quantile(0.1) < guess.seconds < guess.quantile(0.9)
