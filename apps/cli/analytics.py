@@ -88,6 +88,7 @@ def checkpoint_cost(text: str) -> str:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    from apps.sim.elastic import ElasticWorkload, parse_range
     from apps.sim.model import load_estimates
     from apps.sim.run import simulate
     from gpuherd.log.files import write_log_file
@@ -102,6 +103,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     estimates = load_estimates(args.estimates) if args.estimates else None
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     ces = json.loads(args.ces) if args.ces is not None else None
+    elastic_jobs = None
+    if args.elastic_share > 0:
+        low, high = parse_range(args.elastic_range)
+        elastic_jobs = ElasticWorkload(share=args.elastic_share, min_gpus=low, max_gpus=high, seed=args.seed)
     quiet = args.json
     if not quiet:
         console.print(trace.describe())
@@ -137,6 +142,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 model=model,
                 estimates=estimates,
                 keep_log=out_dir is not None,  # (no event file: keep only the job table, far less memory)
+                elastic_jobs=elastic_jobs,
             )
         table = result.table
         table.name = f"sim-{policy}"
@@ -150,6 +156,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             "submitted": result.submitted,
             "rejected": result.rejected,
             "mean_utilization": round(float(util["all"].mean()), 4) if len(util) else None,
+            "rescales": int(table.jobs["rescales"].sum()),
+            "paused_gpu_s": round(float(table.jobs["paused_gpu_s"].sum()), 1),
             "summary": summary,
         }
         if out_dir is not None:
@@ -171,11 +179,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
         console.print_json(json.dumps({"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}))
         return 0
     header = ["policy", *jobs_mod.SUMMARY_HEADER[1:], "preemptions", "utilization"]
+    header += ["rescales", "paused GPU-s"] if elastic_jobs is not None or args.elastic else []
     rows = []
     for policy, r in results.items():
         row = jobs_mod.summary_rows(r["summary"])[0]
         row[0] = policy
         rows.append([*row, f"{r['summary']['all']['preemptions']:,}", f"{r['mean_utilization']:.1%}"])
+        if len(header) > len(rows[-1]):
+            rows[-1] += [f"{r['rescales']:,}", f"{r['paused_gpu_s']:,.0f}"]
     console.print(_table("all VCs", header, rows))
     if args.per_vc:
         for policy, r in results.items():
@@ -273,6 +284,20 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--limit", type=int, default=0, help="only the first N jobs")
     s.add_argument("--no-predict", action="store_true", help="no duration predictions (QSSF then ranks by GPUs)")
     s.add_argument("--elastic", action="store_true", help="also run the elastic service (for elastic jobs)")
+    s.add_argument(
+        "--elastic-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="make this seeded share of the trace's jobs elastic (0..1; runs the elastic service)",
+    )
+    s.add_argument(
+        "--elastic-range",
+        default="1-8",
+        metavar="MIN-MAX",
+        help="elastic jobs' sizes, clipped so each job's asked GPUs lie within (default 1-8)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="seed of which jobs are elastic and how they scale")
     s.add_argument("--memory", action="store_true", help="also run the memory broker (for jobs that lease memory)")
     s.add_argument("--ces", help="power idle nodes down: CES params as JSON, e.g. '{\"buffer_nodes\": 4}' or {}")
     s.add_argument("--tick", type=float, default=300.0, help="virtual seconds between clock ticks")

@@ -152,7 +152,9 @@ class SimAgents:
         self.rescaling.add(key)
         assert self.elastic is not None
         first_step, before, end = self.elastic.rescale(job, now)
-        times = ev.complete_phase_times({"decided": job.rescaled_at or now, "first_step": first_step})
+        decided = job.rescaled_at or now
+        still = max(decided, first_step - self.elastic.costs.pause_s)  # it trains at its old size until then
+        times = ev.complete_phase_times({"decided": decided, "quiesced": still, "first_step": first_step})
         report = msgspec.structs.replace(done, at=first_step, times=times, samples_per_s_before=before)
         timers.append((first_step, "rescaled", (key, report)))
         for node in job.nodes:

@@ -34,12 +34,26 @@ class _Job:
     preemptions: int = 0
     attempts: int = 0
     predicted_s: float | None = None
+    size: int = 0  # GPUs held now (set at each placement and rescale)
+    size_since: float | None = None  # running at ``size`` since
+    gpu_s: float = 0.0  # GPU-seconds held while running, at each size held
+    rescales: int = 0
+    paused_gpu_s: float = 0.0  # GPU-seconds held while a rescale stood the job still
 
 
 def _close_attempt(job: _Job, at: float) -> None:
     if job.attempt_start is not None:
         job.run_s += max(0.0, at - job.attempt_start)
         job.attempt_start = None
+    _charge(job, at)
+    job.size_since = None
+
+
+def _charge(job: _Job, at: float) -> None:
+    """Count the GPU-seconds held at the current size up to ``at``."""
+    if job.size_since is not None:
+        job.gpu_s += job.size * max(0.0, at - job.size_since)
+        job.size_since = at
 
 
 class JobTable:
@@ -63,13 +77,23 @@ class JobTable:
         job = self.jobs.get(getattr(event, "job", ""))
         if job is None:
             return
-        if isinstance(event, ev.JobStarted):
+        if isinstance(event, ev.JobPlaced):
+            job.size = sum(len(a.gpus) for a in event.allocations)
+        elif isinstance(event, ev.JobStarted):
             if job.attempt_start is None and job.state != "running":
                 job.attempt_start = event.at
+                job.size_since = event.at
                 job.attempts += 1
                 job.state = "running"
                 if job.start is None:
                     job.start = event.at
+        elif isinstance(event, ev.RescaleCompleted):
+            times = event.times
+            _charge(job, event.at)
+            job.size = event.world
+            job.rescales += 1
+            still = max(0.0, times.get("first_step", event.at) - times.get("quiesced", event.at))
+            job.paused_gpu_s += still * max(event.world, event.world_before)
         elif isinstance(event, ev.JobPreempted):
             job.preemptions += 1
         elif isinstance(event, ev.JobRequeued):
@@ -85,7 +109,8 @@ class JobTable:
     def trace(self, name: str = "log") -> Trace:
         """The table of every job added so far (plus columns ``jct``, ``run``, ``preemptions``,
         ``attempts``, ``predicted``: the duration predicted when it first started, or the latest if
-        it never did). Rejected submissions count as not used."""
+        it never did; ``elastic``, ``gpu_seconds`` held, ``rescales`` and ``paused_gpu_s``).
+        Rejected submissions count as not used."""
         rows = []
         for job in self.jobs.values():
             jct = None if job.end is None else job.end - job.submit
@@ -109,6 +134,10 @@ class JobTable:
                     "preemptions": job.preemptions,
                     "attempts": job.attempts,
                     "predicted": job.predicted_s,
+                    "elastic": job.spec.elastic is not None,
+                    "gpu_seconds": job.gpu_s,
+                    "rescales": job.rescales,
+                    "paused_gpu_s": job.paused_gpu_s,
                 }
             )
         df = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
@@ -117,7 +146,17 @@ class JobTable:
         return Trace(name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True)
 
 
-TABLE_COLUMNS = {**COLUMNS, "jct": "float64", "preemptions": "int64", "attempts": "int64", "predicted": "float64"}
+TABLE_COLUMNS = {
+    **COLUMNS,
+    "jct": "float64",
+    "preemptions": "int64",
+    "attempts": "int64",
+    "predicted": "float64",
+    "elastic": "bool",
+    "gpu_seconds": "float64",  # GPU-seconds held while running (an elastic job's at each size)
+    "rescales": "int64",
+    "paused_gpu_s": "float64",  # GPU-seconds held while rescales stood the job still
+}
 
 
 def job_table(records: Iterable[Record] | Iterable[ev.Event], *, name: str = "log") -> Trace:
@@ -171,9 +210,10 @@ def summarize(jobs: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def utilization(jobs: pd.DataFrame, capacity: dict[str, int] | int, *, bucket_s: float = 3600.0) -> pd.DataFrame:
     """GPUs busy per time bucket, overall and per VC, as a share of capacity (capacity per VC,
-    or one number for the whole cluster). Busy time is start..end of each job (the run; for
-    preempted jobs the table's start..end includes the waits between attempts, so it is an
-    upper bound there). Columns: time, <vc>... and ``all``."""
+    or one number for the whole cluster). Busy time is start..end of each job at its GPUs; a table
+    folded from a log (``gpu_seconds``: what the job held, at each size, over its attempts) spreads
+    those over start..end instead, so an elastic job counts what it held and a preempted one not
+    its waits. Columns: time, <vc>... and ``all``."""
     done = jobs[jobs["start_time"].notna()]
     if done.empty:
         return pd.DataFrame(columns=["time", "all"])
@@ -183,9 +223,14 @@ def utilization(jobs: pd.DataFrame, capacity: dict[str, int] | int, *, bucket_s:
     edges = np.arange(t0, t1 + bucket_s, bucket_s)
     out = pd.DataFrame({"time": edges[:-1]})
     total = np.zeros(len(edges) - 1)
+    gpus = done["gpus"].astype("float64")
+    if "gpu_seconds" in done:  # a simulated or logged table: the GPU-seconds held, spread over start..end
+        span = end - done["start_time"]
+        held = done["gpu_seconds"] / span.where(span > 0)
+        gpus = held.where(held.notna() & (done["gpu_seconds"] > 0), gpus)
     for vc, group in done.groupby("vc", sort=True):
         busy = _busy_gpu_seconds(
-            group["start_time"].to_numpy(), end[group.index].to_numpy(), group["gpus"].to_numpy(), edges
+            group["start_time"].to_numpy(), end[group.index].to_numpy(), gpus[group.index].to_numpy(), edges
         )
         total += busy
         if isinstance(capacity, dict) and capacity.get(str(vc)):

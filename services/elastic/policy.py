@@ -39,6 +39,8 @@ With none, throughput is taken as linear in ``w``. (The model: ``gpuherd.scaling
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from gpuherd import events as ev
@@ -131,6 +133,30 @@ def resizable(state: ElasticState) -> list[JobState]:
     ]
 
 
+def next_due(state: ElasticState, params: ElasticParams) -> float | None:
+    """When time alone next changes what the policy may decide (None: nothing waits on time): a
+    proposal the scheduler did not act on may be made again, and, while nothing waits, a job below
+    its largest size may grow once its minimum interval, its hold after a shrink and its start's
+    grace have passed. Between these moments a decision on the same state decides the same."""
+    now, due = state.now, math.inf
+    for job in resizable(state):
+        proposal = state.proposed.get(job.job)
+        if proposal is not None and proposal[0] == job.generation:
+            due = min(due, proposal[1] + params.retry_s)
+        if state.queue or len(job.workers) >= max(job.spec.elastic.sizes()):  # type: ignore[union-attr]
+            continue
+        ready = max(
+            job.rescaled_at + params.min_interval_s if job.rescaled_at is not None else -math.inf,
+            state.shrunk_at.get(job.job, -math.inf) + params.hold_after_shrink_s,
+            job.started_at + params.grow_after_start_s if job.started_at is not None else -math.inf,
+        )
+        if ready > now:
+            due = min(due, ready)
+    if due <= now:  # (a retry already due: the next decision makes it)
+        return None
+    return None if math.isinf(due) else due
+
+
 def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_RULES) -> list[ev.RescaleProposed]:
     """The proposals for this state (at most one per job), by the policy's ``rules``."""
     if rules < 2:
@@ -211,7 +237,10 @@ def _shrink_for_waiting(
         if lacking > 0:
             peers = [j for j in jobs if _kind(j) == kind]
             if _shrinkable(peers, sizes) < lacking:
-                continue  # it waits for more than shrinks can give now: what is free may be lent meanwhile
+                # It waits for more than shrinks can give now, gathering the GPUs that free up (the
+                # scheduler's reservation): what is free now is kept for it, not lent away.
+                free[kind] = 0
+                continue
             free[kind] += _give_back(state, peers, sizes, reasons, lacking, head, params)
         free[kind] -= need
     return free

@@ -2,6 +2,7 @@
 the generic shell runs it. It only proposes; the scheduler commits, the agents and the jobs'
 workers carry out."""
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable
@@ -10,16 +11,25 @@ from gpuherd import events as ev
 from gpuherd.runtime.runner import DeciderRunner
 from gpuherd.runtime.spec import TimerSpec, switched_decider
 from services.elastic.decide import ElasticDecider
+from services.elastic.policy import ElasticParams, next_due, params_from
 from services.elastic.state import ElasticState
 
-TICK_S = 10.0  # while elastic jobs run: minimum intervals and holds after a shrink end when due
+TICK_S = 10.0  # live: how often the timer looks whether a decision is due
 
 
-def _may_grow(state: ElasticState) -> bool:
-    """Whether time alone can make a decision due: elastic jobs run and nothing waits (a grow's
-    minimum interval or hold may end). While jobs wait, their shrinks are decided as events come, and
-    nothing is lent."""
-    return state.elastic_running > 0 and not state.queue
+def _next_due(state: ElasticState) -> float | None:
+    """When time alone next makes a decision due (a grow's minimum interval or hold ends, a
+    proposal may be retried): the timer ticks then, and only then."""
+    return next_due(state, _params(state.params))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_params(items: tuple[tuple[str, float], ...]) -> ElasticParams:
+    return params_from(dict(items))
+
+
+def _params(values: dict[str, float] | None) -> ElasticParams:
+    return _cached_params(tuple(sorted((values or {}).items())))
 
 
 def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
@@ -43,6 +53,6 @@ def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
 SPEC = switched_decider(
     ElasticDecider,
     "grows and shrinks running elastic jobs",
-    TimerSpec(ev.ElasticTicked, TICK_S, needed=_may_grow, on_grid=True),
+    TimerSpec(ev.ElasticTicked, TICK_S, needed=lambda state: False, due=_next_due),
     tasks=lambda args: [rules_recorder],
 )

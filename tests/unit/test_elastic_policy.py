@@ -180,3 +180,18 @@ def test_a_waiting_job_gets_its_shrinks_at_once_whatever_the_minimum_interval() 
     (proposal,) = _decide(log)
     assert proposal.gpus < 3 and "r waits" in proposal.reason and proposal.rules == ev.ELASTIC_RULES
     assert _decide(log, rules=1) == [], "rules 1 waited out the interval"
+
+
+def test_the_timer_is_due_when_a_hold_ends_and_not_before() -> None:
+    """The elastic timer ticks when time alone can change a decision: a job's minimum interval
+    since its last rescale ends (or a proposal may be retried), never in between."""
+    from services.elastic.policy import next_due
+
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)  # grew to 3 GPUs at t=1000
+    assert next_due(_state(log), PARAMS) is None, "at its largest size: nothing to wait for"
+    log = _completed(_propose(_at(log, 1010.0), 2, generation=1), 2, 2, 3)  # shrunk to 2 at t=1010
+    state = _state(log)
+    # The later of its minimum interval since that rescale and its hold after a shrink.
+    assert next_due(state, PARAMS) == 1010.0 + max(PARAMS.min_interval_s, PARAMS.hold_after_shrink_s)
+    later = _state(_at(log, 1010.0 + PARAMS.hold_after_shrink_s + 1))
+    assert next_due(later, PARAMS) is None, "nothing more waits on time: events decide from here"

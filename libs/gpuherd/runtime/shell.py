@@ -45,7 +45,7 @@ def live_tasks(spec: ServiceSpec, decider: Decider[Any], args: argparse.Namespac
     timer = spec.timer
     if timer is not None and timer.active(decider):
         ticker = timer.live(args) if timer.live is not None else None
-        tasks.append(ticker or clock_ticker(timer.tick, args.tick, needed=timer.needed))
+        tasks.append(ticker or clock_ticker(timer.tick, args.tick, needed=timer.needed, due=timer.due))
     tasks += spec.tasks(args)
     return tasks
 

@@ -19,16 +19,23 @@ def tick_event(kind: type[ev.Tick], service: str, now: float) -> ev.Tick:
 
 
 def clock_ticker(
-    kind: type[ev.Tick], every_s: float, *, needed: Callable[[Any], bool] = lambda state: True
+    kind: type[ev.Tick],
+    every_s: float,
+    *,
+    needed: Callable[[Any], bool] = lambda state: True,
+    due: Callable[[Any], float | None] | None = None,
 ) -> ExtraTask:
     """A runner task that appends a ``kind`` tick every ``every_s`` seconds while ``needed(state)``
-    says a time-based decision may be due (a memory broker with no lease needs none)."""
+    says a time-based decision may be due (a memory broker with no lease needs none), or once
+    ``due(state)`` (when a decision next falls due) has come: looked at every ``every_s``."""
 
     async def tick(runner: DeciderRunner[Any]) -> None:
         await runner.caught_up.wait()
         while True:
             await asyncio.sleep(every_s)
-            if needed(runner.state):
-                await runner.append_input([tick_event(kind, runner.name, time.time())])  # fenced
+            now = time.time()
+            at = due(runner.state) if due is not None else None
+            if needed(runner.state) or (at is not None and at <= now):
+                await runner.append_input([tick_event(kind, runner.name, now)])  # fenced
 
     return tick

@@ -1,0 +1,76 @@
+"""Elastic jobs at the cluster level, simulated with the live deciders: the elastic service shrinks
+elastic jobs so a waiting rigid job that fits once they are at their minimum does start (it never
+starves behind GPUs lent to them), and the job table counts what rescales cost."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from apps.sim.cluster import ClusterSpec, VcSpec
+from apps.sim.elastic import STEP_S, ElasticWorkload, make_elastic
+from apps.sim.run import simulate
+from gpuherd import events as ev
+from gpuherd.scaling import with_efficiency
+from tests.helpers import submit
+
+LONG_S = 1e6  # the elastic jobs run far longer than the rigid job may wait
+
+
+def _elastic(job: str, gpus: int, high: int, efficiency: float) -> ev.JobSubmitted:
+    draft = submit(job, gpus, duration=LONG_S)
+    spec = msgspec.structs.replace(
+        draft.spec, elastic=ev.Elastic(min=1, max=high), scaling=with_efficiency(efficiency, 8, 1, STEP_S)
+    )
+    return msgspec.structs.replace(draft, spec=spec)
+
+
+@st.composite
+def clusters_with_a_late_rigid_job(draw: st.DrawFn) -> tuple[ClusterSpec, list[ev.JobSubmitted], int]:
+    nodes = draw(st.integers(1, 3))
+    per_node = draw(st.sampled_from([4, 8]))
+    total = nodes * per_node
+    jobs, used = [], 0
+    for i in range(draw(st.integers(1, 4))):
+        gpus = draw(st.integers(1, per_node))
+        if used + gpus > total:
+            break
+        used += gpus
+        jobs.append(_elastic(f"e{i}", gpus, per_node, draw(st.floats(0.6, 0.95))))
+    room = total - len(jobs)  # every elastic job at its minimum (1 GPU)
+    rigid = draw(st.integers(1, min(per_node, room)))
+    arrives = draw(st.sampled_from([50.0, 400.0, 5000.0]))  # before or after they grew into idle GPUs
+    jobs.append(submit("rigid", rigid, duration=100.0, at=arrives))
+    cluster = ClusterSpec(vcs={"default": VcSpec(nodes=nodes)}, gpus_per_node=per_node)
+    return cluster, jobs, rigid
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters_with_a_late_rigid_job())
+def test_a_rigid_job_that_fits_once_elastic_jobs_shrink_to_their_minimum_never_starves(case) -> None:
+    cluster, jobs, rigid_gpus = case
+    arrives = jobs[-1].at
+    result = simulate(jobs, cluster, "fifo", elastic=True, keep_log=False)
+    rigid = result.table.jobs.set_index("name").loc["rigid"]
+    assert rigid["start_time"] - arrives < 60.0, f"the rigid {rigid_gpus}-GPU job waited for more than shrinks cost"
+
+
+def test_the_table_counts_each_job_s_gpu_seconds_rescales_and_pauses() -> None:
+    cluster = ClusterSpec(vcs={"default": VcSpec(nodes=2)}, gpus_per_node=4)
+    jobs = [_elastic("e", 2, 8, 0.9), submit("rigid", 4, duration=500.0, at=3000.0)]
+    result = simulate(jobs, cluster, "fifo", elastic=True)
+    table = result.table.jobs.set_index("name")
+    grown = table.loc["e"]
+    assert grown["elastic"] and grown["rescales"] >= 2, "it grew into idle GPUs and shrank for the rigid job"
+    assert 0 < grown["paused_gpu_s"] < grown["rescales"] * 8 * 1.0
+    assert grown["gpu_seconds"] > 2 * grown["duration"], "it held more than the 2 GPUs it asked for a while"
+    assert table.loc["rigid", "gpu_seconds"] == 4 * table.loc["rigid", "duration"]
+
+
+def test_a_share_of_a_trace_made_elastic_is_the_same_jobs_for_a_seed() -> None:
+    drafts = [submit(f"j{i}", 1 + i % 4, duration=100.0, at=float(i)) for i in range(200)]
+    workload = ElasticWorkload(share=0.3, seed=7)
+    first = [j.spec.elastic is not None for j in make_elastic(drafts, workload)]
+    again = [j.spec.elastic is not None for j in make_elastic(drafts, workload)]
+    assert first == again and 0.2 < sum(first) / len(first) < 0.4
