@@ -299,6 +299,10 @@ def find_placement(work: Pass, job: JobState, shape: tuple, position: int) -> Pl
     if placement is not None:
         work.fits.add(shape)
         return placement
+    if job.spec.elastic is not None and work.state.scheduling.rules >= 6:
+        smaller = _smaller_placement(work, job, available)
+        if smaller is not None:
+            return smaller  # (its shape stays failed at the size it asked for)
     work.failed.add(shape)
     if shape not in work.why_not:
         work.why_not[shape] = _no_fit(work.state, job)
@@ -310,6 +314,20 @@ def find_placement(work: Pass, job: JobState, shape: tuple, position: int) -> Pl
     if kind == "gang" and out.head is None:
         out.head = job.job
         out.reserved_at, work.extra = _reservation(work.state, job, work.free)
+    return None
+
+
+def _smaller_placement(work: Pass, job: JobState, available: int) -> Placement | None:
+    """An elastic job that does not fit at the GPUs it asked for starts now at the largest of its
+    sizes that fits (at least its minimum), rather than wait; the elastic service gives it the rest
+    as GPUs free up."""
+    spec = job.spec
+    assert spec.elastic is not None
+    for size in sorted((s for s in spec.elastic.sizes() if s < spec.gpus and s <= available), reverse=True):
+        placement = place(msgspec.structs.replace(spec, gpus=size), work.free, work.index)
+        if placement is not None:
+            why = f"{placement.reason}; started on {size} of the {spec.gpus} GPUs it asked for (elastic)"
+            return Placement(placement.allocations, placement.locality, why)
     return None
 
 
@@ -346,12 +364,13 @@ def commit(work: Pass, job: JobState, placement: Placement, borrowed: int) -> No
     leader = placement.allocations[0].node
     if work.ports is None and state.nodes[leader].port_range is not None:
         work.ports = ports_in_use(state)  # only real nodes take a rendezvous port
-    work.vc_used[job.spec.vc] = work.vc_used.get(job.spec.vc, 0) + job.spec.gpus
+    gpus = sum(len(a.gpus) for a in placement.allocations)  # (an elastic job may start smaller)
+    work.vc_used[job.spec.vc] = work.vc_used.get(job.spec.vc, 0) + gpus
     work.placed_by_vc.setdefault(job.spec.vc, []).append(job)
     work.holds.placed(job)
     hold = work.quota_holds.get(job.spec.vc)
     if hold is not None and not _ends_before(work, job, hold.reserved_at):
-        hold.spare -= job.spec.gpus  # it holds quota past the quota head's start
+        hold.spare -= gpus  # it holds quota past the quota head's start
     work.out.placed.append(
         ev.JobPlaced(
             job=job.job,

@@ -47,8 +47,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # policy that ranks by predictions). 4: a job waits for its dependencies, its array's
 # ``max_running`` and its VC's per-user limits; a time limit bounds a job's expected duration
 # (backfill, reservations, forecasts). (No log of older rules holds a job with any of these.)
-# 5: an elastic job's expected end runs its remaining work at its current size.
-SCHEDULING_RULES = 5
+# 5: an elastic job's expected end runs its remaining work at its current size. 6: an elastic job
+# that does not fit at the GPUs it asked for starts at the largest of its sizes that fits now.
+SCHEDULING_RULES = 6
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
