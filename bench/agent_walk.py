@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuherd import events as ev
-from gpuherd.log import MemoryLog
+from gpuherd.log import InProcessLog
 from gpuherd.obs import configure
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.cpu import CpuExecutor
@@ -87,7 +87,7 @@ def _where(frame: FrameType) -> str:
 async def walk(kind: str) -> Walk:
     with tempfile.TemporaryDirectory(prefix="gpuherd-walk-") as folder:
         data = Path(folder)
-        log = MemoryLog(lease_ttl=0.5)
+        log = InProcessLog(leadership_ttl=0.5)
         executor = CpuExecutor(data, gpus=2, alive_file=data / "alive", fence_after_s=60.0, kill_grace_s=1.0)
         agent = Agent(log, "n1", executor, address="127.0.0.1", port_range=(29000, 29009))
         stop = asyncio.Event()
