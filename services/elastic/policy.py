@@ -40,6 +40,7 @@ With none, throughput is taken as linear in ``w``. (The model: ``gpuherd.scaling
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import msgspec
 
@@ -169,7 +170,7 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
     ]
     if not jobs:
         return []
-    waiting = [state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested]
+    waiting = (state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested)  # (read until no help is left)
     sizes = {j.job: len(j.workers) for j in jobs}
     reasons: dict[str, str] = {}
     room = _quota_room(state)
@@ -205,7 +206,7 @@ def _rate(state: ElasticState, job: JobState, workers: int, params: ElasticParam
 
 def _shrink_for_waiting(
     state: ElasticState,
-    waiting: list[JobState],
+    waiting: Iterable[JobState],
     jobs: list[JobState],
     sizes: dict[str, int],
     reasons: dict[str, str],
@@ -218,7 +219,10 @@ def _shrink_for_waiting(
     for node in state.nodes.values():
         if node.accepts_work():
             free[node.runs_processes()] += len(node.free_gpus())
+    spare = {kind: _shrinkable([j for j in jobs if _kind(j) == kind], sizes) for kind in (True, False)}
     for head in waiting:
+        if all(free[k] <= 0 and spare[k] <= 0 for k in spare):
+            break  # nothing free and nothing left to shrink: no later job can be helped (a long queue is not read)
         kind = _kind(head)
         need = head.spec.elastic.min if head.spec.elastic is not None else head.spec.gpus
         vc_room = room.get(head.spec.vc)
@@ -231,6 +235,7 @@ def _shrink_for_waiting(
             taken = _give_back(state, peers, sizes, reasons, quota_need, head, params)
             room[head.spec.vc] = vc_room + taken - need
             free[kind] += taken
+            spare[kind] -= taken
         elif vc_room is not None:
             room[head.spec.vc] = vc_room - need
         lacking = need - free[kind]
@@ -241,7 +246,9 @@ def _shrink_for_waiting(
                 # scheduler's reservation): what is free now is kept for it, not lent away.
                 free[kind] = 0
                 continue
-            free[kind] += _give_back(state, peers, sizes, reasons, lacking, head, params)
+            given = _give_back(state, peers, sizes, reasons, lacking, head, params)
+            free[kind] += given
+            spare[kind] -= given
         free[kind] -= need
     return free
 
