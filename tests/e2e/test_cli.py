@@ -115,7 +115,7 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
     cli(data, "cancel", long_id)
     wait_for(lambda: status(long_id) == "cancelled")
     missing = cli(data, "cancel", "jdoesnotexist", check=False)
-    assert missing.returncode == 2 and "no job 'jdoesnotexist'" in missing.stdout
+    assert missing.returncode == 2 and "no job, array or workflow 'jdoesnotexist'" in missing.stdout
 
     events = [json.loads(line) for line in cli(data, "events", "--job", long_id, "--json").stdout.splitlines()]
     kinds = [e["type"] for e in events if e["type"] != "JobDurationPredicted"]
