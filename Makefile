@@ -6,7 +6,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: install run local up down test test-fast chaos nemesis nemesis-tools lint bench clean
+.PHONY: install run local up down test test-long test-fast chaos nemesis nemesis-tools lint bench clean
 
 COMPOSE  := docker compose --project-directory infra -f infra/docker-compose.yml
 PROFILES ?= sim,cpu
@@ -48,8 +48,13 @@ down:
 infra/secrets.env:
 	infra/make-secrets.sh
 
+## test: every test but the long ones (kept under 12 minutes); test-long: those (the demo, the workflow
+## e2e, the power cut, a real elastic job's grow/shrink/death, bit-identical elastic training); .ci/run runs both
 test: install lint nemesis-tools
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -m "not long"
+
+test-long: install nemesis-tools
+	$(VENV)/bin/pytest -q -m long
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -134,6 +134,7 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
     assert up.returncode == 0 and "stopped" in output
 
 
+@pytest.mark.long
 def test_demo_runs_and_audits_clean(tmp_path) -> None:
     trace = ROOT.parent / "shared" / "traces" / "philly" / "philly.csv"
     if not trace.exists():

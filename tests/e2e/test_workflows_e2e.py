@@ -22,7 +22,7 @@ import pytest
 
 from tests.e2e.test_cli import ENV, GPUHERD, ROOT, cli, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(480)]
 
 UP_FLAGS = ("--agents", "0", "--cpu-agents", "2", "--cpu-gpus", "4", "--policy", "fifo", "--ui-port", "-1")
 

@@ -107,6 +107,7 @@ def _worker_pid(tmp_path: Path, node: str, job_id: str, gpu: int) -> int:
     return pids[next(i for i, proc in enumerate(procs) if proc["gpu"] == gpu)]
 
 
+@pytest.mark.long
 async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nats, tmp_path) -> None:
     # 2 GPUs per node so that a grow to 3 must go to the other node.
     async with cluster(local_nats.url, tmp_path, executor="cpu", gpus=2) as (services, log, client):

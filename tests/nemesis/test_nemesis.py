@@ -64,6 +64,7 @@ def test_lazyfs_keeps_synced_writes_and_drops_the_rest(tmp_path) -> None:
     fs.release("/a", fd)
 
 
+@pytest.mark.long
 async def test_a_power_cut_loses_acknowledged_jobs_only_without_fsync() -> None:
     try:
         durable = await asyncio.wait_for(power_cut("always", jobs=15), 300)

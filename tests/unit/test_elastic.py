@@ -351,6 +351,7 @@ def _each_sample_once(results: dict[str, tuple]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_train_cnn_rescaled_2_3_1_2_ends_like_a_fixed_2_worker_run() -> None:
     p = _free_ports(5)
     elastic = [
@@ -381,6 +382,7 @@ def test_train_cnn_rescaled_2_3_1_2_ends_like_a_fixed_2_worker_run() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_a_worker_killed_during_re_formation_rolls_back_and_trains_bit_identically() -> None:
     p = _free_ports(5)
     elastic = [
