@@ -49,7 +49,7 @@ infra/secrets.env:
 	infra/make-secrets.sh
 
 ## test: every test but the long ones (kept under 12 minutes); test-long: those (the demo, the workflow
-## e2e, the power cut, a real elastic job's grow/shrink/death, bit-identical elastic training); .ci/run runs both
+## e2e, the power cut, real elastic jobs and warm-pool grows, bit-identical elastic training); .ci/run runs both
 test: install lint nemesis-tools
 	$(VENV)/bin/pytest -q -m "not long"
 

@@ -154,6 +154,7 @@ async def test_an_elastic_job_grows_shrinks_and_survives_a_dead_worker(local_nat
         assert report.ok, report.mismatches
 
 
+@pytest.mark.long
 async def test_the_elastic_service_lends_idle_gpus_and_takes_them_back_for_a_waiting_job(local_nats, tmp_path) -> None:
     params = '{"min_interval_s": 2, "hold_after_shrink_s": 600, "retry_s": 5}'
     async with cluster(local_nats.url, tmp_path, executor="cpu", gpus=2, elastic_params=params) as (

@@ -87,6 +87,7 @@ def _log(executor: CpuExecutor, gpu: int) -> str:
     return path.read_text() if path.exists() else ""
 
 
+@pytest.mark.long
 async def test_a_warm_worker_takes_over_a_grow_onto_another_node_and_the_pool_refills(tmp_path: Path) -> None:
     messages: list[AgentMessage] = []
     address = control_address(str(tmp_path), "test")
