@@ -127,10 +127,11 @@ def _may_rescale(job: JobState, now: float, params: ElasticParams) -> bool:
 
 def resizable(state: ElasticState) -> list[JobState]:
     """Running elastic jobs with no rescale in flight and no dead worker to recover from."""
+    jobs = state.jobs
     return [
         j
-        for j in state.active_jobs()
-        if j.spec.elastic is not None and j.status == "running" and j.rescale is None and not j.lost_workers
+        for j in (jobs[job] for job in state.elastic_active)  # (the placed and running elastic jobs, indexed)
+        if j.status == "running" and j.rescale is None and not j.lost_workers
     ]
 
 
@@ -144,7 +145,7 @@ def next_due(state: ElasticState, params: ElasticParams) -> float | None:
         proposal = state.proposed.get(job.job)
         if proposal is not None and proposal[0] == job.generation:
             due = min(due, proposal[1] + params.retry_s)
-        if state.queue or len(job.workers) >= max(job.spec.elastic.sizes()):  # type: ignore[union-attr]
+        if state.queue or _size(job) >= max(job.spec.elastic.sizes()):  # type: ignore[union-attr]
             continue
         ready = max(
             job.rescaled_at + params.min_interval_s if job.rescaled_at is not None else -math.inf,
@@ -171,7 +172,7 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
     if not jobs:
         return []
     waiting = (state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested)  # (read until no help is left)
-    sizes = {j.job: len(j.workers) for j in jobs}
+    sizes = {j.job: _size(j) for j in jobs}
     reasons: dict[str, str] = {}
     room = _quota_room(state)
     idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, room, params)
@@ -189,8 +190,15 @@ def _kind(job: JobState) -> bool:
     return job.spec.command is not None
 
 
+def _size(job: JobState) -> int:
+    """The GPUs (workers) a job holds: one worker per GPU (``len(job.workers)`` without naming them)."""
+    return sum(len(a.gpus) for a in job.allocations)
+
+
 def _quota_room(state: ElasticState) -> dict[str, int | None]:
     """Each VC's quota left (None: it may borrow, or has no quota)."""
+    if all(vc.gpu_quota is None or vc.can_borrow for vc in state.vcs.values()):
+        return {}  # (no VC is bounded: nothing to count)
     used: dict[str, int] = {}
     for job in state.active_jobs():
         used[job.spec.vc] = used.get(job.spec.vc, 0) + (job.held or len(job.allocations))
@@ -285,7 +293,7 @@ def _give_back(
         if best is None:
             break
         _, job, target = best
-        before = len(job.workers)
+        before = _size(job)
         given += sizes[job.job] - target
         sizes[job.job] = target
         reasons[job.job] = f"shrink {before} -> {target} GPUs: {head.job} waits for {head.spec.gpus}"
@@ -341,7 +349,7 @@ def _lend(
         sizes[job.job] = target
         expected[job.job] = rate
         why = "back towards the GPUs it asked for" if target <= job.spec.gpus else "into idle GPUs"
-        reasons[job.job] = f"grow {len(job.workers)} -> {target} GPUs {why} (predicted {rate:.0f} samples/s)"
+        reasons[job.job] = f"grow {_size(job)} -> {target} GPUs {why} (predicted {rate:.0f} samples/s)"
     return expected
 
 
@@ -379,7 +387,7 @@ def _shrink_for(
     for job in jobs:
         if (job.spec.command is not None) != wants_processes or (quota_bound and job.spec.vc != head.spec.vc):
             continue
-        size = len(job.workers)
+        size = _size(job)
         smaller = [s for s in job.spec.elastic.sizes() if s < size]  # type: ignore[union-attr]
         if not smaller:
             continue
@@ -394,7 +402,7 @@ def _shrink_for(
     for _, _, job, target in sorted(options):
         if need <= 0:
             break
-        size = len(job.workers)
+        size = _size(job)
         out.append(
             _proposal(job, target, f"shrink {size} -> {target} GPUs: {head.job} waits for {head.spec.gpus}", rules=1)
         )
@@ -409,7 +417,7 @@ def _grow_into_idle(state: ElasticState, jobs: list[JobState], params: ElasticPa
             continue
         if job.started_at is not None and state.now - job.started_at < params.grow_after_start_s:
             continue
-        size = len(job.workers)
+        size = _size(job)
         free = _free(state, job)
         larger = [s for s in job.spec.elastic.sizes() if size < s <= size + free]  # type: ignore[union-attr]
         model, measured = state.models.get(job.job), state.throughput.get(job.job, {})
@@ -427,7 +435,7 @@ def _grow_into_idle(state: ElasticState, jobs: list[JobState], params: ElasticPa
     out = []
     taken = 0
     for _, _, job, target, rate in sorted(options):
-        size = len(job.workers)
+        size = _size(job)
         if target - size > _free(state, job) - taken:
             continue
         taken += target - size
