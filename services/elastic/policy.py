@@ -227,7 +227,18 @@ def _shrink_for_waiting(
     for node in state.nodes.values():
         if node.accepts_work():
             free[node.runs_processes()] += len(node.free_gpus())
-    spare = {kind: _shrinkable([j for j in jobs if _kind(j) == kind], sizes) for kind in (True, False)}
+    lowest = {j.job: min(j.spec.elastic.sizes()) for j in jobs}  # type: ignore[union-attr]
+
+    def by_vc() -> dict[tuple[bool, str], int]:
+        """GPUs each VC's elastic jobs of each kind can still give back."""
+        out: dict[tuple[bool, str], int] = {}
+        for j in jobs:
+            key = (_kind(j), j.spec.vc)
+            out[key] = out.get(key, 0) + sizes[j.job] - lowest[j.job]
+        return out
+
+    spare_vc = by_vc()
+    spare = {kind: sum(n for (k, _), n in spare_vc.items() if k == kind) for kind in (True, False)}
     for head in waiting:
         if all(free[k] <= 0 and spare[k] <= 0 for k in spare):
             break  # nothing free and nothing left to shrink: no later job can be helped (a long queue is not read)
@@ -236,33 +247,31 @@ def _shrink_for_waiting(
         vc_room = room.get(head.spec.vc)
         if vc_room is not None and vc_room < need:
             # Its VC's quota stops it: only its own VC's elastic jobs give back quota with their GPUs.
-            peers = [j for j in jobs if _kind(j) == kind and j.spec.vc == head.spec.vc]
-            if vc_room + _shrinkable(peers, sizes) < need:
+            if vc_room + spare_vc.get((kind, head.spec.vc), 0) < need:
                 continue  # even then its quota stops it: it waits for its VC's own jobs to end
+            peers = [j for j in jobs if _kind(j) == kind and j.spec.vc == head.spec.vc]
             quota_need = need - vc_room
             taken = _give_back(state, peers, sizes, reasons, quota_need, head, params)
             room[head.spec.vc] = vc_room + taken - need
             free[kind] += taken
             spare[kind] -= taken
+            spare_vc[kind, head.spec.vc] -= taken
         elif vc_room is not None:
             room[head.spec.vc] = vc_room - need
         lacking = need - free[kind]
         if lacking > 0:
-            peers = [j for j in jobs if _kind(j) == kind]
-            if _shrinkable(peers, sizes) < lacking:
+            if spare[kind] < lacking:
                 # It waits for more than shrinks can give now, gathering the GPUs that free up (the
                 # scheduler's reservation): what is free now is kept for it, not lent away.
                 free[kind] = 0
                 continue
+            peers = [j for j in jobs if _kind(j) == kind]
             given = _give_back(state, peers, sizes, reasons, lacking, head, params)
             free[kind] += given
             spare[kind] -= given
+            spare_vc = by_vc()  # (its shrinks may be of any VC's jobs)
         free[kind] -= need
     return free
-
-
-def _shrinkable(jobs: list[JobState], sizes: dict[str, int]) -> int:
-    return sum(sizes[j.job] - min(j.spec.elastic.sizes()) for j in jobs)  # type: ignore[union-attr]
 
 
 def _give_back(
