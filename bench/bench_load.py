@@ -20,7 +20,11 @@ the same run, is raw JetStream appends of the same number of events (pipelined).
 Targets (2 cores): >= 2,000 submissions/s and placements/s, decision p50 <= 20 ms and p99 <= 100 ms,
 every service < 500 MB, 0 lost, and every process gone within 5 s of SIGTERM.
 
-Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512] [--json]
+``--trace-decisions N`` breaks N submissions (spread over the run) into the stages of their path,
+from the submitter's publish to the launch, with p50/p99 of each (``gpuherd.runtime.stages``
+records the scheduler's side): where a decision's time goes.
+
+Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512] [--trace-decisions N] [--json]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import NatsServer, free_port
 from gpuherd.obs import configure
+from gpuherd.runtime.stages import TRACE_DIR_ENV, TRACE_MAX_ENV, BatchTrace, read_traces
 
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +111,7 @@ class Fleet:
         self.placed: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.place_times: list[float] = []
+        self.seen_at: dict[str, float] = {}  # job -> when the fleet saw its first JobPlaced (wall)
         self.outbox: asyncio.Queue[ev.Event] = asyncio.Queue()
 
     async def follow(self, start: int) -> None:
@@ -114,6 +120,7 @@ class Fleet:
             if isinstance(e, ev.JobPlaced):
                 self.placed[e.job] += 1
                 self.place_times.append(time.monotonic())
+                self.seen_at.setdefault(e.job, time.time())
                 for alloc in e.allocations:
                     stamp = {"at": time.time(), "source": f"agent.{alloc.node}"}
                     started = ev.JobStarted(
@@ -182,6 +189,87 @@ def decision_latencies(messages: list[tuple[int, bytes, float]]) -> list[float]:
     return out
 
 
+# The path of one submission, stage by stage: (label, from, to), each a point named below.
+STAGES = (
+    ("submitter publish -> intake stored", "submit", "intake_stored"),
+    ("intake stored -> scheduler fetched it", "intake_stored", "fetched"),
+    ("fetched -> verdict pass starts", "fetched", "verdict_start"),
+    ("verdict pass (judge)", "verdict_start", "verdict_decided"),
+    ("verdict decided -> append acked", "verdict_decided", "verdict_acked"),
+    ("verdict acked -> submitter has it", "verdict_acked", "reply"),
+    ("verdict acked -> scheduler folded it back", "verdict_acked", "verdict_folded"),
+    ("folded back -> placement pass starts", "verdict_folded", "place_start"),
+    ("placement pass (decide)", "place_start", "place_decided"),
+    ("placement decided -> append acked", "place_decided", "place_acked"),
+    ("placement stored -> agent sees it", "place_stored", "agent_seen"),
+    ("agent sees it -> launch stored", "agent_seen", "launch_stored"),
+    ("= verdict at submitter (end to end)", "submit", "reply"),
+    ("= decision latency (submitted -> placed, stored)", "verdict_stored", "place_stored"),
+    ("= submit -> launch (end to end)", "submit", "launch_stored"),
+)
+
+
+def stage_points(
+    traces: list[BatchTrace],
+    messages: list[tuple[int, bytes, float]],
+    sent: dict[str, tuple[float, float]],
+    seen: dict[str, float],
+) -> list[dict[str, float]]:
+    """Per submitted job whose placement its own verdict caused: the wall time of each point of its
+    path (see STAGES). ``sent``: job -> (published, verdict received) at the submitter."""
+    stored: dict[str, tuple[type, float, str]] = {}  # event id -> (type, stored at, cause)
+    launched: dict[str, float] = {}
+    for _, data, at in messages:
+        try:
+            event = ev.decode(data)
+        except Exception:
+            continue
+        stored[event.id] = (type(event), at, getattr(event, "cause", ""))
+        if isinstance(event, ev.JobStarted):
+            launched.setdefault(event.job, at)
+    verdicts: dict[str, tuple[BatchTrace, int, str]] = {}  # job -> (batch, its index there, JobSubmitted id)
+    placements: dict[str, tuple[BatchTrace, str, str]] = {}  # job -> (batch, JobPlaced id, its cause)
+    for trace in traces:
+        for index, outputs in enumerate(trace.outputs):
+            for out_id, job in outputs:
+                kind, _, cause = stored.get(out_id, (None, 0.0, ""))
+                if job is None:
+                    continue
+                if kind is ev.JobSubmitted:
+                    verdicts.setdefault(job, (trace, index, out_id))
+                elif kind is ev.JobPlaced:
+                    placements.setdefault(job, (trace, out_id, cause))
+    points = []
+    for job, (submit, reply) in sent.items():
+        if job not in verdicts or job not in launched or job not in seen:
+            continue
+        verdict, index, submitted = verdicts[job]
+        if job not in placements or placements[job][2] != submitted:
+            continue  # placed later, by another event's pass (it waited for GPUs)
+        place, placed, _ = placements[job]
+        points.append({
+            "submit": submit, "reply": reply,
+            "intake_stored": verdict.stored[index] or float("nan"), "fetched": verdict.arrived[index],
+            "verdict_start": verdict.start, "verdict_decided": verdict.decided, "verdict_acked": verdict.acked,
+            "verdict_stored": stored[submitted][1], "verdict_folded": verdict.folded,
+            "place_start": place.start, "place_decided": place.decided, "place_acked": place.acked,
+            "place_stored": stored[placed][1], "agent_seen": seen[job], "launch_stored": launched[job],
+        })  # fmt: skip
+    return points
+
+
+def stage_table(points: list[dict[str, float]], n: int) -> list[dict]:
+    """p50/p99 (ms) of each stage over ``n`` of ``points`` spread evenly over the run."""
+    points = sorted(points, key=lambda p: p["submit"])
+    if n and len(points) > n:
+        points = [points[i * len(points) // n] for i in range(n)]
+    rows = []
+    for label, start, end in STAGES:
+        spans = [(p[end] - p[start]) * 1e3 for p in points if p[end] > 0 and p[start] > 0]
+        rows.append({"stage": label, "p50_ms": quantile(spans, 0.5), "p99_ms": quantile(spans, 0.99), "n": len(spans)})
+    return rows
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -194,6 +282,9 @@ async def run(args: argparse.Namespace) -> dict:
     server = NatsServer(data_dir / "nats").start()
     ports = {name: free_port() for name in SERVICES}
     env = dict(os.environ, NATS_URL=server.url, PYTHONUNBUFFERED="1", GPUHERD_LOG_LEVEL="WARNING")
+    stage_dir = data_dir / "stages"
+    if args.trace_decisions:
+        env |= {TRACE_DIR_ENV: str(stage_dir), TRACE_MAX_ENV: str(10**9)}
     procs: dict[str, Supervised] = {}
     exit_s: dict[str, float | None] = {}
     try:
@@ -241,14 +332,16 @@ async def run(args: argparse.Namespace) -> dict:
         sampler = asyncio.create_task(sample_lag())
         accepted: list[str] = []
         verdict_s: list[float] = []
+        sent: dict[str, tuple[float, float]] = {}  # job -> (published, verdict received), wall clock
         semaphore = asyncio.Semaphore(args.window)
 
         async def submit(spec: dict) -> None:
             async with semaphore:
-                sent = time.perf_counter()
+                published, wall = time.perf_counter(), time.time()
                 verdict = await client.submit_raw(msgspec.json.encode(spec), timeout=600)
-                verdict_s.append(time.perf_counter() - sent)
+                verdict_s.append(time.perf_counter() - published)
             if verdict.ok and verdict.job_id:
+                sent[verdict.job_id] = (wall, time.time())
                 accepted.append(verdict.job_id)
                 durations[verdict.job_id] = spec["duration_s"]
 
@@ -286,6 +379,10 @@ async def run(args: argparse.Namespace) -> dict:
             )
         ]
         latencies = decision_latencies(messages)
+        stages: list[dict] = []
+        if args.trace_decisions:
+            traces = read_traces(stage_dir / "scheduler.jsonl")
+            stages = stage_table(stage_points(traces, messages, sent, fleet.seen_at), args.trace_decisions)
         await client.close()
         await log_.close()
         # Under load to the end: the services have just folded the last events.
@@ -326,6 +423,7 @@ async def run(args: argparse.Namespace) -> dict:
         "lost": len(lost),
         "lost_jobs": lost[:5],
         "wall_s": total_s,
+        "stages": stages,
     }
 
 
@@ -362,6 +460,13 @@ def print_table(r: dict) -> None:
     table.add_row("jobs lost", str(r["lost"]), "", "0")
     table.add_row("wall time (s)", f"{r['wall_s']:.1f}", "", "")
     Console(width=120).print(table)
+    if r["stages"]:
+        stages = Table(title=f"where a submission's time goes ({r['stages'][0]['n']:,} traced, ms)")
+        for column in ("stage", "p50", "p99"):
+            stages.add_column(column, justify="left" if column == "stage" else "right")
+        for row in r["stages"]:
+            stages.add_row(row["stage"], f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}")
+        Console(width=120).print(stages)
 
 
 def main() -> None:
@@ -373,6 +478,7 @@ def main() -> None:
     parser.add_argument("--max-duration", type=float, default=1.0, help="longest job (seconds)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trace-decisions", type=int, default=0, metavar="N", help="break N submissions into stages")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures instead")
     args = parser.parse_args()
     configure("bench", level="WARNING", json=False)  # logs to stderr: stdout is the table or the JSON

@@ -287,3 +287,31 @@ async def test_the_audit_reports_a_decision_stored_after_a_newer_leader_took_ove
     await log.append([msgspec.structs.replace(placed, id=f"scheduler:{placed.based_on}:9", job="late")])
     report = audit(log._records, SchedulerDecider())
     assert [m.kind for m in report.mismatches if m.kind == "stale"] == ["stale"]
+
+
+async def test_stage_trace_times_each_batch_in_order(tmp_path, monkeypatch) -> None:
+    """With ``GPUHERD_STAGE_TRACE_DIR`` set, every decided batch gets one line, written once its own
+    outputs fold back, whose times run in the order of a decision's life."""
+    from gpuherd.runtime.stages import TRACE_DIR_ENV, TRACE_MAX_ENV, read_traces
+
+    monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(TRACE_MAX_ENV, "2")
+    log = InProcessLog(duplicate_window=0)
+    runner, stop, task = await start(log)
+    await log.append([node("n1", 4)])
+    for j in "abc":
+        await log.append([submit(j, 1)])
+        await until(lambda j=j: j in {p.job for p in placements(log)})
+    await until(lambda: runner.state.seq == len(log._records))
+    stop.set()
+    await task
+    traces = read_traces(tmp_path / "scheduler.jsonl")
+    assert len(traces) == 2, "only the first GPUHERD_STAGE_TRACE_MAX batches"
+    stored = {r.event.id: r for r in log._records}
+    for trace in traces:
+        assert trace.arrived[0] <= trace.start <= trace.decided <= trace.acked <= trace.folded
+        (cause,) = trace.causes
+        ((out_id, job),) = trace.outputs[0]
+        assert isinstance(stored[out_id].event, ev.JobPlaced) and stored[out_id].event.cause == cause
+        assert trace.last_seq == stored[out_id].seq
+    assert [t.outputs[0][0][1] for t in traces] == ["a", "b"]

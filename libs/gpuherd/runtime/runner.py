@@ -40,6 +40,7 @@ from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
 from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
+from gpuherd.runtime.stages import BatchTrace, StageTracer
 
 log = get_logger("gpuherd.runtime")
 
@@ -120,6 +121,7 @@ class DeciderRunner(Generic[S]):
         self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
+        self.stages = StageTracer.from_env(decider.name)  # where decisions' time goes (benchmarks)
 
     @property
     def name(self) -> str:
@@ -301,6 +303,8 @@ class DeciderRunner(Generic[S]):
             if isinstance(record.event, ev.Unreadable):
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.core.fold(record, time.perf_counter())
+            if self.stages is not None:
+                self.stages.folded(record.seq)
             self.metrics.events_consumed.inc()
             self.metrics.folded_seq.set(record.seq)
             if not self.caught_up.is_set() and self.core.caught_up:
@@ -315,9 +319,12 @@ class DeciderRunner(Generic[S]):
             await self._wake.wait()
             self._wake.clear()
             while self.core.ready():
+                stages = self.stages if self.stages is not None and self.stages.active else None
+                start = time.time()
                 batch = self.core.next_batch()
                 if batch:
-                    await self._commit(batch)
+                    trace = stages.decided(batch, start, time.time()) if stages is not None else None
+                    await self._commit(batch, trace)
             await self._maybe_snapshot()
 
     def _traces(self, batch: list[Decided]) -> list[str | None]:
@@ -333,7 +340,7 @@ class DeciderRunner(Generic[S]):
             out += [child_traceparent(trace_in, f"{self.name}.decide", cause=cause_id)] * len(decided.outputs)
         return out
 
-    async def _commit(self, batch: list[Decided]) -> None:
+    async def _commit(self, batch: list[Decided], trace: BatchTrace | None = None) -> None:
         outputs = outputs_of(batch)
         traces = self._traces(batch)
         refused: list[Decided] = []
@@ -343,6 +350,7 @@ class DeciderRunner(Generic[S]):
             if not any(decided.external for decided in batch):
                 raise  # the decider's own decisions refused: a bug to stop on, not to skip
             result, refused = await self._append_each(batch, exc)
+        acked = time.time()
         self.decisions_appended += len(outputs)
         now = time.perf_counter()
         for decided in batch:
@@ -353,6 +361,8 @@ class DeciderRunner(Generic[S]):
         self._coalesced_seen = self.core.coalesced
         if result.seqs:
             self.core.appended(result.seqs)
+        if trace is not None and self.stages is not None:
+            self.stages.appended(trace, result.seqs, acked)
         for decided in batch:
             if not decided.external:
                 continue
