@@ -22,11 +22,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
+from shared_traces import SHARED
 
 from apps.sim.cluster import ClusterSpec
 from apps.sim.elastic import ElasticWorkload, make_elastic, parse_range
@@ -34,12 +34,6 @@ from apps.sim.run import simulate
 from services.analytics import traces
 from services.analytics.traces import load_trace, vc_peak_demand
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
-KNOWN = {
-    "philly": TRACES / "philly" / "philly.csv",
-    **{f"cluster0{i}": TRACES / "itp" / f"cluster0{i}.csv" for i in range(1, 6)},
-}
 console = Console(stderr=True)
 
 
@@ -72,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     workload = ElasticWorkload(share=args.elastic_share, min_gpus=low, max_gpus=high, seed=args.seed)
     rows = []
     for name in [t.strip() for t in args.traces.split(",") if t.strip()]:
-        trace = load_trace(str(KNOWN.get(name, name)))
+        trace = load_trace(str(SHARED.get(name, name)))
         if args.limit:
             trace.jobs = trace.jobs.head(args.limit)
         scale = args.philly_scale if name == "philly" else args.scale
@@ -164,7 +158,7 @@ def print_tables(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--traces", default="philly,cluster02", help=f"names ({', '.join(KNOWN)}) or trace files")
+    parser.add_argument("--traces", default="philly,cluster02", help=f"names ({', '.join(SHARED)}) or trace files")
     parser.add_argument("--policies", default="fifo,qssf")
     parser.add_argument("--scale", type=float, default=0.2, help="each VC at this x its peak demand")
     parser.add_argument("--philly-scale", type=float, default=0.25)

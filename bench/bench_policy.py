@@ -31,19 +31,13 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from shared_traces import SHARED as ALL
 
 from apps.sim.cluster import ClusterSpec
 from apps.sim.policies import compare
 from services.analytics import predict
 from services.analytics.traces import Trace, load_trace, vc_peak_demand
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
-ALL = {
-    "philly": TRACES / "philly" / "philly.csv",
-    **{f"cluster0{i}": TRACES / "itp" / f"cluster0{i}.csv" for i in range(1, 6)},
-    "alibaba-openb": TRACES / "alibaba-openb" / "openb_pod_list_default.csv",
-}
 console = Console(stderr=True)
 
 

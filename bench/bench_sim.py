@@ -13,6 +13,12 @@ of each and their ratio, and whether the results agree.
 
     python bench/bench_sim.py [--limit N] [--scales 1.0,0.25] [--policies fifo,sjf,qssf,srtf]
     python bench/bench_sim.py --against f7b0f06 --scales 0.5 [--repeats 2] [--json]
+    python bench/bench_sim.py --all-traces [--policies ...] [--json]
+
+``--all-traces``: every policy on every real trace beside the project (``shared_traces``; each at
+its contended scale), each simulation a fresh process: wall time per trace and policy against
+FIFO's on the same input (target: every policy within 3x FIFO). A run that takes more than
+``--cap`` x FIFO's time (at least 120 s) is stopped and reported as such.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
+from shared_traces import SHARED, scale_of
 
 from apps.sim.cluster import ClusterSpec
 from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
@@ -39,6 +47,7 @@ from apps.sim.model import HELIOS, MODELS
 from apps.sim.run import simulate
 from services.analytics.jobs import summarize
 from services.analytics.traces import job_id_for, load_trace, submissions, vc_peak_demand
+from services.scheduler.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "philly" / "philly.csv"
@@ -92,7 +101,8 @@ def worktree(rev: str) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_in(root: Path, trace: str, policy: str, scale: float, limit: int) -> dict:
+def run_in(root: Path, trace: str, policy: str, scale: float, limit: int, timeout: float | None = None) -> dict:
+    """One simulation in a fresh process (``subprocess.TimeoutExpired`` after ``timeout`` s: killed)."""
     env = dict(os.environ, PYTHONHASHSEED="0")
     out = subprocess.run(
         [sys.executable, "-c", DRIVER, str(root), trace, policy, str(scale), str(limit)],
@@ -101,6 +111,7 @@ def run_in(root: Path, trace: str, policy: str, scale: float, limit: int) -> dic
         env=env,
         cwd=root,
         check=False,
+        timeout=timeout,
     )
     if out.returncode != 0:
         raise SystemExit(f"the simulation at {root} failed:\n{out.stderr[-3000:]}")
@@ -161,6 +172,60 @@ def before_and_after(args: argparse.Namespace) -> None:
     console.print(table)
     if not all(r["same_results"] for r in rows):
         console.print("* the results differ (see the closing note of the version for why)")
+
+
+TARGET_VS_FIFO = 3.0  # every policy's wall time within this x FIFO's on the same input
+
+
+def all_traces(args: argparse.Namespace) -> None:
+    """Wall time of each policy on each shared trace, against FIFO's on the same input, same run."""
+    policies = ["fifo", *(p for p in (args.policies or ",".join(POLICIES)).split(",") if p != "fifo")]
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("simulating", total=len(SHARED) * len(policies))
+        for name, path in SHARED.items():
+            fifo_s = None
+            for policy in policies:
+                progress.update(task, description=f"{name} {policy}")
+                cap = None if fifo_s is None else max(120.0, args.cap * fifo_s)
+                row = {"trace": name, "scale": scale_of(name), "policy": policy, "cap_s": cap}
+                try:
+                    r = run_in(ROOT, str(path), policy, scale_of(name), args.limit, timeout=cap)
+                except subprocess.TimeoutExpired:
+                    row |= {"finished": False, "wall_s": cap, "vs_fifo": cap / fifo_s}  # type: ignore[operator]
+                else:
+                    fifo_s = r["wall_s"] if fifo_s is None else fifo_s
+                    row |= {
+                        "finished": True, "jobs": r["submitted"], "events": r["events"], "wall_s": r["wall_s"],
+                        "vs_fifo": r["wall_s"] / fifo_s, "avg_jct_s": r["avg_jct_s"],
+                        "preemptions": r["preemptions"], "peak_rss_mb": r["peak_rss_mb"],
+                    }  # fmt: skip
+                row["met"] = row["finished"] and row["vs_fifo"] <= TARGET_VS_FIFO
+                rows.append(row)
+                progress.advance(task)
+    worst = max(rows, key=lambda r: r["vs_fifo"])
+    summary = {"runs": rows, "worst": {k: worst[k] for k in ("trace", "policy", "vs_fifo")}}
+    summary["met"] = all(r["met"] for r in rows)
+    if args.json:
+        print(json.dumps(summary))
+        return
+    table = Table(title="every policy on every shared trace: simulation wall time against FIFO's", title_justify="left")
+    for col in ("trace", "scale", "policy", "jobs", "wall s", "vs fifo", "preemptions", "avg JCT s", "peak RSS MB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if not r["finished"]:
+            table.add_row(r["trace"], f"{r['scale']}", r["policy"], "", f"> {r['wall_s']:.0f} (stopped)",
+                          f"> {r['vs_fifo']:.1f}x", "", "", "")  # fmt: skip
+            continue
+        table.add_row(
+            r["trace"], f"{r['scale']}", r["policy"], f"{r['jobs']:,}", f"{r['wall_s']:.1f}",
+            f"{r['vs_fifo']:.2f}x" + ("" if r["met"] else " *"), f"{r['preemptions']:,}",
+            f"{r['avg_jct_s']:,.0f}", f"{r['peak_rss_mb']:,.0f}",
+        )  # fmt: skip
+    console.print(table)
+    verdict = "met" if summary["met"] else "not met (*)"
+    console.print(f"target: every policy within {TARGET_VS_FIFO:.0f}x FIFO's wall time: {verdict}; worst "
+                  f"{worst['trace']} {worst['policy']} {worst['vs_fifo']:.2f}x")  # fmt: skip
 
 
 def run_peer(peer_dir: Path, data_dir: Path, policy: str, vcs: list[str]) -> tuple[float, dict]:
@@ -247,7 +312,9 @@ def main() -> None:
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--scales", default="1.0,0.25")
-    parser.add_argument("--policies", default="fifo,sjf,qssf,srtf")
+    parser.add_argument("--policies", help="comma-separated (default fifo,sjf,qssf,srtf; --all-traces: all)")
+    parser.add_argument("--all-traces", action="store_true", help="wall time of each policy on each shared trace")
+    parser.add_argument("--cap", type=float, default=10.0, help="--all-traces: stop a run after this x FIFO's time")
     parser.add_argument("--determinism", action="store_true", help="run FIFO twice and compare the logs")
     parser.add_argument("--against", help="also run gpuherd at this git revision on the same workload (before/after)")
     parser.add_argument("--repeats", type=int, default=1, help="--against: runs of each version (the best counts)")
@@ -256,6 +323,10 @@ def main() -> None:
     parser.add_argument("--peer", help="the Helios simulator's folder (../shared/peers/helios-qssf): side by side")
     parser.add_argument("--peer-scale", type=float, default=0.5, help="--peer: each VC at this x its peak demand")
     args = parser.parse_args()
+    if args.all_traces:
+        all_traces(args)
+        return
+    args.policies = args.policies or "fifo,sjf,qssf,srtf"
     if args.peer:
         against_peer(args)
         return
