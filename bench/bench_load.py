@@ -215,38 +215,39 @@ def stage_points(
     sent: dict[str, tuple[float, float]],
     seen: dict[str, float],
 ) -> list[dict[str, float]]:
-    """Per submitted job whose placement its own verdict caused: the wall time of each point of its
-    path (see STAGES). ``sent``: job -> (published, verdict received) at the submitter."""
-    stored: dict[str, tuple[type, float, str]] = {}  # event id -> (type, stored at, cause)
+    """Per submitted and placed job: the wall time of each point of its path (see STAGES; a pass that
+    placed it may be another event's, coalesced, and includes any wait for GPUs). ``sent``: job ->
+    (published, verdict received) at the submitter."""
+    stored: dict[str, tuple[type, float]] = {}  # event id -> (type, stored at)
     launched: dict[str, float] = {}
     for _, data, at in messages:
         try:
             event = ev.decode(data)
         except Exception:
             continue
-        stored[event.id] = (type(event), at, getattr(event, "cause", ""))
+        stored[event.id] = (type(event), at)
         if isinstance(event, ev.JobStarted):
             launched.setdefault(event.job, at)
     verdicts: dict[str, tuple[BatchTrace, int, str]] = {}  # job -> (batch, its index there, JobSubmitted id)
-    placements: dict[str, tuple[BatchTrace, str, str]] = {}  # job -> (batch, JobPlaced id, its cause)
+    placements: dict[str, tuple[BatchTrace, str]] = {}  # job -> (batch, JobPlaced id)
     for trace in traces:
         for index, outputs in enumerate(trace.outputs):
             for out_id, job in outputs:
-                kind, _, cause = stored.get(out_id, (None, 0.0, ""))
+                kind = stored.get(out_id, (None, 0.0))[0]
                 if job is None:
                     continue
                 if kind is ev.JobSubmitted:
                     verdicts.setdefault(job, (trace, index, out_id))
                 elif kind is ev.JobPlaced:
-                    placements.setdefault(job, (trace, out_id, cause))
+                    placements.setdefault(job, (trace, out_id))
     points = []
     for job, (submit, reply) in sent.items():
         if job not in verdicts or job not in launched or job not in seen:
             continue
         verdict, index, submitted = verdicts[job]
-        if job not in placements or placements[job][2] != submitted:
-            continue  # placed later, by another event's pass (it waited for GPUs)
-        place, placed, _ = placements[job]
+        if job not in placements:
+            continue
+        place, placed = placements[job]
         points.append({
             "submit": submit, "reply": reply,
             "intake_stored": verdict.stored[index] or float("nan"), "fetched": verdict.arrived[index],
