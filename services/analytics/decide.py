@@ -87,17 +87,15 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             guess = state.fresh.get(event.job)
             return [] if guess is None else [_predicted(event.job, guess)]
         if isinstance(event, ev.JobFinished) and self.predict:
-            out = []
-            for mate in state.model.mates(event.job):
-                before = state.predicted.get(mate)
-                if before is None or mate not in state.jobs or state.jobs[mate].status in TERMINAL:
-                    continue  # (not predicted yet: its first prediction already knows)
-                if self.estimates is not None and state.jobs[mate].spec.intake_id in self.estimates:
-                    continue
-                guess = state.model.revise(mate)
-                if guess is not None and _moved(before, guess):
-                    out.append(_predicted(mate, guess))
-            return out
+            mates = [
+                mate
+                for mate in state.model.mates(event.job)
+                # (not predicted yet: its first prediction already knows)
+                if mate in state.predicted and mate in state.jobs and state.jobs[mate].status not in TERMINAL
+                and (self.estimates is None or state.jobs[mate].spec.intake_id not in self.estimates)
+            ]  # fmt: skip
+            revised = state.model.revise(mates)
+            return [_predicted(m, g) for m, g in revised.items() if _moved(state.predicted[m], g)]
         if isinstance(event, ev.AnalyticsTicked) and self.ces is not None:
             return self._power(state, event.at)
         return []

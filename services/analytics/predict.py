@@ -39,7 +39,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -122,6 +122,14 @@ class Burst(msgspec.Struct, kw_only=True, gc=False):
     size: int = 0
     finished: list[float] = msgspec.field(default_factory=list)
     open_jobs: list[str] = msgspec.field(default_factory=list)  # submitted, not ended (forgotten when none is)
+
+
+class BurstPosterior(NamedTuple):
+    """A burst's finished jobs: how many, their median log-duration, a job's spread around it."""
+
+    finished: int
+    median: float
+    within: float
 
 
 class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -317,16 +325,24 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         error_key, history = self._error_key(f), self._user_history(f)
         return Pending(tuple(x), mu, burst_id, self.version, error_key, history, basis, features_digest(x))
 
-    def revise(self, job: str) -> Prediction | None:
-        """The prediction of a job not yet ended, with what its burst-mates' ends taught since
-        its submission (None: nothing they taught)."""
-        pending = self.pending.get(job)
-        if pending is None:
-            return None
-        burst = self.bursts.get(pending.burst)
-        if burst is None or not burst.finished:
-            return None
-        return self._prediction(pending)
+    def revise(self, jobs: Iterable[str]) -> dict[str, Prediction]:
+        """The predictions of jobs not yet ended, with what their burst-mates' ends taught since their
+        submission (a job whose burst has taught nothing is left out). A burst's figures are worked
+        out once for all its jobs: a burst may hold thousands, revised at every end among them."""
+        out: dict[str, Prediction] = {}
+        posteriors: dict[str, BurstPosterior] = {}
+        for job in jobs:
+            pending = self.pending.get(job)
+            if pending is None:
+                continue
+            posterior = posteriors.get(pending.burst)
+            if posterior is None:
+                burst = self.bursts.get(pending.burst)
+                if burst is None or not burst.finished:
+                    continue
+                posterior = posteriors[pending.burst] = self._burst_posterior(burst)
+            out[job] = self._prediction(pending, posterior)
+        return out
 
     def mates(self, job: str) -> list[str]:
         """The jobs of the burst of ``job`` (which just ended) that have not ended."""
@@ -365,17 +381,25 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
                 return statistics.median(recent), f"{kind}: last {len(recent)} jobs"
         return math.log(self.default_s), "default: no history yet"
 
-    def _prediction(self, pending: Pending) -> Prediction:
+    def _burst_posterior(self, burst: Burst) -> BurstPosterior:
+        """What a burst's finished jobs say: how many, their median log-duration, and the spread of a
+        job around its burst's median (learned from earlier bursts)."""
+        n = len(self.burst_errors)
+        within = max(math.sqrt(max(self.burst_error_sq, 0.0) / n), 0.1) if n >= 20 else 0.5
+        return BurstPosterior(len(burst.finished), statistics.median(burst.finished), within)
+
+    def _prediction(self, pending: Pending, posterior: BurstPosterior | None = None) -> Prediction:
         mu, basis, sigma = pending.mu, pending.basis, self.sigma(pending.error_key)
-        burst = self.bursts.get(pending.burst) if pending.burst else None
-        if burst is not None and burst.finished:
+        if posterior is None:
+            burst = self.bursts.get(pending.burst) if pending.burst else None
+            if burst is not None and burst.finished:
+                posterior = self._burst_posterior(burst)
+        if posterior is not None:
             # Normal-normal update: the model's mu (spread sigma) with the median of the finished
             # burst-mates (each of spread ``within``).
-            n = len(self.burst_errors)
-            within = max(math.sqrt(max(self.burst_error_sq, 0.0) / n), 0.1) if n >= 20 else 0.5
-            k = len(burst.finished)
+            k, median, within = posterior
             w0, w1 = 1.0 / sigma**2, k / within**2
-            mu = (w0 * mu + w1 * statistics.median(burst.finished)) / (w0 + w1)
+            mu = (w0 * mu + w1 * median) / (w0 + w1)
             sigma = math.sqrt(1.0 / (w0 + w1))
             basis = f"{basis}; {k} of its burst finished"
         seconds = round(math.exp(min(mu, 25.0)), 1)

@@ -460,8 +460,9 @@ def _may_overtake(work: Pass, job: JobState, hold: QuotaHold) -> bool:
     or uses quota the quota head will not need then."""
     if not hold.reserved:
         _reserve_quota(work, hold)
-    spare = work.backfill and hold.reserved_at is not None and job.spec.gpus <= hold.spare
-    return spare or _ends_before(work, job, hold.reserved_at)
+    if hold.reserved_at is None or not work.backfill:
+        return False  # (every job behind it in its VC: a deep queue asks this for each)
+    return job.spec.gpus <= hold.spare or _ends_before(work, job, hold.reserved_at)
 
 
 def _delays_quota_head(work: Pass, job: JobState, hold: QuotaHold, position: int) -> None:
