@@ -87,15 +87,14 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             guess = state.fresh.get(event.job)
             return [] if guess is None else [_predicted(event.job, guess)]
         if isinstance(event, ev.JobFinished) and self.predict:
-            mates = [
-                mate
+            current = {
+                mate: state.predicted[mate]
                 for mate in state.model.mates(event.job)
                 # (not predicted yet: its first prediction already knows)
                 if mate in state.predicted and mate in state.jobs and state.jobs[mate].status not in TERMINAL
                 and (self.estimates is None or state.jobs[mate].spec.intake_id not in self.estimates)
-            ]  # fmt: skip
-            revised = state.model.revise(mates)
-            return [_predicted(m, g) for m, g in revised.items() if _moved(state.predicted[m], g)]
+            }  # fmt: skip
+            return [_predicted(m, g) for m, g in state.model.revise(current, _moved).items()]
         if isinstance(event, ev.AnalyticsTicked) and self.ces is not None:
             return self._power(state, event.at)
         return []
@@ -130,9 +129,9 @@ def _predicted(job: str, guess: Prediction) -> ev.JobDurationPredicted:
     )
 
 
-def _moved(before: tuple[float, float], guess: Prediction) -> bool:
-    seconds, sigma = before
+def _moved(before: tuple[float, float], seconds: float, sigma: float) -> bool:
+    """Whether a revision is worth recording: it moves the prediction in force enough."""
+    old_seconds, old_sigma = before
     return (
-        abs(math.log(max(guess.seconds, 1.0) / max(seconds, 1.0))) > REVISE_LOG
-        or abs(guess.sigma - sigma) > REVISE_SIGMA
+        abs(math.log(max(seconds, 1.0) / max(old_seconds, 1.0))) > REVISE_LOG or abs(sigma - old_sigma) > REVISE_SIGMA
     )

@@ -37,7 +37,7 @@ import heapq
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -130,6 +130,21 @@ class BurstPosterior(NamedTuple):
     finished: int
     median: float
     within: float
+
+
+def _with_burst(mu: float, sigma: float, posterior: BurstPosterior) -> tuple[float, float]:
+    """Normal-normal update: the model's mu (spread sigma) with the median of the finished
+    burst-mates (each of spread ``within``)."""
+    w0, w1 = 1.0 / sigma**2, posterior.finished / posterior.within**2
+    return (w0 * mu + w1 * posterior.median) / (w0 + w1), math.sqrt(1.0 / (w0 + w1))
+
+
+def _seconds(mu: float) -> float:
+    return round(math.exp(min(mu, 25.0)), 1)
+
+
+# Whether a revised (seconds, sigma) differs enough from the prediction in force to be recorded.
+Moved = Callable[[tuple[float, float], float, float], bool]
 
 
 class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -325,13 +340,16 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         error_key, history = self._error_key(f), self._user_history(f)
         return Pending(tuple(x), mu, burst_id, self.version, error_key, history, basis, features_digest(x))
 
-    def revise(self, jobs: Iterable[str]) -> dict[str, Prediction]:
-        """The predictions of jobs not yet ended, with what their burst-mates' ends taught since their
-        submission (a job whose burst has taught nothing is left out). A burst's figures are worked
-        out once for all its jobs: a burst may hold thousands, revised at every end among them."""
+    def revise(self, current: Mapping[str, tuple[float, float]], moved: Moved) -> dict[str, Prediction]:
+        """New predictions of jobs not yet ended (``current``: job -> its prediction in force, as
+        (seconds, sigma)), with what their burst-mates' ends taught since their submission: only
+        those whose new (seconds, sigma) ``moved`` says differ enough. A burst may hold thousands of
+        jobs, revised at every end among them: its figures are worked out once for all, and a
+        prediction is made whole only for a job it moved."""
         out: dict[str, Prediction] = {}
         posteriors: dict[str, BurstPosterior] = {}
-        for job in jobs:
+        sigmas: dict[str, float] = {}
+        for job, before in current.items():
             pending = self.pending.get(job)
             if pending is None:
                 continue
@@ -341,7 +359,12 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
                 if burst is None or not burst.finished:
                     continue
                 posterior = posteriors[pending.burst] = self._burst_posterior(burst)
-            out[job] = self._prediction(pending, posterior)
+            sigma = sigmas.get(pending.error_key)
+            if sigma is None:
+                sigma = sigmas[pending.error_key] = self.sigma(pending.error_key)
+            mu, sigma = _with_burst(pending.mu, sigma, posterior)
+            if moved(before, _seconds(mu), round(sigma, 4)):
+                out[job] = self._prediction(pending, posterior)
         return out
 
     def mates(self, job: str) -> list[str]:
@@ -395,16 +418,10 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
             if burst is not None and burst.finished:
                 posterior = self._burst_posterior(burst)
         if posterior is not None:
-            # Normal-normal update: the model's mu (spread sigma) with the median of the finished
-            # burst-mates (each of spread ``within``).
-            k, median, within = posterior
-            w0, w1 = 1.0 / sigma**2, k / within**2
-            mu = (w0 * mu + w1 * median) / (w0 + w1)
-            sigma = math.sqrt(1.0 / (w0 + w1))
-            basis = f"{basis}; {k} of its burst finished"
-        seconds = round(math.exp(min(mu, 25.0)), 1)
+            mu, sigma = _with_burst(mu, sigma, posterior)
+            basis = f"{basis}; {posterior.finished} of its burst finished"
         return Prediction(
-            seconds=seconds,
+            seconds=_seconds(mu),
             basis=basis,
             mu=round(mu, 6),
             sigma=round(sigma, 4),
