@@ -29,6 +29,7 @@ LAS preempts only a job that has run ``min_run_s`` since it last started.
 from __future__ import annotations
 
 import abc
+import bisect
 import itertools
 import math
 from collections.abc import Iterable
@@ -169,23 +170,29 @@ class Las(Policy):
         "min_run_s": 600.0,
     }
 
+    def __init__(self, **params: float) -> None:
+        super().__init__(**params)
+        # Ranking every waiting job at every pass reads these: work them out once.
+        bound, self._bounds = self.params["first_queue_gpu_s"], []  # queue i holds service < _bounds[i]
+        for _ in range(max(1, int(self.params["queues"])) - 1):
+            self._bounds.append(bound)
+            bound *= max(self.params["queue_ratio"], 1.0)
+        self._min_starvation_s = self.params["min_starvation_s"]
+        self._starvation_factor = self.params["starvation_factor"]
+
     def service_queue(self, job: JobState, state: SchedulerState) -> int:
         """The queue its attained service puts it in."""
-        service = job.service_gpu_s + job.running_gpu_s(state.now)
-        bound = self.params["first_queue_gpu_s"]
-        last = max(1, int(self.params["queues"])) - 1
-        for queue in range(last):
-            if service < bound:
-                return queue
-            bound *= max(self.params["queue_ratio"], 1.0)
-        return last
+        service = job.service_gpu_s
+        if job.status == "running":
+            service += job.running_gpu_s(state.now)
+        return bisect.bisect_right(self._bounds, service)
 
     def starving(self, job: JobState, state: SchedulerState) -> bool:
         if job.status != "pending":
             return False
         waited = state.now - job.waiting_since
         ran = job.service_gpu_s / job.spec.gpus
-        return waited > max(self.params["min_starvation_s"], self.params["starvation_factor"] * ran)
+        return waited > max(self._min_starvation_s, self._starvation_factor * ran)
 
     def queue(self, job: JobState, state: SchedulerState) -> int:
         return 0 if self.starving(job, state) else self.service_queue(job, state)
