@@ -153,6 +153,9 @@ class SchedulerDecider(Decider[SchedulerState]):
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
     # counts, time limits; 11: predictions' spread
     STATE_FORMAT = 11
+    # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
+    # as it would have been just before the pass (the audit re-judges it on that same state).
+    TAKES_BESIDE_PASSES = True
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(

@@ -354,3 +354,62 @@ def test_a_prediction_makes_a_pass_only_where_it_is_used() -> None:
     assert passes("fifo", "unknown")  # backfill reads it
     assert passes("qssf", "declared")  # QSSF ranks by predictions only
     assert passes("fifo", "declared", rules=2)  # as logs of earlier rules were decided
+
+
+def test_a_pass_is_put_off_to_a_later_one_only_briefly_when_live() -> None:
+    """Several pass-only inputs waiting: without a clock (simulation) only the last is decided; live,
+    one that has waited MAX_PASS_DEFERRAL_S is decided in its turn, and the later ones, folded
+    already, are dropped: one pass, made at once, that places every waiting job."""
+    from gpuherd.runtime.core import MAX_PASS_DEFERRAL_S
+
+    def waiting_core() -> tuple[DecisionCore[SchedulerState], list[Record]]:
+        log = drive([node("n1", 4)])
+        core = DecisionCore(decider, folded(log))
+        for event in (submit("a", 1), ended("gone", "n1"), submit("b", 1), submit("c", 1)):
+            record = Record(len(log) + 1, event)
+            log.append(record)
+            core.fold(record, arrived=0.0)
+        return core, log
+
+    core, log = waiting_core()
+    (batch,) = [core.next_batch()]
+    assert [d.cause.event.job for d in batch] == ["c"], "no clock: coalesced to the last pass"
+    assert core.coalesced == 2
+
+    core, log = waiting_core()
+    batch = core.next_batch(now=MAX_PASS_DEFERRAL_S / 2)
+    assert [d.cause.event.job for d in batch] == ["c"], "not overdue yet: coalesced as before"
+
+    core, log = waiting_core()
+    batch = core.next_batch(now=MAX_PASS_DEFERRAL_S * 2)
+    (decided,) = batch
+    assert decided.cause.event.job == "a", "overdue: decided in its turn"
+    assert sorted(p.job for p in decided.outputs if isinstance(p, ev.JobPlaced)) == ["a", "b", "c"]
+    assert core.coalesced == 2 and core.waiting == 1, "the later passes dropped; the settle still waits"
+
+
+def test_submissions_behind_a_pass_are_judged_in_its_batch_on_its_state() -> None:
+    """The scheduler takes submissions beside passes: the ones waiting right behind a pass are
+    answered in the pass's batch (one round trip), judged on the state the pass saw; a log event
+    behind them is decided in a later batch."""
+    import msgspec
+
+    from services.scheduler.intake import Submission
+
+    log = drive([node("n1", 4)])
+    core = DecisionCore(decider, folded(log))
+    for event in (submit("a", 1),):
+        record = Record(len(log) + 1, event)
+        log.append(record)
+        core.fold(record)
+    for seq in (1, 2):
+        data = msgspec.json.encode({"name": f"s{seq}", "user": "u", "gpus": 1, "duration_s": 5})
+        core.offer(Submission(source="t", seq=seq, data=data, at=1.0))
+    late = Record(len(log) + 1, ended("a", "n1"))
+    log.append(late)
+    core.fold(late)
+    batch = core.next_batch()
+    assert [type(d.outputs[0]).__name__ for d in batch] == ["JobPlaced", "JobSubmitted", "JobSubmitted"]
+    based_on = {o.based_on for d in batch for o in d.outputs}
+    assert based_on == {core.state.seq}, "all decided on one state"
+    assert core.waiting == 1, "the task's end waits for the next batch"

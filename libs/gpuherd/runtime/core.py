@@ -9,9 +9,16 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
   arrive meanwhile wait in order. So the state a decision was made on is exactly
   ``fold(log[1..based_on])``, which is what the audit re-runs.
 * **Coalescing.** Of several waiting inputs that only make a pass over the whole state
-  (``Decider.coalescible``), only the last is decided: same state, same pass, once.
+  (``Decider.coalescible``), only the last is decided: same state, same pass, once. Live, a pass
+  is not put off for longer than ``MAX_PASS_DEFERRAL_S``: under a steady stream of events there is
+  always a later pass waiting, behind other inputs, and putting each off to the next one left jobs
+  waiting for a pass for seconds. An overdue pass is decided when its turn comes, and the later
+  waiting passes are dropped: everything waiting is folded already, so the pass sees what they
+  would have seen. (A simulation, which asks with no clock, always coalesces to the last.)
 * **Batching.** Waiting inputs the decider calls independent (distinct keys) are decided on one
-  state and appended together: one round trip instead of one per input.
+  state and appended together: one round trip instead of one per input. Where the decider says
+  its answers read nothing a pass decides (``TAKES_BESIDE_PASSES``), the external inputs right
+  behind a pass join the pass's batch: a submission does not wait a round trip for a pass.
 * **Catch-up.** After a restart the core folds the log to its head before deciding anything; the
   inputs of that tail whose decisions are already in the log (found by their ids, which encode
   the cause) are not decided again.
@@ -29,6 +36,8 @@ from typing import Any, Generic
 from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.runtime.decider import MAX_BATCH_DECISIONS, Answer, Decider, S, cause_seq_of, decide_stamped
+
+MAX_PASS_DEFERRAL_S = 0.005  # live: a pass waiting this long is decided in its turn, not put off again
 
 
 @dataclass(slots=True)
@@ -120,20 +129,24 @@ class DecisionCore(Generic[S]):
         """Nothing waits and every output is folded: the state is a valid snapshot."""
         return not self._pending and self._head is None and self.state.seq >= self.wait_until
 
-    def next_batch(self) -> list[Decided]:
+    def next_batch(self, now: float | None = None) -> list[Decided]:
         """The next waiting inputs that have decisions (or answers), decided on the current state: one
         input, or a run of independent ones with distinct keys. Inputs decided to nothing, and passes
-        a later waiting input makes too, are consumed on the way."""
+        a later waiting input makes too, are consumed on the way. ``now`` (live: the clock of
+        ``arrived``) lets a pass that has waited ``MAX_PASS_DEFERRAL_S`` be decided in its turn."""
         decider, state = self.decider, self.state
         batch: list[Decided] = []
         keys: set[str] = set()
         size = 0
+        answers_only = False  # behind a pass: only external inputs may join the batch
         while self._pending:
             waiting = self._pending[0]
             item = waiting.item
             key = decider.external_key(item) if waiting.external else decider.independent(item.event)  # type: ignore[union-attr]
             if batch and (key is None or key in keys or size >= self.max_batch):
                 break  # decided once the batch is folded
+            if answers_only and not waiting.external:
+                break
             self._pending.popleft()
             if waiting.external:
                 answer = decider.take(state, waiting.item)
@@ -144,18 +157,29 @@ class DecisionCore(Generic[S]):
                 if decider.coalescible(record.event):
                     self._passes -= 1
                     if self._passes > 0:
-                        self.coalesced += 1
-                        continue  # a later waiting input makes this same pass
+                        if now is None or now - waiting.arrived < MAX_PASS_DEFERRAL_S:
+                            self.coalesced += 1
+                            continue  # a later waiting input makes this same pass
+                        self._drop_passes()  # overdue: this pass is theirs too (they are folded)
                 outputs = decide_stamped(decider, state, record)
                 if outputs:
                     batch.append(Decided(record, waiting.arrived, outputs))
                     size += len(outputs)
             if key is None:
-                if batch:
+                if batch and not (decider.TAKES_BESIDE_PASSES and not waiting.external):
                     break
+                answers_only = answers_only or bool(batch)
                 continue
             keys.add(key)
         return batch
+
+    def _drop_passes(self) -> None:
+        """Forget every waiting input that only makes a pass: the one being decided makes it."""
+        coalescible = self.decider.coalescible
+        kept = collections.deque(w for w in self._pending if w.external or not coalescible(w.item.event))  # type: ignore[union-attr]
+        self.coalesced += len(self._pending) - len(kept)
+        self._pending = kept
+        self._passes = 0
 
     def appended(self, seqs: Iterable[int]) -> None:
         """The batch's outputs are stored at ``seqs``: decide nothing more until they are folded."""

@@ -87,6 +87,12 @@ class Decider(abc.ABC, Generic[S]):
         """Like ``independent``, for an external input."""
         return None
 
+    # Whether an answer of ``take`` may be given on the state a decision about the log's events is
+    # made on, in one batch with it: true where an answer given on the state just before those
+    # decisions is as valid as one given a moment earlier. Then the external inputs waiting right
+    # behind a pass are answered in the pass's batch, and do not wait a round trip for it.
+    TAKES_BESIDE_PASSES: ClassVar[bool] = False
+
     def answers(self, event: ev.Decision) -> bool:
         """Whether ``event`` is one of this decider's answers to an external input (the audit
         re-judges those with ``recheck`` rather than re-running ``decide``)."""

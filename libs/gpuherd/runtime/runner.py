@@ -321,7 +321,7 @@ class DeciderRunner(Generic[S]):
             while self.core.ready():
                 stages = self.stages if self.stages is not None and self.stages.active else None
                 start = time.time()
-                batch = self.core.next_batch()
+                batch = self.core.next_batch(time.perf_counter())
                 if batch:
                     trace = stages.decided(batch, start, time.time()) if stages is not None else None
                     await self._commit(batch, trace)
