@@ -313,5 +313,6 @@ async def test_stage_trace_times_each_batch_in_order(tmp_path, monkeypatch) -> N
         (cause,) = trace.causes
         ((out_id, job),) = trace.outputs[0]
         assert isinstance(stored[out_id].event, ev.JobPlaced) and stored[out_id].event.cause == cause
+        assert stored[out_id].event.job == job
         assert trace.last_seq == stored[out_id].seq
     assert [t.outputs[0][0][1] for t in traces] == ["a", "b"]

@@ -362,25 +362,25 @@ def test_a_pass_is_put_off_to_a_later_one_only_briefly_when_live() -> None:
     already, are dropped: one pass, made at once, that places every waiting job."""
     from gpuherd.runtime.core import MAX_PASS_DEFERRAL_S
 
-    def waiting_core() -> tuple[DecisionCore[SchedulerState], list[Record]]:
+    def waiting_core() -> DecisionCore[SchedulerState]:
         log = drive([node("n1", 4)])
         core = DecisionCore(decider, folded(log))
         for event in (submit("a", 1), ended("gone", "n1"), submit("b", 1), submit("c", 1)):
             record = Record(len(log) + 1, event)
             log.append(record)
             core.fold(record, arrived=0.0)
-        return core, log
+        return core
 
-    core, log = waiting_core()
+    core = waiting_core()
     (batch,) = [core.next_batch()]
     assert [d.cause.event.job for d in batch] == ["c"], "no clock: coalesced to the last pass"
     assert core.coalesced == 2
 
-    core, log = waiting_core()
+    core = waiting_core()
     batch = core.next_batch(now=MAX_PASS_DEFERRAL_S / 2)
     assert [d.cause.event.job for d in batch] == ["c"], "not overdue yet: coalesced as before"
 
-    core, log = waiting_core()
+    core = waiting_core()
     batch = core.next_batch(now=MAX_PASS_DEFERRAL_S * 2)
     (decided,) = batch
     assert decided.cause.event.job == "a", "overdue: decided in its turn"
