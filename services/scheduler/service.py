@@ -89,6 +89,7 @@ class Intake:
         finally:
             with contextlib.suppress(Exception):
                 await stop_ready()
+            await consumer.close()
 
     async def answer(self, decided: Decided) -> None:
         """The verdict is stored (or was, for a duplicate): reply to the submitter, then acknowledge."""
@@ -168,8 +169,11 @@ def timer(lost_after_s: float, tick_s: float) -> ExtraTask:
         ticked_deadline: float | None = None  # the time limit a tick was written for
 
         async def watch() -> None:
-            async for beat in runner.log.telemetry("*.heartbeat"):
-                last_seen[beat.subject.split(".")[2]] = time.time()
+            # Closed when the task is cancelled, while the connection is up (its consumer is deleted
+            # then): left to the interpreter's shutdown, it held the process's exit for seconds.
+            async with contextlib.aclosing(runner.log.telemetry("*.heartbeat")) as beats:
+                async for beat in beats:
+                    last_seen[beat.subject.split(".")[2]] = time.time()
 
         watcher = asyncio.create_task(watch())
         try:

@@ -96,6 +96,9 @@ class DurableConsumer(abc.ABC):
     async def open(self) -> None:  # noqa: B027 - optional: implementations that subscribe lazily override it
         """Subscribe now rather than on the first fetch."""
 
+    async def close(self) -> None:  # noqa: B027 - optional: implementations that subscribe override it
+        """Stop consuming (what was fetched and not acknowledged comes back to the next consumer)."""
+
 
 class IntakeQueue(abc.ABC):
     """HERD_INTAKE: submissions from other systems, and the verdicts sent back to their inboxes."""

@@ -699,6 +699,15 @@ class _JetStreamConsumer(DurableConsumer):
         await self._watch_requests()
         await self._subscription()
 
+    async def close(self) -> None:
+        """Unsubscribe at once: left to the connection's drain, a pull subscription whose last fetch
+        was cancelled holds the drain until its timeout (seconds of a service's shutdown)."""
+        subs, self._sub, self._requests = (self._sub, self._requests), None, None
+        for sub in subs:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+
     async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
         try:
             await self._watch_requests()
