@@ -126,8 +126,8 @@ def before_and_after(args: argparse.Namespace) -> None:
             for policy in args.policies.split(","):
                 runs: dict[str, list[dict]] = {"before": [], "after": []}
                 for _ in range(args.repeats):
-                    runs["before"].append(run_in(old, args.trace, policy, scale, args.limit))
-                    runs["after"].append(run_in(ROOT, args.trace, policy, scale, args.limit))
+                    runs["before"].append(run_in(old, str(Path(args.trace).resolve()), policy, scale, args.limit))
+                    runs["after"].append(run_in(ROOT, str(Path(args.trace).resolve()), policy, scale, args.limit))
                 before = min(runs["before"], key=lambda r: r["wall_s"])
                 after = min(runs["after"], key=lambda r: r["wall_s"])
                 rows.append(
