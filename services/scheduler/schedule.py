@@ -149,6 +149,9 @@ class Pass:
     quota_holds: dict[str, QuotaHold] = field(default_factory=dict)  # VC -> its quota head's reservation
     placed_by_vc: dict[str, list[JobState]] = field(default_factory=dict)  # this pass's placements
     behind_head: int = 0
+    # Nothing behind the head can start (backfill off) and nothing reads why those jobs wait (no
+    # explanations, and no node asleep for ``wake_up`` to count their demand): the pass ends at the head.
+    ends_at_head: bool = False
     replaced: dict[str, NodeView] = field(default_factory=dict)  # views the pass replaced: put back after it
 
     @property
@@ -175,6 +178,7 @@ def plan(
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
+    work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
     out, skip = work.out, work.skip
     index.begin_pass(work.replaced)
     try:
@@ -242,9 +246,10 @@ def candidates(work: Pass) -> Iterable[JobState]:
 def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider", "skip", "stop"]:
     """Behind the head, whether ``job`` is looked at. Without explanations the pass stops once nothing
     can start (the head, the one to preempt for, is known) or once backfill has looked
-    ``BACKFILL_DEPTH`` deep; with them, the jobs beyond that depth are told why they wait."""
+    ``BACKFILL_DEPTH`` deep (without backfill, at the head); with them, the jobs beyond that depth are
+    told why they wait."""
     out = work.out
-    if not (work.explain or work.any_free):
+    if work.ends_at_head or not (work.explain or work.any_free):
         return "stop"
     work.behind_head += 1
     if work.behind_head <= BACKFILL_DEPTH:

@@ -21,7 +21,9 @@ from gpuherd.fold.invariants import violations
 from gpuherd.log import Record
 from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
+from services.scheduler.placement import ViewCache
 from services.scheduler.policy import POLICIES
+from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 from tests.helpers import ended, node, tick
 from tests.unit.test_scheduler_decider import drive, fold_log
@@ -142,6 +144,16 @@ def _check_placement(decider: SchedulerDecider, state: SchedulerState, placed: e
     assert ends_in_time or room - head.spec.gpus >= job.spec.gpus, f"{where}, delaying its start at {reserved_at}"
 
 
+def check_fast_pass_agrees(state: SchedulerState) -> None:
+    """The decider's own pass (no explanations, cached views, stopping early: at the head without
+    backfill) places and preempts exactly what the explained pass over every waiting job does."""
+    policy = SchedulerDecider().policy_for(state)
+    backfill = state.scheduling.backfill
+    explained = plan(state, policy, backfill=backfill)
+    fast = plan(state, policy, backfill=backfill, cache=ViewCache(), explain=False)
+    assert (fast.placed, fast.preempted) == (explained.placed, explained.preempted), f"t={state.now}"
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(sorted(POLICIES)), steps=st.integers(5, 40))
 def test_random_histories_keep_every_invariant_and_replay(seed: int, policy: str, steps: int) -> None:
@@ -153,6 +165,7 @@ def test_random_histories_keep_every_invariant_and_replay(seed: int, policy: str
     for step in range(steps):
         now += rng.choice([1.0, 5.0, 30.0])
         state = fold_log(log)
+        check_fast_pass_agrees(state)
         roll = rng.random()
         if roll < 0.45:
             extra: ev.Event = job_event(submitted, rng, now)
