@@ -138,17 +138,23 @@ def simulate(
     one per core), since nothing passes between them; the logs are the same either way.
     ``keep_log`` False keeps no log (only the job table, built as it runs: far less memory);
     ``digest`` hashes every event (to compare runs without keeping them); ``elastic_jobs`` makes a
-    seeded share of the jobs elastic and runs the elastic service."""
+    seeded share of the jobs elastic and runs the elastic service. ``estimates`` (intake id -> seconds)
+    replace the duration model's predictions; when every job has one, the model is not trained at all
+    (the same log, without its cost)."""
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
     if elastic_jobs is not None:  # a seeded share of the trace's jobs made elastic (the elastic service on)
         submissions, elastic = make_elastic(submissions, elastic_jobs), True
-    jobs = model.jobs(submissions, cluster.gpus_per_node)
+    jobs: Iterable[ev.JobSubmitted] = model.jobs(submissions, cluster.gpus_per_node)
+    covered = False  # every job has an estimate: the duration model would go unused
+    if predict and estimates is not None:
+        jobs = list(jobs)
+        covered = all((job.spec.intake_id or "") in estimates for job in jobs)
     params = {**model.policy_params(), **(policy_params or {})}
     run = functools.partial(
         _simulate, policy=policy, predict=predict, ces=ces, tick_s=tick_s, boot_s=boot_s, policy_params=params,
         start=start, elastic=elastic, memory=memory, model=model, estimates=estimates, keep_log=keep_log,
-        digest=digest, predictor=predictor,
+        digest=digest, predictor=predictor, estimates_cover_all=covered,
     )  # fmt: skip
     if not model.partition_vcs:
         parts = {"": run(jobs, cluster, on_submit=on_submit)}
@@ -241,6 +247,7 @@ def _simulate(
     keep_log: bool,
     digest: bool,
     predictor: Mapping[str, Any] | None,
+    estimates_cover_all: bool,
 ) -> _Part:
     # (The scheduler's tick decides something only while jobs wait: a simulation hears no heartbeats,
     # so it never finds a node lost. It pauses while none does, and keeps its times.)
@@ -253,6 +260,7 @@ def _simulate(
         estimates=estimates,
         tick_s=tick_s,
         predictor=predictor,
+        estimates_cover_all=estimates_cover_all,
     )
     table = JobTable()
     sinks: list[Callable[[Record], None]] = [lambda record: table.add(record.event)]

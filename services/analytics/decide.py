@@ -46,6 +46,7 @@ class AnalyticsDecider(Decider[AnalyticsState]):
         ces: CesParams | None = None,
         estimates: Mapping[str, float] | None = None,
         model: Mapping[str, Any] | None = None,
+        learn: bool = True,
     ) -> None:
         self.predict = predict
         self.model = dict(model or {})  # the duration model's settings (``DurationModel``'s fields)
@@ -54,12 +55,18 @@ class AnalyticsDecider(Decider[AnalyticsState]):
         # Given estimates (intake id -> seconds), e.g. another system's, instead of the model's:
         # a job without one gets the model's prediction.
         self.estimates = estimates
+        # False (only with estimates): the duration model is neither trained nor asked, and a job
+        # without an estimate gets no prediction. A simulation whose every job has an estimate runs
+        # so: the model's predictions would all go unused (the same log, without the model's cost).
+        if not learn and estimates is None:
+            raise ValueError("learn=False needs estimates: without them nothing would be predicted")
+        self.learn = learn
 
     def follows(self, event: ev.Event) -> bool:
         kind = type(event)
-        return (kind in (ev.JobSubmitted, ev.JobFinished) and self.predict) or (
-            kind is ev.AnalyticsTicked and self.ces is not None
-        )
+        if kind is ev.JobFinished:
+            return self.predict and self.learn  # (a revision is the model's)
+        return (kind is ev.JobSubmitted and self.predict) or (kind is ev.AnalyticsTicked and self.ces is not None)
 
     def initial_state(self) -> AnalyticsState:
         return AnalyticsState(retain_finished=False, model=DurationModel(**self.model))
@@ -68,7 +75,7 @@ class AnalyticsDecider(Decider[AnalyticsState]):
         return AnalyticsState
 
     def evolve(self, state: AnalyticsState, seq: int, event: ev.Event) -> AnalyticsState:
-        return evolve(state, seq, event, self.ces, predict=self.predict)
+        return evolve(state, seq, event, self.ces, predict=self.predict and self.learn)
 
     def independent(self, event: ev.Event) -> str | None:
         # A prediction reads the model and the job alone.

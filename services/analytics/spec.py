@@ -44,13 +44,18 @@ def _tasks(args: argparse.Namespace) -> list[ExtraTask]:
 def _simulated(switches: Mapping[str, Any]) -> Simulated | None:
     """Predictions (or the ``estimates`` given) where a policy ranks by them or they are asked for,
     by the duration model ``predictor`` (its settings; default the model's own), and energy saving
-    with ``ces`` (its parameters; ``{}`` for the defaults)."""
+    with ``ces`` (its parameters; ``{}`` for the defaults). ``estimates_cover_all``: every job has an
+    estimate, so the model is not trained (nothing would read it)."""
     predict, estimates, ces = switches.get("predict", True), switches.get("estimates"), switches.get("ces")
     if not predict and estimates is None and ces is None:
         return None  # (it would only fold)
     energy = CesParams(**ces) if ces is not None else None
     made = AnalyticsDecider(
-        predict=predict or estimates is not None, ces=energy, estimates=estimates, model=switches.get("predictor")
+        predict=predict or estimates is not None,
+        ces=energy,
+        estimates=estimates,
+        model=switches.get("predictor"),
+        learn=estimates is None or not switches.get("estimates_cover_all", False),
     )
     return Simulated(made, tick_every_s=switches.get("tick_s", 300.0))
 

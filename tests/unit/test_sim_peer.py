@@ -144,6 +144,44 @@ def test_vcs_simulated_in_parallel_give_the_logs_of_one_process() -> None:
     assert [r.event for r in runs[0].records] == [r.event for r in runs[1].records]
 
 
+def test_estimates_for_every_job_leave_the_duration_model_out_and_the_log_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """QSSF on estimates for every job: the model is not trained (its predictions would go unused),
+    and the log is the one of a run that trains it. With one job lacking an estimate, it is trained."""
+    from services.analytics.decide import AnalyticsDecider
+
+    trace, cluster = helios_workload(load_trace(SAMPLE))
+    given = {job_id_for(j): s for j, s in noisy_estimates(trace.jobs).items()}
+    learned: list[bool] = []
+    forced: dict[str, bool] = {}
+    make = AnalyticsDecider.__init__
+
+    def made(self: AnalyticsDecider, **kwargs: object) -> None:
+        make(self, **{**kwargs, **forced})  # type: ignore[arg-type]
+        learned.append(self.learn)
+
+    monkeypatch.setattr(AnalyticsDecider, "__init__", made)
+
+    def qssf(estimates: dict[str, float]) -> list:
+        learned.clear()
+        start = trace.origin
+        result = simulate(
+            submissions(trace, start=start), cluster, "qssf", start=start, model=HELIOS, estimates=estimates, workers=1
+        )
+        return [r.event for r in result.records]
+
+    without_model = qssf(given)
+    assert learned and not any(learned)
+    forced["learn"] = True
+    assert qssf(given) == without_model
+    del forced["learn"]
+    qssf(dict(list(given.items())[1:]))
+    assert learned and all(learned), "a job without an estimate gets the model's prediction"
+    with pytest.raises(ValueError, match="needs estimates"):
+        make(AnalyticsDecider.__new__(AnalyticsDecider), learn=False)
+
+
 def test_gpuherd_sim_takes_the_model_and_its_switches(tmp_path: Path) -> None:
     import json
 
