@@ -32,7 +32,7 @@ import abc
 import bisect
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 from gpuherd.fold import JobState
@@ -80,7 +80,12 @@ class Policy(abc.ABC):
 
     def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
         """Whether ``waiting`` may take ``running``'s GPUs (preemptive policies only)."""
-        return False
+        return self.outranked_by(waiting, state)(running)
+
+    def outranked_by(self, waiting: JobState, state: SchedulerState) -> Callable[[JobState], bool]:
+        """``outranks(waiting, running, state)`` as a test of running jobs: a preemption pass asks it of
+        every running job, so what depends on the waiting job alone is worked out once."""
+        return lambda running: False
 
 
 class Fifo(Policy):
@@ -139,8 +144,9 @@ class Srtf(Policy):
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (remaining_s(job, state),)
 
-    def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
-        return remaining_s(waiting, state) < remaining_s(running, state)
+    def outranked_by(self, waiting: JobState, state: SchedulerState) -> Callable[[JobState], bool]:
+        needs = remaining_s(waiting, state)
+        return lambda running: needs < remaining_s(running, state)
 
 
 class Las(Policy):
@@ -210,10 +216,14 @@ class Las(Policy):
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (self.queue(job, state),)
 
-    def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
-        if running.started_at is None or state.now - running.started_at < self.params["min_run_s"]:
-            return False
-        return self.service_queue(waiting, state) < self.service_queue(running, state)
+    def outranked_by(self, waiting: JobState, state: SchedulerState) -> Callable[[JobState], bool]:
+        queue, now, min_run_s = self.service_queue(waiting, state), state.now, self.params["min_run_s"]
+
+        def outranked(running: JobState) -> bool:
+            started = running.started_at
+            return started is not None and now - started >= min_run_s and queue < self.service_queue(running, state)
+
+        return outranked
 
 
 class Qssf(Policy):

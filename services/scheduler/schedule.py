@@ -639,16 +639,14 @@ def _victims(
     cap = state.scheduling.param("max_preemptions_per_hour")
     jobs = state.jobs
     pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {})) if same_vc else state.active_jobs()
+    priority = job.spec.priority
+    ranks_above = policy.outranked_by(job, state) if policy.preemptive else None
     for running in pool:
         if running.preempt_reason is not None or running.stopping():
             continue
         outranked = (
-            job.spec.priority > running.spec.priority
-            or (
-                policy.preemptive
-                and job.spec.priority == running.spec.priority
-                and policy.outranks(job, running, state)
-            )
+            priority > running.spec.priority
+            or (ranks_above is not None and priority == running.spec.priority and ranks_above(running))
             or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
         )
         if outranked and state.preemptions_within(running.job, 3600.0) < cap:
