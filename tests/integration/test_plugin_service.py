@@ -20,6 +20,7 @@ from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.client import Client
+from gpuherd.errors import SubmissionError
 from gpuherd.events.base import uncatalogue
 from gpuherd.log import open_log
 from gpuherd.runtime.audit import audit
@@ -112,6 +113,19 @@ def test_a_plugin_service_is_found_secured_and_simulated(toy_installed: Path) ->
     assert report.ok and report.decisions_checked == 3
 
 
+async def submit_once_a_node_is_up(client: Client, spec: dict, timeout: float = 60.0) -> str:
+    """Submit, again while the scheduler says no node has registered yet (the cluster's start returns
+    once its processes run; on a slow machine the agent's registration may still be on its way)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await client.submit(spec)
+        except SubmissionError as exc:
+            if "no GPU nodes have registered" not in str(exc) or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.5)
+
+
 @pytest.mark.slow
 async def test_a_plugin_service_runs_in_gpuherd_up(toy_installed: Path, tmp_path: Path) -> None:
     layout = ClusterLayout(sim_agents=1, sim_gpus=2, lost_after_s=10.0)
@@ -121,7 +135,7 @@ async def test_a_plugin_service_runs_in_gpuherd_up(toy_installed: Path, tmp_path
         assert "toy" in {p.name for p in cluster.procs}
         client = await Client.connect(url, source="test")
         try:
-            job = await client.submit({"name": "j", "user": "ana", "gpus": 1, "duration_s": 1.0})
+            job = await submit_once_a_node_is_up(client, {"name": "j", "user": "ana", "gpus": 1, "duration_s": 1.0})
         finally:
             await client.close()
         log_ = await open_log(url, name="test-reader", persistent=False)
