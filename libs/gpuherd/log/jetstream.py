@@ -72,6 +72,13 @@ log = get_logger("gpuherd.log")
 
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_BATCH_DUPLICATE_ID = 10201
+# What a server failing over, or a stream electing its leader, answers meanwhile: worth waiting out.
+_OUTAGE = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
 _batch_numbers = itertools.count(1)  # batch ids: unique per process, with the client id and clock
 
 
@@ -493,22 +500,22 @@ class JetStreamLog(EventLog):
         async def head() -> int:
             return int((await self.js.stream_info(HERD)).state.last_seq)
 
-        transient = (
-            TimeoutError,
-            nats.errors.TimeoutError,
-            nats.errors.NoRespondersError,
-            nats.js.errors.ServiceUnavailableError,
-        )
         return await patiently(
-            head, what="the log's head", patience_s=self.settings.outage_patience_s, transient=transient
+            head, what="the log's head", patience_s=self.settings.outage_patience_s, transient=_OUTAGE
         )
 
     async def subject_last_seq(self, subject: str) -> int:
-        try:
-            msg = await self.js.get_last_msg(HERD, subject)
-        except nats.js.errors.NotFoundError:
-            return 0
-        return int(msg.seq or 0)
+        # (Asked when a decider takes its leadership: a server killed at that moment must not kill it.)
+        async def last() -> int:
+            try:
+                msg = await self.js.get_last_msg(HERD, subject)
+            except nats.js.errors.NotFoundError:
+                return 0
+            return int(msg.seq or 0)
+
+        return await patiently(
+            last, what=f"the last event on {subject}", patience_s=self.settings.outage_patience_s, transient=_OUTAGE
+        )
 
     # -- HERD_INTAKE -------------------------------------------------------------------
 
