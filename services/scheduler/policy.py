@@ -204,14 +204,8 @@ class Las(Policy):
         return 0 if self.starving(job, state) else self.service_queue(job, state)
 
     def rank(self, job: JobState, state: SchedulerState) -> tuple:
-        # ``Policy.rank`` with ``key`` inlined: the same order, and every waiting job is ranked at
-        # every pass, so the calls saved are LAS's main cost on a deep queue.
-        if job.status == "pending":
-            ran = job.service_gpu_s / job.spec.gpus
-            if state.now - job.waiting_since > max(self._min_starvation_s, self._starvation_factor * ran):
-                return (-job.spec.priority, 0, job.order)
-            return (-job.spec.priority, bisect.bisect_right(self._bounds, job.service_gpu_s), job.order)
-        return (-job.spec.priority, self.service_queue(job, state), job.order)
+        # ``Policy.rank`` without the key's tuple: every waiting job is ranked at every pass.
+        return (-job.spec.priority, self.queue(job, state), job.order)
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (self.queue(job, state),)
