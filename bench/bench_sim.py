@@ -4,14 +4,17 @@ For each policy: the whole trace through the live scheduler and analytics decide
 clock. Prints simulated jobs/s and peak memory, checks that two runs of one policy give the same
 log (determinism), then the FIFO / SJF (oracle) / QSSF (predicted) / SRTF (oracle) table, overall
 and per VC, at the trace's own VC capacity (each VC sized to its peak demand) and at a contended
-scale. Baseline for speed: FIFO in the same run.
+scale. Baseline for speed: FIFO in the same run. The policies run as a sweep, ``--workers`` at a
+time (default one per core, each in a forked process, as ``gpuherd sim --policy a,b,...`` runs
+them): the table gives each run's wall time and peak RSS (its own process), their sum (the sweep
+one by one) and the sweep's own wall time.
 
 ``--against REV`` measures an earlier version of gpuherd (a git revision of this repository,
 checked out in a temporary worktree) on the same workload in the same run: each run is a fresh
 process of either version, alternating, so both see the same machine; the table gives the wall time
 of each and their ratio, and whether the results agree.
 
-    python bench/bench_sim.py [--limit N] [--scales 1.0,0.25] [--policies fifo,sjf,qssf,srtf]
+    python bench/bench_sim.py [--limit N] [--scales 1.0,0.25] [--policies fifo,sjf,qssf,srtf] [--workers N]
     python bench/bench_sim.py --against f7b0f06 --scales 0.5 [--repeats 2] [--json]
     python bench/bench_sim.py --all-traces [--policies ...] [--json]
 
@@ -45,6 +48,7 @@ from apps.sim.cluster import ClusterSpec
 from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
 from apps.sim.model import HELIOS, MODELS
 from apps.sim.run import simulate
+from apps.sim.sweep import sweep, workers_for
 from services.analytics.jobs import summarize
 from services.analytics.traces import job_id_for, load_trace, submissions, vc_peak_demand
 from services.scheduler.policy import POLICIES
@@ -319,6 +323,7 @@ def main() -> None:
     parser.add_argument("--against", help="also run gpuherd at this git revision on the same workload (before/after)")
     parser.add_argument("--repeats", type=int, default=1, help="--against: runs of each version (the best counts)")
     parser.add_argument("--json", action="store_true", help="--against/--peer: print the figures as JSON")
+    parser.add_argument("--workers", type=int, default=0, help="policies simulated at a time (default: one per core)")
     parser.add_argument("--model", default="gpuherd", choices=sorted(MODELS), help="how the cluster is modelled")
     parser.add_argument("--peer", help="the Helios simulator's folder (../shared/peers/helios-qssf): side by side")
     parser.add_argument("--peer-scale", type=float, default=0.5, help="--peer: each VC at this x its peak demand")
@@ -338,6 +343,8 @@ def main() -> None:
         trace.jobs = trace.jobs.head(args.limit)
     console.print(trace.describe())
     policies = args.policies.split(",")
+    model = MODELS[args.model]
+    at_once = workers_for(len(policies), args.workers)
     for scale in (float(s) for s in args.scales.split(",")):
         cluster = ClusterSpec.from_peaks(vc_peak_demand(trace), scale=scale)
         speed = Table(
@@ -345,37 +352,40 @@ def main() -> None:
         )
         for col in ("policy", "jobs", "events", "wall s", "jobs/s", "vs fifo", "peak RSS MB", "preemptions"):
             speed.add_column(col, justify="right")
-        walls: dict[str, float] = {}
-        digests: dict[str, str] = {}
-        summaries: dict[str, dict] = {}
-        preemptions: dict[str, int] = {}
-        for policy in policies:
-            model = MODELS[args.model]
+
+        def run_policy(policy: str, _: object, cluster: ClusterSpec = cluster) -> dict:
+            # Keep what the tables need, not the run: no log, and only figures cross back.
             result = simulate(
                 submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, model=model,
-                keep_log=False, digest=True,
+                keep_log=False, digest=True, workers=max(1, (os.cpu_count() or 1) // at_once),
             )  # fmt: skip
-            walls[policy] = result.wall_s
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            # Keep what the tables need, not the run: no log, one policy's states at a time in memory.
-            digests[policy] = result.digest
             jobs = result.table.jobs
-            summaries[policy] = summarize(jobs)
-            preemptions[policy] = int(jobs["preemptions"].sum())
-            submitted, events = result.submitted, result.events
-            del result, jobs
-            base = walls[policies[0]]
+            return {
+                "wall_s": result.wall_s, "digest": result.digest, "summary": summarize(jobs),
+                "preemptions": int(jobs["preemptions"].sum()), "submitted": result.submitted,
+                "events": result.events, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }  # fmt: skip
+
+        began = time.perf_counter()
+        runs = dict(sweep(policies, run_policy, workers=at_once))
+        elapsed = time.perf_counter() - began
+        walls = {policy: runs[policy]["wall_s"] for policy in policies}
+        digests = {policy: runs[policy]["digest"] for policy in policies}
+        summaries = {policy: runs[policy]["summary"] for policy in policies}
+        for policy in policies:
+            r = runs[policy]
             speed.add_row(
                 policy,
-                f"{submitted:,}",
-                f"{events:,}",
-                f"{walls[policy]:.1f}",
-                f"{submitted / walls[policy]:,.0f}",
-                f"{walls[policy] / base:.2f}x",
-                f"{rss:,.0f}",
-                f"{preemptions[policy]:,}",
+                f"{r['submitted']:,}",
+                f"{r['events']:,}",
+                f"{r['wall_s']:.1f}",
+                f"{r['submitted'] / r['wall_s']:,.0f}",
+                f"{r['wall_s'] / walls[policies[0]]:.2f}x",
+                f"{r['peak_rss_mb']:,.0f}",
+                f"{r['preemptions']:,}",
             )
-        speed.add_row("all", "", "", f"{sum(walls.values()):.1f}", "", "", "", "")
+        speed.add_row("all, one by one", "", "", f"{sum(walls.values()):.1f}", "", "", "", "")
+        speed.add_row(f"the sweep ({at_once} at a time)", "", "", f"{elapsed:.1f}", "", "", "", "")
         console.print(speed)
         if args.determinism:
             t0 = time.perf_counter()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +91,11 @@ def checkpoint_cost(text: str) -> str:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    from apps.cli.common import policy_names
     from apps.sim.elastic import ElasticWorkload, parse_range
     from apps.sim.model import load_estimates
     from apps.sim.run import simulate
+    from apps.sim.sweep import sweep, workers_for
     from gpuherd.log.files import write_log_file
     from services.analytics import jobs as jobs_mod
     from services.analytics import traces
@@ -101,7 +106,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     cluster = _cluster_spec(args, trace)
     model = sim_model(args)
     estimates = load_estimates(args.estimates) if args.estimates else None
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    policies = policy_names(args.policy)
     ces = json.loads(args.ces) if args.ces is not None else None
     elastic_jobs = None
     if args.elastic_share > 0:
@@ -114,42 +119,35 @@ def cmd_sim(args: argparse.Namespace) -> int:
             f"cluster: {cluster.total_nodes} nodes, {cluster.total_gpus} GPUs in {len(cluster.vcs)} VCs "
             f"({'may' if cluster.can_borrow else 'may not'} borrow)"
         )
-    results: dict[str, Any] = {}
     out_dir = Path(args.out) if args.out else None
-    for policy in policies:
-        start = trace.origin if trace.absolute_time else 0.0
-        with Progress(
-            TextColumn(f"[bold]{policy}[/bold]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-            disable=quiet,
-        ) as progress:
-            task = progress.add_task(policy, total=len(trace.jobs))
-            result = simulate(
-                traces.submissions(trace, start=start),
-                cluster,
-                policy,
-                predict=not args.no_predict,
-                ces=ces,
-                tick_s=args.tick,
-                on_submit=lambda n, task=task: progress.advance(task, n),
-                start=start,
-                elastic=args.elastic,
-                memory=args.memory,
-                model=model,
-                estimates=estimates,
-                keep_log=out_dir is not None,  # (no event file: keep only the job table, far less memory)
-                elastic_jobs=elastic_jobs,
-            )
+    start = trace.origin if trace.absolute_time else 0.0
+    at_once = workers_for(len(policies), args.workers)
+    # (A model that splits the cluster by VC runs its VCs on the cores too: shared among the policies.)
+    vc_workers = max(1, (os.cpu_count() or 1) // at_once)
+
+    def run_policy(policy: str, progress: Callable[[int], None]) -> dict[str, Any]:
+        result = simulate(
+            traces.submissions(trace, start=start),
+            cluster,
+            policy,
+            predict=not args.no_predict,
+            ces=ces,
+            tick_s=args.tick,
+            on_submit=progress,
+            start=start,
+            elastic=args.elastic,
+            memory=args.memory,
+            model=model,
+            estimates=estimates,
+            workers=vc_workers,
+            keep_log=out_dir is not None,  # (no event file: keep only the job table, far less memory)
+            elastic_jobs=elastic_jobs,
+        )
         table = result.table
         table.name = f"sim-{policy}"
-        summary = jobs_mod.summarize(table.jobs)
         capacity = {vc: cluster.vc_gpus(vc) for vc in cluster.vcs}
         util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket)
-        results[policy] = {
+        figures = {
             "wall_s": round(result.wall_s, 2),
             "jobs_per_s": round(result.submitted / max(result.wall_s, 1e-9), 1),
             "events": result.events,
@@ -158,9 +156,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
             "mean_utilization": round(float(util["all"].mean()), 4) if len(util) else None,
             "rescales": int(table.jobs["rescales"].sum()),
             "paused_gpu_s": round(float(table.jobs["paused_gpu_s"].sum()), 1),
-            "summary": summary,
+            "summary": jobs_mod.summarize(table.jobs),
         }
-        if out_dir is not None:
+        if out_dir is not None:  # (written where the run is: its log never crosses between processes)
             target = out_dir / policy
             target.mkdir(parents=True, exist_ok=True)
             for part, records in result.logs.items():  # a partitioned run: one log per VC
@@ -169,12 +167,36 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 write_log_file(records, folder / "events.jsonl")
             table.jobs.to_csv(target / "jobs.csv", index=False)
             util.to_csv(target / "utilization.csv", index=False)
-            (target / "summary.json").write_text(json.dumps(results[policy], indent=2))
-        if not quiet:
-            console.print(
-                f"{policy}: {result.submitted:,} jobs ({result.rejected:,} rejected) in {result.wall_s:.1f}s, "
-                f"{results[policy]['jobs_per_s']:,.0f} jobs/s, {result.events:,} events"
-            )
+            (target / "summary.json").write_text(json.dumps(figures, indent=2))
+        return figures
+
+    results: dict[str, Any] = {}
+    began = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]{task.description}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet,
+    ) as progress:
+        bars = {policy: progress.add_task(policy, total=len(trace.jobs)) for policy in policies}
+
+        def advance(policy: str, n: int) -> None:
+            progress.advance(bars[policy], n)
+
+        for policy, figures in sweep(policies, run_policy, workers=at_once, on_progress=advance):
+            results[policy] = figures
+            progress.update(bars[policy], visible=False)
+            if not quiet:
+                console.print(
+                    f"{policy}: {figures['submitted']:,} jobs ({figures['rejected']:,} rejected) in "
+                    f"{figures['wall_s']:.1f}s, {figures['jobs_per_s']:,.0f} jobs/s, {figures['events']:,} events"
+                )
+    results = {policy: results[policy] for policy in policies}  # (in the order asked, not finished)
+    if not quiet and len(policies) > 1:
+        console.print(f"{len(policies)} policies in {time.perf_counter() - began:.1f}s, {at_once} at a time")
     if quiet:
         console.print_json(json.dumps({"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}))
         return 0
@@ -328,6 +350,12 @@ def add_commands(sub: Any) -> None:
         "--no-checkpoint-cost", dest="checkpoint_cost", action="store_const", const="0", help="same as 0"
     )
     s.add_argument("--estimates", help="QSSF: a CSV of job_id,estimate_s to use instead of the duration model")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="policies simulated at a time, each in a process of its own (default: one per core; 1: one by one)",
+    )
     s.add_argument("--out", "-o", help="write events.jsonl, jobs.csv, utilization.csv, summary.json per policy here")
     s.add_argument("--json", action="store_true", help="print the summary as JSON")
     s.set_defaults(func=cmd_sim)

@@ -99,6 +99,19 @@ def client_call(args: argparse.Namespace, call: Callable[[Client], Awaitable[Any
     return asyncio.run(run())
 
 
+def policy_names(text: str) -> list[str]:
+    """A comma-separated list of scheduling policies, each checked before anything runs."""
+    from services.scheduler.policy import POLICIES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown or not names:
+        raise GpuherdError(
+            f"unknown policies: {', '.join(unknown) or '(none given)'}; choose from {', '.join(sorted(POLICIES))}"
+        )
+    return names
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
 

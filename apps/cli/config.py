@@ -12,7 +12,15 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import client_call, console, name_values, parse_duration, print_json, read_records
+from apps.cli.common import (
+    client_call,
+    console,
+    name_values,
+    parse_duration,
+    policy_names,
+    print_json,
+    read_records,
+)
 from apps.registry import make_decider, replay_state
 from gpuherd.errors import GpuherdError
 from services.elastic.policy import params_from as elastic_params
@@ -133,10 +141,7 @@ def cmd_policy_advise(args: argparse.Namespace) -> int:
         cluster = ClusterSpec.from_file(args.cluster)
     else:
         cluster = ClusterSpec.from_peaks(vc_peak_demand(history), scale=args.scale)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise GpuherdError(f"unknown policies: {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
+    policies = policy_names(args.policies)
     if not args.json:
         console.print(
             f"replaying {len(history.jobs):,} jobs ({history.name}"

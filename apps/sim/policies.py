@@ -13,10 +13,8 @@ SJF with the trace's true durations is the *oracle*: QSSF's share of the oracle'
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +24,7 @@ import pandas as pd
 from apps.sim.cluster import ClusterSpec
 from apps.sim.model import GPUHERD, SimModel
 from apps.sim.run import simulate
+from apps.sim.sweep import sweep
 from services.analytics.jobs import summarize
 from services.analytics.traces import Trace, submissions
 
@@ -115,11 +114,6 @@ def run_policy(
     )
 
 
-def _run(args: tuple) -> PolicyRun:
-    trace, cluster, policy, kwargs = args
-    return run_policy(trace, cluster, policy, **kwargs)
-
-
 def compare(
     trace: Trace,
     cluster: ClusterSpec,
@@ -132,19 +126,11 @@ def compare(
     """Each policy on the same history and cluster (``workers`` processes at a time), with the
     ratios against FIFO and the share of the oracle's gain where those runs are among them."""
     names = list(dict.fromkeys(policies))
-    jobs = [(trace, cluster, p, kwargs) for p in names]
     runs: dict[str, PolicyRun] = {}
-    if workers <= 1 or len(jobs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        for job in jobs:
-            runs[job[2]] = _run(job)
-            if on_done is not None:
-                on_done(runs[job[2]])
-    else:
-        with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")) as pool:
-            for run in pool.map(_run, jobs):
-                runs[run.policy] = run
-                if on_done is not None:
-                    on_done(run)
+    for name, run in sweep(names, lambda policy, _: run_policy(trace, cluster, policy, **kwargs), workers=workers):
+        runs[name] = run
+        if on_done is not None:
+            on_done(run)
     out = [runs[p] for p in names]
     add_ratios(out)
     return out

@@ -1,0 +1,110 @@
+"""Several simulations of one input at once: a sweep of policies runs each policy in a forked
+process of its own, up to one per core, and hands each result back as it finishes.
+
+The runs share nothing (each folds its own states from the same inputs), so a sweep's results are
+those of the runs one after the other; only its wall time changes. Forked, a run inherits its
+inputs (a trace, a cluster) instead of receiving them pickled: only its result crosses back, and
+its progress, in batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import queue as queues
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
+
+from apps.sim.engine import SimulationError
+
+R = TypeVar("R")
+Progress = Callable[[int], None]  # a run reports the submissions it has made, n at a time
+PROGRESS_EVERY = 2_000  # submissions a forked run makes between two progress messages
+_POLL_S = 1.0  # how often the sweep looks for a run that died without a word
+
+
+def workers_for(runs: int, workers: int | None = None) -> int:
+    """Runs at a time: ``workers`` (None or 0: one per core), never more than there are runs."""
+    return max(1, min(runs, workers or os.cpu_count() or 1))
+
+
+def sweep(
+    names: Sequence[str],
+    run: Callable[[str, Progress], R],
+    *,
+    workers: int | None = None,
+    on_progress: Callable[[str, int], None] | None = None,
+) -> Iterator[tuple[str, R]]:
+    """``run(name, progress)`` for each name, ``workers`` at a time (default one per core), each in a
+    forked process; (name, result) as each finishes. A run that fails raises ``SimulationError``
+    with its traceback; the runs still going are stopped, as they are when the caller stops early."""
+    names = list(dict.fromkeys(names))
+    at_once = workers_for(len(names), workers)
+    report = on_progress or (lambda name, n: None)
+    if at_once <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for name in names:
+            yield name, run(name, lambda n, name=name: report(name, n))
+        return
+    context = multiprocessing.get_context("fork")
+    messages = context.Queue()
+    waiting = collections.deque(names)
+    running: dict[str, BaseProcess] = {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < at_once:
+                name = waiting.popleft()
+                process = context.Process(target=_run_forked, args=(run, name, messages), name=f"gpuherd-sim-{name}")
+                process.start()
+                running[name] = process
+            try:
+                kind, name, payload = messages.get(timeout=_POLL_S)
+            except queues.Empty:
+                _check_alive(running)
+                continue
+            if kind == "progress":
+                report(name, payload)
+            elif kind == "done":
+                running.pop(name).join()
+                yield name, payload
+            else:
+                raise SimulationError(f"the simulation of {name} failed:\n{payload}")
+    finally:
+        for process in running.values():
+            if process.is_alive():
+                process.terminate()
+        for process in running.values():
+            process.join()
+        messages.close()
+        messages.join_thread()
+
+
+def _check_alive(running: dict[str, BaseProcess]) -> None:
+    for name, process in running.items():
+        if process.exitcode is not None and process.exitcode != 0:
+            raise SimulationError(
+                f"the simulation of {name} died (exit code {process.exitcode}; -9 is often the kernel "
+                "ending it for want of memory: run fewer at a time)"
+            )
+
+
+def _run_forked(run: Callable[[str, Progress], Any], name: str, messages: Any) -> None:
+    made = 0
+
+    def progress(n: int) -> None:
+        nonlocal made
+        made += n
+        if made >= PROGRESS_EVERY:
+            messages.put(("progress", name, made))
+            made = 0
+
+    try:
+        result = run(name, progress)
+    except BaseException:  # (told to the sweep, which raises it there with this traceback)
+        messages.put(("failed", name, traceback.format_exc()))
+        return
+    if made:
+        messages.put(("progress", name, made))
+    messages.put(("done", name, result))

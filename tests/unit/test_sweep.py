@@ -1,0 +1,136 @@
+"""A sweep runs several simulations at once, each in a forked process: the same results as one by
+one, in the order asked, with its progress; a run that fails or dies is named, and no process
+outlives the sweep, whether it finishes, fails or is stopped early."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apps.cli import build_parser
+from apps.sim.cluster import ClusterSpec
+from apps.sim.engine import SimulationError
+from apps.sim.policies import compare
+from apps.sim.run import simulate
+from apps.sim.sweep import sweep, workers_for
+from gpuherd.errors import GpuherdError
+from services.analytics.jobs import summarize
+from services.analytics.traces import load_trace, submissions, vc_peak_demand
+
+SAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "philly-sample.csv"
+POLICIES = ["fifo", "sjf", "las"]
+
+
+@pytest.fixture(scope="module")
+def workload() -> tuple[Any, ClusterSpec]:
+    trace = load_trace(SAMPLE)
+    trace.jobs = trace.jobs.head(300)
+    return trace, ClusterSpec.from_peaks(vc_peak_demand(trace), scale=0.3)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left() -> Any:
+    yield
+    left = multiprocessing.active_children()
+    for process in left:
+        process.kill()
+    assert not left, f"the sweep left processes running: {left}"
+
+
+def _figures(workload: tuple[Any, ClusterSpec], policy: str, progress: Any) -> dict[str, Any]:
+    trace, cluster = workload
+    result = simulate(
+        submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, on_submit=progress, digest=True
+    )
+    return {"digest": result.digest, "summary": summarize(result.table.jobs)["all"], "submitted": result.submitted}
+
+
+def test_forked_runs_give_what_runs_one_by_one_give(workload: tuple[Any, ClusterSpec]) -> None:
+    made: dict[str, int] = dict.fromkeys(POLICIES, 0)
+
+    def count(policy: str, n: int) -> None:
+        made[policy] += n
+
+    def run(policy: str, progress: Any) -> dict[str, Any]:
+        return _figures(workload, policy, progress)
+
+    forked = dict(sweep(POLICIES, run, workers=2, on_progress=count))
+    alone = dict(sweep(POLICIES, run, workers=1))
+    assert forked == alone
+    assert len({figures["digest"] for figures in forked.values()}) == len(POLICIES), "three different logs"
+    assert made == {policy: forked[policy]["submitted"] for policy in POLICIES}, "every submission reported"
+
+
+def test_a_failed_run_is_named_with_its_traceback_and_the_others_stop(workload: tuple[Any, ClusterSpec]) -> None:
+    def run(policy: str, progress: Any) -> dict[str, Any]:
+        if policy == "sjf":
+            raise RuntimeError("broken on purpose")
+        return _figures(workload, policy, progress)
+
+    with pytest.raises(SimulationError, match=r"(?s)simulation of sjf failed.*RuntimeError: broken on purpose"):
+        list(sweep(POLICIES, run, workers=2))
+
+
+def test_a_run_that_dies_without_a_word_is_named() -> None:
+    def run(name: str, progress: Any) -> None:
+        if name == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(SimulationError, match=r"simulation of killed died \(exit code -9"):
+        list(sweep(["fine", "killed"], run, workers=2))
+
+
+def test_stopping_early_stops_the_runs_still_going() -> None:
+    def run(name: str, progress: Any) -> str:
+        if name != "quick":
+            signal.pause()  # (runs until the sweep stops it)
+        return name
+
+    results = sweep(["quick", "slow", "slower"], run, workers=3)
+    assert next(results) == ("quick", "quick")
+    results.close()  # the caller stops here: the two still running are stopped
+
+
+def test_workers_default_to_one_per_core_and_never_exceed_the_runs() -> None:
+    assert workers_for(2, 8) == 2
+    assert workers_for(5, 1) == 1
+    assert workers_for(100) == (os.cpu_count() or 1)
+    assert workers_for(0) == 1
+
+
+def test_policy_comparison_forks_with_the_same_runs(workload: tuple[Any, ClusterSpec]) -> None:
+    trace, cluster = workload
+    alone = compare(trace, cluster, ["fifo", "sjf"], workers=1)
+    forked = compare(trace, cluster, ["fifo", "sjf"], workers=2)
+    assert [(r.policy, r.avg_jct_s, r.preemptions) for r in forked] == [
+        (r.policy, r.avg_jct_s, r.preemptions) for r in alone
+    ]
+
+
+def test_gpuherd_sim_runs_its_policies_at_once_in_the_order_asked(tmp_path: Path, capsys: Any) -> None:
+    def sim(workers: int, out: Path) -> dict[str, Any]:
+        argv = ["sim", str(SAMPLE), "--limit", "200", "--scale", "0.3", "--policy", "sjf,fifo,srtf"]
+        args = build_parser().parse_args([*argv, "--workers", str(workers), "--out", str(out), "--json"])
+        assert args.func(args) == 0
+        printed = json.loads(capsys.readouterr().out)
+        return {k: v for k, v in printed.items() if isinstance(v, dict) and "summary" in v}
+
+    forked, alone = sim(2, tmp_path / "forked"), sim(1, tmp_path / "alone")
+    assert list(forked) == ["sjf", "fifo", "srtf"], "the order asked, whichever finished first"
+    for policy in forked:
+        assert forked[policy]["summary"] == alone[policy]["summary"]
+        for name in ("events.jsonl", "jobs.csv"):  # (summary.json has each run's own wall time)
+            forked_file, alone_file = (tmp_path / run / policy / name for run in ("forked", "alone"))
+            assert forked_file.read_bytes() == alone_file.read_bytes(), f"{policy}/{name} differs"
+
+
+def test_gpuherd_sim_refuses_an_unknown_policy_before_running_any() -> None:
+    args = build_parser().parse_args(["sim", str(SAMPLE), "--policy", "fifo,nonesuch"])
+    with pytest.raises(GpuherdError, match="unknown policies: nonesuch; choose from"):
+        args.func(args)
