@@ -31,7 +31,7 @@ as its cause, including causes older versions followed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from gpuherd import events as ev
@@ -196,6 +196,11 @@ class SchedulerDecider(Decider[SchedulerState]):
     def independent(self, event: ev.Event) -> str | None:
         # Settling a task's attempt reads and decides about that job alone (and makes no pass).
         return event.job if type(event) is ev.TaskEnded else None
+
+    def keys_of(self, decisions: Sequence[ev.Event]) -> set[str]:
+        # A pass decides about jobs (placed, preempted, ended as doomed) and nodes (woken), never
+        # about a job's task: it may share a batch with settles of other jobs' tasks.
+        return {job for d in decisions if (job := getattr(d, "job", None)) is not None}
 
     # -- decisions on the log's events ----------------------------------------------------------------
 

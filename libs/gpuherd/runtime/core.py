@@ -18,7 +18,10 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
 * **Batching.** Waiting inputs the decider calls independent (distinct keys) are decided on one
   state and appended together: one round trip instead of one per input. Where the decider says
   its answers read nothing a pass decides (``TAKES_BESIDE_PASSES``), the external inputs right
-  behind a pass join the pass's batch: a submission does not wait a round trip for a pass.
+  behind a pass join the pass's batch: a submission does not wait a round trip for a pass. Live,
+  a pass joins the batch of the independent inputs waiting ahead of it too (decided on the same
+  state), unless it decides about one of their keys (``Decider.keys_of``): the jobs a batch
+  accepted are placed in the next round trip even while submissions and task ends keep arriving.
 * **Catch-up.** After a restart the core folds the log to its head before deciding anything; the
   inputs of that tail whose decisions are already in the log (found by their ids, which encode
   the cause) are not decided again.
@@ -137,13 +140,16 @@ class DecisionCore(Generic[S]):
         decider, state = self.decider, self.state
         batch: list[Decided] = []
         keys: set[str] = set()
+        record_keys: set[str] = set()  # the keys of the log's events in the batch (not answers')
         size = 0
         answers_only = False  # behind a pass: only external inputs may join the batch
         while self._pending:
             waiting = self._pending[0]
             item = waiting.item
             key = decider.external_key(item) if waiting.external else decider.independent(item.event)  # type: ignore[union-attr]
-            if batch and (key is None or key in keys or size >= self.max_batch):
+            if batch and (
+                (key is None and not self._pass_may_join(waiting, now)) or key in keys or size >= self.max_batch
+            ):
                 break  # decided once the batch is folded
             if answers_only and not waiting.external:
                 break
@@ -154,7 +160,8 @@ class DecisionCore(Generic[S]):
                 size += len(answer.events)
             else:
                 record: Record = waiting.item  # type: ignore[assignment]
-                if decider.coalescible(record.event):
+                coalescible = decider.coalescible(record.event)
+                if coalescible:
                     self._passes -= 1
                     if self._passes > 0:
                         if now is None or now - waiting.arrived < MAX_PASS_DEFERRAL_S:
@@ -162,9 +169,15 @@ class DecisionCore(Generic[S]):
                             continue  # a later waiting input makes this same pass
                         self._drop_passes()  # overdue: this pass is theirs too (they are folded)
                 outputs = decide_stamped(decider, state, record)
+                if outputs and key is None and record_keys and self._overlaps(outputs, record_keys):
+                    self._pending.appendleft(waiting)  # it waits for those decisions to be folded
+                    self._passes += coalescible
+                    break
                 if outputs:
                     batch.append(Decided(record, waiting.arrived, outputs))
                     size += len(outputs)
+                if key is not None:
+                    record_keys.add(key)
             if key is None:
                 if batch and not (decider.TAKES_BESIDE_PASSES and not waiting.external):
                     break
@@ -172,6 +185,19 @@ class DecisionCore(Generic[S]):
                 continue
             keys.add(key)
         return batch
+
+    def _pass_may_join(self, waiting: _Waiting, now: float | None) -> bool:
+        """Live, a pass joins the batch of the independent inputs waiting ahead of it (answers,
+        events of distinct keys), decided on their state: the jobs just folded are placed in this
+        round trip, not after the batch ahead of them has made one. (A simulation, which asks with
+        no clock, decides it after that batch is folded: the model of a scheduler that decides once
+        everything of the moment is in.)"""
+        return now is not None and not waiting.external and self.decider.coalescible(waiting.item.event)  # type: ignore[union-attr]
+
+    def _overlaps(self, outputs: list[ev.Event], record_keys: set[str]) -> bool:
+        """Whether a pass's outputs decide about a key the batch already decides about."""
+        touched = self.decider.keys_of(outputs)
+        return touched is None or not touched.isdisjoint(record_keys)
 
     def _drop_passes(self) -> None:
         """Forget every waiting input that only makes a pass: the one being decided makes it."""

@@ -77,6 +77,12 @@ class Decider(abc.ABC, Generic[S]):
         and appended together, in one round trip. None: decided alone, after all before it are folded."""
         return None
 
+    def keys_of(self, decisions: Sequence[ev.Event]) -> set[str] | None:
+        """The keys (as ``independent`` names them) that ``decisions`` of a pass decide about; None:
+        not known. Live, a pass joins the batch of independent inputs waiting ahead of it, decided on
+        their state, unless it decides about one of their keys (then it waits for them to fold)."""
+        return None
+
     # -- inputs that are not in the log (only the scheduler takes them: intake) ----------------------
 
     def take(self, state: S, external: Any) -> Answer:
