@@ -415,43 +415,31 @@ def test_submissions_behind_a_pass_are_judged_in_its_batch_on_its_state() -> Non
     assert core.waiting == 1, "the task's end waits for the next batch"
 
 
-def test_live_a_pass_behind_answers_joins_their_batch() -> None:
+def test_a_pass_behind_answers_joins_their_batch() -> None:
     """Submissions that arrived while the scheduler's last batch was on its way wait ahead of the
-    jobs that batch accepted. Live, the pass for those jobs joins the submissions' batch (one round
-    trip, one state for all, the audit's view unchanged); in a simulation (no clock) it waits until
-    the answers are folded, so it sees the moment's arrivals."""
+    jobs that batch accepted. The pass for those jobs joins the submissions' batch: one round trip,
+    one state for all (the audit's view unchanged), live as in a simulation."""
     import msgspec
 
     from services.scheduler.intake import Submission
 
-    def waiting_core() -> DecisionCore[SchedulerState]:
-        log = drive([node("n1", 4)])
-        core = DecisionCore(decider, folded(log))
-        for seq in (1, 2):
-            data = msgspec.json.encode({"name": f"s{seq}", "user": "u", "gpus": 1, "duration_s": 5})
-            core.offer(Submission(source="t", seq=seq, data=data, at=1.0), arrived=0.0)
-        for job in ("a", "b"):  # accepted by the batch on its way: folded after the submissions came
-            record = Record(len(log) + 1, submit(job, 1))
-            log.append(record)
-            core.fold(record, arrived=0.0)
-        return core
-
-    core = waiting_core()
-    batch = core.next_batch(now=0.001)
+    log = drive([node("n1", 4)])
+    core = DecisionCore(decider, folded(log))
+    for seq in (1, 2):
+        data = msgspec.json.encode({"name": f"s{seq}", "user": "u", "gpus": 1, "duration_s": 5})
+        core.offer(Submission(source="t", seq=seq, data=data, at=1.0))
+    for job in ("a", "b"):  # accepted by the batch on its way: folded after the submissions came
+        append(log, core, submit(job, 1))
+    batch = core.next_batch()
     kinds = [type(o).__name__ for d in batch for o in d.outputs]
     assert kinds == ["JobSubmitted", "JobSubmitted", "JobPlaced", "JobPlaced"]
     assert sorted(o.job for d in batch for o in d.outputs if isinstance(o, ev.JobPlaced)) == ["a", "b"]
     assert {o.based_on for d in batch for o in d.outputs} == {core.state.seq}, "all decided on one state"
     assert core.waiting == 0 and core.coalesced == 1, "one pass for both jobs"
 
-    core = waiting_core()
-    batch = core.next_batch()
-    assert [type(o).__name__ for d in batch for o in d.outputs] == ["JobSubmitted", "JobSubmitted"]
-    assert core.waiting == 2, "no clock: the pass waits for the answers to be folded"
 
-
-def test_live_a_pass_joins_settles_of_other_jobs_but_waits_for_one_it_decides_about() -> None:
-    """A task's end settled ahead of a pass: live, the pass joins the settle's batch, unless the
+def test_a_pass_joins_settles_of_other_jobs_but_waits_for_one_it_decides_about() -> None:
+    """A task's end settled ahead of a pass: the pass joins the settle's batch, unless the
     pass decides about the settled job (``keys_of``): then it waits, and is decided once the batch
     is folded, on the state that shows the settle."""
     log = drive([node("n1", 4), submit("a", 1)])
@@ -465,7 +453,7 @@ def test_live_a_pass_joins_settles_of_other_jobs_but_waits_for_one_it_decides_ab
         return records, core
 
     _, core = waiting_core(decider)
-    batch = core.next_batch(now=0.001)
+    batch = core.next_batch()
     assert [(type(o).__name__, o.job) for d in batch for o in d.outputs] == [("JobFinished", "a"), ("JobPlaced", "b")]
     assert core.waiting == 0
 
@@ -474,14 +462,14 @@ def test_live_a_pass_joins_settles_of_other_jobs_but_waits_for_one_it_decides_ab
             return {"a"}  # as if the pass preempted a
 
     records, core = waiting_core(DecidesAboutA())
-    batch = core.next_batch(now=0.001)
+    batch = core.next_batch()
     assert [(type(o).__name__, o.job) for d in batch for o in d.outputs] == [("JobFinished", "a")]
     assert core.waiting == 1, "the pass waits for the settle to be folded"
     first = len(records) + 1
     for output in outputs_of(batch):
         append(records, core, output)
     core.appended(range(first, len(records) + 1))
-    (decided,) = core.next_batch(now=0.002)
+    (decided,) = core.next_batch()
     assert [o.job for o in decided.outputs if isinstance(o, ev.JobPlaced)] == ["b"]
     assert decided.outputs[0].based_on == len(records), "decided on the state that shows a finished"
     assert decider.keys_of([*outputs_of(batch), *decided.outputs]) == {"a", "b"}

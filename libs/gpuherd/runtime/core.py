@@ -18,9 +18,9 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
 * **Batching.** Waiting inputs the decider calls independent (distinct keys) are decided on one
   state and appended together: one round trip instead of one per input. Where the decider says
   its answers read nothing a pass decides (``TAKES_BESIDE_PASSES``), the external inputs right
-  behind a pass join the pass's batch: a submission does not wait a round trip for a pass. Live,
-  a pass joins the batch of the independent inputs waiting ahead of it too (decided on the same
-  state), unless it decides about one of their keys (``Decider.keys_of``): the jobs a batch
+  behind a pass join the pass's batch: a submission does not wait a round trip for a pass. A
+  pass joins the batch of the independent inputs waiting ahead of it too (decided on the same
+  state), unless it decides about one of their keys (``Decider.keys_of``): live, the jobs a batch
   accepted are placed in the next round trip even while submissions and task ends keep arriving.
 * **Catch-up.** After a restart the core folds the log to its head before deciding anything; the
   inputs of that tail whose decisions are already in the log (found by their ids, which encode
@@ -147,9 +147,7 @@ class DecisionCore(Generic[S]):
             waiting = self._pending[0]
             item = waiting.item
             key = decider.external_key(item) if waiting.external else decider.independent(item.event)  # type: ignore[union-attr]
-            if batch and (
-                (key is None and not self._pass_may_join(waiting, now)) or key in keys or size >= self.max_batch
-            ):
+            if batch and ((key is None and not self._pass_may_join(waiting)) or key in keys or size >= self.max_batch):
                 break  # decided once the batch is folded
             if answers_only and not waiting.external:
                 break
@@ -186,13 +184,11 @@ class DecisionCore(Generic[S]):
             keys.add(key)
         return batch
 
-    def _pass_may_join(self, waiting: _Waiting, now: float | None) -> bool:
-        """Live, a pass joins the batch of the independent inputs waiting ahead of it (answers,
-        events of distinct keys), decided on their state: the jobs just folded are placed in this
-        round trip, not after the batch ahead of them has made one. (A simulation, which asks with
-        no clock, decides it after that batch is folded: the model of a scheduler that decides once
-        everything of the moment is in.)"""
-        return now is not None and not waiting.external and self.decider.coalescible(waiting.item.event)  # type: ignore[union-attr]
+    def _pass_may_join(self, waiting: _Waiting) -> bool:
+        """A pass joins the batch of the independent inputs waiting ahead of it (answers, events of
+        distinct keys), decided on their state: the jobs just folded are placed in this round trip,
+        not after the batch ahead of them has made one."""
+        return not waiting.external and self.decider.coalescible(waiting.item.event)  # type: ignore[union-attr]
 
     def _overlaps(self, outputs: list[ev.Event], record_keys: set[str]) -> bool:
         """Whether a pass's outputs decide about a key the batch already decides about."""
