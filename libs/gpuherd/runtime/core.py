@@ -140,7 +140,7 @@ class DecisionCore(Generic[S]):
         decider, state = self.decider, self.state
         batch: list[Decided] = []
         keys: set[str] = set()
-        record_keys: set[str] = set()  # the keys of the log's events in the batch (not answers')
+        record_keys: set[str] = set()  # the keys the batch decides about (of the log's events, not answers)
         size = 0
         answers_only = False  # behind a pass: only external inputs may join the batch
         while self._pending:
@@ -174,8 +174,8 @@ class DecisionCore(Generic[S]):
                 if outputs:
                     batch.append(Decided(record, waiting.arrived, outputs))
                     size += len(outputs)
-                if key is not None:
-                    record_keys.add(key)
+                    if key is not None:
+                        record_keys.add(key)
             if key is None:
                 if batch and not (decider.TAKES_BESIDE_PASSES and not waiting.external):
                     break
