@@ -48,7 +48,7 @@ from apps.sim.cluster import ClusterSpec
 from apps.sim.helios import helios_workload, noisy_estimates, peer_results, peer_summary, write_peer_input
 from apps.sim.model import HELIOS, MODELS
 from apps.sim.run import simulate
-from apps.sim.sweep import sweep, workers_for
+from apps.sim.sweep import cores_each, sweep, workers_for
 from services.analytics.jobs import summarize
 from services.analytics.traces import job_id_for, load_trace, submissions, vc_peak_demand
 from services.scheduler.policy import POLICIES
@@ -357,7 +357,7 @@ def main() -> None:
             # Keep what the tables need, not the run: no log, and only figures cross back.
             result = simulate(
                 submissions(trace, start=trace.origin), cluster, policy, start=trace.origin, model=model,
-                keep_log=False, digest=True, workers=max(1, (os.cpu_count() or 1) // at_once),
+                keep_log=False, digest=True, workers=cores_each(at_once),
             )  # fmt: skip
             jobs = result.table.jobs
             return {

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -95,7 +94,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from apps.sim.elastic import ElasticWorkload, parse_range
     from apps.sim.model import load_estimates
     from apps.sim.run import simulate
-    from apps.sim.sweep import sweep, workers_for
+    from apps.sim.sweep import cores_each, sweep, workers_for
     from gpuherd.log.files import write_log_file
     from services.analytics import jobs as jobs_mod
     from services.analytics import traces
@@ -122,8 +121,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else None
     start = trace.origin if trace.absolute_time else 0.0
     at_once = workers_for(len(policies), args.workers)
-    # (A model that splits the cluster by VC runs its VCs on the cores too: shared among the policies.)
-    vc_workers = max(1, (os.cpu_count() or 1) // at_once)
 
     def run_policy(policy: str, progress: Callable[[int], None]) -> dict[str, Any]:
         result = simulate(
@@ -139,7 +136,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             memory=args.memory,
             model=model,
             estimates=estimates,
-            workers=vc_workers,
+            workers=cores_each(at_once),
             keep_log=out_dir is not None,  # (no event file: keep only the job table, far less memory)
             elastic_jobs=elastic_jobs,
         )

@@ -31,6 +31,12 @@ def workers_for(runs: int, workers: int | None = None) -> int:
     return max(1, min(runs, workers or os.cpu_count() or 1))
 
 
+def cores_each(at_once: int) -> int:
+    """The cores each of ``at_once`` runs at a time may give its own workers (a model that splits the
+    cluster by VC runs its VCs on the cores too): the machine's, shared among the runs."""
+    return max(1, (os.cpu_count() or 1) // at_once)
+
+
 def sweep(
     names: Sequence[str],
     run: Callable[[str, Progress], R],
