@@ -37,6 +37,7 @@ import heapq
 import math
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -276,12 +277,19 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     burst_error_sq: float = 0.0
     key_errors: dict[str, list[float]] = msgspec.field(default_factory=dict)  # the errors of each VC+GPUs or user
     key_error_sq: dict[str, float] = msgspec.field(default_factory=dict)
-    ended_in: dict[str, str] = msgspec.field(default_factory=dict)  # recently ended job -> its burst (bounded)
+    # recently ended job -> its burst (bounded; oldest first, see __post_init__)
+    ended_in: dict[str, str] = msgspec.field(default_factory=OrderedDict)
     observed: int = 0
     since_refit: int = 0
     version: int = 0
     booster: str = ""  # LightGBM model text ("" before the first refit)
     fit_s: float = 0.0  # wall time spent refitting (not part of any decision)
+
+    def __post_init__(self) -> None:
+        # The oldest of ``ended_in`` is dropped at every end: a dict scans the holes its front pops
+        # leave (until it resizes) to find it, an OrderedDict does not. (A snapshot decodes a dict.)
+        if type(self.ended_in) is not OrderedDict:
+            self.ended_in = OrderedDict(self.ended_in)
 
     def compiled(self) -> Trees:
         return _trees(self.booster)

@@ -7,6 +7,7 @@ runs the same on real processes)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -338,3 +339,24 @@ def test_an_elastic_job_grows_only_within_its_users_gpu_limit(limit: int, grows:
     _scheduler.evolve(state, state.seq + 1, ev.JobStarted(id="s", at=2.0, job=placed.job, attempt=0, node="n0"))
     proposal = ev.RescaleProposed(id="p", job=placed.job, attempt=0, generation=0, gpus=4, reason="idle GPUs")
     assert bool(on_proposal(state, proposal)) is grows
+
+
+def test_outcomes_are_forgotten_oldest_first_except_those_a_waiting_job_names_also_after_a_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.scheduler import state as scheduler_state
+
+    monkeypatch.setattr(scheduler_state, "OUTCOMES_KEPT", 3)
+    state = _scheduler.initial_state()
+    state.dependants["j1"] = {"waiting": None}  # a waiting job names j1: it is kept, whatever its age
+    for n in range(1, 6):
+        scheduler_state._ended(state, f"j{n}", "completed", float(n))
+    assert list(state.outcomes) == ["j4", "j1", "j5"], "the oldest went; j1 moved to the young end when due"
+    restored = _scheduler.decode_state(_scheduler.encode_state(state))
+    assert restored == state and list(restored.outcomes) == list(state.outcomes)
+    assert isinstance(restored.outcomes, OrderedDict), "decoded ordered again (a dict scans its holes: slow)"
+    for kept in (state, restored):  # the snapshot forgets exactly as the state it was taken of
+        scheduler_state._ended(kept, "j6", "failed", 6.0)
+        assert list(kept.outcomes) == ["j1", "j5", "j6"]
+    scheduler_state._ended(state, "j7", "completed", 7.0 + scheduler_state.OUTCOMES_KEPT_S)
+    assert list(state.outcomes) == ["j7", "j1"], "older than OUTCOMES_KEPT_S: forgotten, however few"

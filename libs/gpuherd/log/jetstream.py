@@ -674,7 +674,8 @@ class _JetStreamConsumer(DurableConsumer):
         self._ack_wait = ack_wait
         self._sub: Any = None
         self._requests: Any = None
-        self._reply_inboxes: dict[bytes, collections.deque[str]] = {}
+        # (oldest first; an OrderedDict drops its oldest at once, where a dict scans the holes of earlier drops)
+        self._reply_inboxes: collections.OrderedDict[bytes, collections.deque[str]] = collections.OrderedDict()
 
     async def _watch_requests(self) -> None:
         if self._requests is not None or self._stream != HERD_INTAKE:
@@ -686,7 +687,7 @@ class _JetStreamConsumer(DurableConsumer):
                 inboxes = self._reply_inboxes.setdefault(key, collections.deque(maxlen=64))
                 inboxes.append(msg.reply)
                 if len(self._reply_inboxes) > 10_000:  # forget the oldest unanswered requests
-                    self._reply_inboxes.pop(next(iter(self._reply_inboxes)))
+                    self._reply_inboxes.popitem(last=False)
 
         self._requests = await self._log.nc.subscribe(f"{INTAKE_PREFIX}.>", queue=f"{self._name}-requests", cb=remember)
 
