@@ -221,10 +221,21 @@ def score(allocations: Iterable[Allocation], nodes: dict[str, NodeView]) -> Scor
 def fits_by_count(spec: JobSpec, sizes: Iterable[int]) -> bool:
     """Whether the gang fits nodes with these numbers of usable GPUs. Placement never fails for
     topology (islands only rank candidates), so this is exactly when ``place`` finds one."""
+    # (Stops at the first nodes that suffice: a pass asks this of every job it considers.)
     if spec.nodes is not None:
-        per_node = spec.gpus // spec.nodes
-        return sum(1 for n in sizes if n >= per_node) >= spec.nodes
-    return sum(sizes) >= spec.gpus
+        per_node, wanted = spec.gpus // spec.nodes, spec.nodes
+        for n in sizes:
+            if n >= per_node:
+                wanted -= 1
+                if not wanted:
+                    return True
+        return wanted <= 0
+    wanted = spec.gpus
+    for n in sizes:
+        wanted -= n
+        if wanted <= 0:
+            return True
+    return wanted <= 0
 
 
 class IslandIndex:

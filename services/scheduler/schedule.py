@@ -150,7 +150,8 @@ class Pass:
     placed_by_vc: dict[str, list[JobState]] = field(default_factory=dict)  # this pass's placements
     behind_head: int = 0
     # Nothing behind the head can start (backfill off) and nothing reads why those jobs wait (no
-    # explanations, and no node asleep for ``wake_up`` to count their demand): the pass ends at the head.
+    # explanations, and no node asleep for ``wake_up`` to count their demand): the pass ends at the head,
+    # and passes over a VC's jobs behind its quota head (they cannot start either).
     ends_at_head: bool = False
     replaced: dict[str, NodeView] = field(default_factory=dict)  # views the pass replaced: put back after it
 
@@ -191,6 +192,10 @@ def plan(
                     continue
             if job.job in skip:
                 continue
+            if work.ends_at_head and job.spec.vc in work.quota_holds:
+                if len(work.quota_holds) == len(state.queued_by_vc):
+                    break  # every VC with waiting jobs is held back at its quota head: nothing more starts
+                continue  # without backfill nothing of a VC starts behind its quota head
             if job.cancel_requested:
                 work.wait(job, "cancelling", "cancel requested", position)
                 continue

@@ -22,6 +22,7 @@ leaving the queue, or the placed and running jobs), never recomputed.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,8 +45,10 @@ CLUSTER_PARAMS: dict[str, float] = {
 }
 
 
-class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
-    """The policy in force, from the latest applied PolicyConfigured (None: the scheduler's default)."""
+class SchedulingConfig(msgspec.Struct, kw_only=True, dict=True):
+    """The policy in force, from the latest applied PolicyConfigured (None: the scheduler's default).
+    Its parameters never change once made (a new PolicyConfigured makes a new one): what is read of
+    them at every ranking is worked out once (``cached_property``, never encoded)."""
 
     policy: str | None = None
     backfill: bool = True
@@ -55,11 +58,11 @@ class SchedulingConfig(msgspec.Struct, kw_only=True, gc=False):
     def param(self, name: str) -> float:
         return self.params.get(name, CLUSTER_PARAMS[name])
 
-    @property
+    @functools.cached_property
     def half_life_s(self) -> float:
         return self.param("half_life_s")
 
-    @property
+    @functools.cached_property
     def trusts_declared(self) -> bool:
         return self.param("declared_durations") > 0
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
+from gpuherd.fold import JobState
 from services.analytics.jobs import job_table
 from services.analytics.traces import load_philly_csv, submissions
 from services.scheduler.decide import SchedulerDecider
@@ -123,3 +125,31 @@ def test_a_large_job_is_not_starved_by_a_stream_of_small_jobs_of_its_vc(tmp_path
     later = jobs[(jobs["gpus"] == 1) & (jobs["start_time"] < big["start_time"])]
     # Those that overtook it ended by its start (backfill), never delaying it.
     assert len(later) > 0 and (later["end_time"] <= big["start_time"]).all()
+
+
+def test_without_backfill_the_deciders_pass_looks_no_further_than_the_quota_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing of a VC starts behind its quota head without backfill: the decider's pass (no
+    # explanations) passes over those jobs, and stops once every VC with waiting jobs is held back,
+    # rather than ask each of a deep queue at every pass what the explained pass tells it.
+    from services.scheduler import schedule
+    from services.scheduler.placement import ViewCache
+
+    waiting = [submit(f"small-{i}", 1, vc="v") for i in range(50)]
+    state = state_of(*_vc(16, backfill=False), *_busy(), submit("big", 16, vc="v"), *waiting)
+    policy = SchedulerDecider().policy_for(state)
+    looked: list[str] = []
+    check_quota = schedule.check_quota
+
+    def counted(work: schedule.Pass, job: JobState, position: int) -> int | None:
+        looked.append(job.job)
+        return check_quota(work, job, position)
+
+    monkeypatch.setattr(schedule, "check_quota", counted)
+    fast = schedule.plan(state, policy, backfill=False, cache=ViewCache(), explain=False)
+    assert (fast.placed, looked) == ([], ["big"])
+    looked.clear()
+    explained = schedule.plan(state, policy, backfill=False)
+    assert (explained.placed, explained.preempted) == (fast.placed, fast.preempted)
+    assert len(looked) == 51 and explained.pending["small-49"].kind == "order"

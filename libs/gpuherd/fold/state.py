@@ -158,8 +158,8 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
             self.cancel_requested
             or self.preempt_reason is not None
             or self.time_limit_reached
-            or any(p.outcome != "completed" for p in self.parts_ended.values())
-        )
+            or (bool(self.parts_ended) and any(p.outcome != "completed" for p in self.parts_ended.values()))
+        )  # (a pass asks this of every running job: no generator while no part has ended)
 
     def deadline(self) -> float | None:
         """When the running attempt reaches its time limit (None: no limit, or not started)."""
