@@ -151,7 +151,7 @@ class Pass:
     behind_head: int = 0
     # Nothing behind the head can start (backfill off) and nothing reads why those jobs wait (no
     # explanations, and no node asleep for ``wake_up`` to count their demand): the pass ends at the head,
-    # and passes over a VC's jobs behind its quota head (they cannot start either).
+    # and passes over a VC's jobs behind its quota head (``_behind_quota_head``).
     ends_at_head: bool = False
     replaced: dict[str, NodeView] = field(default_factory=dict)  # views the pass replaced: put back after it
 
@@ -192,10 +192,12 @@ def plan(
                     continue
             if job.job in skip:
                 continue
-            if work.ends_at_head and job.spec.vc in work.quota_holds:
-                if len(work.quota_holds) == len(state.queued_by_vc):
-                    break  # every VC with waiting jobs is held back at its quota head: nothing more starts
-                continue  # without backfill nothing of a VC starts behind its quota head
+            if not work.explain and job.spec.vc in work.quota_holds:
+                step = _behind_quota_head(work, job)
+                if step == "stop":
+                    break
+                if step == "skip":
+                    continue
             if job.cancel_requested:
                 work.wait(job, "cancelling", "cancel requested", position)
                 continue
@@ -267,6 +269,19 @@ def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider"
 
 
 # -- phase 2: quota -------------------------------------------------------------------------------------
+
+
+def _behind_quota_head(work: Pass, job: JobState) -> Literal["consider", "skip", "stop"]:
+    """Without explanations, whether a job of a VC whose quota holds its first job back is looked at.
+    Not if it cannot start whatever it would be told: backfill is off (nothing of the VC starts
+    behind its quota head, and once every VC with waiting jobs is held so, the pass stops), or its
+    VC's quota has no room left for it and the VC may not borrow. Nothing else reads such a job in
+    a pass: it is not the quota head (already chosen), nor the gang head (it never reaches placement)."""
+    if work.ends_at_head:
+        return "stop" if len(work.quota_holds) == len(work.state.queued_by_vc) else "skip"
+    vc = work.state.vcs[job.spec.vc]
+    room = vc.gpu_quota - work.vc_used.get(vc.vc, 0)  # type: ignore[operator]  # (a held VC has a quota)
+    return "skip" if job.spec.gpus > room and not vc.can_borrow else "consider"
 
 
 def check_quota(work: Pass, job: JobState, position: int) -> int | None:

@@ -127,18 +127,11 @@ def test_a_large_job_is_not_starved_by_a_stream_of_small_jobs_of_its_vc(tmp_path
     assert len(later) > 0 and (later["end_time"] <= big["start_time"]).all()
 
 
-def test_without_backfill_the_deciders_pass_looks_no_further_than_the_quota_heads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Nothing of a VC starts behind its quota head without backfill: the decider's pass (no
-    # explanations) passes over those jobs, and stops once every VC with waiting jobs is held back,
-    # rather than ask each of a deep queue at every pass what the explained pass tells it.
+def _quota_checks(monkeypatch: pytest.MonkeyPatch, state: SchedulerState) -> tuple[Plan, list[str], Plan, list[str]]:
+    """The decider's pass and the explained one on ``state``, each with the jobs it checked the quota of."""
     from services.scheduler import schedule
     from services.scheduler.placement import ViewCache
 
-    waiting = [submit(f"small-{i}", 1, vc="v") for i in range(50)]
-    state = state_of(*_vc(16, backfill=False), *_busy(), submit("big", 16, vc="v"), *waiting)
-    policy = SchedulerDecider().policy_for(state)
     looked: list[str] = []
     check_quota = schedule.check_quota
 
@@ -147,9 +140,35 @@ def test_without_backfill_the_deciders_pass_looks_no_further_than_the_quota_head
         return check_quota(work, job, position)
 
     monkeypatch.setattr(schedule, "check_quota", counted)
-    fast = schedule.plan(state, policy, backfill=False, cache=ViewCache(), explain=False)
-    assert (fast.placed, looked) == ([], ["big"])
+    policy, backfill = SchedulerDecider().policy_for(state), state.scheduling.backfill
+    fast = schedule.plan(state, policy, backfill=backfill, cache=ViewCache(), explain=False)
+    fast_looked = list(looked)
     looked.clear()
-    explained = schedule.plan(state, policy, backfill=False)
+    explained = schedule.plan(state, policy, backfill=backfill)
     assert (explained.placed, explained.preempted) == (fast.placed, fast.preempted)
+    return fast, fast_looked, explained, looked
+
+
+def test_without_backfill_the_deciders_pass_looks_no_further_than_the_quota_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nothing of a VC starts behind its quota head without backfill: the decider's pass (no
+    # explanations) passes over those jobs, and stops once every VC with waiting jobs is held back,
+    # rather than ask each of a deep queue at every pass what the explained pass tells it.
+    waiting = [submit(f"small-{i}", 1, vc="v") for i in range(50)]
+    state = state_of(*_vc(16, backfill=False), *_busy(), submit("big", 16, vc="v"), *waiting)
+    fast, fast_looked, explained, looked = _quota_checks(monkeypatch, state)
+    assert (fast.placed, fast_looked) == ([], ["big"])
     assert len(looked) == 51 and explained.pending["small-49"].kind == "order"
+
+
+def test_the_deciders_pass_skips_jobs_behind_a_quota_head_that_its_quota_has_no_room_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With backfill, a job behind its VC's quota head may start if it ends in time, but not one
+    # larger than the room left in a quota it may not exceed: the decider's pass does not ask those.
+    wide = [submit(f"wide-{i}", 8, vc="v", duration=10.0) for i in range(30)]
+    state = state_of(*_vc(16), *_busy(), submit("big", 16, vc="v"), *wide, submit("short", 1, vc="v", duration=50.0))
+    fast, fast_looked, explained, looked = _quota_checks(monkeypatch, state)
+    assert ([p.job for p in fast.placed], fast_looked) == (["short"], ["big", "short"])
+    assert len(looked) == 32 and explained.pending["wide-29"].kind == "quota"
