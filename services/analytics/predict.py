@@ -46,6 +46,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
+from gpuherd.fold import oldest_first
 from gpuherd.stats import quantile_s
 
 MODEL_NAME = "history-gbdt"
@@ -286,10 +287,7 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     fit_s: float = 0.0  # wall time spent refitting (not part of any decision)
 
     def __post_init__(self) -> None:
-        # The oldest of ``ended_in`` is dropped at every end: a dict scans the holes its front pops
-        # leave (until it resizes) to find it, an OrderedDict does not. (A snapshot decodes a dict.)
-        if type(self.ended_in) is not OrderedDict:
-            self.ended_in = OrderedDict(self.ended_in)
+        self.ended_in = oldest_first(self.ended_in)  # (every end drops the oldest)
 
     def compiled(self) -> Trees:
         return _trees(self.booster)

@@ -31,7 +31,7 @@ from typing import Literal
 import msgspec
 
 from gpuherd import events as ev
-from gpuherd.fold import ClusterState, JobState, apply
+from gpuherd.fold import ClusterState, JobState, apply, oldest_first
 
 DEFAULT_HALF_LIFE_S = 12 * 3600.0  # how fast past GPU use stops counting under fair share
 # Cluster-wide scheduling parameters (PolicyConfigured.params), whatever the policy, and their defaults.
@@ -150,12 +150,7 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     deadline_of: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Every end reads and drops the oldest outcomes. A dict popped from the front keeps the holes
-        # before its first entry until it resizes, and finding that entry scans them (tens of
-        # microseconds per end at 50,000 outcomes); an OrderedDict finds it at once. (A snapshot
-        # decodes it as a dict: made ordered again here.)
-        if type(self.outcomes) is not OrderedDict:
-            self.outcomes = OrderedDict(self.outcomes)
+        self.outcomes = oldest_first(self.outcomes)  # (every end drops the oldest)
 
     # -- derived views --------------------------------------------------------------------------
 

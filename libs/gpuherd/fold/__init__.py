@@ -17,6 +17,7 @@ from gpuherd.fold.state import (
     PowerState,
     VcState,
     islands_of,
+    oldest_first,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "fold",
     "islands_of",
     "jobs_on",
+    "oldest_first",
     "recovers_from_lost_workers",
     "vc_problem",
 ]

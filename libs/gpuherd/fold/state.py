@@ -7,8 +7,9 @@ queue indexes, the memory broker's leases, ...) and fold their part after the co
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -62,6 +63,19 @@ class NodeState(msgspec.Struct, kw_only=True, gc=False):
     def runs_processes(self) -> bool:
         """Whether this node's executor runs real processes (a job with a ``command`` needs one)."""
         return self.executor != "sim"
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def oldest_first(entries: dict[K, V]) -> OrderedDict[K, V]:
+    """``entries`` (a state's map kept in arrival order, whose oldest entries are dropped as new ones
+    come) as an OrderedDict. A dict popped from the front keeps the holes before its first entry
+    until it resizes, and finding that entry scans them: tens of microseconds per drop at 50,000
+    entries, where an OrderedDict finds it at once. A snapshot decodes such a field as a dict: a
+    state's ``__post_init__`` makes it ordered again with this."""
+    return entries if type(entries) is OrderedDict else OrderedDict(entries)
 
 
 def islands_of(gpus: Sequence[ev.GpuInfo]) -> list[list[int]]:
