@@ -5,7 +5,8 @@ by running jobs, 1,000 jobs waiting (1-16 GPUs, 2-node gangs, three VCs with quo
 durations, priorities), built by the scheduler's own decisions. For each policy:
 
 - **the decider's pass** (what the live scheduler and the simulator run: ``explain=False``, node
-  views kept between passes by a ``ViewCache``), timed ``--repeats`` times;
+  views kept between passes by a ``ViewCache``, and the queue's order by a ``RankIndex`` under a
+  policy whose ranks are static: the first run builds it), timed ``--repeats`` times;
 - **the explained pass**, the baseline, in the same run: the same decisions plus every waiting
   job's reason (``gpuherd why``), with the node views built afresh.
 
@@ -31,6 +32,7 @@ from gpuherd import events as ev
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.placement import ViewCache
 from services.scheduler.policy import POLICIES, make_policy
+from services.scheduler.ranks import RankIndex
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 
@@ -132,7 +134,7 @@ def time_passes(state: SchedulerState, repeats: int) -> dict[str, dict[str, floa
     out: dict[str, dict[str, float]] = {}
     for name in sorted(POLICIES, key=lambda p: (p != "fifo", p)):
         policy = make_policy(name)
-        decider_pass = partial(plan, state, policy, backfill=True, cache=ViewCache(), explain=False)
+        decider_pass = partial(plan, state, policy, backfill=True, cache=ViewCache(), ranks=RankIndex(), explain=False)
         decider_times, fast = timed(repeats, decider_pass)
         explained_times, full = timed(repeats, partial(plan, state, policy, backfill=True))
         assert fast.placed == full.placed and fast.preempted == full.preempted, f"{name}: the passes disagree"

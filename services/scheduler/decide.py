@@ -40,6 +40,7 @@ from gpuherd.runtime.decider import Answer, Decider, refused
 from services.scheduler import intake
 from services.scheduler.placement import ViewCache
 from services.scheduler.policy import Fifo, Policy, check_policy, make_policy, policy_params
+from services.scheduler.ranks import RankIndex
 from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
 from services.scheduler.schedule import Plan, plan
 from services.scheduler.state import SchedulerState, evolve, new_state
@@ -179,6 +180,7 @@ class SchedulerDecider(Decider[SchedulerState]):
         self.policy = policy or Fifo()
         self._policy_cache: tuple[tuple, Policy] | None = None
         self._views = ViewCache()
+        self._ranks = RankIndex()
         self._sizes: tuple[tuple[int, int], intake.NodeSizes] | None = None
 
     def initial_state(self) -> SchedulerState:
@@ -268,7 +270,15 @@ class SchedulerDecider(Decider[SchedulerState]):
         if not state.queue:
             return []
         policy = self.policy_for(state)
-        result = plan(state, policy, backfill=state.scheduling.backfill, skip=skip, cache=self._views, explain=False)
+        result = plan(
+            state,
+            policy,
+            backfill=state.scheduling.backfill,
+            skip=skip,
+            cache=self._views,
+            ranks=self._ranks,
+            explain=False,
+        )
         return [*result.preempted, *result.placed, *wake_up(state, result, self._views.asleep)]
 
 

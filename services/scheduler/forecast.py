@@ -21,6 +21,7 @@ from gpuherd import events as ev
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.placement import ViewCache
 from services.scheduler.policy import Policy
+from services.scheduler.ranks import RankIndex
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 
@@ -34,7 +35,7 @@ def forecast_starts(
     sim = decider.decode_state(decider.encode_state(state))  # a copy to run forward
     wanted = set(sim.queue if jobs is None else jobs) & set(sim.queue)
     starts: dict[str, float] = {}
-    views = ViewCache()
+    views, ranks = ViewCache(), RankIndex()
     seq, now = sim.seq, sim.now
 
     def fold(event: ev.Event) -> None:
@@ -45,7 +46,7 @@ def forecast_starts(
     for _ in range(max_passes):
         if not wanted - starts.keys():
             break
-        result = plan(sim, policy, backfill=sim.scheduling.backfill, cache=views, explain=False)
+        result = plan(sim, policy, backfill=sim.scheduling.backfill, cache=views, ranks=ranks, explain=False)
         for placed in result.placed:
             if placed.job in wanted:
                 starts[placed.job] = now

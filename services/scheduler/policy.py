@@ -46,6 +46,10 @@ class Policy(abc.ABC):
     name: ClassVar[str]
     preemptive: ClassVar[bool] = False
     ranks_by_prediction: ClassVar[bool] = False  # its key reads predictions even of declared durations
+    # A waiting job's rank changes only with an event that names it (a new prediction) or with the
+    # policy's configuration, never with time or other jobs: a decider keeps the order between
+    # passes (``ranks.RankIndex``) instead of sorting the queue at every pass.
+    static_rank: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, float]] = {}  # tunable -> default
 
     def __init__(self, **params: float) -> None:
@@ -92,6 +96,7 @@ class Fifo(Policy):
     """First come, first served."""
 
     name = "fifo"
+    static_rank = True
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return ()
@@ -118,6 +123,7 @@ class Sjf(Policy):
     """Shortest job first, by expected duration; jobs of unknown duration go last."""
 
     name = "sjf"
+    static_rank = True
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         duration = state.expected_duration(job)
@@ -139,6 +145,7 @@ class Srtf(Policy):
     that has more time left than it needs."""
 
     name = "srtf"
+    static_rank = True
     preemptive = True
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
@@ -233,6 +240,7 @@ class Qssf(Policy):
     not yet predicted counts ``default_duration_s``."""
 
     name = "qssf"
+    static_rank = True
     ranks_by_prediction = True
     PARAMS = {"default_duration_s": DEFAULT_DURATION_S, "quantile": 0.5, "fallback_quantile": -1.0}
 

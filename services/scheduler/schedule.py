@@ -66,6 +66,7 @@ from services.scheduler.placement import (
     place,
 )
 from services.scheduler.policy import Policy
+from services.scheduler.ranks import RankIndex
 from services.scheduler.state import SchedulerState
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
@@ -135,6 +136,7 @@ class Pass:
     index: IslandIndex
     vc_used: dict[str, int]
     holds: Holds
+    ranks: RankIndex | None = None  # the order kept between passes (a static-rank policy's), or None: sort
     out: Plan = field(default_factory=Plan)
     extra: int = 0  # GPUs the head will not need at its reserved start
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
@@ -170,15 +172,19 @@ def plan(
     backfill: bool = True,
     skip: frozenset[str] | set[str] = frozenset(),
     cache: ViewCache | None = None,
+    ranks: RankIndex | None = None,
     explain: bool = True,
 ) -> Plan:
     """The pass. ``explain=False`` (the decider's own passes) decides the same, faster: it does not
     look at jobs of VCs whose quota is used up, and stops looking once nothing more can start and
-    the head is known; those jobs get no pending reason."""
+    the head is known; those jobs get no pending reason. ``cache`` and ``ranks``, kept by a decider
+    between its passes, spare it the node views and the queue's order that did not change."""
     if not state.queue:
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
+    if ranks is not None and ranks.refresh(state, policy):
+        work.ranks = ranks
     work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
     out, skip = work.out, work.skip
     index.begin_pass(work.replaced)
@@ -235,19 +241,28 @@ def candidates(work: Pass) -> Iterable[JobState]:
     """The waiting jobs in the policy's order. Without explanations, the jobs of VCs whose quota has
     no room for even their smallest waiting job are left out (none of them can start), but each such
     VC's first job stays, as it may preempt within its VC (or by priority)."""
-    state, policy = work.state, work.policy
+    state, policy, ranks = work.state, work.policy, work.ranks
     full = set() if work.explain else _full_vcs(state, work.vc_used)
     if not full:
-        return policy.order(state)
-    firsts: list[str] = []
-    if policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0):
+        return policy.order(state) if ranks is None else ranks.order(state)
+    preempts = policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0)
+    if ranks is not None:
+        skip = work.skip
+
+        def able(job: JobState) -> bool:
+            return job.job not in skip and not job.cancel_requested
+
+        firsts = [first for vc in full if (first := ranks.first(state, vc, able)) is not None] if preempts else []
+        return ranks.order(state, without=full, keep=firsts)
+    first_ids: list[str] = []
+    if preempts:
         policy.prepare(state)
         jobs = state.jobs
         for vc in full:
-            able = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
-            if able:
-                firsts.append(min(able, key=lambda j: policy.rank(jobs[j], state)))
-    return policy.order_without(state, full, firsts)
+            ids = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
+            if ids:
+                first_ids.append(min(ids, key=lambda j: policy.rank(jobs[j], state)))
+    return policy.order_without(state, full, first_ids)
 
 
 def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider", "skip", "stop"]:

@@ -5,6 +5,8 @@
   jobs, and reserves quota for a VC's first waiting job from its own running jobs' ends);
 - **node changes**: nodes by their last change, so a pass recomputes only the views of nodes
   changed since the pass before;
+- **queue changes**: jobs by the last event that named them as they waited, entered or left the
+  queue, so a decider re-ranks only those (``services/scheduler/ranks.py``);
 - **fair-share usage**: decayed GPU-seconds per user and VC;
 - **preemption bookkeeping**: when each job's attempts were preempted (at most N per hour);
 - **the policy in force**, **duration predictions**, and **intake's index** of submitted ids;
@@ -123,6 +125,10 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     end_of: dict[str, float] = msgspec.field(default_factory=dict)
     unstarted: dict[str, None] = msgspec.field(default_factory=dict)  # placed jobs not running yet
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
+    # Job -> seq of the last event that named it while it waited, or as it entered or left the queue,
+    # oldest first (a job that leaves the state leaves it too). A waiting job's rank under FIFO,
+    # SJF, SRTF and QSSF changes only with such an event (or the policy's configuration).
+    queue_changes: dict[str, int] = msgspec.field(default_factory=dict)
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
     predicted: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its latest predicted duration
@@ -165,6 +171,15 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
             if at <= clock:
                 break
             out.append(name)
+        return out
+
+    def queue_changed_since(self, seq: int) -> list[str]:
+        """Jobs whose waiting changed (see ``queue_changes``) after sequence ``seq``, most recent first."""
+        out = []
+        for job, at in reversed(self.queue_changes.items()):
+            if at <= seq:
+                break
+            out.append(job)
         return out
 
     def past_usage(self, key: str) -> float:
@@ -322,7 +337,11 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
             state.predicted_spread[job.job] = (e.sigma, e.user_history)
         else:
             state.predicted_spread.pop(job.job, None)
+    if was_queued or queued:
+        state.queue_changes.pop(job.job, None)
+        state.queue_changes[job.job] = state.seq
     if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
+        state.queue_changes.pop(job.job, None)
         state.predicted.pop(job.job, None)
         state.predicted_spread.pop(job.job, None)
         state.preempted_at.pop(job.job, None)
@@ -585,4 +604,8 @@ def index_problems(state: SchedulerState) -> list[str]:
         state.node_changes[name] != node.version for name, node in state.nodes.items()
     ):
         problems.append("the node change list disagrees with the nodes' versions")
+    if not set(state.queue) <= set(state.queue_changes) or not set(state.queue_changes) <= set(state.jobs):
+        problems.append("the queue change list misses a waiting job, or names a job that has left")
+    if list(state.queue_changes.values()) != sorted(state.queue_changes.values()):
+        problems.append("the queue change list is out of order")
     return problems

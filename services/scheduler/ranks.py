@@ -1,0 +1,120 @@
+"""The waiting jobs in the policy's order, kept between a decider's passes.
+
+A pass reads the queue in the policy's order, and most passes read only its first jobs: the
+head, and at most ``BACKFILL_DEPTH`` behind it. Sorting every waiting job at every pass took a
+quarter of an SRTF simulation of philly (a deep queue, a pass at every event). Under a policy
+whose ranks are static (``Policy.static_rank``: a waiting job's rank changes only with an event
+that names it, such as a new prediction, or with the policy's configuration) the order is kept
+instead: each VC's waiting jobs sorted by rank, updated from the jobs the fold lists as changed
+since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass.
+
+A job that left the state in the event that took it out of the queue (a waiting job cancelled)
+leaves no change behind: such an entry is dropped when a pass meets it, and the index is
+rebuilt when entries for jobs gone outnumber the waiting ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+
+from gpuherd.fold import JobState
+from services.scheduler.policy import Policy
+from services.scheduler.state import SchedulerState, SchedulingConfig
+
+Entry = tuple[tuple, str]  # (the policy's rank, the job)
+
+
+class RankIndex:
+    """One decider's order of its waiting jobs, for one state and policy at a time: another jobs
+    dict (another state, a decoded snapshot), another policy or configuration, or a sequence that
+    went back rebuilds it."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, JobState] | None = None
+        self._policy: Policy | None = None
+        self._config: SchedulingConfig | None = None
+        self._seq = 0
+        self._by_vc: dict[str, list[Entry]] = {}  # each sorted
+        self._rank_of: dict[str, tuple[str, tuple]] = {}  # job -> (its VC, its rank in the index)
+        self._gone: set[str] = set()  # jobs a pass met that wait no more
+
+    def refresh(self, state: SchedulerState, policy: Policy) -> bool:
+        """Bring the index up to ``state``; False if ``policy``'s ranks are not static (a pass sorts)."""
+        if not policy.static_rank:
+            return False
+        if (
+            state.jobs is not self._of
+            or policy is not self._policy
+            or state.scheduling is not self._config
+            or state.seq < self._seq
+            or len(self._rank_of) > 2 * len(state.queue) + 1024
+        ):
+            self._rebuild(state, policy)
+        else:
+            changed = state.queue_changed_since(self._seq)
+            if changed or self._gone:
+                policy.prepare(state)
+                jobs = state.jobs
+                for job_id in self._gone.union(changed):
+                    self._remove(job_id)
+                    job = jobs.get(job_id)
+                    if job is not None and job.status == "pending":
+                        self._insert(job, policy.rank(job, state))
+                self._gone.clear()
+        self._seq = state.seq
+        return True
+
+    def first(self, state: SchedulerState, vc: str, able: Callable[[JobState], bool]) -> JobState | None:
+        """The VC's first waiting job that is ``able``."""
+        return next((job for job in self._waiting(state, self._by_vc.get(vc, ())) if able(job)), None)
+
+    def order(
+        self, state: SchedulerState, without: Collection[str] = frozenset(), keep: Sequence[JobState] = ()
+    ) -> Iterator[JobState]:
+        """The waiting jobs in order, lazily: those of VCs in ``without`` left out, but for ``keep``."""
+        lists = [entries for vc, entries in self._by_vc.items() if vc not in without]
+        if keep:
+            lists.append(sorted((self._rank_of[job.job][1], job.job) for job in keep))
+        merged = iter(lists[0]) if len(lists) == 1 else heapq.merge(*lists)
+        return self._waiting(state, merged)
+
+    def _waiting(self, state: SchedulerState, entries: Iterable[Entry]) -> Iterator[JobState]:
+        jobs = state.jobs
+        for _, job_id in entries:
+            job = jobs.get(job_id)
+            if job is None or job.status != "pending":
+                self._gone.add(job_id)  # (it left in the event that ended its wait: see the module)
+                continue
+            yield job
+
+    def _rebuild(self, state: SchedulerState, policy: Policy) -> None:
+        self._of, self._policy, self._config = state.jobs, policy, state.scheduling
+        policy.prepare(state)
+        jobs = state.jobs
+        self._by_vc, self._rank_of, self._gone = {}, {}, set()
+        for vc, queued in state.queued_by_vc.items():
+            entries = sorted((policy.rank(jobs[j], state), j) for j in queued)
+            self._by_vc[vc] = entries
+            for rank, j in entries:
+                self._rank_of[j] = (vc, rank)
+
+    def _insert(self, job: JobState, rank: tuple) -> None:
+        vc = job.spec.vc
+        bisect.insort(self._by_vc.setdefault(vc, []), (rank, job.job))
+        self._rank_of[job.job] = (vc, rank)
+
+    def _remove(self, job_id: str) -> None:
+        where = self._rank_of.pop(job_id, None)
+        if where is None:
+            return
+        vc, rank = where
+        entries = self._by_vc[vc]
+        at = bisect.bisect_left(entries, (rank, job_id))
+        if at < len(entries) and entries[at][1] == job_id:
+            del entries[at]
+        else:  # a rank that does not compare (NaN): found by name
+            entries.remove(next(e for e in entries if e[1] == job_id))
+        if not entries:
+            del self._by_vc[vc]
