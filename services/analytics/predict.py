@@ -350,28 +350,46 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         """New predictions of jobs not yet ended (``current``: job -> its prediction in force, as
         (seconds, sigma)), with what their burst-mates' ends taught since their submission: only
         those whose new (seconds, sigma) ``moved`` says differ enough. A burst may hold thousands of
-        jobs, revised at every end among them: its figures are worked out once for all, and a
-        prediction is made whole only for a job it moved."""
+        jobs, revised at every end among them: its figures are worked out once for all, whether a
+        revision moves a prediction once for the mates that share its inputs (most of a burst: the
+        same features, model and prediction in force), and a prediction is made whole only for a
+        job it moved."""
         out: dict[str, Prediction] = {}
-        posteriors: dict[str, BurstPosterior] = {}
+        posteriors: dict[str, BurstPosterior | None] = {}
         sigmas: dict[str, float] = {}
+        verdicts: dict[tuple, bool] = {}  # (burst, mu, error key, prediction in force) -> moved
         for job, before in current.items():
             pending = self.pending.get(job)
             if pending is None:
                 continue
-            posterior = posteriors.get(pending.burst)
-            if posterior is None:
-                burst = self.bursts.get(pending.burst)
-                if burst is None or not burst.finished:
-                    continue
-                posterior = posteriors[pending.burst] = self._burst_posterior(burst)
-            sigma = sigmas.get(pending.error_key)
-            if sigma is None:
-                sigma = sigmas[pending.error_key] = self.sigma(pending.error_key)
-            mu, sigma = _with_burst(pending.mu, sigma, posterior)
-            if moved(before, _seconds(mu), round(sigma, 4)):
-                out[job] = self._prediction(pending, posterior)
+            key = (pending.burst, pending.mu, pending.error_key, before)
+            moves = verdicts.get(key)
+            if moves is None:
+                moves = verdicts[key] = self._moves(pending, before, moved, posteriors, sigmas)
+            if moves:
+                out[job] = self._prediction(pending, posteriors[pending.burst])
         return out
+
+    def _moves(
+        self,
+        pending: Pending,
+        before: tuple[float, float],
+        moved: Moved,
+        posteriors: dict[str, BurstPosterior | None],
+        sigmas: dict[str, float],
+    ) -> bool:
+        """Whether ``pending``'s burst moves its prediction in force (``before``) enough to revise it."""
+        if pending.burst not in posteriors:
+            burst = self.bursts.get(pending.burst)
+            posteriors[pending.burst] = self._burst_posterior(burst) if burst is not None and burst.finished else None
+        posterior = posteriors[pending.burst]
+        if posterior is None:
+            return False
+        sigma = sigmas.get(pending.error_key)
+        if sigma is None:
+            sigma = sigmas[pending.error_key] = self.sigma(pending.error_key)
+        mu, sigma = _with_burst(pending.mu, sigma, posterior)
+        return moved(before, _seconds(mu), round(sigma, 4))
 
     def mates(self, job: str) -> list[str]:
         """The jobs of the burst of ``job`` (which just ended) that have not ended."""

@@ -123,6 +123,43 @@ def test_a_burst_s_predictions_are_revised_as_its_jobs_finish() -> None:
     assert all(r.seconds < 600 and "1 of its burst finished" in r.basis for r in revised)
 
 
+def test_a_burst_is_revised_once_per_prediction_its_mates_share_and_as_if_one_by_one() -> None:
+    analytics = make_decider("analytics")
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
+    state, seq = analytics.initial_state(), 1
+    state = analytics.evolve(state, seq, ev.NodeRegistered(id="r", node="n1", gpus=gpus))
+    for i in range(200):  # a sweep of 200 alike jobs, submitted within seconds
+        spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
+        seq += 1
+        state = analytics.evolve(
+            state, seq, ev.JobSubmitted(id=f"s{i}", at=i / 10, job=f"b{i}", spec=spec, intake_source="t")
+        )
+    for e in (
+        ev.JobPlaced(id="p", at=30.0, job="b0", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),)),
+        ev.JobStarted(id="st", at=30.0, job="b0", attempt=0, node="n1"),
+        ev.JobFinished(id="f", at=80.0, job="b0", attempt=0, outcome="completed"),
+    ):
+        seq += 1
+        state = analytics.evolve(state, seq, e)
+    mates = state.model.mates("b0")
+    assert len(mates) == 199
+    # Half the mates hold the default prediction, half one already close to what the burst says.
+    current = {m: (3600.0, 0.0) if i % 2 else (50.0, 0.5) for i, m in enumerate(mates)}
+    asked: list[tuple[float, float]] = []
+
+    def moved(before: tuple[float, float], seconds: float, sigma: float) -> bool:
+        asked.append(before)
+        return abs(math.log(seconds / before[0])) > 1.0
+
+    revised = state.model.revise(current, moved)
+    assert sorted(set(asked)) == sorted(set(current.values())) and len(asked) == 2
+    one_by_one = {}
+    for mate, before in current.items():
+        one_by_one.update(state.model.revise({mate: before}, moved))
+    assert revised == one_by_one
+    assert set(revised) == {m for m, before in current.items() if before[0] == 3600.0}
+
+
 def test_the_model_is_deterministic_and_its_compiled_trees_match_lightgbm() -> None:
     jobs = _jobs(700, seed=1)
     first, second = DurationModel(refit_every=200), DurationModel(refit_every=200)
