@@ -63,6 +63,11 @@ class Policy(abc.ABC):
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         """The job's rank within its priority: lower goes first."""
 
+    def queue_is_order(self, state: SchedulerState) -> bool:
+        """Whether the fold's queue (arrival order) is already this policy's order: then a pass
+        reads it as it is, and keeps no order of its own."""
+        return False
+
     def prepare(self, state: SchedulerState) -> None:  # noqa: B027 - optional hook
         """Compute what ``key`` needs once per pass (fair share's usage table)."""
 
@@ -101,10 +106,12 @@ class Fifo(Policy):
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return ()
 
+    def queue_is_order(self, state: SchedulerState) -> bool:
+        return len(state.queued_priorities) <= 1  # one priority: arrival order is FIFO's
+
     def order(self, state: SchedulerState, queue: Iterable[str] | None = None) -> Iterable[JobState]:
-        if queue is None and len(state.queued_priorities) <= 1:
-            # One priority: the fold keeps the queue in arrival order, which is this order (no sort
-            # of a deep queue at every pass, and only the jobs the pass reads are looked up).
+        if queue is None and self.queue_is_order(state):
+            # No sort of a deep queue at every pass, and only the jobs the pass reads are looked up.
             return map(state.jobs.__getitem__, state.queue)
         return super().order(state, queue)
 

@@ -6,7 +6,8 @@ quarter of an SRTF simulation of philly (a deep queue, a pass at every event). U
 whose ranks are static (``Policy.static_rank``: a waiting job's rank changes only with an event
 that names it, such as a new prediction, or with the policy's configuration) the order is kept
 instead: each VC's waiting jobs sorted by rank, updated from the jobs the fold lists as changed
-since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass.
+since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass. (FIFO
+with one priority needs none: the fold's queue is in its order, ``Policy.queue_is_order``.)
 
 A job that left the state in the event that took it out of the queue (a waiting job cancelled)
 leaves no change behind: such an entry is dropped when a pass meets it, and the index is

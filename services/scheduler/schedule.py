@@ -183,7 +183,7 @@ def plan(
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
-    if ranks is not None and ranks.refresh(state, policy):
+    if ranks is not None and not policy.queue_is_order(state) and ranks.refresh(state, policy):
         work.ranks = ranks
     work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
     out, skip = work.out, work.skip
