@@ -166,21 +166,11 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
 
     def changed_since(self, clock: int) -> list[str]:
         """Nodes changed after node clock ``clock``, most recent first."""
-        out = []
-        for name, at in reversed(self.node_changes.items()):
-            if at <= clock:
-                break
-            out.append(name)
-        return out
+        return _changed_after(self.node_changes, clock)
 
     def queue_changed_since(self, seq: int) -> list[str]:
         """Jobs whose waiting changed (see ``queue_changes``) after sequence ``seq``, most recent first."""
-        out = []
-        for job, at in reversed(self.queue_changes.items()):
-            if at <= seq:
-                break
-            out.append(job)
-        return out
+        return _changed_after(self.queue_changes, seq)
 
     def past_usage(self, key: str) -> float:
         """Decayed GPU-seconds of ``user:<name>`` or ``vc:<name>`` as of the newest event."""
@@ -230,6 +220,17 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
 
     def preemptions_within(self, job: str, seconds: float) -> int:
         return sum(1 for t in self.preempted_at.get(job, ()) if self.now - t < seconds)
+
+
+def _changed_after(changes: dict[str, int], clock: int) -> list[str]:
+    """The keys of a change list (key -> clock of its last change, oldest first) changed after
+    ``clock``, most recent first: read from the end, so a caller pays for what changed only."""
+    out = []
+    for key, at in reversed(changes.items()):
+        if at <= clock:
+            break
+        out.append(key)
+    return out
 
 
 def gpu_seconds_by_user(state: SchedulerState) -> dict[tuple[str, str], float]:

@@ -11,7 +11,9 @@ import pytest
 
 from apps.registry import make_decider
 from gpuherd import events as ev
+from gpuherd.runtime.decider import Decider
 from services.analytics.predict import FEATURES, DurationModel, Features, evaluate
+from services.analytics.state import AnalyticsState
 
 
 def _jobs(n: int, seed: int = 0) -> pd.DataFrame:
@@ -94,10 +96,28 @@ def test_the_decider_predicts_from_what_it_had_folded_at_the_submission_even_whe
     assert analytics.decide(state, late) == [first]
 
 
+def _node() -> ev.NodeRegistered:
+    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
+    return ev.NodeRegistered(id="r", node="n1", gpus=gpus)
+
+
+def _b0_runs(
+    analytics: Decider[AnalyticsState], state: AnalyticsState, seq: int, start: float, end: float
+) -> tuple[AnalyticsState, int, ev.Event]:
+    """Fold job b0 placed on n1, started at ``start`` and finished at ``end``: (state, seq, its end)."""
+    for e in (
+        ev.JobPlaced(id="p", at=start, job="b0", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),)),
+        ev.JobStarted(id="st", at=start, job="b0", attempt=0, node="n1"),
+        ev.JobFinished(id="f", at=end, job="b0", attempt=0, outcome="completed"),
+    ):
+        seq += 1
+        state = analytics.evolve(state, seq, e)
+    return state, seq, e
+
+
 def test_a_burst_s_predictions_are_revised_as_its_jobs_finish() -> None:
     analytics = make_decider("analytics")
-    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
-    events: list[ev.Event] = [ev.NodeRegistered(id="r", node="n1", gpus=gpus)]
+    events: list[ev.Event] = [_node()]
     for i in range(4):  # a sweep of four, submitted within seconds
         spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
         events.append(ev.JobSubmitted(id=f"s{i}", at=float(i), job=f"b{i}", spec=spec, intake_source="t"))
@@ -111,36 +131,23 @@ def test_a_burst_s_predictions_are_revised_as_its_jobs_finish() -> None:
                 seq += 1
                 state = analytics.evolve(state, seq, made)
     assert state.predicted["b1"][0] == pytest.approx(3600.0)  # nothing known: the default
-    for e in (
-        ev.JobPlaced(id="p", at=5.0, job="b0", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),)),
-        ev.JobStarted(id="st", at=5.0, job="b0", attempt=0, node="n1"),
-        ev.JobFinished(id="f", at=55.0, job="b0", attempt=0, outcome="completed"),
-    ):
-        seq += 1
-        state = analytics.evolve(state, seq, e)
-    revised = analytics.decide(state, e)
+    state, seq, end = _b0_runs(analytics, state, seq, 5.0, 55.0)
+    revised = analytics.decide(state, end)
     assert sorted(r.job for r in revised) == ["b1", "b2", "b3"]
     assert all(r.seconds < 600 and "1 of its burst finished" in r.basis for r in revised)
 
 
 def test_a_burst_is_revised_once_per_prediction_its_mates_share_and_as_if_one_by_one() -> None:
     analytics = make_decider("analytics")
-    gpus = tuple(ev.GpuInfo(index=i, uuid=f"g{i}", model="sim", memory_mb=1000) for i in range(8))
     state, seq = analytics.initial_state(), 1
-    state = analytics.evolve(state, seq, ev.NodeRegistered(id="r", node="n1", gpus=gpus))
+    state = analytics.evolve(state, seq, _node())
     for i in range(200):  # a sweep of 200 alike jobs, submitted within seconds
         spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
         seq += 1
         state = analytics.evolve(
             state, seq, ev.JobSubmitted(id=f"s{i}", at=i / 10, job=f"b{i}", spec=spec, intake_source="t")
         )
-    for e in (
-        ev.JobPlaced(id="p", at=30.0, job="b0", attempt=0, allocations=(ev.Allocation(node="n1", gpus=(0,)),)),
-        ev.JobStarted(id="st", at=30.0, job="b0", attempt=0, node="n1"),
-        ev.JobFinished(id="f", at=80.0, job="b0", attempt=0, outcome="completed"),
-    ):
-        seq += 1
-        state = analytics.evolve(state, seq, e)
+    state, seq, _ = _b0_runs(analytics, state, seq, 30.0, 80.0)
     mates = state.model.mates("b0")
     assert len(mates) == 199
     # Half the mates hold the default prediction, half one already close to what the burst says.
