@@ -22,10 +22,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
@@ -140,6 +143,8 @@ class CesReport:
 
 def load_node_sequence(path: str) -> pd.DataFrame:
     """``time,active,total`` per minute (Helios' CES input)."""
+    import pandas as pd  # only offline: the live service (which imports this module) never loads pandas
+
     df = pd.read_csv(path)
     missing = {"time", "active", "total"} - set(df.columns)
     if missing:

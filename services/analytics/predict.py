@@ -40,14 +40,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import numpy as np
-import pandas as pd
 
 from gpuherd.fold import oldest_first
 from gpuherd.stats import quantile_s
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MODEL_NAME = "history-gbdt"
 # What a trace records for a user or a job name it does not have (intake needs both to be given).
@@ -602,6 +604,9 @@ class Accuracy:
 
 
 def features_of(row: object) -> Features:
+    """A trace row's features (offline: evaluation on a trace's table)."""
+    import pandas as pd  # the live decider never reads a table, and does not load pandas
+
     def text(value: object) -> str:
         return "" if value is None or pd.isna(value) else str(value)
 

@@ -13,8 +13,6 @@ from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.obs import get_logger
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
-from services.analytics.jobs import job_table, summarize
-from services.analytics.report import write_report
 from services.analytics.state import AnalyticsState
 
 log = get_logger("gpuherd.analytics")
@@ -34,6 +32,11 @@ def reporter(out_dir: Path, every_s: float) -> ExtraTask:
     """Keep the report current: follow the job events of the log and rewrite the report."""
 
     async def report(runner: DeciderRunner[AnalyticsState]) -> None:
+        # pandas and matplotlib only where a report is asked for: every process that serves a
+        # service imports each service's spec, and this one's, at its start and its exit.
+        from services.analytics.jobs import job_table, summarize
+        from services.analytics.report import write_report
+
         seen: list[Record] = []
         dirty = asyncio.Event()
 

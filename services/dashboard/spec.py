@@ -4,10 +4,12 @@ job, drain and undrain a node) are operator commands, sent only for a request ca
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 from gpuherd.log import CONTROL_PREFIX, STATUS_BUCKET
 from gpuherd.runtime.spec import LocalContext, ServiceSpec
 from gpuherd.security import Permissions, inbox, kv_write, read_log
-from services.dashboard import service
 
 # The HERD subjects of the operator commands it offers (JobCancelRequested, NodeDrained,
 # NodeUndrained): each aggregate's own subject, never an agent's ``.by.<node>`` one.
@@ -18,6 +20,20 @@ def permissions(_: str) -> Permissions:
     """What the reader may, the operator commands of its pages, and its own status entry."""
     publish = (*read_log(), f"{CONTROL_PREFIX}.>", *APPENDS, kv_write(STATUS_BUCKET, "dashboard.>"))
     return Permissions(publish=publish, subscribe=(inbox("dashboard"),))
+
+
+def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) -> None:
+    # The web server (aiohttp) is imported by the dashboard's process alone, not by every process
+    # that looks its spec up.
+    from services.dashboard import service
+
+    service.main(argv, peers=peers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.dashboard import service
+
+    return service.build_parser()
 
 
 def local_argv(ctx: LocalContext) -> list[str] | None:
@@ -37,8 +53,8 @@ SPEC = ServiceSpec(
     follows=frozenset(),
     emits=frozenset(),  # (its operator actions are operator commands, as the CLI's)
     permissions=permissions,
-    main=service.main,
-    parser=service.build_parser,
+    main=main,
+    parser=build_parser,
     local_argv=local_argv,
     required=False,
 )

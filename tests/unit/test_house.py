@@ -5,6 +5,8 @@ it emits."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -85,6 +87,30 @@ def test_a_decider_spec_and_its_decider_agree() -> None:
     for service in registry.deciders():
         decider = service.decider()  # type: ignore[misc]
         assert (decider.name, decider.FOLLOWS, decider.EMITS) == (service.name, service.follows, service.emits)
+
+
+# What serving a decider must not import: every process that serves one looks up every spec, and
+# these libraries cost it its start, hundreds of MB between them, and its exit (their teardown).
+OFFLINE_ONLY = ("pandas", "matplotlib", "aiohttp", "lightgbm", "torch")
+
+LOADS_A_DECIDER_PROCESS = """
+import sys
+from apps import registry
+from gpuherd.runtime import shell
+for spec in registry.deciders():
+    args = shell.build_parser(spec).parse_args([])
+    decider = spec.live_decider(args) if spec.live_decider is not None else spec.decider()
+    shell.live_tasks(spec, decider, args)
+print(" ".join(name for name in {names!r} if name in sys.modules))
+"""
+
+
+def test_serving_a_decider_loads_no_offline_library() -> None:
+    """Reports, trace tables, the web server and training load where they are used, not where a
+    spec or a decider is built (a fresh interpreter: this one has them all by now)."""
+    code = LOADS_A_DECIDER_PROCESS.format(names=OFFLINE_ONLY)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == []
 
 
 def test_the_scheduler_follows_exactly_its_routes_and_coalesces_only_passes() -> None:
