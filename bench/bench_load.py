@@ -17,8 +17,10 @@ each service's peak memory and its time to exit after SIGTERM, and checks that n
 every accepted job submitted once, placed, and finished exactly once. The baseline, measured in
 the same run, is raw JetStream appends of the same number of events (pipelined).
 
-Targets (2 cores): >= 2,000 submissions/s and placements/s, decision p50 <= 20 ms and p99 <= 100 ms,
-every service < 500 MB, 0 lost, and every process gone within 5 s of SIGTERM.
+Targets (2 cores, the log fsyncing every acknowledged write): at the default window >= 2,000
+submissions/s and placements/s with decision p99 <= 250 ms; at ``--window 8`` (a few users) decision
+p50 <= 10 ms and p99 <= 50 ms; every service < 500 MB, 0 lost, and every process gone within 1 s of
+SIGTERM.
 
 ``--trace-decisions N`` breaks N submissions (spread over the run) into the stages of their path,
 from the submitter's publish to the launch, with p50/p99 of each (``gpuherd.runtime.stages``
@@ -62,7 +64,8 @@ from gpuherd.runtime.stages import TRACE_DIR_ENV, TRACE_MAX_ENV, BatchTrace, rea
 console = Console(stderr=True)
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = registry.required()  # every decider a deployment runs
-CLEAN_EXIT_S = 5.0  # every process must be gone this long after SIGTERM
+CLEAN_EXIT_S = 1.0  # every process must be gone this long after SIGTERM
+FEW_USERS_WINDOW = 8  # up to this many submissions in flight, decisions are judged by their latency alone
 
 
 def registration(i: int, gpus: int) -> ev.NodeRegistered:
@@ -404,6 +407,7 @@ async def run(args: argparse.Namespace) -> dict:
         "nodes": args.nodes,
         "gpus_per_node": args.gpus,
         "jobs": args.jobs,
+        "window": args.window,
         "baseline_appends_per_s": base_rate,
         "submissions_per_s": submit_rate,
         "placements_per_s": place_rate,
@@ -440,10 +444,11 @@ def print_table(r: dict) -> None:
         ("submissions_per_s", "submissions/s (verdict received)"),
         ("placements_per_s", "placements/s (sustained)"),
     )
+    few_users = r["window"] <= FEW_USERS_WINDOW
     for key, label in rates:
-        table.add_row(label, f"{r[key]:,.0f}", f"{r[key] / base:.2f}x", ">= 2,000")
+        table.add_row(label, f"{r[key]:,.0f}", f"{r[key] / base:.2f}x", "" if few_users else ">= 2,000")
     decisions = f"{r['decision_p50_ms']:.1f} / {r['decision_p99_ms']:.1f}"
-    table.add_row("decision latency p50 / p99 (ms)", decisions, "", "<= 20 / <= 100")
+    table.add_row("decision latency p50 / p99 (ms)", decisions, "", "<= 10 / <= 50" if few_users else "p99 <= 250")
     table.add_row("verdict latency p50 / p99 (ms)", f"{r['verdict_p50_ms']:.1f} / {r['verdict_p99_ms']:.1f}", "", "")
     table.add_row("scheduler's own wait+decide+append, mean (ms)", f"{r['scheduler_own_mean_ms']:.1f}", "", "")
     table.add_row("consumer lag, median / max (events)", f"{r['lag_median']:.0f} / {r['lag_max']:.0f}", "", "")
@@ -455,7 +460,8 @@ def print_table(r: dict) -> None:
         table.add_row(f"CPU {name} (s)", f"{seconds:.1f}", "", "")
     table.add_row(f"CPU all / available on {cores} cores (s)", f"{used:.1f} / {cores * r['wall_s']:.1f}", "", "")
     for name, seconds in r["exit_s"].items():
-        table.add_row(f"{name}: exit after SIGTERM (s)", "killed" if seconds is None else f"{seconds:.2f}", "", "<= 5")
+        shown = "killed" if seconds is None else f"{seconds:.2f}"
+        table.add_row(f"{name}: exit after SIGTERM (s)", shown, "", f"<= {CLEAN_EXIT_S:g}")
     counts = f"{r['accepted']:,} / {r['placed']:,} / {r['finished_once']:,}"
     table.add_row("accepted / placed / finished once", counts, "", "all")
     table.add_row("jobs lost", str(r["lost"]), "", "0")
