@@ -23,9 +23,17 @@ from services.analytics.traces import COLUMNS, Trace
 
 @dataclass(slots=True)
 class _Job:
+    """One job's row while the table is folded: what the table shows of its spec, not the spec (a
+    simulation of a long trace keeps a row per job to its end, and a spec is most of a row)."""
+
     job: str
-    spec: ev.JobSpec
     submit: float
+    gpus: int
+    nodes: int | None
+    user: str | None
+    vc: str
+    name: str | None
+    elastic: bool
     start: float | None = None
     end: float | None = None
     run_s: float = 0.0
@@ -39,6 +47,14 @@ class _Job:
     gpu_s: float = 0.0  # GPU-seconds held while running, at each size held
     rescales: int = 0
     paused_gpu_s: float = 0.0  # GPU-seconds held while a rescale stood the job still
+
+    @classmethod
+    def submitted(cls, event: ev.JobSubmitted) -> _Job:
+        spec = event.spec
+        return cls(
+            job=event.job, submit=event.at, gpus=spec.gpus, nodes=spec.nodes, user=spec.user or None, vc=spec.vc,
+            name=spec.name or None, elastic=spec.elastic is not None,
+        )  # fmt: skip
 
 
 def _close_attempt(job: _Job, at: float) -> None:
@@ -68,7 +84,8 @@ class JobTable:
     def add(self, event: ev.Event) -> None:
         if isinstance(event, ev.JobSubmitted):
             self.rows_read += 1
-            self.jobs.setdefault(event.job, _Job(job=event.job, spec=event.spec, submit=event.at))
+            if event.job not in self.jobs:
+                self.jobs[event.job] = _Job.submitted(event)
             return
         if isinstance(event, ev.JobRejected):
             self.rows_read += 1
@@ -111,36 +128,37 @@ class JobTable:
         ``attempts``, ``predicted``: the duration predicted when it first started, or the latest if
         it never did; ``elastic``, ``gpu_seconds`` held, ``rescales`` and ``paused_gpu_s``).
         Rejected submissions count as not used."""
-        rows = []
-        for job in self.jobs.values():
-            jct = None if job.end is None else job.end - job.submit
-            rows.append(
-                {
-                    "job_id": job.job,
-                    "submit_time": job.submit,
-                    "start_time": job.start,
-                    "end_time": job.end,
-                    "duration": job.run_s,
-                    "queue": None if jct is None else jct - job.run_s,
-                    "gpus": job.spec.gpus,
-                    "gpu_request": float(job.spec.gpus),
-                    "cpus": None,
-                    "nodes": job.spec.nodes,
-                    "user": job.spec.user or None,
-                    "vc": job.spec.vc,
-                    "name": job.spec.name or None,
-                    "state": job.state,
-                    "jct": jct,
-                    "preemptions": job.preemptions,
-                    "attempts": job.attempts,
-                    "predicted": job.predicted_s,
-                    "elastic": job.spec.elastic is not None,
-                    "gpu_seconds": job.gpu_s,
-                    "rescales": job.rescales,
-                    "paused_gpu_s": job.paused_gpu_s,
-                }
-            )
-        df = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+        # Built column by column: a dict per row costs more than the table itself (a long trace's
+        # simulation peaked here).
+        jobs = list(self.jobs.values())
+        jct = [None if job.end is None else job.end - job.submit for job in jobs]
+        columns = {
+            "job_id": [job.job for job in jobs],
+            "submit_time": [job.submit for job in jobs],
+            "start_time": [job.start for job in jobs],
+            "end_time": [job.end for job in jobs],
+            "duration": [job.run_s for job in jobs],
+            "queue": [None if t is None else t - job.run_s for t, job in zip(jct, jobs, strict=True)],
+            "gpus": [job.gpus for job in jobs],
+            "gpu_request": [float(job.gpus) for job in jobs],
+            "cpus": [None] * len(jobs),
+            "nodes": [job.nodes for job in jobs],
+            "user": [job.user for job in jobs],
+            "vc": [job.vc for job in jobs],
+            "name": [job.name for job in jobs],
+            "state": [job.state for job in jobs],
+            "jct": jct,
+            "preemptions": [job.preemptions for job in jobs],
+            "attempts": [job.attempts for job in jobs],
+            "predicted": [job.predicted_s for job in jobs],
+            "elastic": [job.elastic for job in jobs],
+            "gpu_seconds": [job.gpu_s for job in jobs],
+            "rescales": [job.rescales for job in jobs],
+            "paused_gpu_s": [job.paused_gpu_s for job in jobs],
+        }
+        del jobs, jct
+        df = pd.DataFrame(columns, columns=list(TABLE_COLUMNS))
+        del columns
         df = df.astype(TABLE_COLUMNS).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
         reasons = {"rejected at intake": self.rejected} if self.rejected else {}
         return Trace(name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True)

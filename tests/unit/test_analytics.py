@@ -19,7 +19,7 @@ from gpuherd.fold.invariants import violations
 from gpuherd.log.files import read_log_file, write_log_file
 from gpuherd.runtime.audit import audit
 from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
-from services.analytics.jobs import job_table, summarize
+from services.analytics.jobs import TABLE_COLUMNS, job_table, summarize
 from services.analytics.predict import DurationModel, Features, evaluate
 from services.analytics.report import write_report
 from services.analytics.traces import (
@@ -238,6 +238,51 @@ def _contended(tmp_path: Path) -> object:
 
 
 SMALL = ClusterSpec(vcs={"a": VcSpec(nodes=1)}, gpus_per_node=4)
+
+
+def test_the_job_table_of_a_log_row_by_row() -> None:
+    """Each column of a job's row, from the events of a small log: a job preempted once, an elastic
+    one still running, one still waiting, and a rejected submission."""
+
+    def submitted(job: str, at: float, **spec: object) -> ev.JobSubmitted:
+        return ev.JobSubmitted(job=job, at=at, spec=ev.JobSpec(**{"name": "", "user": "", **spec}), intake_source="t")
+
+    def placed(job: str, at: float, attempt: int, gpus: int) -> ev.JobPlaced:
+        allocation = ev.Allocation(node="n1", gpus=tuple(range(gpus)))
+        return ev.JobPlaced(job=job, at=at, attempt=attempt, allocations=(allocation,))
+
+    log = [
+        submitted("a", 10.0, name="resnet", user="ann", gpus=2, vc="vc1", nodes=1),
+        submitted("b", 11.0, gpus=4, elastic=ev.Elastic(min=2, max=4)),
+        submitted("c", 12.0, gpus=1),
+        ev.JobRejected(at=12.5, intake_source="t", intake_seq=4, reason="too large"),
+        ev.JobDurationPredicted(job="a", at=13.0, seconds=100.0, model="m"),
+        placed("a", 20.0, 1, 2),
+        ev.JobStarted(job="a", at=20.0, attempt=1, node="n1"),
+        ev.JobPreempted(job="a", at=50.0, attempt=1, reason="srtf"),
+        ev.JobRequeued(job="a", at=60.0, attempt=1, reason="preempted"),
+        ev.JobDurationPredicted(job="a", at=61.0, seconds=999.0, model="m"),  # (started once: not this one)
+        placed("b", 70.0, 1, 4),
+        ev.JobStarted(job="b", at=70.0, attempt=1, node="n1"),
+        placed("a", 80.0, 2, 2),
+        ev.JobStarted(job="a", at=80.0, attempt=2, node="n1"),
+        ev.JobFinished(job="a", at=130.0, attempt=2, outcome="completed"),
+    ]
+    table = job_table(log)
+    jobs = table.jobs.set_index("job_id")
+    assert dict(table.jobs.dtypes.astype(str)) == TABLE_COLUMNS
+    assert (table.rows_read, table.rejected) == (4, {"rejected at intake": 1})
+    assert list(table.jobs["job_id"]) == ["a", "b", "c"]  # in submission order
+    a, b, c = jobs.loc["a"], jobs.loc["b"], jobs.loc["c"]
+    assert (a["start_time"], a["end_time"], a["jct"]) == (20.0, 130.0, 120.0)
+    assert (a["duration"], a["queue"], a["gpu_seconds"]) == (90.0, 30.0, 180.0)  # 40 s, then 50 s, on 2 GPUs
+    assert (a["preemptions"], a["attempts"], a["predicted"], a["state"]) == (1, 2, 100.0, "completed")
+    assert (a["gpus"], a["gpu_request"], a["nodes"]) == (2, 2.0, 1.0)
+    assert (a["user"], a["name"], a["vc"]) == ("ann", "resnet", "vc1")
+    assert not a["elastic"] and b["elastic"] and not c["elastic"]
+    assert b["state"] == "running" and b["start_time"] == 70.0 and pd.isna(b["end_time"]) and pd.isna(b["jct"])
+    assert pd.isna(b["user"]) and pd.isna(b["name"]) and pd.isna(b["nodes"]) and b["vc"] == "default"
+    assert c["state"] == "pending" and pd.isna(c["start_time"]) and c["attempts"] == 0 and pd.isna(c["cpus"])
 
 
 def test_simulation_finishes_every_job_and_is_deterministic(tmp_path: Path) -> None:
