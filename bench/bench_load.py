@@ -383,6 +383,7 @@ async def run(args: argparse.Namespace) -> dict:
             )
         ]
         latencies = decision_latencies(messages)
+        log_events = len(messages)
         stages: list[dict] = []
         if args.trace_decisions:
             traces = read_traces(stage_dir / "scheduler.jsonl")
@@ -416,6 +417,8 @@ async def run(args: argparse.Namespace) -> dict:
         "verdict_p50_ms": quantile(verdict_s, 0.5) * 1e3,
         "verdict_p99_ms": quantile(verdict_s, 0.99) * 1e3,
         "scheduler_own_mean_ms": own_ms,
+        "log_events": log_events,  # every event the run appended (services, fleet), on the durable log
+        "log_events_per_s": log_events / total_s,
         "lag_median": statistics.median(lags or [0]),
         "lag_max": max(lags or [0]),
         "peak_rss_mb": memory,
@@ -450,6 +453,11 @@ def print_table(r: dict) -> None:
     decisions = f"{r['decision_p50_ms']:.1f} / {r['decision_p99_ms']:.1f}"
     table.add_row("decision latency p50 / p99 (ms)", decisions, "", "<= 10 / <= 50" if few_users else "p99 <= 250")
     table.add_row("verdict latency p50 / p99 (ms)", f"{r['verdict_p50_ms']:.1f} / {r['verdict_p99_ms']:.1f}", "", "")
+    per_job = r["log_events"] / max(r["jobs"], 1)
+    table.add_row("log events appended, per job", f"{r['log_events']:,} ({per_job:.1f})", "", "")
+    table.add_row(
+        "log events/s (all writers)", f"{r['log_events_per_s']:,.0f}", f"{r['log_events_per_s'] / base:.2f}x", ""
+    )
     table.add_row("scheduler's own wait+decide+append, mean (ms)", f"{r['scheduler_own_mean_ms']:.1f}", "", "")
     table.add_row("consumer lag, median / max (events)", f"{r['lag_median']:.0f} / {r['lag_max']:.0f}", "", "")
     for name, mb in r["peak_rss_mb"].items():
