@@ -32,8 +32,9 @@ def reporter(out_dir: Path, every_s: float) -> ExtraTask:
     """Keep the report current: follow the job events of the log and rewrite the report."""
 
     async def report(runner: DeciderRunner[AnalyticsState]) -> None:
-        # pandas and matplotlib only where a report is asked for: every process that serves a
-        # service imports each service's spec, and this one's, at its start and its exit.
+        # pandas and matplotlib load only when a report is asked for: every service's process
+        # imports this spec (the registry looks them all up) and would pay for both at its start
+        # and at its exit.
         from services.analytics.jobs import job_table, summarize
         from services.analytics.report import write_report
 
