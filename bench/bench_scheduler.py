@@ -6,7 +6,7 @@ durations, priorities), built by the scheduler's own decisions. For each policy:
 
 - **the decider's pass** (what the live scheduler and the simulator run: ``explain=False``, node
   views kept between passes by a ``ViewCache``, and the queue's order by a ``RankIndex`` under a
-  policy whose ranks are static: the first run builds it), timed ``--repeats`` times;
+  policy whose ranks are static or timed (LAS): the first run builds it), timed ``--repeats`` times;
 - **the explained pass**, the baseline, in the same run: the same decisions plus every waiting
   job's reason (``gpuherd why``), with the node views built afresh.
 

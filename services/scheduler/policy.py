@@ -50,6 +50,10 @@ class Policy(abc.ABC):
     # policy's configuration, never with time or other jobs: a decider keeps the order between
     # passes (``ranks.RankIndex``) instead of sorting the queue at every pass.
     static_rank: ClassVar[bool] = False
+    # Ranks that change with an event naming the job, and also with time, but at a moment the
+    # policy can tell in advance (``rank_holds_until``): the order is kept between passes too, and
+    # a job is ranked again once its moment has come.
+    timed_rank: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, float]] = {}  # tunable -> default
 
     def __init__(self, **params: float) -> None:
@@ -86,6 +90,11 @@ class Policy(abc.ABC):
     def rank(self, job: JobState, state: SchedulerState) -> tuple:
         """The sort key of ``order`` (after ``prepare``): priority, the policy's key, arrival."""
         return (-job.spec.priority, self.key(job, state), job.order)
+
+    def rank_holds_until(self, job: JobState, state: SchedulerState) -> float:
+        """(``timed_rank``) Until when a waiting job's rank holds, unless an event names it (``state.now``
+        up to then; ``math.inf``: for good)."""
+        return math.inf
 
     def outranks(self, waiting: JobState, running: JobState, state: SchedulerState) -> bool:
         """Whether ``waiting`` may take ``running``'s GPUs (preemptive policies only)."""
@@ -181,6 +190,7 @@ class Las(Policy):
 
     name = "las"
     preemptive = True
+    timed_rank = True
     PARAMS = {
         "first_queue_gpu_s": 3600.0,
         "queue_ratio": 10.0,
@@ -207,12 +217,18 @@ class Las(Policy):
             service += job.running_gpu_s(state.now)
         return bisect.bisect_right(self._bounds, service)
 
+    def _starves_after(self, job: JobState) -> float:
+        """The wait after which a waiting job starves (fixed while it waits: its service is)."""
+        return max(self._min_starvation_s, self._starvation_factor * (job.service_gpu_s / job.spec.gpus))
+
     def starving(self, job: JobState, state: SchedulerState) -> bool:
         if job.status != "pending":
             return False
-        waited = state.now - job.waiting_since
-        ran = job.service_gpu_s / job.spec.gpus
-        return waited > max(self._min_starvation_s, self._starvation_factor * ran)
+        return state.now - job.waiting_since > self._starves_after(job)
+
+    def rank_holds_until(self, job: JobState, state: SchedulerState) -> float:
+        # A waiting job's rank changes once, without an event: when it starts to starve.
+        return math.inf if self.starving(job, state) else job.waiting_since + self._starves_after(job)
 
     def queue(self, job: JobState, state: SchedulerState) -> int:
         return 0 if self.starving(job, state) else self.service_queue(job, state)

@@ -9,6 +9,12 @@ instead: each VC's waiting jobs sorted by rank, updated from the jobs the fold l
 since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass. (FIFO
 with one priority needs none: the fold's queue is in its order, ``Policy.queue_is_order``.)
 
+A policy whose ranks also change with time, at a moment it can tell (``Policy.timed_rank``: LAS,
+whose waiting job moves to the first queue once it starves), is kept the same way: each job's
+moment waits in a heap, and a pass ranks again the jobs whose moment has come. A moment is
+taken a few ulps early (the policy's own test of the time decides; a job not due yet waits on
+in the heap), so rounding never leaves a job at its old rank.
+
 A job that left the state in the event that took it out of the queue (a waiting job cancelled)
 leaves no change behind: such an entry is dropped when a pass meets it, and the index is
 rebuilt when entries for jobs gone outnumber the waiting ones.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 from gpuherd.fold import JobState
@@ -40,32 +47,50 @@ class RankIndex:
         self._by_vc: dict[str, list[Entry]] = {}  # each sorted
         self._rank_of: dict[str, tuple[str, tuple]] = {}  # job -> (its VC, its rank in the index)
         self._gone: set[str] = set()  # jobs a pass met that wait no more
+        # (``timed_rank``) when each job's rank may change: a heap, and each job's moment in force
+        self._moments: list[tuple[float, str]] = []
+        self._moment_of: dict[str, float] = {}
 
     def refresh(self, state: SchedulerState, policy: Policy) -> bool:
-        """Bring the index up to ``state``; False if ``policy``'s ranks are not static (a pass sorts)."""
-        if not policy.static_rank:
+        """Bring the index up to ``state``; False if ``policy``'s ranks are neither static nor timed
+        (a pass sorts)."""
+        if not (policy.static_rank or policy.timed_rank):
             return False
+        bound = 2 * len(state.queue) + 1024
         if (
             state.jobs is not self._of
             or policy is not self._policy
             or state.scheduling is not self._config
             or state.seq < self._seq
-            or len(self._rank_of) > 2 * len(state.queue) + 1024
+            or len(self._rank_of) > bound
+            or len(self._moments) > bound
         ):
             self._rebuild(state, policy)
         else:
             changed = state.queue_changed_since(self._seq)
-            if changed or self._gone:
+            due = self._due(state.now) if self._moments else []
+            if changed or self._gone or due:
                 policy.prepare(state)
                 jobs = state.jobs
-                for job_id in self._gone.union(changed):
+                for job_id in self._gone.union(changed, due):
                     self._remove(job_id)
                     job = jobs.get(job_id)
                     if job is not None and job.status == "pending":
-                        self._insert(job, policy.rank(job, state))
+                        self._insert(job, policy, state)
                 self._gone.clear()
         self._seq = state.seq
         return True
+
+    def _due(self, now: float) -> list[str]:
+        """The jobs whose moment has come (or lies within a few ulps of ``now``)."""
+        moments, moment_of = self._moments, self._moment_of
+        due = []
+        while moments and moments[0][0] - 4 * math.ulp(moments[0][0]) <= now:
+            at, job_id = heapq.heappop(moments)
+            if moment_of.get(job_id) == at:  # (else an earlier moment of a job ranked again since)
+                del moment_of[job_id]
+                due.append(job_id)
+        return due
 
     def first(self, state: SchedulerState, vc: str, able: Callable[[JobState], bool]) -> JobState | None:
         """The VC's first waiting job that is ``able``."""
@@ -95,18 +120,29 @@ class RankIndex:
         policy.prepare(state)
         jobs = state.jobs
         self._by_vc, self._rank_of, self._gone = {}, {}, set()
+        self._moments, self._moment_of = [], {}
         for vc, queued in state.queued_by_vc.items():
             entries = sorted((policy.rank(jobs[j], state), j) for j in queued)
             self._by_vc[vc] = entries
             for rank, j in entries:
                 self._rank_of[j] = (vc, rank)
+                if policy.timed_rank:
+                    self._expect(j, policy.rank_holds_until(jobs[j], state))
 
-    def _insert(self, job: JobState, rank: tuple) -> None:
-        vc = job.spec.vc
+    def _insert(self, job: JobState, policy: Policy, state: SchedulerState) -> None:
+        vc, rank = job.spec.vc, policy.rank(job, state)
         bisect.insort(self._by_vc.setdefault(vc, []), (rank, job.job))
         self._rank_of[job.job] = (vc, rank)
+        if policy.timed_rank:
+            self._expect(job.job, policy.rank_holds_until(job, state))
+
+    def _expect(self, job_id: str, at: float) -> None:
+        if at < math.inf:
+            heapq.heappush(self._moments, (at, job_id))
+            self._moment_of[job_id] = at
 
     def _remove(self, job_id: str) -> None:
+        self._moment_of.pop(job_id, None)
         where = self._rank_of.pop(job_id, None)
         if where is None:
             return

@@ -136,7 +136,7 @@ class Pass:
     index: IslandIndex
     vc_used: dict[str, int]
     holds: Holds
-    ranks: RankIndex | None = None  # the order kept between passes (a static-rank policy's), or None: sort
+    ranks: RankIndex | None = None  # the order kept between passes (static or timed ranks), or None: sort
     out: Plan = field(default_factory=Plan)
     extra: int = 0  # GPUs the head will not need at its reserved start
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one

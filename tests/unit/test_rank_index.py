@@ -1,6 +1,7 @@
 """The order a decider keeps between its passes (``RankIndex``) is the policy's own sort of the
 queue, after every event: submissions, predictions, placements, requeues, cancellations of
-waiting jobs (which leave the state in the same event) and policy changes."""
+waiting jobs (which leave the state in the same event) and policy changes, and as time passes
+(LAS: a waiting job starves)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from services.scheduler.state import SchedulerState, index_problems
 from tests.helpers import node, submit
 
 STATIC = sorted(name for name, cls in POLICIES.items() if cls.static_rank)
+INDEXED = sorted(name for name, cls in POLICIES.items() if cls.static_rank or cls.timed_rank)
 VCS = ("a", "b", "default")
 
 
 def test_the_policies_with_static_ranks_are_those_whose_waiting_ranks_ignore_time_and_other_jobs() -> None:
-    # LAS ranks by waiting time (starvation) and fair share by everyone's use: they sort at every pass.
+    # LAS ranks by waiting time too (starvation), at a moment it tells; fair share by everyone's use:
+    # it sorts at every pass.
     assert STATIC == ["fifo", "qssf", "sjf", "srtf"]
+    assert INDEXED == ["fifo", "las", "qssf", "sjf", "srtf"]
 
 
 class History:
@@ -82,10 +86,15 @@ class History:
             job = self.state.jobs[rng.choice(waiting)]  # a waiting job cancelled leaves the state at once
             self.fold(ev.JobFinished(id=f"c{i}", at=self.now, job=job.job, attempt=job.attempt, outcome="cancelled"))
         else:
-            policy = rng.choice(STATIC)
-            params = {"declared_durations": float(rng.random() < 0.5)}
+            policy = rng.choice(INDEXED)
+            params = {"declared_durations": float(rng.random() < 0.5)} if policy != "las" else {}
             if policy == "qssf":
                 params["quantile"] = rng.choice([0.5, 0.9])
+            if policy == "las":  # starving within a history's hours, and ranked by service
+                params = {
+                    "min_starvation_s": rng.choice([60.0, 600.0]),
+                    "first_queue_gpu_s": rng.choice([60.0, 3600.0]),
+                }
             self.fold(ev.PolicyConfigured(id=f"c{i}", at=self.now, policy=policy, params=params))
 
 
@@ -99,7 +108,7 @@ def _sorted(state: SchedulerState, policy: Policy, without: set[str] = frozenset
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(STATIC))
+@given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(INDEXED))
 def test_the_kept_order_is_the_policys_sort_after_every_event(seed: int, policy: str) -> None:
     rng = random.Random(seed)
     history, index = History(policy), RankIndex()
