@@ -126,17 +126,16 @@ class RankIndex:
             self._by_vc[vc] = entries
             for rank, j in entries:
                 self._rank_of[j] = (vc, rank)
-                if policy.timed_rank:
-                    self._expect(j, policy.rank_holds_until(jobs[j], state))
+                self._expect(j, policy.rank_holds_until(jobs[j], state))
 
     def _insert(self, job: JobState, policy: Policy, state: SchedulerState) -> None:
         vc, rank = job.spec.vc, policy.rank(job, state)
         bisect.insort(self._by_vc.setdefault(vc, []), (rank, job.job))
         self._rank_of[job.job] = (vc, rank)
-        if policy.timed_rank:
-            self._expect(job.job, policy.rank_holds_until(job, state))
+        self._expect(job.job, policy.rank_holds_until(job, state))
 
     def _expect(self, job_id: str, at: float) -> None:
+        """Rank the job again at ``at`` (a static rank holds for good: nothing to wait for)."""
         if at < math.inf:
             heapq.heappush(self._moments, (at, job_id))
             self._moment_of[job_id] = at
