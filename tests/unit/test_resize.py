@@ -162,3 +162,14 @@ def test_a_part_that_failed_with_its_workers_reported_lost_is_ignored_while_the_
     # n1 still has live workers: its task has not ended; a failed end of the whole node would count.
     apply(state, seq + 2, _e(ev.TaskEnded, job="j", attempt=0, node="n1", outcome="failed"))
     assert "n1" in state.jobs["j"].parts_ended
+
+
+def test_an_elastic_range_without_bounds_lists_the_sizes_a_job_can_take() -> None:
+    """Intake accepts any max at or above the job's GPUs, and an event may carry any range: the
+    sizes listed start at one GPU and stop at ``MAX_ELASTIC_WORLD`` (a max of 10**12 took the
+    memory of every decider that listed them)."""
+    assert ev.Elastic(min=2, max=4).sizes() == [2, 3, 4]
+    assert ev.Elastic(min=2, max=12, global_batch=48, micro_batch=2).sizes() == [2, 3, 4, 6, 8, 12]
+    assert ev.Elastic(min=-70_197_882_383, max=3).sizes() == [1, 2, 3]
+    huge = ev.Elastic(min=1, max=10**12).sizes()
+    assert (huge[0], huge[-1], len(huge)) == (1, ev.MAX_ELASTIC_WORLD, ev.MAX_ELASTIC_WORLD)

@@ -30,6 +30,7 @@ from gpuherd.events.elastic import ELASTIC_RULES, RESCALE_PHASES, complete_phase
 from gpuherd.events.jobs import INTAKE_RULES
 from gpuherd.events.values import (
     DEPENDENCY_KINDS,
+    MAX_ELASTIC_WORLD,
     MAX_OUTPUT_TAIL,
     MEMORY_TIERS,
     OUTCOMES,
@@ -63,6 +64,7 @@ __all__ = [
     "DEPENDENCY_KINDS",
     "EVENT_TYPES",
     "INTAKE_RULES",
+    "MAX_ELASTIC_WORLD",
     "MAX_OUTPUT_TAIL",
     "MEMORY_TIERS",
     "OUTCOMES",

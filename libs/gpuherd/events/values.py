@@ -49,6 +49,12 @@ class MemoryNeeds(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tiers: tuple[MemoryTier, ...] = MEMORY_TIERS
 
 
+# The most GPUs an elastic job's sizes are counted up to: beyond any cluster, and few enough to list.
+# (Intake checks only that min <= gpus <= max and that gpus fit the cluster: a max of 10**12 was
+# accepted, and listing its sizes took the scheduler's and the elastic service's memory.)
+MAX_ELASTIC_WORLD = 65_536
+
+
 class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An elastic job runs on ``min`` to ``max`` GPUs (one worker process each) and is resized
     while it runs. ``global_batch`` samples a step at every size (``micro_batch`` per forward):
@@ -63,8 +69,9 @@ class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lr_scaling: LrScaling | None = None
 
     def sizes(self) -> list[int]:
-        """The world sizes the job may run at: all of min..max, or those that keep the global batch."""
-        every = list(range(self.min, self.max + 1))
+        """The world sizes the job may run at: all of min..max (at least one GPU, at most
+        ``MAX_ELASTIC_WORLD``), or those that keep the global batch."""
+        every = list(range(max(self.min, 1), min(self.max, MAX_ELASTIC_WORLD) + 1))
         if self.global_batch is None or self.micro_batch is None or self.lr_scaling is not None:
             return every
         return [w for w in every if self.global_batch % (w * self.micro_batch) == 0]
