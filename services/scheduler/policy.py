@@ -69,7 +69,7 @@ class Policy(abc.ABC):
 
     def queue_is_order(self, state: SchedulerState) -> bool:
         """Whether the fold's queue (arrival order) is already this policy's order: then a pass
-        reads it as it is, and keeps no order of its own."""
+        that has no kept order (``ranks.RankIndex``) reads it as it is instead of sorting."""
         return False
 
     def prepare(self, state: SchedulerState) -> None:  # noqa: B027 - optional hook

@@ -6,8 +6,10 @@ quarter of an SRTF simulation of philly (a deep queue, a pass at every event). U
 whose ranks are static (``Policy.static_rank``: a waiting job's rank changes only with an event
 that names it, such as a new prediction, or with the policy's configuration) the order is kept
 instead: each VC's waiting jobs sorted by rank, updated from the jobs the fold lists as changed
-since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass. (FIFO
-with one priority needs none: the fold's queue is in its order, ``Policy.queue_is_order``.)
+since the pass before (``SchedulerState.queue_changes``), and merged lazily by a pass
+(``KeptOrder``). FIFO too is kept so, although the fold's queue is in its order: per VC, a pass
+leaves out the VCs whose quota has no room, and sets aside those whose quota holds back every job
+still to come, where a pass reading the queue read their jobs one by one.
 
 A policy whose ranks also change with time, at a moment it can tell (``Policy.timed_rank``: LAS,
 whose waiting job moves to the first queue once it starves), is kept the same way: each job's
@@ -97,14 +99,20 @@ class RankIndex:
         return next((job for job in self._waiting(state, self._by_vc.get(vc, ())) if able(job)), None)
 
     def order(
-        self, state: SchedulerState, without: Collection[str] = frozenset(), keep: Sequence[JobState] = ()
-    ) -> Iterator[JobState]:
-        """The waiting jobs in order, lazily: those of VCs in ``without`` left out, but for ``keep``."""
-        lists = [entries for vc, entries in self._by_vc.items() if vc not in without]
+        self,
+        state: SchedulerState,
+        without: Collection[str] = frozenset(),
+        keep: Sequence[JobState] = (),
+        resume: Callable[[], bool] = lambda: True,
+    ) -> KeptOrder:
+        """The waiting jobs in order, lazily: those of VCs in ``without`` left out, but for ``keep``
+        (see ``KeptOrder`` for ``resume``)."""
+        lists: list[tuple[str | None, list[Entry]]] = [
+            (vc, entries) for vc, entries in self._by_vc.items() if vc not in without
+        ]
         if keep:
-            lists.append(sorted((self._rank_of[job.job][1], job.job) for job in keep))
-        merged = iter(lists[0]) if len(lists) == 1 else heapq.merge(*lists)
-        return self._waiting(state, merged)
+            lists.append((None, sorted((self._rank_of[job.job][1], job.job) for job in keep)))
+        return KeptOrder(self, state, lists, resume)
 
     def _waiting(self, state: SchedulerState, entries: Iterable[Entry]) -> Iterator[JobState]:
         jobs = state.jobs
@@ -154,3 +162,76 @@ class RankIndex:
             entries.remove(next(e for e in entries if e[1] == job_id))
         if not entries:
             del self._by_vc[vc]
+
+
+class KeptOrder:
+    """One pass's reading of a ``RankIndex``: each VC's sorted jobs (and the kept firsts of VCs left
+    out, vc None), merged lazily. A pass may set a VC aside as it reads (``set_aside``: none of the
+    VC's jobs still to come can start, so reading them one by one, as a pass behind a VC's quota head
+    did, only costs): its jobs are passed over, until ``resume()`` says they count again (the pass
+    found its head, and every job read from then on counts toward how deep it looks). Then the VCs
+    set aside are read again from the last job read on, as if never set aside: the jobs passed over
+    before that point are the only ones the pass did not see."""
+
+    def __init__(
+        self,
+        index: RankIndex,
+        state: SchedulerState,
+        lists: list[tuple[str | None, list[Entry]]],
+        resume: Callable[[], bool],
+    ) -> None:
+        self._index, self._state, self._resume = index, state, resume
+        self._lists = [entries for _, entries in lists]
+        self._source_of = {vc: n for n, (vc, _) in enumerate(lists) if vc is not None}
+        self._aside: set[int] = set()
+        self._parked: dict[int, int] = {}  # a source set aside -> the position of its first entry not read
+        self._last: Entry | None = None
+
+    def set_aside(self, vc: str) -> None:
+        source = self._source_of.get(vc)
+        if source is not None:
+            self._aside.add(source)
+
+    def __iter__(self) -> Iterator[JobState]:
+        return self._read()
+
+    def _read(self) -> Iterator[JobState]:
+        lists, aside, parked = self._lists, self._aside, self._parked
+        heap = [(entries[0], n, 0) for n, entries in enumerate(lists) if entries]
+        heapq.heapify(heap)
+        jobs, gone = self._state.jobs, self._index._gone
+        heappop, heapreplace = heapq.heappop, heapq.heapreplace
+        while heap or parked:
+            if parked and self._resume():
+                self._take_back(heap)
+                if not heap:
+                    return
+            elif not heap:
+                return
+            entry, source, at = heap[0]
+            if aside and source in aside:
+                heappop(heap)
+                parked[source] = at
+                continue
+            entries = lists[source]
+            if at + 1 < len(entries):
+                heapreplace(heap, (entries[at + 1], source, at + 1))
+            else:
+                heappop(heap)
+            job = jobs.get(entry[1])
+            if job is None or job.status != "pending":
+                gone.add(entry[1])  # (it left in the event that ended its wait: see the module)
+                continue
+            self._last = entry
+            yield job
+
+    def _take_back(self, heap: list[tuple[Entry, int, int]]) -> None:
+        last = self._last
+        for source, at in self._parked.items():
+            entries = self._lists[source]
+            if last is not None:
+                at = bisect.bisect_right(entries, last, at)  # (those before were passed over)
+            if at < len(entries):
+                heapq.heappush(heap, (entries[at], source, at))
+        self._parked.clear()
+        self._aside.clear()

@@ -66,7 +66,7 @@ from services.scheduler.placement import (
     place,
 )
 from services.scheduler.policy import Policy
-from services.scheduler.ranks import RankIndex
+from services.scheduler.ranks import KeptOrder, RankIndex
 from services.scheduler.state import SchedulerState
 
 MAX_VICTIMS = 64  # a gang that needs more victims than this waits instead
@@ -137,6 +137,8 @@ class Pass:
     vc_used: dict[str, int]
     holds: Holds
     ranks: RankIndex | None = None  # the order kept between passes (static or timed ranks), or None: sort
+    reading: KeptOrder | None = None  # the pass's reading of the kept order (it may set VCs aside)
+    smallest: dict[str, int] = field(default_factory=dict)  # VC -> the fewest GPUs a waiting job of it asks
     out: Plan = field(default_factory=Plan)
     extra: int = 0  # GPUs the head will not need at its reserved start
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
@@ -183,7 +185,10 @@ def plan(
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
-    if ranks is not None and not policy.queue_is_order(state) and ranks.refresh(state, policy):
+    # (Under FIFO too, although its queue is its order: with quotas, most of the queue may wait in
+    # VCs whose quota is used up or holds them back, which a pass reading the queue read one by one
+    # (a quarter of a FIFO simulation of philly) and one reading the kept per-VC orders leaves out.)
+    if ranks is not None and ranks.refresh(state, policy):
         work.ranks = ranks
     work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
     out, skip = work.out, work.skip
@@ -243,8 +248,16 @@ def candidates(work: Pass) -> Iterable[JobState]:
     VC's first job stays, as it may preempt within its VC (or by priority)."""
     state, policy, ranks = work.state, work.policy, work.ranks
     full = set() if work.explain else _full_vcs(state, work.vc_used)
+    out = work.out
+
+    def head_found() -> bool:
+        return out.head is not None
+
     if not full:
-        return policy.order(state) if ranks is None else ranks.order(state)
+        if ranks is None:
+            return policy.order(state)
+        work.reading = ranks.order(state, resume=head_found)
+        return work.reading
     preempts = policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0)
     if ranks is not None:
         skip = work.skip
@@ -253,7 +266,8 @@ def candidates(work: Pass) -> Iterable[JobState]:
             return job.job not in skip and not job.cancel_requested
 
         firsts = [first for vc in full if (first := ranks.first(state, vc, able)) is not None] if preempts else []
-        return ranks.order(state, without=full, keep=firsts)
+        work.reading = ranks.order(state, without=full, keep=firsts, resume=head_found)
+        return work.reading
     first_ids: list[str] = []
     if preempts:
         policy.prepare(state)
@@ -291,12 +305,27 @@ def _behind_quota_head(work: Pass, job: JobState) -> Literal["consider", "skip",
     Not if it cannot start whatever it would be told: backfill is off (nothing of the VC starts
     behind its quota head, and once every VC with waiting jobs is held so, the pass stops), or its
     VC's quota has no room left for it and the VC may not borrow. Nothing else reads such a job in
-    a pass: it is not the quota head (already chosen), nor the gang head (it never reaches placement)."""
+    a pass: it is not the quota head (already chosen), nor the gang head (it never reaches placement).
+    Where none of the VC's later jobs can start either (its room only shrinks as the pass goes), the
+    pass sets the VC aside until it finds its head (``KeptOrder``): until then a job passed over
+    changes nothing but the positions the pass counts, which only order its candidates."""
     if work.ends_at_head:
-        return "stop" if len(work.quota_holds) == len(work.state.queued_by_vc) else "skip"
+        if len(work.quota_holds) == len(work.state.queued_by_vc):
+            return "stop"
+        if work.reading is not None:
+            work.reading.set_aside(job.spec.vc)
+        return "skip"
     vc = work.state.vcs[job.spec.vc]
     room = vc.gpu_quota - work.vc_used.get(vc.vc, 0)  # type: ignore[operator]  # (a held VC has a quota)
-    return "skip" if job.spec.gpus > room and not vc.can_borrow else "consider"
+    if job.spec.gpus <= room or vc.can_borrow:
+        return "consider"
+    if work.reading is not None and work.out.head is None:
+        smallest = work.smallest.get(vc.vc)
+        if smallest is None:
+            smallest = work.smallest[vc.vc] = min(work.state.queued_sizes[vc.vc])
+        if smallest > room:
+            work.reading.set_aside(vc.vc)
+    return "skip"
 
 
 def check_quota(work: Pass, job: JobState, position: int) -> int | None:

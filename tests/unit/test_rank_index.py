@@ -12,9 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
+from services.scheduler import schedule
 from services.scheduler.decide import SchedulerDecider
+from services.scheduler.placement import ViewCache
 from services.scheduler.policy import POLICIES, Policy
-from services.scheduler.ranks import RankIndex
+from services.scheduler.ranks import KeptOrder, RankIndex
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState, index_problems
 from tests.helpers import node, submit
@@ -34,12 +36,13 @@ def test_the_policies_with_static_ranks_are_those_whose_waiting_ranks_ignore_tim
 class History:
     """A scheduler state folded one event at a time, as a decider folds its log."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, *, backfill: bool = True) -> None:
         self.decider = SchedulerDecider()
         self.state: SchedulerState = self.decider.initial_state()
         self.seq = 0
         self.now = 0.0
-        self.fold(ev.PolicyConfigured(id="p", policy=policy))
+        self.backfill = backfill
+        self.fold(ev.PolicyConfigured(id="p", policy=policy, backfill=backfill))
         for vc in VCS[:2]:
             self.fold(ev.VcConfigured(id=f"vc-{vc}", vc=vc, gpu_quota=8, can_borrow=vc == "a"))
         for n in range(3):
@@ -95,7 +98,9 @@ class History:
                     "min_starvation_s": rng.choice([60.0, 600.0]),
                     "first_queue_gpu_s": rng.choice([60.0, 3600.0]),
                 }
-            self.fold(ev.PolicyConfigured(id=f"c{i}", at=self.now, policy=policy, params=params))
+            self.fold(
+                ev.PolicyConfigured(id=f"c{i}", at=self.now, policy=policy, params=params, backfill=self.backfill)
+            )
 
 
 def _fields(spec: ev.JobSpec) -> dict:
@@ -146,15 +151,77 @@ def test_a_pass_ranks_only_the_waiting_jobs_that_changed_since_the_pass_before(
     assert sorted(ranked) == ["j7", "late"]
 
 
-def test_the_deciders_passes_place_what_sorted_passes_place_on_a_busy_queue() -> None:
+@pytest.mark.parametrize("depth", [1000, 3], ids=["deep", "shallow"])
+@pytest.mark.parametrize("backfill", [True, False], ids=["backfill", "no-backfill"])
+@pytest.mark.parametrize("policy", INDEXED)
+def test_a_pass_reading_the_kept_order_decides_what_a_sorted_pass_decides(
+    policy: str, backfill: bool, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same placements, preemptions, head and reservation, pass after pass on a busy queue, whether
+    the pass reads the decider's kept order (which sets aside the VCs whose quota holds every job
+    still to come, and merges the per-VC orders where VCs are full, even under FIFO) or sorts. A
+    shallow backfill depth makes the jobs read behind the head count: those of a VC set aside too."""
+    monkeypatch.setattr(schedule, "BACKFILL_DEPTH", depth)
     rng = random.Random(7)
-    history = History("sjf")
-    for i in range(300):
+    history = History(policy, backfill=backfill)
+    # Quotas that hold back their first job while smaller jobs behind it still fit.
+    history.fold(ev.VcConfigured(id="vc-b2", vc="b", gpu_quota=12, can_borrow=False))
+    history.fold(ev.VcConfigured(id="vc-default", vc="default", gpu_quota=6, can_borrow=False))
+    index = RankIndex()
+    set_aside = 0
+    for i in range(400):
         history.step(rng, i)
         state = history.state
-        if not state.queue:
-            continue
-        policy = history.decider.policy_for(state)
-        kept = history.decider._schedule(state, set())
-        sorted_pass = plan(state, policy, backfill=state.scheduling.backfill, explain=False)
-        assert [d.job for d in kept if isinstance(d, ev.JobPlaced)] == [p.job for p in sorted_pass.placed]
+        if not state.queue or rng.random() < 0.3:
+            continue  # (the index catches up on several events at once)
+        in_force = history.decider.policy_for(state)
+        aside_before = KeptOrder.set_aside
+        calls: list[str] = []
+
+        def counting(self: KeptOrder, vc: str, calls: list[str] = calls, real=aside_before) -> None:
+            calls.append(vc)
+            real(self, vc)
+
+        KeptOrder.set_aside = counting  # type: ignore[method-assign]
+        try:
+            kept = plan(state, in_force, backfill=backfill, cache=ViewCache(), ranks=index, explain=False)
+        finally:
+            KeptOrder.set_aside = aside_before  # type: ignore[method-assign]
+        set_aside += len(calls)
+        sorted_pass = plan(state, in_force, backfill=backfill, cache=ViewCache(), explain=False)
+        assert [p.job for p in kept.placed] == [p.job for p in sorted_pass.placed], f"after event {i}"
+        assert [p.job for p in kept.preempted] == [p.job for p in sorted_pass.preempted], f"after event {i}"
+        assert (kept.head, kept.reserved_at) == (sorted_pass.head, sorted_pass.reserved_at), f"after event {i}"
+    assert set_aside > 0  # the history reaches passes that set a VC aside
+
+
+@pytest.mark.parametrize(("depth", "short_starts"), [(2, False), (3, True)])
+def test_the_jobs_of_a_vc_set_aside_count_toward_the_depth_behind_the_head_and_only_those(
+    depth: int, short_starts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VC b's quota (8) holds back b-hold once b-first has taken 6 of it: no later job of b fits, so
+    the pass sets b aside at b-0 and passes over b-00. The head (16 GPUs on the 10 free) is found
+    next. Behind it, b-1 and b-2 count toward the backfill depth (b-00, before the head, does not):
+    the short job after them starts only if the depth is more than 2, as in a sorted pass."""
+    monkeypatch.setattr(schedule, "BACKFILL_DEPTH", depth)
+    history = History("fifo")
+    history.fold(submit("a-running", 8, vc="a", duration=600.0))
+    history.fold(ev.JobPlaced(id="pl", job="a-running", attempt=0, allocations=(ev.Allocation("n0", tuple(range(8))),)))
+    history.fold(ev.JobStarted(id="st", job="a-running", attempt=0, node="n0"))
+    jobs = [
+        ("b-first", 6, "b", None), ("b-hold", 4, "b", None), ("b-0", 4, "b", None), ("b-00", 4, "b", None),
+        ("head", 16, "default", 2), ("b-1", 4, "b", None), ("b-2", 4, "b", None), ("short", 1, "default", None),
+    ]  # fmt: skip
+    for n, (job, gpus, vc, nodes) in enumerate(jobs):
+        history.fold(submit(job, gpus, nodes=nodes, vc=vc, at=float(n), duration=1200.0 if job == "b-first" else 10.0))
+    state = history.state
+    in_force = history.decider.policy_for(state)
+    expected = ["b-first", "short"] if short_starts else ["b-first"]
+    sorted_pass = plan(state, in_force, cache=ViewCache(), explain=False)
+    assert [p.job for p in sorted_pass.placed] == expected and sorted_pass.head == "head"
+    set_aside: list[str] = []
+    real = KeptOrder.set_aside
+    monkeypatch.setattr(KeptOrder, "set_aside", lambda self, vc: (set_aside.append(vc), real(self, vc))[-1])
+    kept = plan(state, in_force, cache=ViewCache(), ranks=RankIndex(), explain=False)
+    assert [p.job for p in kept.placed] == expected and kept.head == "head"
+    assert set_aside == ["b"]
