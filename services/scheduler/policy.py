@@ -150,10 +150,19 @@ def remaining_s(job: JobState, state: SchedulerState) -> float:
     duration = state.expected_duration(job)
     if duration is None:
         return math.inf
+    return max(0.0, duration - _ran_s(job, state.now))
+
+
+def _ran_s(job: JobState, now: float) -> float:
+    """Seconds of its work the job has done (at its full size), this attempt's included."""
     ran = job.service_gpu_s / job.spec.gpus
     if job.status == "running" and job.started_at is not None:
-        ran += state.now - job.started_at
-    return max(0.0, duration - ran)
+        ran += now - job.started_at
+    return ran
+
+
+def _never(running: JobState) -> bool:
+    return False
 
 
 class Srtf(Policy):
@@ -169,7 +178,17 @@ class Srtf(Policy):
 
     def outranked_by(self, waiting: JobState, state: SchedulerState) -> Callable[[JobState], bool]:
         needs = remaining_s(waiting, state)
-        return lambda running: needs < remaining_s(running, state)
+        if needs == math.inf:
+            return _never  # no job has more time left than one of unknown duration
+        expected, now = state.expected_duration, state.now
+
+        def outranked(running: JobState) -> bool:
+            # ``needs < remaining_s(running)``, asked of every running job of a VC at every pass:
+            # ``needs`` is never negative, so the remaining time's floor at 0 changes nothing.
+            duration = expected(running)
+            return duration is None or needs < duration - _ran_s(running, now)
+
+        return outranked
 
 
 class Las(Policy):

@@ -706,14 +706,19 @@ def _victims(
     priority = job.spec.priority
     ranks_above = policy.outranked_by(job, state) if policy.preemptive else None
     for running in pool:
-        if running.preempt_reason is not None or running.stopping():
-            continue
+        theirs = running.spec.priority
         outranked = (
-            priority > running.spec.priority
-            or (ranks_above is not None and priority == running.spec.priority and ranks_above(running))
+            priority > theirs
+            or (ranks_above is not None and priority == theirs and ranks_above(running))
             or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
         )
-        if outranked and state.preemptions_within(running.job, 3600.0) < cap:
+        # (Whether it is stopping already, asked of the few it outranks: most passes outrank few.)
+        if (
+            outranked
+            and running.preempt_reason is None
+            and not running.stopping()
+            and state.preemptions_within(running.job, 3600.0) < cap
+        ):
             out.append(running)
     # Lowest priority first, then the least work lost, then the youngest.
     return sorted(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuherd import events as ev
 from services.scheduler.decide import SchedulerDecider
-from services.scheduler.policy import POLICIES, Las, check_policy, make_policy
+from services.scheduler.policy import POLICIES, Las, check_policy, make_policy, remaining_s
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 from tests.helpers import node, submit
@@ -270,3 +272,26 @@ def test_a_cluster_that_trusts_no_declared_duration_expects_the_predicted_one() 
     assert state.expected_duration(state.jobs["a"]) == 5000 and state.expected_end(state.jobs["a"]) == 5000.0
     assert index_problems(state) == []  # the running jobs' ends moved with it
     assert check_policy("fifo", {"declared_durations": 0.5}) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    waiting=st.one_of(st.none(), st.floats(0.0, 1e6)),
+    running=st.one_of(st.none(), st.floats(0.0, 1e6)),
+    served=st.floats(0.0, 1e6),
+    started_at=st.floats(0.0, 1e6),
+    now=st.floats(0.0, 2e6),
+    status=st.sampled_from(["running", "placed"]),
+)
+def test_srtf_outranks_exactly_the_running_jobs_with_more_time_left(
+    waiting: float | None, running: float | None, served: float, started_at: float, now: float, status: str
+) -> None:
+    """SRTF's test of running jobs (asked of each at every pass) is its definition, remaining times
+    compared, for unknown durations, jobs past their expected end and jobs not started yet alike."""
+    state = state_of(node("n1", 4), submit("w", 1, duration=waiting), submit("r", 2, duration=running))
+    state.now = now
+    job = state.jobs["r"]
+    job.status, job.service_gpu_s = status, served  # type: ignore[assignment]
+    job.started_at = started_at if status == "running" else None
+    srtf, w = POLICIES["srtf"](), state.jobs["w"]
+    assert srtf.outranked_by(w, state)(job) == (remaining_s(w, state) < remaining_s(job, state))
