@@ -145,6 +145,11 @@ def _spec_problem(
             return f"`elastic` needs 1 <= min <= max, got min={lo} max={hi}"
         if not lo <= spec.gpus <= hi:
             return f"`gpus` ({spec.gpus}) must lie within elastic min..max ({lo}..{hi})"
+        if rules >= 4 and hi > ev.MAX_ELASTIC_WORLD:
+            return (
+                f"`elastic.max` ({hi}) is more GPUs than any job may take ({ev.MAX_ELASTIC_WORLD}); "
+                "give the most GPUs the job can use"
+            )
         if problem := _elastic_problem(spec, spec.elastic):
             return problem
     if spec.memory is not None and (problem := _memory_problem(spec.memory)):

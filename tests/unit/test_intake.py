@@ -81,6 +81,7 @@ BAD = [
     (GOOD | {"name": " "}, "`name` must not be empty"),
     (GOOD | {"elastic": {"min": 4, "max": 2}}, "`elastic` needs 1 <= min <= max"),
     (GOOD | {"elastic": {"min": 1, "max": 2}}, "must lie within elastic min..max"),
+    (GOOD | {"elastic": {"min": 1, "max": 10**12}}, "`elastic.max` (1000000000000) is more GPUs than any job may take"),
     (GOOD | {"intake_id": "has space"}, "`intake_id` must be 1-128 characters"),
     (GOOD | {"priority": True}, "Expected `int`, got `bool`"),
     (CMD, "no registered node can run this job (a `command` needs a cpu or nvml agent)"),
@@ -149,6 +150,9 @@ def test_recorded_verdicts_are_judged_again_by_the_rules_they_were_judged_by() -
     big = msgspec.structs.replace(accepted, spec=msgspec.structs.replace(accepted.spec, vc="small", gpus=8))
     assert "would now be rejected" in recheck(state, big)
     assert recheck(state, msgspec.structs.replace(big, intake_rules=1)) is None, "accepted by the first rules"
+    unbounded = msgspec.structs.replace(accepted.spec, elastic=ev.Elastic(min=1, max=10**12))
+    assert "would now be rejected" in recheck(state, msgspec.structs.replace(accepted, spec=unbounded))
+    assert recheck(state, msgspec.structs.replace(accepted, spec=unbounded, intake_rules=3)) is None
     apply(state, 5, accepted)
     assert "taken already" in recheck(state, accepted)
     rejected = verdict(b"not json", state).event

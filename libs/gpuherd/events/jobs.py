@@ -13,8 +13,9 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # The rules intake judges by (``services/scheduler/intake.py``); each verdict records the ones it
 # was judged by, so the audit re-judges it by the same. 2: a job larger than its VC's quota, in a
 # VC that may not borrow, is refused (it could never start). 3: dependencies, arrays, workflows,
-# time limits (a VC's default filled in, its maximum checked) and per-user limits.
-INTAKE_RULES = 3
+# time limits (a VC's default filled in, its maximum checked) and per-user limits. 4: an elastic
+# job's ``max`` is at most ``MAX_ELASTIC_WORLD`` GPUs.
+INTAKE_RULES = 4
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
