@@ -112,7 +112,7 @@ class RankIndex:
         ]
         if keep:
             lists.append((None, sorted((self._rank_of[job.job][1], job.job) for job in keep)))
-        return KeptOrder(self, state, lists, resume)
+        return KeptOrder(state, lists, resume, gone=self._gone)
 
     def _waiting(self, state: SchedulerState, entries: Iterable[Entry]) -> Iterator[JobState]:
         jobs = state.jobs
@@ -175,12 +175,14 @@ class KeptOrder:
 
     def __init__(
         self,
-        index: RankIndex,
         state: SchedulerState,
         lists: list[tuple[str | None, list[Entry]]],
         resume: Callable[[], bool],
+        *,
+        gone: set[str],
     ) -> None:
-        self._index, self._state, self._resume = index, state, resume
+        self._state, self._resume = state, resume
+        self._gone = gone  # the index's: jobs met that wait no more (it drops them at its next refresh)
         self._lists = [entries for _, entries in lists]
         self._source_of = {vc: n for n, (vc, _) in enumerate(lists) if vc is not None}
         self._aside: set[int] = set()
@@ -199,7 +201,7 @@ class KeptOrder:
         lists, aside, parked = self._lists, self._aside, self._parked
         heap = [(entries[0], n, 0) for n, entries in enumerate(lists) if entries]
         heapq.heapify(heap)
-        jobs, gone = self._state.jobs, self._index._gone
+        jobs, gone = self._state.jobs, self._gone
         heappop, heapreplace = heapq.heappop, heapq.heapreplace
         while heap or parked:
             if parked and self._resume():
