@@ -186,8 +186,8 @@ def plan(
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
     work = Pass(state, policy, backfill, skip, explain, free, free_total, index, state.vc_usage(), Holds(state))
     # (Under FIFO too, although its queue is its order: with quotas, most of the queue may wait in
-    # VCs whose quota is used up or holds them back, which a pass reading the queue read one by one
-    # (a quarter of a FIFO simulation of philly) and one reading the kept per-VC orders leaves out.)
+    # VCs whose quota is used up or holds them back. A pass reading the queue read those one by one,
+    # about a fifth of a FIFO simulation of philly; one reading the kept per-VC orders leaves them out.)
     if ranks is not None and ranks.refresh(state, policy):
         work.ranks = ranks
     work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
