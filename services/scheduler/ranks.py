@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from gpuherd.fold import JobState
 from services.scheduler.policy import Policy
@@ -96,7 +96,8 @@ class RankIndex:
 
     def first(self, state: SchedulerState, vc: str, able: Callable[[JobState], bool]) -> JobState | None:
         """The VC's first waiting job that is ``able``."""
-        return next((job for job in self._waiting(state, self._by_vc.get(vc, ())) if able(job)), None)
+        reading = KeptOrder(state, [(vc, self._by_vc.get(vc, []))], lambda: True, gone=self._gone)
+        return next((job for job in reading if able(job)), None)
 
     def order(
         self,
@@ -113,15 +114,6 @@ class RankIndex:
         if keep:
             lists.append((None, sorted((self._rank_of[job.job][1], job.job) for job in keep)))
         return KeptOrder(state, lists, resume, gone=self._gone)
-
-    def _waiting(self, state: SchedulerState, entries: Iterable[Entry]) -> Iterator[JobState]:
-        jobs = state.jobs
-        for _, job_id in entries:
-            job = jobs.get(job_id)
-            if job is None or job.status != "pending":
-                self._gone.add(job_id)  # (it left in the event that ended its wait: see the module)
-                continue
-            yield job
 
     def _rebuild(self, state: SchedulerState, policy: Policy) -> None:
         self._of, self._policy, self._config = state.jobs, policy, state.scheduling
