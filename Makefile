@@ -6,7 +6,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: install run local up down test test-long test-fast chaos nemesis nemesis-tools lint bench clean
+.PHONY: install run local up down test test-long test-fast test-gpu chaos nemesis nemesis-tools lint bench clean
 
 COMPOSE  := docker compose --project-directory infra -f infra/docker-compose.yml
 PROFILES ?= sim,cpu
@@ -58,6 +58,15 @@ test-long: install nemesis-tools
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
+
+## test-gpu: on a machine with a CUDA GPU, the GPU tests and the four GPU benches (bench/gpu_all.sh: a table of
+## the steps last, each step's output in .gpuherd/gpu-logs). Its own venv sees the machine's torch (a CUDA build)
+## instead of the CPU wheel `install` pins.
+GPU_VENV ?= .venv-gpu
+test-gpu:
+	[ -x $(GPU_VENV)/bin/python ] || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -e ".[test]"
+	PY=$(GPU_VENV)/bin/python bench/gpu_all.sh
 
 ## chaos: the chaos suite, longer (CHAOS_ROUNDS faults of each kind; make test runs it with 1)
 chaos: install

@@ -25,7 +25,13 @@ last step that ended before the switch to the first step at the new size, less o
 baseline's **lost work**. Medians over ``--repeats``; each row's ratio is the restart baseline of
 the same change over it. ``--json``: a list of one object per row.
 
-    python bench/bench_elastic.py [--repeats 3] [--ckpt-every 20] [--cold] [--json]
+``--device cuda`` trains on the GPU. With one GPU every worker shares it and the group talks over
+gloo (NCCL refuses two ranks on one GPU); the shim's standby creates its CUDA context ahead
+(``GPUHERD_WARM_CUDA``). ``--backend nccl`` gives each worker its own GPU (3 or more needed). Either
+way a fresh process's setup is timed apart first: importing torch, creating the CUDA context, and a
+one-rank NCCL communicator's setup, which is what a warm worker saves and what a restart pays.
+
+    python bench/bench_elastic.py [--repeats 3] [--ckpt-every 20] [--cold] [--device cuda] [--backend nccl] [--json]
 """
 
 from __future__ import annotations
@@ -55,9 +61,31 @@ sys.path.insert(0, str(ROOT))
 
 from gpuherd import jobenv  # noqa: E402
 from gpuherd.jobenv import ElasticPlan  # noqa: E402
+from gpuherd.train.standby import WARM_CUDA  # noqa: E402
 
 SAMPLES, GLOBAL_BATCH, MICRO = 3072, 48, 8  # world sizes that keep the batch: 1, 2, 3, 6
 JOB = "bench"
+# --backend nccl: a GPU each. The third worker (a/2, b/0 or c/0) is never in a group with another.
+GPU_OF_WORKER = {"a/0": 0, "a/1": 1}
+THIRD_GPU = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    """How every worker trains: torch threads, the device, the process group's backend."""
+
+    threads: int = 1
+    device: str = "cpu"
+    backend: str = "gloo"
+
+    def argv(self) -> list[str]:
+        return ["--threads", str(self.threads), "--device", self.device, "--backend", self.backend]
+
+    def env(self) -> dict[str, str]:
+        env = {"OMP_NUM_THREADS": str(self.threads)}
+        if self.device == "cuda" and self.backend == "gloo":  # one GPU for all: a standby may take it early
+            env[WARM_CUDA] = "1"
+        return env
 
 
 # -- the worker: this file, run as the job's script ----------------------------------------------
@@ -81,15 +109,21 @@ def run_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
+    if args.backend == "nccl":
+        device = torch.device("cuda", GPU_OF_WORKER.get(worker_id, THIRD_GPU))
+        torch.cuda.set_device(device)
     inputs, labels = make_dataset(SAMPLES, (3, 32, 32), 10, seed=0)
-    model = SmallResNet()
+    inputs, labels = inputs.to(device), labels.to(device)
+    model = SmallResNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = ElasticState(model, optimizer, sampler=ElasticSampler(SAMPLES, GLOBAL_BATCH), micro_batch=MICRO)
     if args.ckpt and Path(args.ckpt).exists():
-        state.restore(torch.load(args.ckpt, weights_only=False))  # the baseline's restart
+        state.restore(torch.load(args.ckpt, weights_only=False, map_location=device))  # the baseline's restart
     state.membership = Membership(
         worker_id,
         PlanFile(Path(os.environ[jobenv.TASK_DIR]) / jobenv.ELASTIC_PLAN_FILE),
+        backend=args.backend,
         reform_timeout_s=60.0,
         join_timeout_s=300.0,
         reporter=lambda message: send("report", worker_id, message),
@@ -186,10 +220,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_command(reports: Reports, threads: int) -> list[str]:
+def worker_command(reports: Reports, options: WorkerOptions) -> list[str]:
     """This file as the job's script, reporting to ``reports``."""
     script = str(Path(__file__).resolve())
-    return [sys.executable, script, "--worker", "--report", reports.name, "--threads", str(threads)]
+    return [sys.executable, script, "--worker", "--report", reports.name, *options.argv()]
 
 
 # -- gpuherd: the job on cpu executors, rescaled as the scheduler and agents do ------------------------
@@ -199,7 +233,7 @@ class Nodes:
     """Node ``a`` runs the job's first two workers (its shim keeps their standby); node ``b`` is where
     a grow onto another node lands (its agent keeps a warm pool); node ``c``, the same without a pool."""
 
-    def __init__(self, folder: Path, reports: Reports, threads: int) -> None:
+    def __init__(self, folder: Path, reports: Reports, options: WorkerOptions) -> None:
         from gpuherd import events as ev
         from services.nodeagent.executors.cpu import CpuExecutor
 
@@ -214,13 +248,13 @@ class Nodes:
         }
         for name, executor in self.nodes.items():
             executor.node = name
-        command = tuple(worker_command(reports, threads))
+        command = tuple(worker_command(reports, options))
         self.spec = ev.JobSpec(
             name=JOB,
             user="bench",
             gpus=2,
             command=command,
-            env={"OMP_NUM_THREADS": str(threads)},
+            env=options.env(),
             elastic=ev.Elastic(min=1, max=6, global_batch=GLOBAL_BATCH, micro_batch=MICRO),
         )
         self.generation = -1
@@ -273,9 +307,11 @@ class Nodes:
             await executor.shutdown()
 
 
-async def measure_gpuherd(folder: Path, repeats: int, warm_steps: int, threads: int, cold: bool) -> list[Rescale]:
+async def measure_gpuherd(
+    folder: Path, repeats: int, warm_steps: int, options: WorkerOptions, cold: bool
+) -> list[Rescale]:
     reports = Reports()
-    nodes = Nodes(folder, reports, threads)
+    nodes = Nodes(folder, reports, options)
     results: list[Rescale] = []
     try:
         nodes.nodes["b"].start_pool()
@@ -350,7 +386,9 @@ async def _rescale(
 # -- the baseline: kill, restart cold, restore from disk ---------------------------------------------
 
 
-async def measure_baseline(folder: Path, repeats: int, warm_steps: int, ckpt_every: int, threads: int) -> list[Rescale]:
+async def measure_baseline(
+    folder: Path, repeats: int, warm_steps: int, ckpt_every: int, options: WorkerOptions
+) -> list[Rescale]:
     reports = Reports()
     ckpt = str(folder / "checkpoint.pt")
     procs: list[subprocess.Popen[bytes]] = []
@@ -362,9 +400,10 @@ async def measure_baseline(folder: Path, repeats: int, warm_steps: int, ckpt_eve
         plan = ElasticPlan(0, workers, "127.0.0.1", _free_port(), workers[0], decided_at=time.time())
         (task_dir / jobenv.ELASTIC_PLAN_FILE).write_text(plan.to_json())
         for w in workers:
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+            env = dict(os.environ, PYTHONUNBUFFERED="1") | options.env()
+            env.pop(WARM_CUDA, None)  # a restart has no standby: each worker creates its context
             env |= {jobenv.ELASTIC_WORKER: w, jobenv.TASK_DIR: str(task_dir)}
-            argv = [*worker_command(reports, threads), "--ckpt", ckpt, "--ckpt-every", str(ckpt_every)]
+            argv = [*worker_command(reports, options), "--ckpt", ckpt, "--ckpt-every", str(ckpt_every)]
             with open(task_dir / f"{w.replace('/', '-')}.log", "ab") as log:
                 procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True))
 
@@ -443,12 +482,43 @@ def rows(ours: list[Rescale], baseline: list[Rescale]) -> list[dict[str, Any]]:
     return out
 
 
-def print_table(table_rows: list[dict[str, Any]], repeats: int) -> None:
+SETUP_PROBE = """
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch, torch.distributed as dist
+t1 = time.perf_counter()
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+t2 = time.perf_counter()
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, is_master=True)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+x = torch.ones(1, device="cuda"); dist.all_reduce(x); torch.cuda.synchronize()
+t3 = time.perf_counter()
+dist.destroy_process_group()
+print(json.dumps({"import_torch_s": t1 - t0, "cuda_context_s": t2 - t1, "nccl_communicator_s": t3 - t2}))
+"""
+
+
+def cuda_setup_times(samples: int = 3) -> dict[str, float]:
+    """A fresh process's GPU setup, each part timed apart (medians of ``samples`` processes): what
+    a warm worker has done before it is needed, and what every worker of a restart pays."""
+    runs = []
+    for _ in range(samples):
+        out = subprocess.run(
+            [sys.executable, "-c", SETUP_PROBE, str(_free_port())], capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"the CUDA setup probe failed: {out.stderr.strip()[-2000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+
+
+def print_table(table_rows: list[dict[str, Any]], repeats: int, options: WorkerOptions) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=max(Console().width, 150))
-    table = Table(title=f"Rescale of the example CNN (cpu/gloo, global batch {GLOBAL_BATCH}), median of {repeats}")
+    where = f"{options.device}/{options.backend}"
+    table = Table(title=f"Rescale of the example CNN ({where}, global batch {GLOBAL_BATCH}), median of {repeats}")
     for name in ("change", "way", "decision -> first step s", "stood still s", "lost work", "restart s", "vs restart"):
         table.add_column(name, justify="right")
     for row in sorted(table_rows, key=lambda r: (r["change"], r["way"] == "restart from checkpoint")):
@@ -483,6 +553,8 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=20, help="baseline: steps between checkpoints")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--cold", action="store_true", help="also grow onto a node whose pool is empty")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers train")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="the workers' process group")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of tables")
     # The worker's own arguments (this file is also the job's script).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -492,21 +564,43 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
+    options = WorkerOptions(args.threads, args.device, args.backend)
+    setup = check_device(options)
     from gpuherd.obs import configure
 
     configure("bench-elastic", level="WARNING")  # the executors' logs: to stderr, and only what went wrong
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        ours = asyncio.run(measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, args.threads, args.cold))
+        ours = asyncio.run(measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, options, args.cold))
         (folder / "restart").mkdir()
         baseline = asyncio.run(
-            measure_baseline(folder / "restart", args.repeats, args.warm_steps, args.ckpt_every, args.threads)
+            measure_baseline(folder / "restart", args.repeats, args.warm_steps, args.ckpt_every, options)
         )
     table_rows = rows(ours, baseline)
     if args.json:
-        print(json.dumps(table_rows, indent=2))
+        print(json.dumps({"rows": table_rows, "fresh_process_setup_s": setup} if setup else table_rows, indent=2))
     else:
-        print_table(table_rows, args.repeats)
+        if setup:
+            print(f"a fresh process's setup on this GPU (median of 3, s): {setup}")
+        print_table(table_rows, args.repeats, options)
+
+
+def check_device(options: WorkerOptions) -> dict[str, float]:
+    """Refuses what this machine cannot run; on CUDA, the fresh-process setup times."""
+    import torch
+
+    if options.backend == "nccl" and options.device != "cuda":
+        raise SystemExit("--backend nccl trains on GPUs: add --device cuda")
+    if options.device == "cpu":
+        return {}
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU on this machine")
+    if options.backend == "nccl" and torch.cuda.device_count() <= THIRD_GPU:
+        raise SystemExit(
+            f"--backend nccl needs {THIRD_GPU + 1} GPUs (NCCL refuses two ranks on one GPU) and this machine has "
+            f"{torch.cuda.device_count()}: use --backend gloo, which lets the workers share a GPU"
+        )
+    return cuda_setup_times()
 
 
 if __name__ == "__main__":

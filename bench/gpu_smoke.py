@@ -3,9 +3,13 @@
 1. inventory of this machine's GPUs as the nvml executor registers them (UUID,
    model, memory, NVLink peers and the islands placement derives from them);
 2. three telemetry samples (utilization, memory, power, temperature, ECC, XID);
-3. a local cluster (embedded nats-server, scheduler, one nvml agent) runs
-   ``examples/train_cnn.py`` on one GPU; prints the job's events, its final
-   metrics, its log tail and the GPU telemetry the agent published meanwhile.
+3. a local cluster (embedded nats-server, scheduler, one nvml agent, the
+   dashboard) runs ``examples/train_cnn.py`` on one GPU; prints the job's
+   events, its final metrics, its log tail, the GPU telemetry the agent
+   published meanwhile and what the dashboard's node view shows of it;
+4. on the same cluster, a job that holds GPU memory is stopped by its time
+   limit, and another by a cancel: NVML lists each one's process on the GPU
+   while it runs (the positive control) and none of it once the job ended.
 
 Exits 0 when every step worked, 1 otherwise; 2 when there is no CUDA GPU.
 ``--executor cpu`` runs step 3 on a cpu agent instead (to check the flow on a
@@ -21,6 +25,7 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from rich.console import Console
@@ -78,6 +83,7 @@ async def train_through_agent(executor: str, steps: int) -> bool:
         cpu_agents=1 if executor == "cpu" else 0,
         nvml_agents=1 if executor == "nvml" else 0,
         agent_args=("--telemetry", "1"),
+        ui_port=0,
     )
     with tempfile.TemporaryDirectory(prefix="gpuherd-smoke-") as tmp, LocalCluster(Path(tmp), layout) as cluster:
         log = await open_log(cluster.url, name="smoke", persistent=False)
@@ -122,11 +128,85 @@ async def train_through_agent(executor: str, steps: int) -> bool:
                 console.print(f"telemetry: {len(busy)} samples of the job's GPU; peak {peak}")
             else:
                 console.print(f"telemetry: {len(gpu_samples)} samples; none showed the job's GPU busy")
-            return finished.outcome == "completed"
+            shown = await dashboard_node_view(cluster.dashboard_url())
+            ok = finished.outcome == "completed" and shown
+            if executor == "nvml":
+                for how in ("time limit", "cancel"):
+                    ok = await stop_frees_the_gpu(client, log, how) and ok
+            return ok
         finally:
             watcher.cancel()
             await client.close()
             await log.close()
+
+
+async def dashboard_node_view(url: str | None) -> bool:
+    """The dashboard's node view (``/api/nodes``) shows each GPU with the samples it was sent."""
+    import aiohttp
+
+    if url is None:
+        console.print("[red]the dashboard did not serve[/red]")
+        return False
+    async with aiohttp.ClientSession() as http, http.get(f"{url.rstrip('/')}/api/nodes") as response:
+        nodes = await response.json()
+    with_samples = [(n["node"], g["info"]["index"], g["samples"]) for n in nodes for g in n["gpus"] if g["samples"]]
+    for node, index, samples in with_samples:
+        busiest = max(samples, key=lambda sample: sample[1] or 0)  # (time, utilization %, memory MiB, ...)
+        console.print(f"dashboard node view: {node} GPU {index}: {len(samples)} samples, busiest {busiest}")
+    if not with_samples:
+        console.print(f"[red]the dashboard's node view shows no GPU samples ({len(nodes)} nodes)[/red]")
+    return bool(with_samples)
+
+
+HOLD_GPU = (
+    "import time, torch\n"
+    "x = torch.empty(256 << 20, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize()\n"
+    "print('holding', flush=True); time.sleep(600)\n"
+)
+
+
+async def stop_frees_the_gpu(client: Client, log: Any, how: str) -> bool:
+    """A job holding GPU memory ends by ``how`` (its time limit, or a cancel once NVML lists it);
+    NVML must list its process while it runs and none of it after."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def pids() -> set[int]:  # on every GPU: the scheduler picks which one the job gets
+        return {p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+
+    before = pids()
+    spec: dict[str, Any] = {"name": f"smoke-{how.replace(' ', '-')}", "user": "smoke", "gpus": 1}
+    spec["command"] = ["python", "-c", HOLD_GPU]
+    if how == "time limit":
+        spec["time_limit_s"] = 20
+    job_id = await client.submit(spec, timeout=30)
+    seen: set[int] = set()
+    finished = None
+    started = time.monotonic()
+    cancelled_at = None
+    while finished is None and time.monotonic() - started < 120:
+        seen |= pids() - before
+        if how == "cancel" and seen and cancelled_at is None:
+            await client.cancel(job_id, "smoke: cancel while it holds the GPU")
+            cancelled_at = time.monotonic() - started
+        records = [r for r in await log.read_all() if getattr(r.event, "job", None) == job_id]
+        finished = next((r.event for r in records if isinstance(r.event, ev.JobFinished)), None)
+        await asyncio.sleep(0.2)
+    if finished is None:
+        console.print(f"[red]{how}: the job did not end within 120 s[/red]")
+        return False
+    ended_after = time.monotonic() - started
+    left = seen & pids()
+    console.print(
+        f"{how}: outcome {finished.outcome} ({finished.reason}) after {ended_after:.1f} s"
+        + (f", cancelled at {cancelled_at:.1f} s" if cancelled_at is not None else "")
+        + f"; NVML listed its process(es) {sorted(seen)} while it ran, {sorted(left)} after it ended",
+        highlight=False,
+    )
+    expected = "cancelled" if how == "cancel" else "timeout"
+    return bool(seen) and not left and finished.outcome == expected
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ async def test_a_job_sees_exactly_its_gpu(tmp_path: Path) -> None:
     assert out[0] == f"1 {inventory[target].uuid}"
     assert out[1].removeprefix("uuid ").replace("GPU-", "") == inventory[target].uuid.removeprefix("GPU-")
     assert out[2] == "sum 1024"
+
+
+HOLD_GPU = (
+    "import time, torch\n"
+    "x = torch.empty(256 << 20, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize()\n"
+    "print('holding', flush=True); time.sleep(600)\n"
+)
+
+
+async def test_a_stopped_job_leaves_no_process_on_its_gpu(tmp_path: Path) -> None:
+    """What cancel and a time limit both come to on the agent (its StopTask): the task's process
+    tree is gone from NVML's list of the GPU's processes, not merely signalled."""
+    executor = nvml_executor(tmp_path)
+    target = len(executor.inventory("gpu-test")) - 1
+    before = executor.compute_pids(target)
+    spec = ev.JobSpec(name="hold", user="t", gpus=1, command=(sys.executable, "-c", HOLD_GPU))
+    key = TaskKey("hold", 0)
+    await executor.start(TaskLaunch(key=key, spec=spec, gpus=(target,)))
+    deadline = time.monotonic() + 60
+    while not executor.compute_pids(target) - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    holding = executor.compute_pids(target) - before
+    assert holding, "NVML never listed the job's process on its GPU (the positive control)"
+    assert set(executor.rank_pids().get(target, ())) & holding, "the rank NVML lists is not the task's"
+    result = await executor.stop(key, "cancelled by the test")
+    assert result is not None and result.outcome != "completed", result
+    deadline = time.monotonic() + 10
+    while executor.compute_pids(target) & holding and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not executor.compute_pids(target) & holding

@@ -174,6 +174,16 @@ class NvmlExecutor(ProcessExecutor):
     def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
         return {jobenv.CUDA_VISIBLE_DEVICES: ",".join(self.uuids[i] for i in gpus + neighbors)}
 
+    def compute_pids(self, index: int) -> set[int]:
+        """The processes holding a CUDA context on GPU ``index``, as NVML lists them (how a stop is
+        checked to have freed the GPU). Empty where NVML cannot list them."""
+        nv = self.nvml
+        try:
+            return {p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(self.handles[index])}
+        except nv.NVMLError as exc:
+            log.info("NVML cannot list the GPU's processes", gpu=index, error=str(exc))
+            return set()
+
     def warm_pin(self, pinned: set[int]) -> int | None:
         """A warm worker creates its CUDA context on the lowest idle GPU that has none yet: the one
         the scheduler gives a grow first."""
