@@ -148,7 +148,8 @@ def run_worker(args: argparse.Namespace) -> None:
 class Reports:
     """The workers' messages (one datagram each, on an abstract unix socket) and waits on them."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float = 300.0) -> None:
+        self.wait_s = wait_s  # how long any wait on the workers lasts before the run is given up
         self.name = f"gpuherd-bench-elastic-{os.getpid()}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(b"\0" + self.name.encode())
@@ -158,7 +159,8 @@ class Reports:
         self.rescales: list[dict] = []
         self.left: set[str] = set()
 
-    async def until(self, done: Callable[[], bool], timeout: float = 300.0, what: str = "") -> None:
+    async def until(self, done: Callable[[], bool], what: str = "") -> None:
+        timeout = self.wait_s
         deadline = time.monotonic() + timeout
         while not done():
             try:
@@ -308,9 +310,9 @@ class Nodes:
 
 
 async def measure_gpuherd(
-    folder: Path, repeats: int, warm_steps: int, options: WorkerOptions, cold: bool
+    folder: Path, repeats: int, warm_steps: int, options: WorkerOptions, cold: bool, wait_s: float
 ) -> list[Rescale]:
-    reports = Reports()
+    reports = Reports(wait_s)
     nodes = Nodes(folder, reports, options)
     results: list[Rescale] = []
     try:
@@ -387,9 +389,9 @@ async def _rescale(
 
 
 async def measure_baseline(
-    folder: Path, repeats: int, warm_steps: int, ckpt_every: int, options: WorkerOptions
+    folder: Path, repeats: int, warm_steps: int, ckpt_every: int, options: WorkerOptions, wait_s: float
 ) -> list[Rescale]:
-    reports = Reports()
+    reports = Reports(wait_s)
     ckpt = str(folder / "checkpoint.pt")
     procs: list[subprocess.Popen[bytes]] = []
     results = []
@@ -504,7 +506,7 @@ def cuda_setup_times(samples: int = 3) -> dict[str, float]:
     runs = []
     for _ in range(samples):
         out = subprocess.run(
-            [sys.executable, "-c", SETUP_PROBE, str(_free_port())], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", SETUP_PROBE, str(_free_port())], capture_output=True, text=True, timeout=60
         )
         if out.returncode != 0:
             raise RuntimeError(f"the CUDA setup probe failed: {out.stderr.strip()[-2000:]}")
@@ -556,6 +558,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers train")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="the workers' process group")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of tables")
+    parser.add_argument("--wait-s", type=float, default=300.0, help="give up when the workers are this late")
     # The worker's own arguments (this file is also the job's script).
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--report", default="", help=argparse.SUPPRESS)
@@ -566,16 +569,26 @@ def main() -> None:
         return
     options = WorkerOptions(args.threads, args.device, args.backend)
     setup = check_device(options)
+    if setup:
+        print(f"a fresh process's setup on this GPU (median of 3, s): {setup}", file=sys.stderr)
     from gpuherd.obs import configure
 
     configure("bench-elastic", level="WARNING")  # the executors' logs: to stderr, and only what went wrong
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        ours = asyncio.run(measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, options, args.cold))
-        (folder / "restart").mkdir()
-        baseline = asyncio.run(
-            measure_baseline(folder / "restart", args.repeats, args.warm_steps, args.ckpt_every, options)
-        )
+        try:
+            ours = asyncio.run(
+                measure_gpuherd(folder / "gpuherd", args.repeats, args.warm_steps, options, args.cold, args.wait_s)
+            )
+            (folder / "restart").mkdir()
+            baseline = asyncio.run(
+                measure_baseline(
+                    folder / "restart", args.repeats, args.warm_steps, args.ckpt_every, options, args.wait_s
+                )
+            )
+        except BaseException:
+            print_worker_logs(folder)
+            raise
     table_rows = rows(ours, baseline)
     if args.json:
         print(json.dumps({"rows": table_rows, "fresh_process_setup_s": setup} if setup else table_rows, indent=2))
@@ -583,6 +596,14 @@ def main() -> None:
         if setup:
             print(f"a fresh process's setup on this GPU (median of 3, s): {setup}")
         print_table(table_rows, args.repeats, options)
+
+
+def print_worker_logs(folder: Path, lines: int = 25) -> None:
+    """The end of every log the workers and their shims wrote: why a run that failed did."""
+    for path in sorted(folder.rglob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"--- {path.relative_to(folder)} (last {len(tail)} lines)", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
 
 
 def check_device(options: WorkerOptions) -> dict[str, float]:
@@ -600,7 +621,11 @@ def check_device(options: WorkerOptions) -> dict[str, float]:
             f"--backend nccl needs {THIRD_GPU + 1} GPUs (NCCL refuses two ranks on one GPU) and this machine has "
             f"{torch.cuda.device_count()}: use --backend gloo, which lets the workers share a GPU"
         )
-    return cuda_setup_times()
+    try:
+        return cuda_setup_times()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the rescales are still worth measuring
+        print(f"the CUDA setup probe failed: {exc}", file=sys.stderr)
+        return {}
 
 
 if __name__ == "__main__":

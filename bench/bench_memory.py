@@ -185,6 +185,9 @@ def main() -> None:
         console.print(f"throughput neighbor / host: {neighbor_run.samples_per_s / host_run.samples_per_s:.2f}x")
     elif cuda:
         console.print("one GPU: no neighbor tier to measure (a multi-GPU machine adds the peer rows and the ratio)")
+    if cuda and host_run.step_s is None:
+        console.print("[red]the host tier did not train the large batch under the cap[/red]")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def overhead(models: dict[str, tuple[torch.nn.Module, torch.Tensor]], cuda: bool
         "plain step ms",
         "hooked step ms",
         "hooks vs plain",
+        "rows sum ms",
+        "rows vs plain",
         "profile call s",
         "in plain steps",
     ):
@@ -82,11 +84,17 @@ def overhead(models: dict[str, tuple[torch.nn.Module, torch.Tensor]], cuda: bool
             f"{plain * 1e3:.2f}",
             f"{profile.profiled_step_s * 1e3:.2f}",
             f"{profile.profiled_step_s / plain:.2f}x",
+            f"{profile.layer_sum_s * 1e3:.2f}",
+            f"{profile.layer_sum_s / plain:.2f}x",
             f"{call:.2f}",
             f"{call / plain:.0f}",
         )
         console.print(profile_table(profile, blocks=False))
     console.print(table)
+    console.print(
+        "rows vs plain: the per-layer rows' sum over the unhooked step. The rows time the GPU between hooks; "
+        "where the step is launch-bound (the GPU waits on Python) the hooks' own CPU time shows in them."
+    )
 
 
 def _free_port() -> int:
@@ -201,6 +209,11 @@ def main() -> None:
             "TransformerBlock 1024w b8x512 bf16": (
                 TransformerBlock().to(device, torch.bfloat16),
                 torch.randn(8, 512, 1024, device=device, dtype=torch.bfloat16),
+            ),
+            # The same block with 8x the tokens: the GPU, not the launches, sets the step's pace.
+            "TransformerBlock 1024w b64x512 bf16": (
+                TransformerBlock().to(device, torch.bfloat16),
+                torch.randn(64, 512, 1024, device=device, dtype=torch.bfloat16),
             ),
         }
     else:

@@ -4,7 +4,7 @@
 # whole output goes to $LOGS/<step>.log; a table of the steps is printed last. Exit status: 0 when
 # every step passed, 1 when one failed, 2 when there is no CUDA GPU here.
 #
-#   PY=.venv/bin/python BUDGET_S=900 LOGS=.gpuherd/gpu-logs bench/gpu_all.sh
+#   PY=.venv/bin/python BUDGET_S=900 LOGS=.gpuherd/gpu-logs [ONLY="tests memory"] bench/gpu_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +31,10 @@ failed=0
 step() {
   local name=$1 limit=$2
   shift 2
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then
+    summary+=("$(printf '%-16s %-8s %6s' "$name" "skipped" "-")")
+    return
+  fi
   local left=$((BUDGET_S - ($(date +%s) - start)))
   ((limit > left)) && limit=$left
   if ((limit < 10)); then
@@ -54,7 +58,7 @@ step tests 240 "$PY" -m pytest -v -p no:cacheprovider -m gpu tests/gpu
 step smoke 180 "$PY" bench/gpu_smoke.py --steps 200
 step memory 120 "$PY" bench/bench_memory.py --repeats 5
 step profile 180 "$PY" bench/bench_profile.py --device cuda
-step elastic 240 "$PY" bench/bench_elastic.py --device cuda --backend "${ELASTIC_BACKEND:-gloo}" --repeats 2
+step elastic 240 "$PY" bench/bench_elastic.py --device cuda --backend "${ELASTIC_BACKEND:-gloo}" --repeats 2 --wait-s 60
 
 echo
 printf '%-16s %-8s %6s\n' step verdict time

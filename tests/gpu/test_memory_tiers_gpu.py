@@ -49,7 +49,9 @@ def test_host_tier_on_cuda_is_bit_identical_and_lowers_peak_memory() -> None:
     got, offloaded_peak = step(tiers)
     assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True))
     assert tiers.stats.offloaded_bytes > 32 * MiB and tiers.stats.prefetched > 0
-    assert offloaded_peak < peak
+    # Most of what left the device is off it at the peak: at most copies_in_flight (2) tensors of
+    # 8 MiB wait on the host link.
+    assert peak - offloaded_peak > tiers.stats.offloaded_bytes // 2, (peak, offloaded_peak)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -22,7 +22,8 @@ Use::
         optimizer.step()
 
 Saved tensors go to the fastest pool with room (neighbors first, then host; none: they stay);
-tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream; in backward,
+tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream, at most
+``copies_in_flight`` behind the compute (more would keep their sources on the device); in backward,
 reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
 layer's compute. Each pool hands out activation blocks from its front (all given back when the
 step's saved tensors die) and persistent blocks (optimizer state) from its back.
@@ -200,11 +201,16 @@ def peer_round_trips(local: torch.device, peer: torch.device, nbytes: int = MiB)
 class MemoryTiers:
     """Pools of leased memory and the hooks that use them (see the module doc)."""
 
-    def __init__(self, device: torch.device | str | None = None, *, min_bytes: int = MiB) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, min_bytes: int = MiB, copies_in_flight: int = 2
+    ) -> None:
+        if copies_in_flight < 1:
+            raise ValueError(f"copies_in_flight must be at least 1, got {copies_in_flight}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_bytes = min_bytes
+        self.copies_in_flight = copies_in_flight
         self.pools: list[Pool] = []
         self.stats = TierStats()
         self.cuda = self.device.type == "cuda"
@@ -219,7 +225,7 @@ class MemoryTiers:
         self._released: set[tuple[str, int | None]] = set()
         # the node GPU behind each CUDA ordinal of this process (the agent's GPU_ORDER)
         self._order = [int(g) for g in os.environ.get(jobenv.GPU_ORDER, "").split(",") if g.strip()]
-        self._pending_src: list[tuple[torch.Tensor, Any]] = []
+        self._pending_src: list[tuple[torch.Tensor, Any]] = []  # (source, its copy's event), oldest first
 
     # -- pools ---------------------------------------------------------------------------------
 
@@ -261,8 +267,17 @@ class MemoryTiers:
             dst.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
-        self._pending_src.append((t, done))  # the source must live until the copy has read it
+        # The source must live until its copy has read it. A device makes activations faster than a
+        # host link takes them (an H200 fills 8 MiB in tens of microseconds; PCIe moves it in 160),
+        # so sources left to the copies' pace pile up and the peak does not fall at all. Past
+        # ``copies_in_flight`` copies, the compute stream waits for the oldest one: from then on the
+        # device is freed at the link's pace, and the newest copies still overlap the compute.
+        self._pending_src.append((t, done))
         self._pending_src = [(s, e) for s, e in self._pending_src if not e.query()]
+        current = torch.cuda.current_stream(self.device)
+        while len(self._pending_src) > self.copies_in_flight:
+            _, oldest = self._pending_src.pop(0)
+            current.wait_event(oldest)  # what the stream does next, the freed source's reuse too, comes after
 
     # -- saved activations -----------------------------------------------------------------------
 
@@ -370,6 +385,7 @@ class MemoryTiers:
                 kept.append((state, key, block))
         if self.side is not None:
             self.side.synchronize()  # the device copies may go once the tier holds them
+            self._pending_src.clear()
         for state, key, block in kept:
             state[key] = block.typed()
         self._optimizer_state = kept
@@ -377,11 +393,13 @@ class MemoryTiers:
     # -- leases --------------------------------------------------------------------------------------
 
     @classmethod
-    def from_job(cls, device: torch.device | str | None = None, *, min_bytes: int = MiB) -> MemoryTiers:
+    def from_job(
+        cls, device: torch.device | str | None = None, *, min_bytes: int = MiB, copies_in_flight: int = 2
+    ) -> MemoryTiers:
         """Tiers for this process's leases (the agent's lease file in the task folder): the pools
         open at the first ``poll()``. With no agent or no lease, no pools (nothing is offloaded)
         until a grant arrives."""
-        tiers = cls(device, min_bytes=min_bytes)
+        tiers = cls(device, min_bytes=min_bytes, copies_in_flight=copies_in_flight)
         task_dir = os.environ.get(jobenv.TASK_DIR)
         gpu = os.environ.get(jobenv.GPU_INDEX)
         if task_dir and gpu is not None:
