@@ -231,22 +231,41 @@ def worker_command(reports: Reports, options: WorkerOptions) -> list[str]:
 # -- gpuherd: the job on cpu executors, rescaled as the scheduler and agents do ------------------------
 
 
+def executor_class(options: WorkerOptions) -> type:
+    """The ``cpu`` executor; with ``--device cuda`` the same, its virtual GPUs on this machine's
+    real ones. The cpu executor hides CUDA from its workers (``CUDA_VISIBLE_DEVICES=""``): here
+    every worker sees the machine's GPUs, and shares GPU 0 (gloo) or takes its own (nccl). The
+    ``nvml`` executor would give each worker a GPU of its own, which one GPU cannot do for three."""
+    from services.nodeagent.executors.cpu import CpuExecutor
+
+    if options.device == "cpu":
+        return CpuExecutor
+
+    class GpuSharingExecutor(CpuExecutor):
+        def device_env(self, gpus: tuple[int, ...], local_rank: int, neighbors: tuple[int, ...] = ()) -> dict[str, str]:
+            env = super().device_env(gpus, local_rank, neighbors)
+            del env[jobenv.CUDA_VISIBLE_DEVICES]
+            return env
+
+    return GpuSharingExecutor
+
+
 class Nodes:
     """Node ``a`` runs the job's first two workers (its shim keeps their standby); node ``b`` is where
     a grow onto another node lands (its agent keeps a warm pool); node ``c``, the same without a pool."""
 
     def __init__(self, folder: Path, reports: Reports, options: WorkerOptions) -> None:
         from gpuherd import events as ev
-        from services.nodeagent.executors.cpu import CpuExecutor
 
+        make_executor = executor_class(options)
         folder.mkdir(parents=True, exist_ok=True)
         self.alive = folder / "alive"
         self.alive.touch()
         settings = {"alive_file": self.alive, "fence_after_s": 3600.0, "kill_grace_s": 5.0, "gpus": 4}
         self.nodes = {
-            "a": CpuExecutor(folder / "a", **settings),  # type: ignore[arg-type]
-            "b": CpuExecutor(folder / "b", warm_workers=1, warm_min_free_mb=512, **settings),  # type: ignore[arg-type]
-            "c": CpuExecutor(folder / "c", **settings),  # type: ignore[arg-type]
+            "a": make_executor(folder / "a", **settings),  # type: ignore[arg-type]
+            "b": make_executor(folder / "b", warm_workers=1, warm_min_free_mb=512, **settings),  # type: ignore[arg-type]
+            "c": make_executor(folder / "c", **settings),  # type: ignore[arg-type]
         }
         for name, executor in self.nodes.items():
             executor.node = name

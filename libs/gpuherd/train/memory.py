@@ -339,12 +339,19 @@ class MemoryTiers:
         if self.side is None:
             out.copy_(src)
         else:
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(current)
             with torch.cuda.stream(self.side):
                 out.copy_(src, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(self.side)
-            out.record_stream(self.side)  # not reused while the side stream may still write it
+            # ``out`` belongs to the compute stream, which waits for ``ready`` before it reads it
+            # (``_unpack``), so its memory is never reused while the copy may still write it. Not
+            # ``record_stream``: the allocator would keep every freed reload counted as allocated
+            # until it next looked at the side stream's events, and the CPU, far ahead of the GPU,
+            # would pile up a whole backward's reloads. A reload autograd never takes (the graph
+            # dropped) makes the compute stream wait for its copy as it goes.
+            weakref.finalize(saved, current.wait_event, saved.ready)
         saved.reloaded = out
 
     def _prefetch(self, layer: int) -> None:
