@@ -33,11 +33,14 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what ``rng_state`` took. The generators' states are CPU byte tensors whatever device
+    a checkpoint was loaded onto: ``torch.load(path, map_location="cuda")`` moves them too, and
+    torch refuses a CUDA tensor as a generator's state."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 class ElasticState:
