@@ -40,7 +40,9 @@ from pathlib import Path
 
 import msgspec
 
+from gpuherd import jobenv
 from gpuherd.control import WorkerExit, encode_message
+from gpuherd.train.standby import WARM_CUDA
 from services.nodeagent import taskfiles
 from services.nodeagent.taskfiles import (
     ExitRecord,
@@ -79,6 +81,7 @@ class Shim:
         self.reported: set[int] = set()  # elastic: indices of procs whose death the agent was told of
         self.deaths: list[WorkerDeath] = []
         self.standby: subprocess.Popen[bytes] | None = None  # elastic: the next worker, torch already imported
+        self.standby_cuda: str | None = None
         self.attached: list[Attached] = []  # elastic: workers from the agent's warm pool
         self.standby_due: float | None = None  # monotonic: when to start the next standby
 
@@ -154,11 +157,19 @@ class Shim:
         template = self.procs_spec[0] if self.procs_spec else None
         if template is None or not is_python_script(template.argv) or self.stop_reason is not None:
             return
+        env = dict(template.env)
+        if env.get(jobenv.CUDA_VISIBLE_DEVICES):
+            # Each worker is bound to its own GPU, and the next one's is not known yet: a CUDA
+            # context made now would sit on the first worker's GPU, and the worker the standby
+            # becomes would run there too. The context is made by the worker instead.
+            env.pop(WARM_CUDA, None)
+        # The devices the standby's CUDA context is made for (None: it makes none).
+        self.standby_cuda = env.get(jobenv.CUDA_VISIBLE_DEVICES, "*") if env.get(WARM_CUDA) == "1" else None
         with open(self.dir / "standby.log", "ab", buffering=0) as log:
             try:
                 self.standby = subprocess.Popen(
                     [template.argv[0], "-m", "gpuherd.train.standby"],
-                    env=template.env,
+                    env=env,
                     cwd=self.cwd,
                     stdin=subprocess.PIPE,
                     stdout=log,
@@ -175,7 +186,13 @@ class Shim:
         """Give the first new worker to the standby (it becomes that worker); the rest start as new
         processes. Returns the specs still to launch."""
         standby, self.standby = self.standby, None
-        if standby is None or standby.poll() is not None or not specs or not is_python_script(specs[0].argv):
+        if (
+            standby is None
+            or standby.poll() is not None
+            or not specs
+            or not is_python_script(specs[0].argv)
+            or not self._standby_fits(specs[0])
+        ):
             if standby is not None and standby.poll() is None:
                 self.standby = standby  # not used this time
             return specs
@@ -192,6 +209,10 @@ class Shim:
         # The next standby imports torch a little later, not while the worker it just became does.
         self.standby_due = time.monotonic() + STANDBY_REFILL_DELAY_S
         return rest
+
+    def _standby_fits(self, worker: ProcLaunch) -> bool:
+        """A standby that made its CUDA context can only become a worker that sees the same GPUs."""
+        return self.standby_cuda is None or worker.env.get(jobenv.CUDA_VISIBLE_DEVICES, "*") == self.standby_cuda
 
     def keep_standby(self) -> None:
         """Elastic: start the next standby once it is due (a while after the last one was taken)."""
