@@ -54,6 +54,8 @@ def inventory_and_telemetry() -> None:
             table.add_row(str(g.index), g.uuid, g.model, str(g.memory_mb), ",".join(map(str, g.nvlink_peers)) or "-")
         console.print(table)
         console.print(f"NVLink islands: {islands_of(gpus)}")
+        xids = "watched" if executor.watches_xids else "not readable here (NVML refused the event set)"
+        console.print(f"XID events: {xids}")
         samples = Table(title="telemetry samples")
         for col in ("t", "index", "util %", "mem used MiB", "power W", "temp C", "ECC uncorr.", "XID", "healthy"):
             samples.add_column(col)

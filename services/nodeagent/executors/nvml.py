@@ -118,6 +118,11 @@ class NvmlExecutor(ProcessExecutor):
             log.info("XID events are not readable here", error=str(exc))
             return None
 
+    @property
+    def watches_xids(self) -> bool:
+        """Whether NVML delivers XID (critical error) events here: a GPU's XID marks it unhealthy."""
+        return self._events is not None
+
     def _pending_xids(self) -> dict[int, int]:
         nv = self.nvml
         xids: dict[int, int] = {}
