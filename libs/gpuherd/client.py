@@ -29,6 +29,26 @@ from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import current_traceparent, tracer
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Unanswered this long, a submission that names its intake id is stored again under a new message
+# id: a verdict whose reply was lost (a NATS server failing over between the scheduler and the
+# client) is never sent twice, and every retry of the first message id is dropped as a copy. The
+# scheduler answers the new copy as a duplicate, with the same job id. Far above a busy
+# scheduler's verdict time, so the copies do not add to its load.
+RESEND_AFTER_S = 10.0
+
+
+class _IntakeIdOnly(msgspec.Struct):
+    intake_id: str | None = None
+
+
+_intake_id_of = msgspec.json.Decoder(_IntakeIdOnly)
+
+
+def _names_its_intake_id(data: bytes) -> bool:
+    try:
+        return bool(_intake_id_of.decode(data).intake_id)
+    except msgspec.DecodeError:
+        return False
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -104,33 +124,60 @@ class Client:
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
-    async def submit(self, spec: Mapping[str, Any], *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> str:
+    async def submit(
+        self,
+        spec: Mapping[str, Any],
+        *,
+        timeout: float = 30.0,
+        attempt_timeout: float = 3.0,
+        resend_after_s: float = RESEND_AFTER_S,
+    ) -> str:
         """Submit one job (or an array, or a workflow); returns its id (the array's, the workflow's)
         or raises SubmissionError with the scheduler's reason."""
-        verdict = await self.submit_verdict(spec, timeout=timeout, attempt_timeout=attempt_timeout)
+        verdict = await self.submit_verdict(
+            spec, timeout=timeout, attempt_timeout=attempt_timeout, resend_after_s=resend_after_s
+        )
         assert verdict.job_id is not None
         return verdict.job_id
 
     async def submit_verdict(
-        self, spec: Mapping[str, Any], *, timeout: float = 30.0, attempt_timeout: float = 3.0
+        self,
+        spec: Mapping[str, Any],
+        *,
+        timeout: float = 30.0,
+        attempt_timeout: float = 3.0,
+        resend_after_s: float = RESEND_AFTER_S,
     ) -> Verdict:
         """Submit a job spec, an array or a workflow (``{"workflow": name, "steps": [...]}``); the
         accepted verdict (with every job's id), or SubmissionError with the scheduler's reason."""
         spec = dict(spec)
         spec.setdefault("intake_id", uuid.uuid4().hex)
-        verdict = await self.submit_raw(msgspec.json.encode(spec), timeout=timeout, attempt_timeout=attempt_timeout)
+        verdict = await self.submit_raw(
+            msgspec.json.encode(spec), timeout=timeout, attempt_timeout=attempt_timeout, resend_after_s=resend_after_s
+        )
         if not verdict.ok:
             raise SubmissionError(verdict.error or "rejected without a reason")
         return verdict
 
-    async def submit_raw(self, data: bytes, *, timeout: float = 30.0, attempt_timeout: float = 3.0) -> Verdict:
+    async def submit_raw(
+        self,
+        data: bytes,
+        *,
+        timeout: float = 30.0,
+        attempt_timeout: float = 3.0,
+        resend_after_s: float = RESEND_AFTER_S,
+    ) -> Verdict:
         """Publish raw bytes as a submission and wait for the verdict (retrying the same bytes).
 
-        Every attempt carries one message id: the intake stream keeps the first and drops the
+        The attempts carry one message id: the intake stream keeps the first and drops the
         retries (a busy scheduler is not handed the same submission again and again), and a spec
-        without an ``intake_id`` gets that id, so a retry never makes a second job."""
+        without an ``intake_id`` gets that id, so a retry never makes a second job. A spec that
+        names its ``intake_id`` gets a new message id every ``resend_after_s`` without a verdict
+        (``RESEND_AFTER_S``): its reply may have been lost, and only a new copy brings another."""
         inbox, reply = await self._reply_inbox()
         deadline = time.monotonic() + timeout
+        may_resend = _names_its_intake_id(data)
+        stamped = time.monotonic()
         try:
             with tracer().start_as_current_span("client.submit", attributes={"source": self.source}):
                 headers = {REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex}
@@ -138,6 +185,8 @@ class Client:
                 if trace:
                     headers["traceparent"] = trace
                 while True:
+                    if may_resend and time.monotonic() - stamped >= resend_after_s:
+                        headers["Nats-Msg-Id"], stamped = uuid.uuid4().hex, time.monotonic()
                     await self.nc.publish(f"{INTAKE_PREFIX}.{self.source}", data, headers=headers)
                     try:
                         wait = min(attempt_timeout, max(0.1, deadline - time.monotonic()))

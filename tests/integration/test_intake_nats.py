@@ -153,3 +153,30 @@ async def test_a_submission_retried_while_the_scheduler_is_away_is_stored_once_a
     assert [j.spec.name for j in state.jobs.values()].count("retried") == 1
     intake = await log.js.stream_info("HERD_INTAKE")
     assert intake.state.messages - stored_before == 2, "the retries were dropped as duplicates"
+
+
+async def test_a_verdict_whose_reply_was_lost_reaches_the_client_through_a_new_copy(cluster) -> None:
+    """A NATS server failing over between the scheduler and the client loses the reply, and the
+    retries of the same message id are dropped as copies: after ``resend_after_s`` the client
+    stores the submission again under a new message id, and the scheduler answers that copy as a
+    duplicate of the job it made (a chaos run once waited 120 s for such a verdict)."""
+    services, log = cluster
+    client = await Client.connect(services.url, source="teamL")
+    lost: list[str] = []
+
+    async def loses_the_first_reply(msg) -> None:  # the client's reply subscription, with a loss
+        if not lost:
+            lost.append(msg.subject)
+            return
+        waiting = client._replies.get(msg.subject)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(msg.data)
+
+    client._reply_sub = await client.nc.subscribe(f"{client._reply_prefix}.*", cb=loses_the_first_reply)
+    try:
+        job = await client.submit(GOOD | {"intake_id": "lost-1"}, timeout=30, attempt_timeout=0.3, resend_after_s=2.0)
+    finally:
+        await client.close()
+    assert lost, "no reply was lost: the test did not test the loss"
+    state = await wait_state(log, lambda s: job in s.jobs, 10)
+    assert [j.spec.intake_id for j in state.jobs.values()].count("lost-1") == 1
