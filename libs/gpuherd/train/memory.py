@@ -351,7 +351,8 @@ class MemoryTiers:
             # until it next looked at the side stream's events, and the CPU, far ahead of the GPU,
             # would pile up a whole backward's reloads. A reload autograd never takes (the graph
             # dropped) makes the compute stream wait for its copy as it goes.
-            weakref.finalize(saved, current.wait_event, saved.ready)
+            waits = weakref.finalize(saved, current.wait_event, saved.ready)
+            waits.atexit = False  # nothing runs on the stream after the interpreter ends
         saved.reloaded = out
 
     def _prefetch(self, layer: int) -> None:
