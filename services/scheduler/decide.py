@@ -42,7 +42,7 @@ from services.scheduler.placement import ViewCache
 from services.scheduler.policy import Fifo, Policy, check_policy, make_policy, policy_params
 from services.scheduler.ranks import RankIndex
 from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
-from services.scheduler.schedule import Plan, plan
+from services.scheduler.schedule import Plan, VictimMemo, plan
 from services.scheduler.state import SchedulerState, evolve, new_state
 
 Reaction = Callable[[SchedulerState, Any], list[ev.Event]]
@@ -153,7 +153,7 @@ class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
     # counts, time limits; 11: predictions' spread; 12: queue changes (the order kept between passes)
-    STATE_FORMAT = 12
+    STATE_FORMAT = 13
     # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
     # as it would have been just before the pass (the audit re-judges it on that same state).
     TAKES_BESIDE_PASSES = True
@@ -181,6 +181,7 @@ class SchedulerDecider(Decider[SchedulerState]):
         self._policy_cache: tuple[tuple, Policy] | None = None
         self._views = ViewCache()
         self._ranks = RankIndex()
+        self._victimless = VictimMemo()
         self._sizes: tuple[tuple[int, int], intake.NodeSizes] | None = None
 
     def initial_state(self) -> SchedulerState:
@@ -277,6 +278,7 @@ class SchedulerDecider(Decider[SchedulerState]):
             skip=skip,
             cache=self._views,
             ranks=self._ranks,
+            victimless=self._victimless,
             explain=False,
         )
         return [*result.preempted, *result.placed, *wake_up(state, result, self._views.asleep)]

@@ -54,6 +54,11 @@ class Policy(abc.ABC):
     # policy can tell in advance (``rank_holds_until``): the order is kept between passes too, and
     # a job is ranked again once its moment has come.
     timed_rank: ClassVar[bool] = False
+    # (Preemptive policies) A running job a waiting job does not outrank stays so until an event
+    # names one of the two: time only wears the running job's claim down. A preemption pass that
+    # found nothing to take then need not look again (``schedule.VictimMemo``). Not so under LAS,
+    # where a running job's service, and with it what outranks it, grows as it runs.
+    outranking_fades: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, float]] = {}  # tunable -> default
 
     def __init__(self, **params: float) -> None:
@@ -104,6 +109,11 @@ class Policy(abc.ABC):
         """``outranks(waiting, running, state)`` as a test of running jobs: a preemption pass asks it of
         every running job, so what depends on the waiting job alone is worked out once."""
         return lambda running: False
+
+    def outranking_claim(self, waiting: JobState, state: SchedulerState) -> object:
+        """(``outranking_fades``) All that ``outranked_by`` reads of the waiting job but its priority:
+        while it stays the same, the running jobs it outranks can only fall away."""
+        return None
 
 
 class Fifo(Policy):
@@ -172,6 +182,7 @@ class Srtf(Policy):
     name = "srtf"
     static_rank = True
     preemptive = True
+    outranking_fades = True  # a running job's remaining time only falls as it runs
 
     def key(self, job: JobState, state: SchedulerState) -> tuple[float, ...]:
         return (remaining_s(job, state),)
@@ -189,6 +200,9 @@ class Srtf(Policy):
             return duration is None or needs < duration - _ran_s(running, now)
 
         return outranked
+
+    def outranking_claim(self, waiting: JobState, state: SchedulerState) -> object:
+        return remaining_s(waiting, state)
 
 
 class Las(Policy):

@@ -137,6 +137,7 @@ class Pass:
     vc_used: dict[str, int]
     holds: Holds
     ranks: RankIndex | None = None  # the order kept between passes (static or timed ranks), or None: sort
+    victimless: VictimMemo | None = None  # quota heads that outranked no job of their VC, kept between passes
     reading: KeptOrder | None = None  # the pass's reading of the kept order (it may set VCs aside)
     smallest: dict[str, int] = field(default_factory=dict)  # VC -> the fewest GPUs a waiting job of it asks
     out: Plan = field(default_factory=Plan)
@@ -175,12 +176,14 @@ def plan(
     skip: frozenset[str] | set[str] = frozenset(),
     cache: ViewCache | None = None,
     ranks: RankIndex | None = None,
+    victimless: VictimMemo | None = None,
     explain: bool = True,
 ) -> Plan:
     """The pass. ``explain=False`` (the decider's own passes) decides the same, faster: it does not
     look at jobs of VCs whose quota is used up, and stops looking once nothing more can start and
-    the head is known; those jobs get no pending reason. ``cache`` and ``ranks``, kept by a decider
-    between its passes, spare it the node views and the queue's order that did not change."""
+    the head is known; those jobs get no pending reason. ``cache``, ``ranks`` and ``victimless``,
+    kept by a decider between its passes, spare it the node views, the queue's order and the
+    preemption scans that did not change."""
     if not state.queue:
         return Plan()
     free, free_total, index = cache.refresh(state) if cache is not None else pass_views(state)
@@ -190,6 +193,8 @@ def plan(
     # about a fifth of a FIFO simulation of philly; one reading the kept per-VC orders leaves them out.)
     if ranks is not None and ranks.refresh(state, policy):
         work.ranks = ranks
+    if victimless is not None and victimless.holds_for(state, policy):
+        work.victimless = victimless
     work.ends_at_head = not (backfill or explain or cache is None or cache.asleep)
     out, skip = work.out, work.skip
     index.begin_pass(work.replaced)
@@ -481,7 +486,7 @@ def preempt(work: Pass) -> None:
             continue  # nothing it could take: no lower priority, no policy ranking, no lent GPUs
         vc_used = work.vc_used
         over = 0 if is_head else vc_used.get(job.spec.vc, 0) + job.spec.gpus - state.vcs[job.spec.vc].gpu_quota
-        victims = _victims(state, policy, job, vc_used, same_vc=not is_head)
+        victims = _victims(state, policy, job, vc_used, same_vc=not is_head, memo=work.victimless)
         chosen = _fewest_victims(job, victims, work.free, state, quota_over=over)
         if chosen:
             _record_preemption(state, policy, job, chosen, out, position, "its gang" if is_head else "its VC quota")
@@ -693,10 +698,48 @@ def _why_outranked(state: SchedulerState, policy: Policy, job: JobState, victim:
     return f"{policy.name} ranks it higher"
 
 
+class VictimMemo:
+    """Quota heads that outranked no placed or running job of their own VC, kept by a decider
+    between its passes under a policy whose outranking only fades with time (``outranking_fades``,
+    or none but by priority). Such a head outranks none of them at a later pass either, until an
+    event names one of them (``SchedulerState.active_changes``) or the head's claim changes: the
+    pass then skips the scan (two of three scans of an SRTF simulation of philly's first jobs)."""
+
+    def __init__(self) -> None:
+        self._of: tuple[SchedulerState, Policy, object] | None = None  # what the entries hold for
+        self._none: dict[str, tuple[str, object, int]] = {}  # VC -> (head, its claim, VC's change seq)
+
+    def holds_for(self, state: SchedulerState, policy: Policy) -> bool:
+        """Whether this policy allows the memo; forgets it all for another state, policy or scheduling."""
+        if policy.preemptive and not policy.outranking_fades:
+            return False
+        of = self._of
+        if of is None or of[0] is not state or of[1] is not policy or of[2] is not state.scheduling:
+            self._of, self._none = (state, policy, state.scheduling), {}
+        return True
+
+    def outranks_none(self, state: SchedulerState, job: JobState, claim: object) -> bool:
+        seen = self._none.get(job.spec.vc)
+        return seen is not None and seen == (job.job, claim, state.active_changes.get(job.spec.vc, 0))
+
+    def found_none(self, state: SchedulerState, job: JobState, claim: object) -> None:
+        self._none[job.spec.vc] = (job.job, claim, state.active_changes.get(job.spec.vc, 0))
+
+
 def _victims(
-    state: SchedulerState, policy: Policy, job: JobState, vc_used: dict[str, int], *, same_vc: bool = False
+    state: SchedulerState,
+    policy: Policy,
+    job: JobState,
+    vc_used: dict[str, int],
+    *,
+    same_vc: bool = False,
+    memo: VictimMemo | None = None,
 ) -> list[JobState]:
     """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
+    # What ``job`` claims by: its priority, and the policy's measure of it (SRTF: its remaining time).
+    claim = (job.spec.priority, policy.outranking_claim(job, state) if policy.preemptive else None)
+    if same_vc and memo is not None and memo.outranks_none(state, job, claim):
+        return []
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
@@ -705,6 +748,7 @@ def _victims(
     pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {})) if same_vc else state.active_jobs()
     priority = job.spec.priority
     ranks_above = policy.outranked_by(job, state) if policy.preemptive else None
+    any_outranked = False
     for running in pool:
         theirs = running.spec.priority
         outranked = (
@@ -712,14 +756,18 @@ def _victims(
             or (ranks_above is not None and priority == theirs and ranks_above(running))
             or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
         )
+        if not outranked:
+            continue
+        any_outranked = True
         # (Whether it is stopping already, asked of the few it outranks: most passes outrank few.)
         if (
-            outranked
-            and running.preempt_reason is None
+            running.preempt_reason is None
             and not running.stopping()
             and state.preemptions_within(running.job, 3600.0) < cap
         ):
             out.append(running)
+    if same_vc and memo is not None and not any_outranked:
+        memo.found_none(state, job, claim)  # (not when the cap or a stop held them back: those pass)
     # Lowest priority first, then the least work lost, then the youngest.
     return sorted(
         out,

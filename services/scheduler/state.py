@@ -129,6 +129,9 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     # oldest first (a job that leaves the state leaves it too). A waiting job's rank under FIFO,
     # SJF, SRTF and QSSF changes only with such an event (or the policy's configuration).
     queue_changes: dict[str, int] = msgspec.field(default_factory=dict)
+    # VC -> seq of the last event that named one of its placed or running jobs (or one that became
+    # so): what may wait for those jobs' GPUs changes only with such an event, or with time.
+    active_changes: dict[str, int] = msgspec.field(default_factory=dict)
     usage: dict[str, Usage] = msgspec.field(default_factory=dict)  # "user:<name>" / "vc:<name>" -> past use
     scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
     predicted: dict[str, float] = msgspec.field(default_factory=dict)  # job -> its latest predicted duration
@@ -303,6 +306,8 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
             if not sizes:
                 del state.queued_sizes[spec.vc]
     was_active, active = status in ("placed", "running"), job.job in state.active
+    if was_active or active:
+        state.active_changes[spec.vc] = state.seq
     if was_active != active:
         _count_up(state.active_priorities, spec.priority, 1 if active else -1)
         _count_up(state.user_active, user_key(spec.vc, spec.user), 1 if active else -1)
