@@ -152,7 +152,8 @@ NOTHING_TO_PLACE: frozenset[type[ev.Event]] = frozenset(
 class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
-    # counts, time limits; 11: predictions' spread; 12: queue changes (the order kept between passes)
+    # counts, time limits; 11: predictions' spread; 12: queue changes (the order kept between passes);
+    # 13: changes of each VC's placed and running jobs (the preemption scans kept between passes)
     STATE_FORMAT = 13
     # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
     # as it would have been just before the pass (the audit re-judges it on that same state).
