@@ -170,13 +170,13 @@ HOLD_GPU = (
 async def stop_frees_the_gpu(client: Client, log: Any, how: str) -> bool:
     """A job holding GPU memory ends by ``how`` (its time limit, or a cancel once NVML lists it);
     NVML must list its process while it runs and none of it after."""
-    import pynvml
+    from services.nodeagent.executors.nvml import NvmlExecutor
 
-    pynvml.nvmlInit()
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    with tempfile.TemporaryDirectory() as tmp:
+        nvml = NvmlExecutor(Path(tmp), alive_file=Path(tmp) / "alive")
 
     def pids() -> set[int]:  # on every GPU: the scheduler picks which one the job gets
-        return {p.pid for h in handles for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+        return {pid for index in range(len(nvml.handles)) for pid in nvml.compute_pids(index)}
 
     before = pids()
     spec: dict[str, Any] = {"name": f"smoke-{how.replace(' ', '-')}", "user": "smoke", "gpus": 1}

@@ -736,10 +736,12 @@ def _victims(
     memo: VictimMemo | None = None,
 ) -> list[JobState]:
     """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
-    # What ``job`` claims by: its priority, and the policy's measure of it (SRTF: its remaining time).
-    claim = (job.spec.priority, policy.outranking_claim(job, state) if policy.preemptive else None)
-    if same_vc and memo is not None and memo.outranks_none(state, job, claim):
-        return []
+    claim: object = None
+    if same_vc and memo is not None:
+        # What ``job`` claims by: its priority, and the policy's measure of it (SRTF: its remaining time).
+        claim = (job.spec.priority, policy.outranking_claim(job, state) if policy.preemptive else None)
+        if memo.outranks_none(state, job, claim):
+            return []
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
