@@ -56,7 +56,7 @@ step() {
 
 step tests 240 "$PY" -m pytest -v -p no:cacheprovider -m gpu tests/gpu
 step smoke 180 "$PY" bench/gpu_smoke.py --steps 200
-step memory 120 "$PY" bench/bench_memory.py --repeats 5
+step memory 180 "$PY" bench/bench_memory.py --repeats 5
 step profile 180 "$PY" bench/bench_profile.py --device cuda
 step elastic 240 "$PY" bench/bench_elastic.py --device cuda --backend "${ELASTIC_BACKEND:-gloo}" --repeats "${ELASTIC_REPEATS:-2}" --wait-s 60
 

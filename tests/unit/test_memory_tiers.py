@@ -71,6 +71,28 @@ def test_a_full_pool_offloads_what_fits_and_keeps_the_rest_still_bit_identical()
     assert tiers.stats.kept_bytes > MiB
 
 
+def test_keep_mb_leaves_the_step_s_newest_saved_tensors_on_the_device() -> None:
+    reference = grads(cnn(), None)
+    tiers = MemoryTiers("cpu", min_bytes=64 * 1024, keep_mb=1.0)
+    tiers.add_host(64)
+    first = grads(cnn(), tiers)  # no history yet: everything goes
+    assert tiers.stats.kept_from_layer is None
+    offloadable = tiers.stats.offloadable_bytes
+    assert tiers.stats.offloaded_bytes == offloadable > 2 * MiB
+    second = grads(cnn(), tiers)
+    assert all(torch.equal(a, b) for a, b in zip(reference, first, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(reference, second, strict=True))
+    assert tiers.stats.offloadable_bytes == offloadable  # the same step again
+    # at least keep_mb stays (whole tensors, from the first that would cross the line)
+    assert 0 < tiers.stats.offloaded_bytes <= offloadable - MiB
+    assert tiers.stats.kept_from_layer is not None and tiers.stats.kept_from_layer > 1
+
+
+def test_keep_mb_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="keep_mb"):
+        MemoryTiers("cpu", keep_mb=-1)
+
+
 def test_neighbor_pools_fill_before_host() -> None:
     tiers = MemoryTiers("cpu", min_bytes=64 * 1024)
     host = tiers.add_host(64)

@@ -25,8 +25,12 @@ Saved tensors go to the fastest pool with room (neighbors first, then host; none
 tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream, at most
 ``copies_in_flight`` behind the compute (more would keep their sources on the device); in backward,
 reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
-layer's compute. Each pool hands out activation blocks from its front (all given back when the
-step's saved tensors die) and persistent blocks (optimizer state) from its back.
+layer's compute. With ``keep_mb``, the newest saved tensors of a step, at least that many MiB, stay
+on the device: backward needs them first, so they would come back at once, and a device with the
+room spare moves fewer bytes over the link. What stays is worked out from the previous step's
+saved bytes (the first step offloads everything), so it suits steps of one size. Each pool hands
+out activation blocks from its front (all given back when the step's saved tensors die) and
+persistent blocks (optimizer state) from its back.
 
 On a revocation the runtime moves every block off the revoked neighbor into host memory (the
 host pool, else plain RAM) and reports ``lease-released`` to its agent, which records
@@ -179,7 +183,9 @@ class _Saved:
 @dataclass
 class TierStats:
     offloaded_bytes: int = 0  # saved-tensor bytes moved off the device, this step
-    kept_bytes: int = 0  # saved-tensor bytes that stayed (small, parameters, no room)
+    kept_bytes: int = 0  # saved-tensor bytes that stayed (small, parameters, no room, keep_mb)
+    offloadable_bytes: int = 0  # saved-tensor bytes that could have gone, this step
+    kept_from_layer: int | None = None  # keep_mb: the layer from which this step's saved tensors stayed
     prefetched: int = 0
     reloaded_on_demand: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
@@ -202,15 +208,24 @@ class MemoryTiers:
     """Pools of leased memory and the hooks that use them (see the module doc)."""
 
     def __init__(
-        self, device: torch.device | str | None = None, *, min_bytes: int = MiB, copies_in_flight: int = 2
+        self,
+        device: torch.device | str | None = None,
+        *,
+        min_bytes: int = MiB,
+        copies_in_flight: int = 2,
+        keep_mb: float = 0.0,
     ) -> None:
         if copies_in_flight < 1:
             raise ValueError(f"copies_in_flight must be at least 1, got {copies_in_flight}")
+        if keep_mb < 0:
+            raise ValueError(f"keep_mb must not be negative, got {keep_mb}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_bytes = min_bytes
         self.copies_in_flight = copies_in_flight
+        self.keep_bytes = int(keep_mb * MiB)
+        self._offload_limit: int | None = None  # this step's most offloaded bytes (None: no limit)
         self.pools: list[Pool] = []
         self.stats = TierStats()
         self.cuda = self.device.type == "cuda"
@@ -292,7 +307,11 @@ class MemoryTiers:
                     handles.append(module.register_forward_pre_hook(self._next_layer))
         self._layer = 0
         self._by_layer.clear()
-        self.stats.offloaded_bytes = self.stats.kept_bytes = 0
+        if self.keep_bytes and self.stats.offloadable_bytes:
+            # the tail of the last step's saved bytes stays: the same tail, if this step is alike
+            self._offload_limit = max(0, self.stats.offloadable_bytes - self.keep_bytes)
+        self.stats.offloaded_bytes = self.stats.kept_bytes = self.stats.offloadable_bytes = 0
+        self.stats.kept_from_layer = None
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -307,6 +326,13 @@ class MemoryTiers:
         nbytes = t.numel() * t.element_size()
         dense = t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
         if nbytes < self.min_bytes or (t.is_leaf and t.requires_grad) or t.device != self.device or not dense:
+            self.stats.kept_bytes += nbytes
+            return t
+        self.stats.offloadable_bytes += nbytes
+        if self._offload_limit is not None and self.stats.offloaded_bytes + nbytes > self._offload_limit:
+            if self.stats.kept_from_layer is None:
+                self.stats.kept_from_layer = self._layer
+            self._offload_limit = 0  # the rest of the step stays, so what stays is the step's tail
             self.stats.kept_bytes += nbytes
             return t
         block = self._store(t, persistent=False)
@@ -402,12 +428,17 @@ class MemoryTiers:
 
     @classmethod
     def from_job(
-        cls, device: torch.device | str | None = None, *, min_bytes: int = MiB, copies_in_flight: int = 2
+        cls,
+        device: torch.device | str | None = None,
+        *,
+        min_bytes: int = MiB,
+        copies_in_flight: int = 2,
+        keep_mb: float = 0.0,
     ) -> MemoryTiers:
         """Tiers for this process's leases (the agent's lease file in the task folder): the pools
         open at the first ``poll()``. With no agent or no lease, no pools (nothing is offloaded)
         until a grant arrives."""
-        tiers = cls(device, min_bytes=min_bytes, copies_in_flight=copies_in_flight)
+        tiers = cls(device, min_bytes=min_bytes, copies_in_flight=copies_in_flight, keep_mb=keep_mb)
         task_dir = os.environ.get(jobenv.TASK_DIR)
         gpu = os.environ.get(jobenv.GPU_INDEX)
         if task_dir and gpu is not None:
