@@ -316,3 +316,55 @@ async def test_stage_trace_times_each_batch_in_order(tmp_path, monkeypatch) -> N
         assert stored[out_id].event.job == job
         assert trace.last_seq == stored[out_id].seq
     assert [t.outputs[0][0][1] for t in traces] == ["a", "b"]
+
+
+async def test_a_pass_s_placements_are_appended_each_on_its_own_and_all_land() -> None:
+    """Three jobs wait; a node comes: one pass places all three, a batch of order-free decisions,
+    which the runner appends each on its own (pipelined on JetStream)."""
+
+    class CountingLog(InProcessLog):
+        each: list[int] = []
+
+        async def append_each(self, events, **kw):  # type: ignore[override]
+            self.each.append(len(events))
+            return await super().append_each(events, **kw)
+
+    log = CountingLog(duplicate_window=0)
+    _, stop, task = await start(log)
+    for j in "abc":
+        await log.append([submit(j, 2)])
+    await asyncio.sleep(0.1)
+    await log.append([node("n1", 8)])
+    await until(lambda: len(placements(log)) == 3)
+    stop.set()
+    await task
+    assert log.each == [3]
+    assert sorted(p.job for p in placements(log)) == ["a", "b", "c"]
+    assert violations(log._records) == []
+
+
+def test_only_a_few_order_free_decisions_without_a_multi_event_answer_go_each_on_its_own() -> None:
+    from gpuherd.runtime.core import Decided
+    from gpuherd.runtime.decider import Answer
+    from gpuherd.runtime.runner import APPEND_EACH_AT_MOST
+
+    runner = DeciderRunner(InProcessLog(), SchedulerDecider(), instance="t")
+
+    def placed(job: str) -> ev.JobPlaced:
+        return ev.JobPlaced(id=f"p-{job}", at=0.0, source="scheduler", job=job, attempt=0, allocations=())
+
+    def internal(*outputs: ev.Event) -> Decided:
+        return Decided(cause=None, arrived=0.0, outputs=list(outputs))
+
+    def judged(*outputs: ev.Event) -> Decided:
+        return Decided(cause=None, arrived=0.0, outputs=list(outputs), answer=Answer(events=list(outputs)))
+
+    def order_free(*batch: Decided) -> bool:
+        return runner._order_free(list(batch), [out for d in batch for out in d.outputs])
+
+    assert order_free(internal(placed("a"), placed("b")), judged(submit("c", 1)))
+    preempted = ev.JobPreempted(id="x", at=0.0, source="scheduler", job="v", attempt=0, reason="r", by="a")
+    assert not order_free(internal(preempted, placed("a"))), "a placement may need the preemption before it"
+    assert not order_free(judged(submit("w1", 1), submit("w2", 1))), "a workflow is accepted as a whole"
+    assert not order_free(internal(*(placed(str(i)) for i in range(APPEND_EACH_AT_MOST + 1))))
+    assert not order_free(internal(placed("a"))), "one event is one append anyway"
