@@ -8,8 +8,6 @@ Runs against a fresh embedded nats-server (file storage, as deployed) on this ma
    (``sync_interval: always``, gpuherd's default) and on one with nats-server's own default
    (fsync every 2 minutes), in the same run: appends/s and the ack latency (p50/p99) one at a time,
    pipelined and in atomic batches of 100: the cost of an acknowledged job surviving a power cut;
-   and a decider's small batch, 4 events, as one atomic append against each on its own
-   (``append_each``, pipelined), which is how a few order-free decisions are appended;
 2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline);
 3. 2,000 submissions through the intake path (the Python client) to a real scheduler
    process, with 100 sim nodes x 8 GPUs emulated in this process (they register, send
@@ -85,12 +83,9 @@ async def bench_appends(log: JetStreamLog, quick: bool) -> list[tuple[str, float
     return [(name, rate, rate / single) for name, rate, _ in rows]
 
 
-async def timed_appends(
-    log: JetStreamLog, prefix: str, n: int, per_append: int, in_flight: int, each: bool = False
-) -> dict[str, float]:
-    """``n`` events in appends of ``per_append`` (1: a publish; more: an atomic batch, or with
-    ``each`` the events pipelined one by one), ``in_flight`` appends outstanding at once: events/s,
-    and each append's time to its acknowledgement."""
+async def timed_appends(log: JetStreamLog, prefix: str, n: int, per_append: int, in_flight: int) -> dict[str, float]:
+    """``n`` events in appends of ``per_append`` (1: a publish; more: an atomic batch), ``in_flight``
+    appends outstanding at once: events/s, and each append's time to its acknowledgement."""
     events = job_events(prefix, n)
     appends = [events[i : i + per_append] for i in range(0, n, per_append)]
     latencies: list[float] = []
@@ -99,7 +94,7 @@ async def timed_appends(
     async def one(part: list[ev.Event]) -> None:
         try:
             t = time.perf_counter()
-            await (log.append_each(part) if each else log.append(part))
+            await log.append(part)
             latencies.append(1000 * (time.perf_counter() - t))
         finally:
             slots.release()
@@ -114,13 +109,10 @@ async def timed_appends(
     return {"events_per_s": n / elapsed, "ack_p50_ms": statistics.median(latencies), "ack_p99_ms": pct(latencies, 99)}
 
 
-# (way, events an append, appends in flight, each on its own, events measured, with --quick)
 DURABILITY_WAYS = (
-    ("one at a time", 1, 1, False, 1500, 300),
-    ("pipelined, 256 in flight", 1, 256, False, 20_000, 3000),
-    ("atomic batches of 100", 100, 1, False, 20_000, 3000),
-    ("atomic batches of 4", 4, 1, False, 1200, 300),
-    ("4 at a time, each on its own", 4, 1, True, 1200, 300),
+    ("one at a time", 1, 1),
+    ("pipelined, 256 in flight", 1, 256),
+    ("atomic batches of 100", 100, 1),
 )
 
 
@@ -128,15 +120,15 @@ async def bench_durability(data_dir: Path, quick: bool) -> list[dict[str, object
     """The same appends against a server that fsyncs before every ack and one that fsyncs every 2
     minutes (nats-server's default), each on a fresh store, in this run."""
     rows: list[dict[str, object]] = []
+    counts = {1: 300 if quick else 1500, 256: 3000 if quick else 20_000, 100: 3000 if quick else 20_000}
     for sync in (SYNC_ALWAYS, UNSAFE_SYNC):
         server = NatsServer(data_dir / f"nats-sync-{sync}", sync=sync).start()
         try:
             log = await open_log(server.url, name="bench-durability")
             assert isinstance(log, JetStreamLog)
-            for way, per_append, in_flight, each, n_full, n_quick in DURABILITY_WAYS:
-                n = n_quick if quick else n_full
-                prefix = f"d{sync}{per_append}x{in_flight}{'e' if each else ''}"
-                measured = await timed_appends(log, prefix, n, per_append, in_flight, each)
+            for way, per_append, in_flight in DURABILITY_WAYS:
+                n = counts[in_flight if per_append == 1 else per_append]
+                measured = await timed_appends(log, f"d{sync}{per_append}x{in_flight}", n, per_append, in_flight)
                 rows.append({"sync": sync, "way": way, "events": n, **measured})
             await log.close()
         finally:

@@ -158,9 +158,6 @@ class SchedulerDecider(Decider[SchedulerState]):
     # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
     # as it would have been just before the pass (the audit re-judges it on that same state).
     TAKES_BESIDE_PASSES = True
-    # Verdicts on single submissions, and placements (one pass's are disjoint, and a batch holding a
-    # preemption is not order-free): each stands alone, in any order.
-    ORDER_FREE = frozenset({ev.JobSubmitted, ev.JobRejected, ev.JobPlaced})
     FOLLOWS = frozenset(ROUTES)
     REFUSES = frozenset({ev.VcConfigured, ev.PolicyConfigured, ev.NodeDrained, ev.NodeUndrained, ev.JobCancelRequested})
     EMITS = frozenset(

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError
+from gpuherd.errors import ConcurrencyError, LeadershipLost
 from gpuherd.log import LEADERSHIP_BUCKET, SNAPSHOT_BUCKET, EventLog, InProcessLog, open_log
 
 
@@ -88,27 +88,6 @@ async def test_multi_event_append_is_all_or_nothing(log: EventLog) -> None:
         await log.append([cancel(fresh), cancel(taken)], expect={f"herd.job.{fresh}": 0, f"herd.job.{taken}": 0})
     assert await log.last_seq() == end
     assert await log.subject_last_seq(f"herd.job.{fresh}") == 0, "the first event must not have been stored"
-
-
-async def test_append_each_stores_in_order_dedupes_and_checks_the_fence_on_every_event(log: EventLog) -> None:
-    fence = f"herd.job.{uid()}"
-    fenced = await log.append([cancel(fence.removeprefix("herd.job."))])
-    start = await log.last_seq()
-    events = [cancel(uid()) for _ in range(5)]
-    result = await log.append_each(events, expect={fence: fenced.seqs[0]}, trace=[None] * 5)
-    assert result.seqs == tuple(range(start + 1, start + 6)) and not result.duplicate
-    assert [r.event.id for r in await log.read_all(start + 1)] == [e.id for e in events]
-    again = await log.append_each([events[1], events[3]])
-    assert again.duplicate and again.seqs == (start + 2, start + 4)
-    assert await log.last_seq() == start + 5
-    # a newer leader wrote the fence subject: every event is refused
-    await log.append([cancel(fence.removeprefix("herd.job."))])
-    end = await log.last_seq()
-    with pytest.raises(ConcurrencyError, match=fence):
-        await log.append_each([cancel(uid()), cancel(uid())], expect={fence: fenced.seqs[0]})
-    assert await log.last_seq() == end
-    with pytest.raises(LogError, match="fence"):
-        await log.append_each([cancel(fence.removeprefix("herd.job."))], expect={fence: end})
 
 
 async def test_follow_sees_new_events(log: EventLog) -> None:

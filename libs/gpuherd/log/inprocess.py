@@ -63,22 +63,6 @@ class InProcessLog(EventLog):
                 self._changed.notify_all()
         return result
 
-    async def append_each(
-        self,
-        events: Sequence[Event],
-        *,
-        expect: Mapping[str, int] | None = None,
-        trace: Traces = None,
-    ) -> AppendResult:
-        # In memory all-or-nothing costs nothing, and is allowed: one append, unless some are stored
-        # already (then each on its own, so the rest are stored and the stored ones answered) or
-        # they are more than one atomic append holds.
-        if len(events) > self.max_batch or any(e.id and self._is_duplicate(e.id) for e in events):
-            return await super().append_each(events, expect=expect, trace=trace)
-        if expect and {e.subject() for e in events} & set(expect):
-            raise LogError("append_each checks only subjects none of its events is on (a leader's fence)")
-        return await self.append(events, expect=expect, trace=trace)
-
     def append_now(
         self,
         events: Sequence[Event],

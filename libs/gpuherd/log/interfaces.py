@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from gpuherd.errors import LogError
 from gpuherd.events import Event
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 from gpuherd.obs import get_logger
@@ -63,29 +62,6 @@ class EventStore(abc.ABC):
         event yet) or ConcurrencyError is raised and nothing is written. Events
         whose ids the log already holds make the call a no-op (``duplicate``).
         """
-
-    async def append_each(
-        self,
-        events: Sequence[Event],
-        *,
-        expect: Mapping[str, int] | None = None,
-        trace: Traces = None,
-    ) -> AppendResult:
-        """Append events each on its own, in order: not all-or-nothing, so only for events whose
-        order among themselves does not matter to any reader, each of which stands alone. A log
-        where one atomic append of a few events costs more than as many single ones (JetStream
-        stages an atomic batch on disk) sends them pipelined. ``expect`` is checked on every event
-        and may name only subjects none of them is on (a leader's fence); ConcurrencyError once it
-        fails (the events before it may be stored)."""
-        if expect and {e.subject() for e in events} & set(expect):
-            raise LogError("append_each checks only subjects none of its events is on (a leader's fence)")
-        seqs: list[int] = []
-        duplicate = False
-        for n, event in enumerate(events):
-            result = await self.append([event], expect=expect, trace=trace_of(trace, n))
-            seqs += result.seqs
-            duplicate = duplicate or result.duplicate
-        return AppendResult(seqs=tuple(seqs), duplicate=duplicate)
 
     @abc.abstractmethod
     async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:

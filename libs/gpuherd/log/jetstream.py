@@ -169,7 +169,6 @@ class JetStreamLog(EventLog):
         self.leadership_ttl = self.settings.leadership_ttl_s
         self.js: JetStreamContext = nc.jetstream(timeout=self.settings.request_timeout_s)
         self._kv: dict[str, Any] = {}
-        self._acks: _Acks | None = None
         self._owns_connection = False
         self._connected_since = time.time()
         previous = nc._reconnected_cb
@@ -454,63 +453,6 @@ class JetStreamLog(EventLog):
                 await self.nc.publish(subject, data, headers=headers)
         raise AssertionError("unreachable")
 
-    async def append_each(
-        self,
-        events: Sequence[ev.Event],
-        *,
-        expect: Mapping[str, int] | None = None,
-        trace: Traces = None,
-    ) -> AppendResult:
-        # Sent in order on one connection without waiting, then the acks are awaited: a few events
-        # cost about one round trip, where an atomic batch on a single server costs ~6 ms (it is
-        # staged in a file store before its commit).
-        if not events:
-            return AppendResult(seqs=())
-        if expect and {e.subject() for e in events} & set(expect):
-            raise LogError("append_each checks only subjects none of its events is on (a leader's fence)")
-        if expect and len(expect) > 1:
-            raise LogError(f"append_each checks one fence subject per event, got {sorted(expect)}")
-        fence = next(iter(expect.items())) if expect else None
-        acks = self._acks or await self._open_acks()
-        loop = asyncio.get_running_loop()
-        tokens: list[str] = []
-        try:
-            for n, event in enumerate(events):
-                token = str(next(_ack_tokens))
-                tokens.append(token)
-                acks.waiting[token] = loop.create_future()
-                headers = self._headers(event, None, trace_of(trace, n), fence)
-                await self.nc.publish(event.subject(), ev.encode(event), reply=acks.prefix + token, headers=headers)
-            futures = [acks.waiting[token] for token in tokens]
-            answers = await asyncio.wait_for(asyncio.gather(*futures), self.settings.request_timeout_s)
-        finally:
-            for token in tokens:  # answered, or lost with a timeout or a dropped connection
-                acks.waiting.pop(token, None)
-        seqs: list[int] = []
-        duplicate = False
-        for event, data in zip(events, answers, strict=True):
-            answer = msgspec.json.decode(data) if data else {}
-            error = answer.get("error")
-            if error or "seq" not in answer:
-                error = error or {"code": 503, "description": "no stream answered"}
-                if error.get("err_code") == ERR_WRONG_LAST_SEQUENCE:
-                    subject = fence[0] if fence else event.subject()
-                    raise ConcurrencyError(subject, (expect or {}).get(subject, 0))
-                if error.get("code") == 503:
-                    raise LogUnavailable(f"append to {event.subject()}: {error.get('description')}")
-                raise _refusal(f"append to {event.subject()}", error)
-            seqs.append(int(answer["seq"]))
-            duplicate = duplicate or bool(answer.get("duplicate"))
-        return AppendResult(seqs=tuple(seqs), duplicate=duplicate)
-
-    async def _open_acks(self) -> _Acks:
-        """One subscription for the acks of every ``append_each`` (nats-py's ``publish_async``
-        loses an error answer: its callback raises it instead of handing it to the waiting future)."""
-        acks = _Acks(f"{self.nc.new_inbox()}.")
-        await self.nc.subscribe(acks.prefix + "*", cb=acks.on_ack)
-        self._acks = acks
-        return acks
-
     @staticmethod
     def _map_error(exc: nats.js.errors.APIError, subject: str, expect: Mapping[str, int] | None) -> Exception:
         if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
@@ -691,23 +633,6 @@ _COMPARED = (
     "num_replicas", "max_age", "duplicate_window", "no_ack", "deny_delete", "deny_purge", "allow_direct",
     "allow_atomic", "max_msgs_per_subject", "discard", "storage", "retention",
 )  # fmt: skip
-
-
-_ack_tokens = itertools.count(1)
-
-
-class _Acks:
-    """The acks of pipelined appends: each publish names a reply subject of its own under ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.waiting: dict[str, asyncio.Future[bytes]] = {}
-
-    async def on_ack(self, msg: Msg) -> None:
-        future = self.waiting.get(msg.subject[len(self.prefix) :])
-        if future is not None and not future.done():
-            no_responders = bool(msg.headers) and msg.headers.get("Status") == "503"
-            future.set_result(b"" if no_responders else msg.data)
 
 
 def _same_config(info: Any, wanted: StreamConfig) -> bool:

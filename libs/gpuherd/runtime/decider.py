@@ -50,11 +50,6 @@ class Decider(abc.ABC, Generic[S]):
     FOLLOWS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
     EMITS: ClassVar[frozenset[type[ev.Event]]] = frozenset()
     REFUSES: ClassVar[frozenset[type[ev.Command]]] = frozenset()  # the commands it checks and applies
-    # Decisions that stand alone and whose order among one batch's outputs no reader depends on: a
-    # batch of a few of these only (none of them one of several answers to one outside input) is
-    # appended each on its own, pipelined (``EventStore.append_each``), which on JetStream costs a
-    # fraction of an atomic append. A crash may then store part of such a batch: still a valid log.
-    ORDER_FREE: ClassVar[frozenset[type[ev.Event]]] = frozenset()
 
     @abc.abstractmethod
     def initial_state(self) -> S: ...

@@ -44,11 +44,6 @@ from gpuherd.runtime.stages import BatchTrace, StageTracer
 
 log = get_logger("gpuherd.runtime")
 
-# The most events a batch of order-free decisions may hold to be appended each on its own: on
-# JetStream an atomic append costs 6-9 ms however small, a pipelined event 0.5-0.8 ms; larger batches
-# are cheaper atomic (one fsync for all).
-APPEND_EACH_AT_MOST = 8
-
 
 async def append_reliably(
     log_: EventStore,
@@ -57,10 +52,8 @@ async def append_reliably(
     expect: Mapping[str, int] | None = None,
     trace: Traces = None,
     give_up_after: float = 3600.0,
-    each: bool = False,
 ) -> AppendResult:
-    """Append, retrying through NATS outages; safe because ids make appends idempotent. ``each``:
-    every event on its own (``EventStore.append_each``), not all-or-nothing.
+    """Append, retrying through NATS outages; safe because ids make appends idempotent.
 
     Refusals by the log (LogError, ConcurrencyError among them) are not retried. An atomic batch
     refused because one of its events is stored already (a re-run after a crash) is appended one
@@ -69,8 +62,6 @@ async def append_reliably(
     delay = 0.05
     while True:
         try:
-            if each:
-                return await log_.append_each(events, expect=expect, trace=trace)
             result = await log_.append(events, expect=expect, trace=trace)
             if result.duplicate and len(events) > 1 and not result.seqs:
                 if expect:
@@ -354,7 +345,7 @@ class DeciderRunner(Generic[S]):
         traces = self._traces(batch)
         refused: list[Decided] = []
         try:
-            result = await self._append(outputs, traces, each=self._order_free(batch, outputs))
+            result = await self._append(outputs, traces)
         except LogError as exc:
             if not any(decided.external for decided in batch):
                 raise  # the decider's own decisions refused: a bug to stop on, not to skip
@@ -400,29 +391,15 @@ class DeciderRunner(Generic[S]):
 
     _coalesced_seen = 0
 
-    def _order_free(self, batch: list[Decided], outputs: list[ev.Event]) -> bool:
-        """Whether ``batch`` may be appended each event on its own (see ``Decider.ORDER_FREE``): a
-        few outputs, all of order-free types, and no outside input answered with several (a
-        workflow's jobs are accepted as a whole)."""
-        order_free = self.decider.ORDER_FREE
-        return (
-            1 < len(outputs) <= APPEND_EACH_AT_MOST
-            and all(type(out) in order_free for out in outputs)
-            and not any(decided.external and len(decided.outputs) > 1 for decided in batch)
-        )
-
-    async def _append(self, outputs: list[ev.Event], traces: list[str | None], *, each: bool = False) -> AppendResult:
+    async def _append(self, outputs: list[ev.Event], traces: list[str | None]) -> AppendResult:
         """All-or-nothing when they fit one atomic append. A batch larger than that is appended in
         consecutive atomic parts: a crash between parts leaves the rest to the next pass (the jobs
-        still wait in the folded state), and the audit reports them missing. ``each``: a few
-        order-free events, each appended on its own (pipelined)."""
+        still wait in the folded state), and the audit reports them missing."""
         if not outputs:
             return AppendResult(seqs=())
         step = self.log.max_batch
         expect = self._expect()
         try:
-            if each:
-                return await append_reliably(self.log, outputs, trace=traces, expect=expect, each=True)
             if len(outputs) <= step:
                 return await append_reliably(self.log, outputs, trace=traces, expect=expect)
             seqs: list[int] = []
