@@ -145,6 +145,35 @@ def test_optimizer_state_in_the_tiers_trains_bit_identically() -> None:
     model = train(4, tiers)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
     assert pool.persistent and pool.back < pool.nbytes  # Adam's moments live at the pool's back
+    # they came back during backward, beside the reloads, every one of them
+    assert tiers.stats.state_early_bytes == sum(block.nbytes for _, _, block in tiers._optimizer_state) > 0
+    assert not tiers._state_back and not tiers._state_due, "step() took them all"
+
+
+def test_optimizer_state_can_come_back_at_step_instead() -> None:
+    reference = train(3, None)
+    tiers = MemoryTiers("cpu", min_bytes=64 * 1024, state_in_backward=False)
+    tiers.add_host(64)
+    model = train(3, tiers)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+    assert tiers.stats.state_early_bytes == 0 and tiers._optimizer_state
+
+
+def test_dropped_tiers_free_their_pools_at_once() -> None:
+    """No reference cycle holds a pool: a pinned buffer of tens of GiB must go when its tiers do,
+    not when the cycle collector next runs (a second one would not fit in the meantime)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        tiers = MemoryTiers("cpu", min_bytes=64 * 1024)
+        pool = weakref.ref(tiers.add_host(64))
+        train(2, tiers)
+        del tiers
+        assert pool() is None
+    finally:
+        gc.enable()
 
 
 # -- leases from the agent's file ---------------------------------------------------------------------------

@@ -25,11 +25,13 @@ Saved tensors go to the fastest pool with room (neighbors first, then host; none
 tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream, at most
 ``copies_in_flight`` behind the compute (more would keep their sources on the device); in backward,
 reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
-layer's compute. With ``keep_mb``, the newest saved tensors of a step, at least that many MiB, stay
-on the device: backward needs them first, so they would come back at once, and a device with the
-room spare moves fewer bytes over the link. What stays is worked out from the previous step's
-saved bytes (the first step offloads everything), so it suits steps of one size. Each pool hands
-out activation blocks from its front (all given back when the step's saved tensors die) and
+layer's compute, and the optimizer's state comes back beside those reloads, ready for ``step()``
+(``state_in_backward=False``: at ``step()``, where backward's peak has no room for it).
+With ``keep_mb``, the newest saved tensors of a step, at least that many MiB, stay on the device:
+backward needs them first, so they would come back at once, and a device with the room spare
+moves fewer bytes over the link. What stays is worked out from the previous step's saved bytes
+(the first step offloads everything), so it suits steps of one size. Each pool hands out
+activation blocks from its front (all given back when the step's saved tensors die) and
 persistent blocks (optimizer state) from its back.
 
 On a revocation the runtime moves every block off the revoked neighbor into host memory (the
@@ -128,8 +130,7 @@ class Pool:
 class Block:
     """One tensor's bytes in a pool (or in plain RAM once spilled)."""
 
-    def __init__(self, tiers: MemoryTiers, pool: Pool, offset: int, like: torch.Tensor, persistent: bool) -> None:
-        self.tiers = tiers
+    def __init__(self, pool: Pool, offset: int, like: torch.Tensor, persistent: bool) -> None:
         self.pool: Pool | None = pool
         self.offset = offset
         self.dtype = like.dtype
@@ -188,6 +189,7 @@ class TierStats:
     kept_from_layer: int | None = None  # keep_mb: the layer from which this step's saved tensors stayed
     prefetched: int = 0
     reloaded_on_demand: int = 0
+    state_early_bytes: int = 0  # optimizer state brought back during backward, this step
     by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -214,6 +216,7 @@ class MemoryTiers:
         min_bytes: int = MiB,
         copies_in_flight: int = 2,
         keep_mb: float = 0.0,
+        state_in_backward: bool = True,
     ) -> None:
         if copies_in_flight < 1:
             raise ValueError(f"copies_in_flight must be at least 1, got {copies_in_flight}")
@@ -225,6 +228,8 @@ class MemoryTiers:
         self.min_bytes = min_bytes
         self.copies_in_flight = copies_in_flight
         self.keep_bytes = int(keep_mb * MiB)
+        # Optimizer state back during backward (its size on the device from then on), else at step()
+        self.state_in_backward = state_in_backward
         self._offload_limit: int | None = None  # this step's most offloaded bytes (None: no limit)
         self.pools: list[Pool] = []
         self.stats = TierStats()
@@ -241,6 +246,11 @@ class MemoryTiers:
         # the node GPU behind each CUDA ordinal of this process (the agent's GPU_ORDER)
         self._order = [int(g) for g in os.environ.get(jobenv.GPU_ORDER, "").split(",") if g.strip()]
         self._pending_src: list[tuple[torch.Tensor, Any]] = []  # (source, its copy's event), oldest first
+        # Optimizer state brought back during backward, beside the reloads (``_bring_state_back``)
+        self._state_due: list[tuple[dict, str, Block]] = []
+        self._state_back: dict[tuple[int, str], tuple[torch.Tensor, Any]] = {}  # -> (tensor, its copy's event)
+        self._state_credit = 0.0  # state bytes that may come back now
+        self._state_per_byte = 0.0  # state bytes to bring back per offloaded byte reloaded
 
     # -- pools ---------------------------------------------------------------------------------
 
@@ -266,7 +276,7 @@ class MemoryTiers:
         for pool in self.pools:
             offset = pool.take(nbytes, persistent=persistent)
             if offset is not None:
-                block = Block(self, pool, offset, t, persistent)
+                block = Block(pool, offset, t, persistent)
                 self._copy_into(block, t)
                 self.stats.by_tier[pool.tier] = self.stats.by_tier.get(pool.tier, 0) + nbytes
                 return block
@@ -312,6 +322,10 @@ class MemoryTiers:
             self._offload_limit = max(0, self.stats.offloadable_bytes - self.keep_bytes)
         self.stats.offloaded_bytes = self.stats.kept_bytes = self.stats.offloadable_bytes = 0
         self.stats.kept_from_layer = None
+        self.stats.state_early_bytes = 0
+        self._drop_state_back()
+        self._state_due = list(self._optimizer_state) if self.state_in_backward else []
+        self._state_credit = self._state_per_byte = 0.0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -351,6 +365,8 @@ class MemoryTiers:
             self._reload(packed)
             self.stats.reloaded_on_demand += 1
         self._prefetch(packed.layer - 1)
+        if self._state_due:
+            self._bring_state_back(packed.block.nbytes)
         out, ready = packed.reloaded, packed.ready
         packed.reloaded = packed.ready = None  # autograd holds it now; a second unpack reloads
         if ready is not None:
@@ -388,6 +404,43 @@ class MemoryTiers:
                 self._reload(saved)
                 self.stats.prefetched += 1
 
+    def _bring_state_back(self, reloaded: int) -> None:
+        """Backward is reloading what forward offloaded (the step's kept tail, if any, is gone by
+        then): bring the optimizer's state back beside the reloads, in proportion to them and a
+        little ahead, so that it is on the device when ``step()`` begins. Backward's compute outlasts
+        its reloads, so the link has room; brought back at ``step()`` instead, the state's copies
+        would run alone, with the GPU idle."""
+        if not self._state_per_byte:
+            total = sum(block.nbytes for _, _, block in self._state_due)
+            self._state_per_byte = 1.25 * total / max(1, self.stats.offloaded_bytes)  # done by 80% of the reloads
+        self._state_credit += reloaded * self._state_per_byte
+        while self._state_due and self._state_credit > 0:
+            state, key, block = self._state_due.pop(0)
+            self._state_credit -= block.nbytes
+            out = torch.empty(block.shape, dtype=block.dtype, device=self.device)
+            ready = None
+            if self.side is None:
+                out.copy_(block.typed())
+            else:
+                # As a reload: ``out`` is the compute stream's, which waits for ``ready`` before
+                # ``step()`` reads it (``_optimizer_in``), or before it is dropped unused.
+                self.side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.side):
+                    out.copy_(block.typed(), non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(self.side)
+            self._state_back[(id(state), key)] = (out, ready)
+            self.stats.state_early_bytes += block.nbytes
+
+    def _drop_state_back(self) -> None:
+        """Forget state brought back for a ``step()`` that did not come: its memory may be reused
+        only after its copy."""
+        if self.side is not None:
+            current = torch.cuda.current_stream(self.device)
+            for _, ready in self._state_back.values():
+                current.wait_event(ready)
+        self._state_back.clear()
+
     # -- optimizer state ---------------------------------------------------------------------------
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -397,8 +450,17 @@ class MemoryTiers:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._optimizer_out(opt))
 
     def _optimizer_in(self, optimizer: torch.optim.Optimizer) -> None:
+        current = torch.cuda.current_stream(self.device) if self.side is not None else None
         for state, key, block in self._optimizer_state:
-            state[key] = block.typed().to(self.device, non_blocking=True)  # ordered before step() on this stream
+            early = self._state_back.pop((id(state), key), None)
+            if early is None:
+                state[key] = block.typed().to(self.device, non_blocking=True)  # ordered before step() on this stream
+                continue
+            tensor, ready = early
+            if current is not None:
+                current.wait_event(ready)
+            state[key] = tensor
+        self._state_due.clear()  # (what had not come back early came back now)
 
     def _optimizer_out(self, optimizer: torch.optim.Optimizer) -> None:
         known = {(id(s), k): b for s, k, b in self._optimizer_state}
@@ -434,11 +496,18 @@ class MemoryTiers:
         min_bytes: int = MiB,
         copies_in_flight: int = 2,
         keep_mb: float = 0.0,
+        state_in_backward: bool = True,
     ) -> MemoryTiers:
         """Tiers for this process's leases (the agent's lease file in the task folder): the pools
         open at the first ``poll()``. With no agent or no lease, no pools (nothing is offloaded)
         until a grant arrives."""
-        tiers = cls(device, min_bytes=min_bytes, copies_in_flight=copies_in_flight, keep_mb=keep_mb)
+        tiers = cls(
+            device,
+            min_bytes=min_bytes,
+            copies_in_flight=copies_in_flight,
+            keep_mb=keep_mb,
+            state_in_backward=state_in_backward,
+        )
         task_dir = os.environ.get(jobenv.TASK_DIR)
         gpu = os.environ.get(jobenv.GPU_INDEX)
         if task_dir and gpu is not None:
