@@ -64,3 +64,34 @@ def test_neighbor_tier_checks_the_peer_and_is_bit_identical() -> None:
     got, _ = step(tiers)
     assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True))
     assert tiers.stats.by_tier.get("nvlink", 0) > 0
+
+
+def train_steps(tiers: MemoryTiers | None, steps: int = 3) -> list[torch.Tensor]:
+    net = model()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    if tiers is not None:
+        tiers.offload_optimizer(opt)
+    x = torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    for _ in range(steps):
+        if tiers is None:
+            loss = net(x).square().mean()
+        else:
+            with tiers.saved_tensors(net):
+                loss = net(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_optimizer_state_back_during_backward_and_a_kept_tail_train_bit_identically() -> None:
+    """Adam's moments come back on the side stream during backward (``state_in_backward``), beside
+    the reloads, and the step's newest activations stay (``keep_mb``): the same weights as a run
+    that offloads nothing, step after step."""
+    reference = train_steps(None)
+    tiers = MemoryTiers("cuda", keep_mb=16)
+    tiers.add_host(512)
+    got = train_steps(tiers)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True))
+    assert tiers.stats.state_early_bytes > 0 and tiers.stats.kept_from_layer is not None
