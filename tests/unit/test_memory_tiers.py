@@ -159,6 +159,29 @@ def test_optimizer_state_can_come_back_at_step_instead() -> None:
     assert tiers.stats.state_early_bytes == 0 and tiers._optimizer_state
 
 
+def test_gradients_accumulated_over_several_backwards_train_bit_identically() -> None:
+    """Each backward brings the optimizer's state back; only the last one's reaches step()."""
+
+    def accumulate(tiers: MemoryTiers | None) -> nn.Module:
+        model = cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if tiers is not None:
+            tiers.offload_optimizer(opt)
+        for _ in range(3):
+            for _ in range(2):
+                grads(model, tiers)
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    reference = accumulate(None)
+    tiers = MemoryTiers("cpu", min_bytes=64 * 1024)
+    tiers.add_host(64)
+    model = accumulate(tiers)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+    assert tiers.stats.state_early_bytes > 0
+
+
 def test_dropped_tiers_free_their_pools_at_once() -> None:
     """No reference cycle holds a pool: a pinned buffer of tens of GiB must go when its tiers do,
     not when the cycle collector next runs (a second one would not fit in the meantime)."""

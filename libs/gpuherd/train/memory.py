@@ -26,7 +26,8 @@ tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side str
 ``copies_in_flight`` behind the compute (more would keep their sources on the device); in backward,
 reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
 layer's compute, and the optimizer's state comes back beside those reloads, ready for ``step()``
-(``state_in_backward=False``: at ``step()``, where backward's peak has no room for it).
+(``state_in_backward=False``: at ``step()``, where backward's peak has no room for it, or where
+gradients accumulate over several backwards before one ``step()``: each would bring it back again).
 With ``keep_mb``, the newest saved tensors of a step, at least that many MiB, stay on the device:
 backward needs them first, so they would come back at once, and a device with the room spare
 moves fewer bytes over the link. What stays is worked out from the previous step's saved bytes
