@@ -86,6 +86,10 @@ def test_keep_mb_leaves_the_step_s_newest_saved_tensors_on_the_device() -> None:
     # at least keep_mb stays (whole tensors, from the first that would cross the line)
     assert 0 < tiers.stats.offloaded_bytes <= offloadable - MiB
     assert tiers.stats.kept_from_layer is not None and tiers.stats.kept_from_layer > 1
+    with tiers.saved_tensors(), torch.no_grad():  # a step that saves nothing: nothing to go by ...
+        cnn()(batch()[0])
+    grads(cnn(), tiers)  # ... so the next one offloads everything again, not nothing
+    assert tiers.stats.offloaded_bytes == offloadable
 
 
 def test_keep_mb_must_not_be_negative() -> None:

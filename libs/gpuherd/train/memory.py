@@ -318,9 +318,11 @@ class MemoryTiers:
                     handles.append(module.register_forward_pre_hook(self._next_layer))
         self._layer = 0
         self._by_layer.clear()
-        if self.keep_bytes and self.stats.offloadable_bytes:
+        if self.keep_bytes:
             # the tail of the last step's saved bytes stays: the same tail, if this step is alike
-            self._offload_limit = max(0, self.stats.offloadable_bytes - self.keep_bytes)
+            # (a step that saved nothing gives nothing to go by: everything may go)
+            last = self.stats.offloadable_bytes
+            self._offload_limit = max(0, last - self.keep_bytes) if last else None
         self.stats.offloaded_bytes = self.stats.kept_bytes = self.stats.offloadable_bytes = 0
         self.stats.kept_from_layer = None
         self.stats.state_early_bytes = 0
