@@ -133,6 +133,10 @@ class NatsServer:
         return config
 
     def start(self, timeout: float = 15.0) -> NatsServer:
+        """Start the process; a no-op while it runs (``with NatsServer(...).start() as server``
+        would otherwise start a second one on the same port and stop only that one)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         warning = unsafe_sync_warning(self.sync)
         if warning:

@@ -53,3 +53,11 @@ async def test_servers_say_how_they_sync(tmp_path, capfd: pytest.CaptureFixture[
     finally:
         durable.stop()
         unsafe.stop()
+
+
+def test_a_running_server_is_not_started_twice(tmp_path) -> None:
+    """``with NatsServer(...).start() as server`` stops the one process it started: none is left."""
+    with NatsServer(tmp_path / "nats").start() as server:
+        first = server.proc
+        assert server.start() is server and server.proc is first
+    assert first is not None and first.poll() is not None
