@@ -215,7 +215,7 @@ def main() -> None:
     host_run = train(device, width, depth, big, args.repeats, host, "large batch, host tier")
     runs.append(host_run)
     del host
-    gc.collect()  # its pinned pool goes now, not when a cycle is found
+    gc.collect()  # (nothing should hold its pinned pool now; the next one needs the room)
     # What the cap leaves spare over forward and backward can hold the step's newest activations:
     # they are alive at the end of forward and go first in backward, so they raise that peak by at
     # most their size (less: backward frees them as it goes). Each round keeps three quarters of
@@ -238,7 +238,7 @@ def main() -> None:
         last = train(device, width, depth, big, args.repeats, kept, name)
         runs.append(last)
         del kept
-        gc.collect()  # its pinned pool goes now, not when a cycle is found
+        gc.collect()  # (nothing should hold its pinned pool now; the next one needs the room)
         if last.step_s is None:
             break
     # The same, with the optimizer's state brought back at step() rather than during backward: what
@@ -248,7 +248,7 @@ def main() -> None:
         late.add_host(saved_mb)
         runs.append(train(device, width, depth, big, args.repeats, late, f"{last.name}, state back at step()"))
         del late
-        gc.collect()  # its pinned pool goes now, not when a cycle is found
+        gc.collect()  # (nothing should hold its pinned pool now; the next one needs the room)
     neighbor_run = None
     if cuda and torch.cuda.device_count() > 1:
         peer = MemoryTiers(device)
