@@ -5,6 +5,8 @@ Skipped where CUDA is absent."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -26,6 +28,13 @@ def model() -> nn.Module:
     return nn.Sequential(*layers).cuda()
 
 
+def forward_backward(net: nn.Module, x: torch.Tensor, tiers: MemoryTiers | None) -> None:
+    """One forward and backward, its saved tensors in ``tiers`` (None: left on the device)."""
+    with tiers.saved_tensors(net) if tiers is not None else contextlib.nullcontext():
+        loss = net(x).square().mean()
+    loss.backward()
+
+
 def step(tiers: MemoryTiers | None) -> tuple[list[torch.Tensor], int]:
     torch.backends.cudnn.deterministic = True
     net = model()
@@ -33,12 +42,7 @@ def step(tiers: MemoryTiers | None) -> tuple[list[torch.Tensor], int]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()  # what the caller still holds (the other run's gradients)
-    if tiers is None:
-        loss = net(x).square().mean()
-    else:
-        with tiers.saved_tensors(net):
-            loss = net(x).square().mean()
-    loss.backward()
+    forward_backward(net, x, tiers)
     torch.cuda.synchronize()
     return [p.grad.clone() for p in net.parameters()], torch.cuda.max_memory_allocated() - before
 
@@ -73,12 +77,7 @@ def train_steps(tiers: MemoryTiers | None, steps: int = 3) -> list[torch.Tensor]
         tiers.offload_optimizer(opt)
     x = torch.randn(2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     for _ in range(steps):
-        if tiers is None:
-            loss = net(x).square().mean()
-        else:
-            with tiers.saved_tensors(net):
-                loss = net(x).square().mean()
-        loss.backward()
+        forward_backward(net, x, tiers)
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
