@@ -35,7 +35,9 @@ REVISE_SIGMA = 0.25  # ... or the spread by more than this
 
 class AnalyticsDecider(Decider[AnalyticsState]):
     name = "analytics"
-    STATE_FORMAT = 3  # 3: the duration model of trees, bursts and spreads; predictions made in the fold
+    # 3: the duration model of trees, bursts and spreads; predictions made in the fold. 4: its bursts
+    # keep their open jobs grouped by what a revision of them depends on
+    STATE_FORMAT = 4
     FOLLOWS = frozenset({ev.JobSubmitted, ev.JobFinished, ev.AnalyticsTicked})
     EMITS = frozenset({ev.JobDurationPredicted, ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.AnalyticsTicked})
 
@@ -94,14 +96,15 @@ class AnalyticsDecider(Decider[AnalyticsState]):
             guess = state.fresh.get(event.job)
             return [] if guess is None else [_predicted(event.job, guess)]
         if isinstance(event, ev.JobFinished) and self.predict:
-            current = {
-                mate: state.predicted[mate]
-                for mate in state.model.mates(event.job)
-                # (not predicted yet: its first prediction already knows)
-                if mate in state.predicted and mate in state.jobs and state.jobs[mate].status not in TERMINAL
-                and (self.estimates is None or state.jobs[mate].spec.intake_id not in self.estimates)
-            }  # fmt: skip
-            return [_predicted(m, g) for m, g in state.model.revise(current, _moved).items()]
+            jobs, estimates = state.jobs, self.estimates
+            revised = [
+                (jobs[mate], guess)
+                for mate, guess in state.model.revisions(event.job, _moved).items()
+                if mate in jobs and jobs[mate].status not in TERMINAL
+                and (estimates is None or jobs[mate].spec.intake_id not in estimates)  # (given: never revised)
+            ]  # fmt: skip
+            revised.sort(key=lambda pair: pair[0].order)  # in submission order
+            return [_predicted(job.job, guess) for job, guess in revised]
         if isinstance(event, ev.AnalyticsTicked) and self.ces is not None:
             return self._power(state, event.at)
         return []

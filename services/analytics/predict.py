@@ -39,7 +39,7 @@ import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -126,6 +126,19 @@ class Burst(msgspec.Struct, kw_only=True, gc=False):
     size: int = 0
     finished: list[float] = msgspec.field(default_factory=list)
     open_jobs: list[str] = msgspec.field(default_factory=list)  # submitted, not ended (forgotten when none is)
+    # Its open jobs with a recorded prediction, grouped by all a revision of them depends on (see
+    # ``RevisionGroup``): an end among its jobs is weighed once per group, not once per job.
+    groups: dict[str, RevisionGroup] = msgspec.field(default_factory=dict)
+
+
+class RevisionGroup(msgspec.Struct, array_like=True, gc=False):
+    """Open jobs of one burst that a revision treats alike: the same model mu and error key (fixed at
+    their submission) and the same prediction in force (seconds, sigma)."""
+
+    mu: float
+    error_key: str
+    in_force: tuple[float, float]
+    jobs: dict[str, None] = msgspec.field(default_factory=dict)
 
 
 class BurstPosterior(NamedTuple):
@@ -149,6 +162,14 @@ def _seconds(mu: float) -> float:
 
 # Whether a revised (seconds, sigma) differs enough from the prediction in force to be recorded.
 Moved = Callable[[tuple[float, float], float, float], bool]
+
+
+@dataclass(slots=True)
+class _Weighing:
+    """What one end's revisions work out once: each burst's posterior, each error key's spread."""
+
+    posteriors: dict[str, BurstPosterior | None] = field(default_factory=dict)
+    sigmas: dict[str, float] = field(default_factory=dict)
 
 
 class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -273,6 +294,7 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     open_burst: dict[str, str] = msgspec.field(default_factory=dict)  # burst key -> its latest burst's id
     previous_burst: dict[str, tuple[int, float]] = msgspec.field(default_factory=dict)  # key -> (size, median)
     pending: dict[str, Pending] = msgspec.field(default_factory=dict)  # job -> its submission's features
+    grouped: dict[str, str] = msgspec.field(default_factory=dict)  # open job -> its burst's ``RevisionGroup`` key
     rows: list[tuple[float, ...]] = msgspec.field(default_factory=list)  # training rows (features + target)
     errors: list[float] = msgspec.field(default_factory=list)  # recent out-of-sample errors of mu
     burst_errors: list[float] = msgspec.field(default_factory=list)  # finished job vs its burst's earlier ones
@@ -351,47 +373,80 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     def revise(self, current: Mapping[str, tuple[float, float]], moved: Moved) -> dict[str, Prediction]:
         """New predictions of jobs not yet ended (``current``: job -> its prediction in force, as
         (seconds, sigma)), with what their burst-mates' ends taught since their submission: only
-        those whose new (seconds, sigma) ``moved`` says differ enough. A burst may hold thousands of
-        jobs, revised at every end among them: its figures are worked out once for all, whether a
-        revision moves a prediction once for the mates that share its inputs (most of a burst: the
-        same features, model and prediction in force), and a prediction is made whole only for a
-        job it moved."""
-        out: dict[str, Prediction] = {}
-        posteriors: dict[str, BurstPosterior | None] = {}
-        sigmas: dict[str, float] = {}
-        verdicts: dict[tuple, bool] = {}  # (burst, mu, error key, prediction in force) -> moved
+        those whose new (seconds, sigma) ``moved`` says differ enough. Mates that share a burst, model
+        mu, error key and prediction in force are weighed once for all (``revisions`` does this for
+        the groups the model keeps)."""
+        groups: dict[tuple[str, float, str, tuple[float, float]], list[str]] = {}
         for job, before in current.items():
             pending = self.pending.get(job)
-            if pending is None:
-                continue
-            key = (pending.burst, pending.mu, pending.error_key, before)
-            moves = verdicts.get(key)
-            if moves is None:
-                moves = verdicts[key] = self._moves(pending, before, moved, posteriors, sigmas)
-            if moves:
-                out[job] = self._prediction(pending, posteriors[pending.burst])
+            if pending is not None:
+                groups.setdefault((pending.burst, pending.mu, pending.error_key, before), []).append(job)
+        weighed = _Weighing()
+        out: dict[str, Prediction] = {}
+        for (burst_id, mu, error_key, before), jobs in groups.items():
+            posterior = self._moves(burst_id, mu, error_key, before, moved, weighed)
+            if posterior is not None:
+                for job in jobs:
+                    out[job] = self._prediction(self.pending[job], posterior)
+        return {job: out[job] for job in current if job in out}
+
+    def revisions(self, ended: str, moved: Moved) -> dict[str, Prediction]:
+        """``revise`` for every open mate of ``ended`` (which just ended) with a recorded prediction,
+        from the groups its burst keeps: the work grows with the groups and the jobs whose prediction
+        moved, not with the burst's size (a sweep may hold thousands of jobs, and each of their ends
+        revises the rest). In no particular order."""
+        burst_id = self.ended_in.get(ended, "")
+        burst = self.bursts.get(burst_id)
+        if burst is None:
+            return {}
+        weighed = _Weighing()
+        out: dict[str, Prediction] = {}
+        for group in burst.groups.values():
+            posterior = self._moves(burst_id, group.mu, group.error_key, group.in_force, moved, weighed)
+            if posterior is not None:
+                for job in group.jobs:
+                    out[job] = self._prediction(self.pending[job], posterior)
         return out
 
     def _moves(
-        self,
-        pending: Pending,
-        before: tuple[float, float],
-        moved: Moved,
-        posteriors: dict[str, BurstPosterior | None],
-        sigmas: dict[str, float],
-    ) -> bool:
-        """Whether ``pending``'s burst moves its prediction in force (``before``) enough to revise it."""
-        if pending.burst not in posteriors:
-            burst = self.bursts.get(pending.burst)
-            posteriors[pending.burst] = self._burst_posterior(burst) if burst is not None and burst.finished else None
-        posterior = posteriors[pending.burst]
+        self, burst_id: str, mu: float, error_key: str, before: tuple[float, float], moved: Moved, weighed: _Weighing
+    ) -> BurstPosterior | None:
+        """The posterior of burst ``burst_id`` if it moves the prediction in force (``before``) of its
+        jobs of model ``mu`` and ``error_key`` enough to revise them, else None."""
+        if burst_id not in weighed.posteriors:
+            burst = self.bursts.get(burst_id)
+            finished = burst is not None and burst.finished
+            weighed.posteriors[burst_id] = self._burst_posterior(burst) if finished else None  # type: ignore[arg-type]
+        posterior = weighed.posteriors[burst_id]
         if posterior is None:
-            return False
-        sigma = sigmas.get(pending.error_key)
+            return None
+        sigma = weighed.sigmas.get(error_key)
         if sigma is None:
-            sigma = sigmas[pending.error_key] = self.sigma(pending.error_key)
-        mu, sigma = _with_burst(pending.mu, sigma, posterior)
-        return moved(before, _seconds(mu), round(sigma, 4))
+            sigma = weighed.sigmas[error_key] = self.sigma(error_key)
+        mu, sigma = _with_burst(mu, sigma, posterior)
+        return posterior if moved(before, _seconds(mu), round(sigma, 4)) else None
+
+    def recorded(self, job: str, seconds: float, sigma: float) -> None:
+        """A prediction of ``job`` was recorded: the one in force when its mates' ends revise it."""
+        pending = self.pending.get(job)
+        burst = self.bursts.get(pending.burst) if pending is not None else None
+        if burst is None:
+            return  # (ended, or submitted before the model followed it: never revised)
+        self._ungroup(job, burst)
+        key = f"{pending.mu!r}|{pending.error_key}|{seconds!r}|{sigma!r}"  # type: ignore[union-attr]
+        group = burst.groups.get(key)
+        if group is None:
+            group = burst.groups[key] = RevisionGroup(pending.mu, pending.error_key, (seconds, sigma))  # type: ignore[union-attr]
+        group.jobs[job] = None
+        self.grouped[job] = key
+
+    def _ungroup(self, job: str, burst: Burst) -> None:
+        key = self.grouped.pop(job, None)
+        if key is not None:
+            group = burst.groups[key]
+            del group.jobs[job]
+            if not group.jobs:
+                del burst.groups[key]
 
     def mates(self, job: str) -> list[str]:
         """The jobs of the burst of ``job`` (which just ended) that have not ended."""
@@ -526,8 +581,10 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
             del self.ended_in[next(iter(self.ended_in))]
         burst = self.bursts.get(pending.burst)
         if burst is None:
+            self.grouped.pop(job, None)
             return
         burst.open_jobs.remove(job)
+        self._ungroup(job, burst)
         if not burst.open_jobs and self.open_burst.get(key) != pending.burst:
             del self.bursts[pending.burst]
 

@@ -72,6 +72,8 @@ def evolve(
     elif isinstance(event, ev.JobDurationPredicted) and event.job in state.jobs:
         state.predicted[event.job] = (event.seconds, event.sigma)
         state.fresh.pop(event.job, None)
+        if predict:
+            state.model.recorded(event.job, event.seconds, event.sigma)
     elif isinstance(event, ev.NodePowerDownRequested):
         state.last_power_down_at = event.at
     elif isinstance(event, ev.AnalyticsTicked) and ces is not None:

@@ -12,6 +12,7 @@ import pytest
 from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.runtime.decider import Decider
+from services.analytics.decide import _moved
 from services.analytics.predict import FEATURES, DurationModel, Features, evaluate
 from services.analytics.state import AnalyticsState
 
@@ -199,3 +200,54 @@ def test_quantiles_of_a_prediction() -> None:
     assert guess.sigma > 0 and guess.quantile(0.5) == guess.seconds
     assert guess.quantile(0.9) == pytest.approx(guess.seconds * math.exp(1.2815515655 * guess.sigma), rel=1e-6)
     assert guess.quantile(0.1) < guess.seconds < guess.quantile(0.9)
+
+
+def test_the_groups_a_burst_keeps_revise_as_every_mate_weighed_one_by_one_would_also_after_a_snapshot() -> None:
+    """The decider revises an end's mates from the groups the model keeps (burst, mu, error key,
+    prediction in force). At every end it must decide what weighing each open mate with a recorded
+    prediction would (``mates`` + ``revise``), in submission order, also on a state read back from a
+    snapshot (the groups are part of it)."""
+    analytics = make_decider("analytics")
+    state, seq = analytics.initial_state(), 1
+    state = analytics.evolve(state, seq, _node())
+    rng = np.random.default_rng(3)
+    submitted: list[str] = []
+    ended: set[str] = set()
+    revisions = 0
+    clock = 0.0
+
+    def fold(event: ev.Event) -> list[ev.Event]:
+        nonlocal state, seq
+        seq += 1
+        state = analytics.evolve(state, seq, event)
+        return analytics.decide(state, event)
+
+    for step in range(240):
+        clock += 0.5
+        if step % 3 != 2 or not submitted:  # a sweep keeps arriving while its first jobs end
+            job = f"b{len(submitted)}"
+            spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
+            for made in fold(ev.JobSubmitted(id=f"s{job}", at=clock, job=job, spec=spec, intake_source="t")):
+                fold(made)
+            submitted.append(job)
+            continue
+        job = next(j for j in submitted if j not in ended)
+        ended.add(job)
+        runs = float(rng.choice([20.0, 60.0, 400.0]))
+        allocation = (ev.Allocation(node="n1", gpus=(0,)),)
+        fold(ev.JobPlaced(id=f"p{job}", at=clock, job=job, attempt=0, allocations=allocation))
+        fold(ev.JobStarted(id=f"st{job}", at=clock, job=job, attempt=0, node="n1"))
+        end = ev.JobFinished(id=f"f{job}", at=clock + runs, job=job, attempt=0, outcome="completed")
+        seq += 1
+        state = analytics.evolve(state, seq, end)
+        if step == 120:  # from here on, a state read back from its snapshot
+            state = analytics.decode_state(analytics.encode_state(state))
+        current = {m: state.predicted[m] for m in state.model.mates(job) if m in state.predicted}
+        expected = list(state.model.revise(current, _moved))
+        decided = analytics.decide(state, end)
+        assert [e.job for e in decided] == expected
+        revisions += len(decided)
+        for made in decided:
+            fold(made)
+    assert revisions > 50, "(the mates' predictions did move, in groups of several)"
+    assert set(state.model.grouped) == set(submitted) - ended  # (an ended job leaves its group)
