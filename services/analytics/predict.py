@@ -415,8 +415,8 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         jobs of model ``mu`` and ``error_key`` enough to revise them, else None."""
         if burst_id not in weighed.posteriors:
             burst = self.bursts.get(burst_id)
-            finished = burst is not None and burst.finished
-            weighed.posteriors[burst_id] = self._burst_posterior(burst) if finished else None  # type: ignore[arg-type]
+            posterior = self._burst_posterior(burst) if burst is not None and burst.finished else None
+            weighed.posteriors[burst_id] = posterior
         posterior = weighed.posteriors[burst_id]
         if posterior is None:
             return None
@@ -430,13 +430,13 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         """A prediction of ``job`` was recorded: the one in force when its mates' ends revise it."""
         pending = self.pending.get(job)
         burst = self.bursts.get(pending.burst) if pending is not None else None
-        if burst is None:
+        if pending is None or burst is None:
             return  # (ended, or submitted before the model followed it: never revised)
         self._ungroup(job, burst)
-        key = f"{pending.mu!r}|{pending.error_key}|{seconds!r}|{sigma!r}"  # type: ignore[union-attr]
+        key = f"{pending.mu!r}|{pending.error_key}|{seconds!r}|{sigma!r}"
         group = burst.groups.get(key)
         if group is None:
-            group = burst.groups[key] = RevisionGroup(pending.mu, pending.error_key, (seconds, sigma))  # type: ignore[union-attr]
+            group = burst.groups[key] = RevisionGroup(pending.mu, pending.error_key, (seconds, sigma))
         group.jobs[job] = None
         self.grouped[job] = key
 
