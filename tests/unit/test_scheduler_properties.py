@@ -136,8 +136,9 @@ def _check_placement(
         # A job its own pass placed after the head's turn did not count when the head was weighed: a
         # head stopped then by placement, not by quota, is no quota head (EASY backfill protects only
         # the first job that does not fit), even if the quota is used up by the time of this job.
-        later = (state.jobs[j] for j in same_pass if policy.rank(state.jobs[j], state) > policy.rank(head, state))
-        return used - sum(j.held for j in later if j.spec.vc == vc.vc)
+        placed = (state.jobs[j] for j in same_pass if j in state.jobs)
+        later = (j for j in placed if j.spec.vc == vc.vc and policy.rank(j, state) > policy.rank(head, state))
+        return used - sum(j.held for j in later)
 
     head = next(
         (h for h in ahead if policy.rank(h, state) < rank and used_at_turn(h) + h.spec.gpus > vc.gpu_quota), None
