@@ -3,11 +3,12 @@
 Runs against a fresh embedded nats-server (file storage, as deployed) on this machine:
 
 1. append, one event per round trip (the baseline), pipelined with 256 in flight, and
-   atomic batches of 1,000;
+   appends of 1,000 events (each one stored message, a page);
 1b. durability: the same appends on a server that fsyncs before every acknowledgement
    (``sync_interval: always``, gpuherd's default) and on one with nats-server's own default
    (fsync every 2 minutes), in the same run: appends/s and the ack latency (p50/p99) one at a time,
-   pipelined and in atomic batches of 100: the cost of an acknowledged job surviving a power cut;
+   pipelined, and in appends of 4 and of 100 events, each stored as a page and as an atomic batch
+   (one message per event, as before pages): the cost of an acknowledged job surviving a power cut;
 2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline);
 3. 2,000 submissions through the intake path (the Python client) to a real scheduler
    process, with 100 sim nodes x 8 GPUs emulated in this process (they register, send
@@ -79,12 +80,12 @@ async def bench_appends(log: JetStreamLog, quick: bool) -> list[tuple[str, float
     t = time.perf_counter()
     for i in range(0, n, 1000):
         await log.append(events[i : i + 1000])
-    rows.append(("append, atomic batches of 1,000", n / (time.perf_counter() - t), 0.0))
+    rows.append(("append, 1,000 events an append (a page)", n / (time.perf_counter() - t), 0.0))
     return [(name, rate, rate / single) for name, rate, _ in rows]
 
 
 async def timed_appends(log: JetStreamLog, prefix: str, n: int, per_append: int, in_flight: int) -> dict[str, float]:
-    """``n`` events in appends of ``per_append`` (1: a publish; more: an atomic batch), ``in_flight``
+    """``n`` events in appends of ``per_append`` (1: a publish; more: a page or an atomic batch), ``in_flight``
     appends outstanding at once: events/s, and each append's time to its acknowledgement."""
     events = job_events(prefix, n)
     appends = [events[i : i + per_append] for i in range(0, n, per_append)]
@@ -109,10 +110,15 @@ async def timed_appends(log: JetStreamLog, prefix: str, n: int, per_append: int,
     return {"events_per_s": n / elapsed, "ack_p50_ms": statistics.median(latencies), "ack_p99_ms": pct(latencies, 99)}
 
 
+# (way, events per append, appends in flight, pages): an append of several events is one page (one
+# stored message) unless ``pages`` is off, when it is an atomic batch of one message per event.
 DURABILITY_WAYS = (
-    ("one at a time", 1, 1),
-    ("pipelined, 256 in flight", 1, 256),
-    ("atomic batches of 100", 100, 1),
+    ("one at a time", 1, 1, True),
+    ("pipelined, 256 in flight", 1, 256, True),
+    ("appends of 4: atomic batches (before pages)", 4, 1, False),
+    ("appends of 4: pages", 4, 1, True),
+    ("appends of 100: atomic batches (before pages)", 100, 1, False),
+    ("appends of 100: pages", 100, 1, True),
 )
 
 
@@ -120,17 +126,19 @@ async def bench_durability(data_dir: Path, quick: bool) -> list[dict[str, object
     """The same appends against a server that fsyncs before every ack and one that fsyncs every 2
     minutes (nats-server's default), each on a fresh store, in this run."""
     rows: list[dict[str, object]] = []
-    counts = {1: 300 if quick else 1500, 256: 3000 if quick else 20_000, 100: 3000 if quick else 20_000}
+    counts = {1: 300 if quick else 1500, 256: 3000 if quick else 20_000, 4: 600 if quick else 3000}
+    counts[100] = counts[256]
     for sync in (SYNC_ALWAYS, UNSAFE_SYNC):
         server = NatsServer(data_dir / f"nats-sync-{sync}", sync=sync).start()
         try:
-            log = await open_log(server.url, name="bench-durability")
-            assert isinstance(log, JetStreamLog)
-            for way, per_append, in_flight in DURABILITY_WAYS:
+            for way, per_append, in_flight, pages in DURABILITY_WAYS:
+                log = await open_log(server.url, name="bench-durability", pages=pages)
+                assert isinstance(log, JetStreamLog)
                 n = counts[in_flight if per_append == 1 else per_append]
-                measured = await timed_appends(log, f"d{sync}{per_append}x{in_flight}", n, per_append, in_flight)
+                prefix = f"d{sync}{per_append}x{in_flight}{pages}"
+                measured = await timed_appends(log, prefix, n, per_append, in_flight)
                 rows.append({"sync": sync, "way": way, "events": n, **measured})
-            await log.close()
+                await log.close()
         finally:
             server.stop()
     fast = {r["way"]: r for r in rows if r["sync"] == UNSAFE_SYNC}
@@ -143,7 +151,7 @@ async def naive_replay(log: JetStreamLog) -> int:
     """nats-py's own pull consumer and fetch loop: the baseline the ordered reader replaces."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    last = await log.last_seq()
+    last = int((await log.js.stream_info("HERD")).state.messages)  # (messages: the naive loop does not unpack pages)
     config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await log.js.pull_subscribe("", stream="HERD", config=config)
     count = 0

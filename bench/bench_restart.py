@@ -159,7 +159,7 @@ async def run(args: argparse.Namespace) -> dict:
             free_port(), data_dir, env,
         )  # fmt: skip
         subjects = [scheduler, agent]
-        out: dict = {"jobs": args.jobs, "nodes": args.nodes, "events": head, "append_s": append_s}
+        out: dict = {"jobs": args.jobs, "nodes": args.nodes, "events": len(events), "append_s": append_s}
         for label, n in (("cold", 1), ("restart", 2)):
             with console.status(f"scheduler: {label} start"):
                 out[f"scheduler_{label}"] = await scheduler_round(scheduler, client, n, args.timeout)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import msgspec
@@ -17,7 +19,13 @@ from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cl
 from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
 from gpuherd import events as ev
+from gpuherd.log import Record
 from gpuherd.runtime.audit import audit
+
+
+async def _replay(records: Iterable[Record]) -> AsyncIterator[Record]:
+    for record in records:
+        yield record
 
 
 def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
@@ -37,10 +45,14 @@ def cmd_events(args: argparse.Namespace) -> int:
     async def run() -> int:
         log_ = await open_cli_log(args)
         try:
-            start = 1
+            records: AsyncIterator[Record]
             if args.last and not args.follow:
-                start = max(1, await log_.last_seq() - args.last + 1)
-            async for record in log_.read(start, follow=args.follow):
+                # At least the last N from there (more where a stored message holds several): keep N.
+                tail = collections.deque([r async for r in log_.read(await log_.tail_start(args.last))], args.last)
+                records = _replay(tail)
+            else:
+                records = log_.read(1, follow=args.follow)
+            async for record in records:
                 if not _matches(record.event, args):
                     continue
                 if args.json:
@@ -51,7 +63,7 @@ def cmd_events(args: argparse.Namespace) -> int:
                 for key in ("id", "v", "at"):
                     data.pop(key, None)
                 console.print(
-                    f"[dim]{record.seq:>6} {fmt_time(record.event.at)}[/dim] [bold]{kind}[/bold] "
+                    f"[dim]{record.seq:>8} {fmt_time(record.event.at)}[/dim] [bold]{kind}[/bold] "
                     f"{msgspec.json.encode(data).decode()}",
                     highlight=False,
                     soft_wrap=True,

@@ -23,7 +23,7 @@ import msgspec
 import yaml
 
 from gpuherd import events as ev
-from gpuherd.errors import SubmissionError
+from gpuherd.errors import LogUnavailable, SubmissionError
 from gpuherd.fold import vc_problem
 from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import current_traceparent, tracer
@@ -211,13 +211,27 @@ class Client:
     async def cancel(self, job_id: str, reason: str = "") -> None:
         """Ask for a job to be cancelled (recorded as JobCancelRequested)."""
         log_ = await self._log()
-        if await log_.subject_last_seq(f"herd.job.{job_id}") == 0:
+        if not await self._job_known(log_, job_id):
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
         await log_.append([ev.JobCancelRequested(**self._stamp("cancel"), job=job_id, reason=reason)])
 
     async def job_exists(self, job_id: str) -> bool:
         """Whether the log holds a job of this id (an array's or a workflow's id is no job)."""
-        return await (await self._log()).subject_last_seq(f"herd.job.{job_id}") > 0
+        return await self._job_known(await self._log(), job_id)
+
+    @staticmethod
+    async def _job_known(log_: Any, job_id: str) -> bool:
+        """A job's events may be stored in a page on another job's subject (``gpuherd.log.pages``),
+        which the server's subject index does not see: ask the leading scheduler, which knows every
+        job it has not forgotten yet, before reading the log for it."""
+        subject = f"herd.job.{job_id}"
+        if await log_.subject_last_seq(subject) > 0:
+            return True
+        with contextlib.suppress(LogUnavailable, msgspec.DecodeError):
+            answer = msgspec.json.decode(await log_.request("scheduler.job", job_id.encode(), timeout=2.0))
+            if isinstance(answer, dict) and answer.get("known"):
+                return True
+        return bool(await log_.subject_seen(subject))
 
     async def cancel_jobs(self, job_ids: list[str], reason: str = "") -> None:
         """Ask for several jobs to be cancelled at once (an array's, a workflow's unfinished jobs):
@@ -233,7 +247,7 @@ class Client:
         if steps < 1:
             raise SubmissionError(f"a profile needs at least one step, got {steps}")
         log_ = await self._log()
-        if await log_.subject_last_seq(f"herd.job.{job_id}") == 0:
+        if not await self._job_known(log_, job_id):
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
         request = ev.ProfileRequested(**self._stamp("profile"), job=job_id, steps=steps)
         await log_.append([request])
@@ -293,7 +307,7 @@ class Client:
     async def drain(self, node: str, reason: str = "", *, undrain: bool = False) -> None:
         """Stop (or resume) placing new work on a node; running jobs stay."""
         log_ = await self._log()
-        if await log_.subject_last_seq(f"herd.node.{node}") == 0:
+        if not await log_.subject_seen(f"herd.node.{node}"):
             raise SubmissionError(f"no node {node!r}: see `gpuherd nodes` for the names")
         if undrain:
             await log_.append([ev.NodeUndrained(**self._stamp("undrain"), node=node)])

@@ -57,7 +57,11 @@ class ServiceMetrics:
         self.coalesced = Counter(
             "gpuherd_passes_coalesced", "Waiting events whose pass a later waiting event made", registry=r
         )
-        self.consumer_lag = Gauge("gpuherd_consumer_lag_events", "Events in the log not yet folded", registry=r)
+        self.consumer_lag = Gauge(
+            "gpuherd_consumer_lag_events",
+            "Stored log messages not yet folded (a page of several events counts once)",
+            registry=r,
+        )
         self.folded_seq = Gauge("gpuherd_folded_sequence", "Last log sequence folded", registry=r)
         self.leader = Gauge("gpuherd_leader", "1 while this instance leads its service", registry=r)
         self.dead_letters = Counter(
@@ -293,7 +297,7 @@ async def status_reporter(
         try:
             head = await log_.last_seq()
             seq = folded()
-            lag = max(0, head - seq)
+            lag = log_.behind(seq, head)
             metrics.consumer_lag.set(lag)
             metrics.folded_seq.set(seq)
             status = ServiceStatus(

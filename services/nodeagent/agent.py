@@ -239,6 +239,7 @@ class Agent:
                 await report_unreadable(self.log, record, f"agent-{self.node}", self.metrics)
             reclaimed = self.state.leases.get(event.lease) if isinstance(event, ev.MemoryLeaseReclaimed) else None
             evolve(self.state, record.seq, event)
+            self.snapshots.folded()
             self._remember(event, record.trace, reclaimed)
             if not self.caught_up.is_set():
                 if record.seq >= head:

@@ -10,7 +10,9 @@ Its loops share one ``DeciderRunner`` and run only while this instance leads the
   at once when a node's heartbeats stop, so the decider can declare it lost;
 - at start, ``--policy`` recorded as ``PolicyConfigured`` (when the log differs, or records older
   scheduling rules).
-It also answers ``herd.ctl.scheduler.ready`` once intake listens.
+It also answers ``herd.ctl.scheduler.ready`` once intake listens, and ``herd.ctl.scheduler.job``
+(whether it knows a job: the client's quick check before a cancel, the log's pages hide a job's
+subject from the server's index).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Intake:
         await patiently(consumer.open, what="intake consumer", patience_s=300)
         # Intake listens from here on: a plain NATS request sent from now gets its reply.
         stop_ready = await runner.log.serve_requests("scheduler.ready", self._ready)
+        stop_job = await runner.log.serve_requests("scheduler.job", self._job)
         try:
             while True:
                 for delivery in await consumer.fetch(FETCH, timeout=1.0):
@@ -89,6 +92,8 @@ class Intake:
         finally:
             with contextlib.suppress(Exception):
                 await stop_ready()
+            with contextlib.suppress(Exception):
+                await stop_job()
             await consumer.close()
 
     async def answer(self, decided: Decided) -> None:
@@ -140,6 +145,13 @@ class Intake:
         if self.consumer is not None:
             await self.consumer.ack(delivery)
         log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)
+
+    async def _job(self, data: bytes) -> bytes:
+        """``herd.ctl.scheduler.job``: whether the scheduler knows the job named in the request (one
+        waiting, running or ended and not forgotten yet); "no" means only that it does not know it."""
+        job = data.decode(errors="replace")
+        state = self.runner.state
+        return msgspec.json.encode({"ok": True, "known": job in state.jobs or job in state.outcomes})
 
     async def _ready(self, data: bytes) -> bytes:
         """``herd.ctl.scheduler.ready``: answered by the leading scheduler once intake is live."""

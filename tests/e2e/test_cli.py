@@ -125,6 +125,9 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
     assert kinds[-1] == "JobFinished" and events[-1]["outcome"] == "cancelled"
     placed = cli(data, "events", "--type", "JobPlaced", "--node", "node-2", "--json").stdout.splitlines()
     assert any(json.loads(line)["job"] == long_id for line in placed)
+    every = [json.loads(line) for line in cli(data, "events", "--json").stdout.splitlines()]
+    last = [json.loads(line) for line in cli(data, "events", "--last", "5", "--json").stdout.splitlines()]
+    assert last == every[-5:], "the last five events, however many a stored message holds"
 
     audit = json.loads(cli(data, "replay", "--audit", "--json").stdout)
     assert audit["ok"] and audit["decisions_checked"] >= 2 and audit["mismatches"] == []

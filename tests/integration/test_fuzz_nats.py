@@ -20,6 +20,7 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.errors import EventDecodeError
 from gpuherd.log import HERD, open_log
+from gpuherd.log.pages import PAGE_SLOTS
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
@@ -97,7 +98,7 @@ def test_bad_bytes_on_every_consumed_subject(running: dict[str, Any], payload: b
             try:
                 ev.decode(payload)  # a few draws are valid events (every field has a default): not dead letters
             except EventDecodeError:
-                running["stored"].append(ack.seq)
+                running["stored"].append(ack.seq * PAGE_SLOTS)  # its position (a fresh log: pages)
         verdict = await client.submit_raw(payload, timeout=30)
         assert verdict.ok is False and verdict.error, verdict
         await log_.nc.publish("herd.telemetry.n1.heartbeat", payload)

@@ -280,9 +280,9 @@ async def test_the_dashboard_reads_and_appends_only_operator_commands(secured: A
     await log_.require_streams(timeout=10)
     before = await _count(admin, "HERD")
     drained = ev.NodeDrained(id=f"t-{secrets.token_hex(4)}", node="n1", reason="maintenance")
-    await log_.append([drained])  # a drain from its page, on the node's own subject
+    stored = await log_.append([drained])  # a drain from its page, on the node's own subject
     assert await _count(admin, "HERD") == before + 1
-    assert [r.event.id for r in await log_.read_all(before + 1)] == [drained.id]
+    assert [r.event.id for r in await log_.read_all(stored.seqs[0])] == [drained.id]
     # Never an agent's report, a lease, intake, or another service's status.
     assert await dashboard.refused("herd.job.j1.by.n1", _event("j1"))
     assert await dashboard.refused("herd.lease.l1", b"{}")

@@ -25,12 +25,13 @@ class FailingOver:
         self.calls += 1
         if self.calls <= self.failures:
             raise nats.errors.TimeoutError
-        return types.SimpleNamespace(seq=42)
+        return types.SimpleNamespace(seq=42, headers=None)
 
 
 def log_with(js: FailingOver, patience_s: float) -> JetStreamLog:
     log = JetStreamLog(NatsClient(), JetStreamSettings(outage_patience_s=patience_s))
     log.js = js  # type: ignore[assignment]
+    log._slots = 1  # positions = sequences (a log from before pages): the fake has no stream to ask
     return log
 
 

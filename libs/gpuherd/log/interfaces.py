@@ -59,8 +59,16 @@ class EventStore(abc.ABC):
         """Append events all-or-nothing, in order; ``trace``: the traceparent of all, or of each.
 
         ``expect`` maps a subject to the last sequence it must still have (0: no
-        event yet) or ConcurrencyError is raised and nothing is written. Events
-        whose ids the log already holds make the call a no-op (``duplicate``).
+        event yet) or ConcurrencyError is raised and nothing is written. Appending
+        again what an earlier call appended (the same events, by id) is a no-op
+        (``duplicate``). Positions (``AppendResult.seqs``, ``Record.seq``) increase
+        and are unique but need not be contiguous (JetStream's pages).
+
+        An append that shares only some of its ids with stored events is refused
+        as a duplicate by the in-memory log but may be stored by JetStream, which
+        deduplicates a page of events whole: no writer forms such appends (a
+        decider's ids encode their cause, and a cause decided once is not decided
+        again; agents append one event at a time).
         """
 
     @abc.abstractmethod
@@ -79,6 +87,21 @@ class EventStore(abc.ABC):
     @abc.abstractmethod
     async def subject_last_seq(self, subject: str) -> int:
         """The sequence of the newest event on ``subject`` (0 when there is none)."""
+
+    async def subject_seen(self, subject: str) -> bool:
+        """Whether any event on ``subject`` is in the log (where the server cannot tell, as for an
+        event stored in a page on another subject, by reading the log)."""
+        return await self.subject_last_seq(subject) > 0
+
+    async def tail_start(self, events: int) -> int:
+        """A position from which reading yields at least the last ``events`` events (more where
+        positions are not contiguous: JetStream's pages)."""
+        return max(1, await self.last_seq() - events + 1)
+
+    def behind(self, folded: int, head: int) -> int:
+        """How far a reader that folded up to position ``folded`` is behind position ``head``: in
+        events here, in stored messages where positions are not contiguous (JetStream's pages)."""
+        return max(0, head - folded)
 
     async def read_all(self, start: int = 1, stop: int | None = None) -> list[Record]:
         return [r async for r in self.read(start, stop=stop)]

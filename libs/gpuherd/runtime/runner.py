@@ -284,7 +284,7 @@ class DeciderRunner(Generic[S]):
         """Forget everything folded: a standby that leads again starts from the snapshot and the log."""
         self.core = DecisionCore(self.decider)
         self.caught_up = asyncio.Event()
-        self.snapshots.seq = 0
+        self.snapshots.seq = self.snapshots.since = 0
         self._coalesced_seen = 0
         self._fence = None
 
@@ -303,6 +303,7 @@ class DeciderRunner(Generic[S]):
             if isinstance(record.event, ev.Unreadable):
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.core.fold(record, time.perf_counter())
+            self.snapshots.folded()
             if self.stages is not None:
                 self.stages.folded(record.seq)
             self.metrics.events_consumed.inc()

@@ -62,15 +62,21 @@ async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, 
 @dataclass
 class Cadence:
     """When a fold's next snapshot is due: ``every`` events after the last one, or ``interval_s``
-    after it if anything was folded since (a quiet fold is not snapshotted again and again)."""
+    after it if anything was folded since (a quiet fold is not snapshotted again and again).
+    Events are counted as they are folded (``folded``): log positions are not contiguous (a page
+    of events spans a message's positions), so a distance between positions counts nothing."""
 
     every: int
     interval_s: float
-    seq: int = 0  # the sequence the last snapshot (saved or loaded) was folded to
+    seq: int = 0  # the position the last snapshot (saved or loaded) was folded to
     at: float = field(default_factory=time.monotonic)
+    since: int = 0  # events folded since that snapshot
+
+    def folded(self, events: int = 1) -> None:
+        self.since += events
 
     def due(self, seq: int) -> bool:
-        return seq - self.seq >= self.every or (seq > self.seq and time.monotonic() - self.at >= self.interval_s)
+        return seq > self.seq and (self.since >= self.every or time.monotonic() - self.at >= self.interval_s)
 
     def taken(self, seq: int) -> None:
-        self.seq, self.at = seq, time.monotonic()
+        self.seq, self.at, self.since = seq, time.monotonic(), 0
