@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import msgspec
@@ -176,15 +176,17 @@ async def baseline(url: str, n: int) -> float:
         await nc.close()
 
 
-def decision_latencies(records: list[Record]) -> list[float]:
-    """Per scheduler decision: its stored time minus its cause's stored time (seconds)."""
-    stored_at: dict[str, float] = {}
-    out = []
+def decision_latencies(records: list[Record]) -> dict[str, list[float]]:
+    """Per scheduler decision: its stored time minus its cause's stored time (seconds), by
+    ``<decision> <- <cause>`` (the event types)."""
+    stored: dict[str, tuple[str, float]] = {}
+    out: dict[str, list[float]] = defaultdict(list)
     for record in records:
         event, at = record.event, record.stored_at or 0.0
-        stored_at[event.id] = at
-        if event.source == "scheduler" and isinstance(event, ev.Decision) and event.cause in stored_at:
-            out.append(at - stored_at[event.cause])
+        stored[event.id] = (type(event).__name__, at)
+        if event.source == "scheduler" and isinstance(event, ev.Decision) and event.cause in stored:
+            cause, cause_at = stored[event.cause]
+            out[f"{type(event).__name__} <- {cause}"].append(at - cause_at)
     return out
 
 
@@ -372,7 +374,8 @@ async def run(args: argparse.Namespace) -> dict:
 
         records = await log_.read_all(head0 + 1)
         log_messages = int((await log_.js.stream_info("HERD")).state.last_seq) - messages0
-        latencies = decision_latencies(records)
+        by_kind = decision_latencies(records)
+        latencies = [latency for kind in by_kind.values() for latency in kind]
         log_events = len(records)
         stages: list[dict] = []
         if args.trace_decisions:
@@ -404,6 +407,10 @@ async def run(args: argparse.Namespace) -> dict:
         "placements_per_s": place_rate,
         "decision_p50_ms": quantile(latencies, 0.5) * 1e3,
         "decision_p99_ms": quantile(latencies, 0.99) * 1e3,
+        "decisions_by_kind": {
+            kind: {"n": len(values), "p50_ms": quantile(values, 0.5) * 1e3, "p99_ms": quantile(values, 0.99) * 1e3}
+            for kind, values in sorted(by_kind.items(), key=lambda item: -len(item[1]))
+        },
         "verdict_p50_ms": quantile(verdict_s, 0.5) * 1e3,
         "verdict_p99_ms": quantile(verdict_s, 0.99) * 1e3,
         "scheduler_own_mean_ms": own_ms,
@@ -473,6 +480,12 @@ def print_table(r: dict) -> None:
     table.add_row("jobs lost", str(r["lost"]), "", "0")
     table.add_row("wall time (s)", f"{r['wall_s']:.1f}", "", "")
     Console(width=120).print(table)
+    kinds = Table(title="decision latency by decision <- cause (ms)")
+    for column in ("decision <- cause", "decisions", "p50", "p99"):
+        kinds.add_column(column, justify="left" if column == "decision <- cause" else "right")
+    for kind, row in r["decisions_by_kind"].items():
+        kinds.add_row(kind, f"{row['n']:,}", f"{row['p50_ms']:.1f}", f"{row['p99_ms']:.1f}")
+    Console(width=120).print(kinds)
     if r["stages"]:
         stages = Table(title=f"where a submission's time goes ({r['stages'][0]['n']:,} traced, ms)")
         for column in ("stage", "p50", "p99"):

@@ -38,6 +38,7 @@ from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
 from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.log.pages import PAGE_HEADER, decode_page
 from gpuherd.natsd import SYNC_ALWAYS, UNSAFE_SYNC, NatsServer
 
 console = Console()
@@ -151,16 +152,22 @@ async def naive_replay(log: JetStreamLog) -> int:
     """nats-py's own pull consumer and fetch loop: the baseline the ordered reader replaces."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    last = int((await log.js.stream_info("HERD")).state.messages)  # (messages: the naive loop does not unpack pages)
+    stored = int((await log.js.stream_info("HERD")).state.messages)
     config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await log.js.pull_subscribe("", stream="HERD", config=config)
-    count = 0
-    while count < last:
+    messages = events = 0
+    while messages < stored:
         for msg in await sub.fetch(batch=1000, timeout=5):
+            messages += 1
+            if msg.headers and PAGE_HEADER in msg.headers:  # a page: its events, as the ordered reader does
+                for data, _ in decode_page(msg.data):
+                    ev.decode(data)
+                    events += 1
+                continue
             ev.decode(msg.data)
-            count += 1
+            events += 1
     await sub.unsubscribe()
-    return count
+    return events
 
 
 async def bench_replay(log: JetStreamLog) -> list[tuple[str, float, float]]:
