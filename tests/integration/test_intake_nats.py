@@ -180,3 +180,22 @@ async def test_a_verdict_whose_reply_was_lost_reaches_the_client_through_a_new_c
     assert lost, "no reply was lost: the test did not test the loss"
     state = await wait_state(log, lambda s: job in s.jobs, 10)
     assert [j.spec.intake_id for j in state.jobs.values()].count("lost-1") == 1
+
+
+async def test_the_scheduler_says_which_jobs_it_knows(cluster) -> None:
+    """``herd.ctl.scheduler.job``: the client's quick check before a cancel (a job accepted in a
+    batch is stored in a page on another job's subject, which the server's subject index misses)."""
+    services, log = cluster
+    client = await Client.connect(services.url, source="teamA")
+    try:
+        jobs = await asyncio.gather(*(client.submit(GOOD | {"name": f"k{i}"}, timeout=20) for i in range(4)))
+        await wait_state(log, lambda s: all(job in s.jobs for job in jobs), 20)
+        for job in jobs:
+            answer = msgspec.json.decode(await log.request("scheduler.job", job.encode(), timeout=5))
+            assert answer == {"ok": True, "known": True}
+            assert await client.job_exists(job)
+        unknown = msgspec.json.decode(await log.request("scheduler.job", b"j-nobody", timeout=5))
+        assert unknown == {"ok": True, "known": False}
+        assert not await client.job_exists("j-nobody")
+    finally:
+        await client.close()

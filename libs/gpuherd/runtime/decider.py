@@ -236,7 +236,7 @@ def refused(command: ev.Event, reason: str) -> ev.CommandRefused:
     return ev.CommandRefused(command=type(command).__name__, command_id=command.id, reason=reason)
 
 
-MAX_BATCH_DECISIONS = 500  # decisions appended at once (one atomic batch holds up to 1,000 events)
+MAX_BATCH_DECISIONS = 500  # decisions appended at once (one append, all or nothing, holds up to 1,000 events)
 
 
 def decision_id(service: str, cause_seq: int, n: int) -> str:
