@@ -163,3 +163,26 @@ async def test_any_window_of_positions_reads_exactly_the_events_in_it(nats_url: 
             assert [r.event.id for r in got] == [ids[p] for p in want]
     finally:
         await log_.close()
+
+
+async def test_a_paged_log_whose_metadata_was_dropped_is_refused_not_misnumbered(local_nats) -> None:
+    import pytest
+
+    from gpuherd.errors import LogError
+
+    log_ = await JetStreamLog.open(local_nats.url, persistent=False)
+    try:
+        await log_.append([cancel(uid()) for _ in range(3)])
+        # What an older gpuherd's stream update does: its config has no metadata, which clears ours.
+        config = (await log_.js.stream_info(HERD)).config
+        config.metadata = None
+        await log_.js.update_stream(config)
+        assert POSITIONS_METADATA not in ((await log_.js.stream_info(HERD)).config.metadata or {})
+    finally:
+        await log_.close()
+    again = await JetStreamLog.open(local_nats.url, persistent=False)
+    try:
+        with pytest.raises(LogError, match=POSITIONS_METADATA):
+            await again.read_all()
+    finally:
+        await again.close()

@@ -95,6 +95,13 @@ _OUTAGE = (
     nats.js.errors.ServiceUnavailableError,
 )
 _HEADROOM = 64 * 1024  # of the server's payload limit, left for a page's headers
+# A page in a stream whose metadata says positions = sequences: the metadata was dropped (a stream
+# config update without it, as gpuherd before pages makes, clears it). Reading on would misnumber.
+_LOST_POSITIONS = (
+    f"stream {HERD} holds a page of events (message {{seq}}) but its metadata lacks "
+    f"{POSITIONS_METADATA}={PAGE_SLOTS}: an older gpuherd (or a hand edit) updated the stream's config; "
+    f"put that key back in the stream's metadata (a JetStream stream update) before reading it"
+)
 _batch_numbers = itertools.count(1)  # batch ids: unique per process, with the client id and clock
 
 
@@ -579,6 +586,8 @@ class JetStreamLog(EventLog):
             stored_at = stream_time(msg.reply) if msg.reply else None
             headers = msg.headers
             if headers and PAGE_HEADER in headers:
+                if slots == 1:
+                    raise LogError(_LOST_POSITIONS.format(seq=seq))
                 for index, (event, trace) in enumerate(_unpack(msg)):
                     if position + index < start:
                         continue
