@@ -350,21 +350,18 @@ class JetStreamLog(EventLog):
     async def _ensure_stream(self, config: StreamConfig) -> None:
         for attempt in range(40):
             try:
-                try:
-                    # Looking first means a user without the right to manage streams (a reader, a
-                    # service) never asks to: on a set-up cluster there is nothing to change.
+                # Looking first means a user without the right to manage streams (a reader, a
+                # service) never asks to: on a set-up cluster there is nothing to change.
+                info = None
+                with contextlib.suppress(nats.js.errors.NotFoundError):
                     info = await self.js.stream_info(config.name)
-                    if config.name == HERD:
-                        # An empty stream from before pages starts with them (recorded below).
-                        empty = not int(info.state.last_seq or 0)
-                        self._slots = PAGE_SLOTS if empty and not _recorded_slots(info) else _slots_of(info)
-                        config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(self._slots)}
-                    if _same_config(info, config):
-                        return
-                except nats.js.errors.NotFoundError:
-                    if config.name == HERD:
-                        self._slots = PAGE_SLOTS
-                        config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(PAGE_SLOTS)}
+                if config.name == HERD:
+                    # A new stream, or an empty one from before pages, starts with pages (recorded here).
+                    fresh = info is None or not (int(info.state.last_seq or 0) or _recorded_slots(info))
+                    self._slots = PAGE_SLOTS if fresh else _slots_of(info)
+                    config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(self._slots)}
+                if info is not None and _same_config(info, config):
+                    return
                 try:
                     await self.js.add_stream(config)
                 except nats.js.errors.BadRequestError as exc:
@@ -586,9 +583,7 @@ class JetStreamLog(EventLog):
             stored_at = stream_time(msg.reply) if msg.reply else None
             headers = msg.headers
             if headers and PAGE_HEADER in headers:
-                if slots == 1:
-                    raise LogError(_LOST_POSITIONS.format(seq=seq))
-                for index, (event, trace) in enumerate(_unpack(msg)):
+                for index, (event, trace) in enumerate(_unpack(msg, slots, seq)):
                     if position + index < start:
                         continue
                     if stop is not None and position + index > stop:
@@ -653,7 +648,8 @@ class JetStreamLog(EventLog):
                 return 0
             position = int(msg.seq or 0) * slots
             if msg.headers and PAGE_HEADER in msg.headers:
-                on_subject = [n for n, (event, _) in enumerate(_unpack(msg)) if event.subject() == subject]
+                page = _unpack(msg, slots, int(msg.seq or 0))
+                on_subject = [n for n, (event, _) in enumerate(page) if event.subject() == subject]
                 return position + (on_subject[-1] if on_subject else 0)
             return position
 
@@ -779,9 +775,12 @@ _COMPARED = (
 )  # fmt: skip
 
 
-def _unpack(msg: Any) -> list[tuple[ev.Event, str | None]]:
-    """The events of a stored page and their traceparents; what does not decode is ``Unreadable``
-    (the whole message where it is no page), so a bad page neither stops a reader nor vanishes."""
+def _unpack(msg: Any, slots: int, seq: int) -> list[tuple[ev.Event, str | None]]:
+    """The events of the page stored at ``seq`` and their traceparents; what does not decode is
+    ``Unreadable`` (the whole message where it is no page), so a bad page neither stops a reader nor
+    vanishes. A page in a stream that numbers positions as sequences is refused (``_LOST_POSITIONS``)."""
+    if slots == 1:
+        raise LogError(_LOST_POSITIONS.format(seq=seq))
     try:
         page = decode_page(msg.data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
