@@ -107,7 +107,9 @@ class InProcessLog(EventLog):
             seqs.extend(result.seqs)
         return seqs
 
-    async def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
+    async def read(
+        self, start: int = 1, *, stop: int | None = None, follow: bool = False, linger_s: float = 0.0
+    ) -> AsyncIterator[Record]:
         end = None if follow else (stop if stop is not None else len(self._records))
         seq = max(start, 1)
         while end is None or seq <= end:

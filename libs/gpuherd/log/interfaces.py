@@ -77,9 +77,13 @@ class EventStore(abc.ABC):
         is idempotent by its id, so a batch refused for one duplicate can be appended this way."""
 
     @abc.abstractmethod
-    def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
+    def read(
+        self, start: int = 1, *, stop: int | None = None, follow: bool = False, linger_s: float = 0.0
+    ) -> AsyncIterator[Record]:
         """Events in sequence order from ``start``; up to ``stop`` (default: the end
-        when called), or forever with ``follow``."""
+        when called), or forever with ``follow``. A follower no decision waits on may ``linger``:
+        take what is stored in batches up to ``linger_s`` apart while events flow, not each as it
+        is stored (a log whose reads cost nothing per wake-up ignores it)."""
 
     @abc.abstractmethod
     async def last_seq(self) -> int: ...

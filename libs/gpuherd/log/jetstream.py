@@ -569,7 +569,9 @@ class JetStreamLog(EventLog):
         await asyncio.gather(*tasks)
         return seqs
 
-    async def read(self, start: int = 1, *, stop: int | None = None, follow: bool = False) -> AsyncIterator[Record]:
+    async def read(
+        self, start: int = 1, *, stop: int | None = None, follow: bool = False, linger_s: float = 0.0
+    ) -> AsyncIterator[Record]:
         slots = await self._positions()
         if not follow and stop is None:
             stop = await self.last_seq()
@@ -578,7 +580,9 @@ class JetStreamLog(EventLog):
             return
         first_message = max(start // slots, 1)
         last_message = None if stop is None else stop // slots
-        async for seq, msg in ordered_messages(self.nc, self.js, HERD, first_message, stop=last_message, follow=follow):
+        async for seq, msg in ordered_messages(
+            self.nc, self.js, HERD, first_message, stop=last_message, follow=follow, linger_s=linger_s
+        ):
             position = seq * slots
             stored_at = stream_time(msg.reply) if msg.reply else None
             headers = msg.headers

@@ -102,6 +102,7 @@ class DeciderRunner(Generic[S]):
         metrics: ServiceMetrics | None = None,
         on_external: OnDecided | None = None,
         on_refused: OnRefused | None = None,
+        read_linger_s: float = 0.0,
     ) -> None:
         self.log = log_
         self.decider = decider
@@ -117,6 +118,7 @@ class DeciderRunner(Generic[S]):
         self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
+        self.read_linger_s = read_linger_s  # (see EventStore.read) for a decider nothing waits on at once
         self._leadership: Leadership | None = None
         self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
         self._wake = asyncio.Event()  # an external input arrived
@@ -299,7 +301,7 @@ class DeciderRunner(Generic[S]):
         if self.core.caught_up:
             self.caught_up.set()
         log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
-        async for record in self.log.read(self.state.seq + 1, follow=True):
+        async for record in self.log.read(self.state.seq + 1, follow=True, linger_s=self.read_linger_s):
             if isinstance(record.event, ev.Unreadable):
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.core.fold(record, time.perf_counter())

@@ -36,6 +36,7 @@ async def serve_decider(
     instance: str | None = None,
     metrics_port: int | None = None,
     setup: Callable[[DeciderRunner[Any]], None] | None = None,
+    read_linger_s: float = 0.0,
 ) -> None:
     """Run ``decider`` on the log at ``url`` until SIGTERM; append ``configured`` first when given.
     ``setup`` adjusts the runner before it starts (a scheduler's intake, its cluster metrics)."""
@@ -44,7 +45,7 @@ async def serve_decider(
     try:
         if configured is not None:
             await append_reliably(log_, [configured])
-        runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=extra_tasks)
+        runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=extra_tasks, read_linger_s=read_linger_s)
         if setup is not None:
             setup(runner)
         await serve_until_signal_with_http(runner, metrics_port)
