@@ -10,7 +10,7 @@ from typing import Any
 
 from gpuherd import events as ev
 from gpuherd.runtime.runner import ExtraTask
-from gpuherd.runtime.spec import ServiceSpec, Simulated, TimerSpec
+from gpuherd.runtime.spec import BACKGROUND_NICE, ServiceSpec, Simulated, TimerSpec
 from services.analytics.ces import CesParams
 from services.analytics.decide import AnalyticsDecider
 from services.analytics.service import reporter
@@ -74,4 +74,5 @@ SPEC = ServiceSpec(
     setup=lambda runner, args: runner.metrics.watch_cluster(lambda: runner.state),
     simulated=_simulated,
     local_argv=lambda ctx: ["--report-dir", str(ctx.data_dir / "report")],
+    nice=BACKGROUND_NICE,
 )

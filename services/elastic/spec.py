@@ -9,12 +9,16 @@ from collections.abc import Awaitable
 
 from gpuherd import events as ev
 from gpuherd.runtime.runner import DeciderRunner
-from gpuherd.runtime.spec import TimerSpec, switched_decider
+from gpuherd.runtime.spec import BACKGROUND_NICE, TimerSpec, switched_decider
 from services.elastic.decide import ElasticDecider
 from services.elastic.policy import ElasticParams, next_due, params_from
 from services.elastic.state import ElasticState
 
 TICK_S = 10.0  # live: how often the timer looks whether a decision is due
+# A rescale is weighed over seconds of profiles and is worth it over minutes: reading the log in
+# batches up to 20 ms apart costs a proposal at most that, and spares the host a wake-up for every
+# job event.
+READ_LINGER_S = 0.02
 
 
 def _next_due(state: ElasticState) -> float | None:
@@ -55,4 +59,6 @@ SPEC = switched_decider(
     "grows and shrinks running elastic jobs",
     TimerSpec(ev.ElasticTicked, TICK_S, needed=lambda state: False, due=_next_due),
     tasks=lambda args: [rules_recorder],
+    read_linger_s=READ_LINGER_S,
+    nice=BACKGROUND_NICE,
 )

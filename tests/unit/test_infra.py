@@ -54,6 +54,17 @@ def test_every_command_exists_in_the_cli(compose: dict[str, Any]) -> None:
             shell.build_parser(registry.spec(argv[1])).parse_args(argv[2:])
 
 
+def test_background_deciders_yield_the_cpu_in_compose_as_they_do_on_one_host(compose: dict[str, Any]) -> None:
+    """A service whose spec lowers its priority (``nice``) gets a lower CPU weight in compose, where a
+    process's nice does not reach past its container; the others keep the default."""
+    for name, service in _gpuherd_services(compose).items():
+        argv = service["command"]
+        if argv[0] != "serve":
+            continue
+        spec = registry.spec(argv[1])
+        assert (service.get("cpu_shares", 1024) < 1024) == (spec.nice > 0), name
+
+
 def test_three_nats_servers_with_health_checks_and_volumes(compose: dict[str, Any]) -> None:
     servers = {n: s for n, s in compose["services"].items() if n.startswith("nats-")}
     assert sorted(servers) == ["nats-1", "nats-2", "nats-3"]

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import Sequence
 from typing import Any
 
-from gpuherd.obs import configure
+from gpuherd.obs import configure, get_logger
 from gpuherd.runtime.decider import Decider
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from gpuherd.runtime.serve import configured_event, serve_decider
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.runtime.timers import clock_ticker
 from gpuherd.service_args import add_params_argument, params_argument, service_parser
+
+log = get_logger("gpuherd.runtime")
 
 
 def build_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
@@ -33,6 +36,20 @@ def build_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
         add_params_argument(parser, spec.params.example)
     if spec.timer is not None:
         parser.add_argument("--tick", type=float, default=spec.timer.every_s, help="seconds between its timer's ticks")
+    parser.add_argument(
+        "--read-linger-ms",
+        type=float,
+        default=spec.read_linger_s * 1000,
+        help="while events flow, let them gather this long between reads of the log (fewer wake-ups, "
+        f"later decisions; 0: read each as it is stored; default {spec.read_linger_s * 1000:g})",
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=spec.nice,
+        help="yield the CPU by this nice increment to the processes decisions wait on, where they share a "
+        f"host (default {spec.nice})",
+    )
     if spec.add_arguments is not None:
         spec.add_arguments(parser)
     return parser
@@ -50,6 +67,16 @@ def live_tasks(spec: ServiceSpec, decider: Decider[Any], args: argparse.Namespac
     return tasks
 
 
+def yield_cpu(service: str, increment: int) -> None:
+    """Lower this process's CPU priority by ``increment`` (a background decider on a shared host)."""
+    if increment <= 0:
+        return
+    try:
+        os.nice(increment)
+    except OSError as exc:  # a sandbox that forbids it: run at the priority given
+        log.warning("cannot lower the CPU priority", service=service, nice=increment, error=str(exc))
+
+
 def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) -> None:
     """Run ``spec``'s process with ``argv`` until SIGTERM; a reader is handed ``peers``, the other
     services' specs (what they offer it: an explainer of a queue, deciders to audit)."""
@@ -64,6 +91,7 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
     parser = build_parser(spec)
     args = parser.parse_args(argv)
     configure(spec.name)
+    yield_cpu(spec.name, args.nice)
     try:
         decider = spec.live_decider(args) if spec.live_decider is not None else spec.decider()  # type: ignore[misc]
     except ValueError as exc:
@@ -90,5 +118,6 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
             instance=args.instance,
             metrics_port=args.metrics_port,
             setup=setup,
+            read_linger_s=max(0.0, args.read_linger_ms / 1000),
         )
     )

@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # (the runner imports the log client: a spec is read without 
     from gpuherd.security import Permissions
 
 Role = Literal["decider", "agent", "reader"]
+# The ``nice`` of a decider no decision waits on within milliseconds (predictions, rescales, leases):
+# on a host it shares, the CPU goes first to the scheduler, the agents and NATS when they need it.
+BACKGROUND_NICE = 10
 # decider: folds the log and appends decisions, one leader at a time (the generic shell runs it);
 # agent:   one process per node, carrying decisions out (its own main);
 # reader:  reads the log and decides nothing (its own main; e.g. the dashboard).
@@ -120,6 +123,13 @@ class ServiceSpec:
     tasks: Callable[[argparse.Namespace], Sequence[ExtraTask]] = lambda args: ()  # loops beside the runner's
     setup: Callable[[DeciderRunner[Any], argparse.Namespace], None] | None = None  # adjusts the runner
     auditable: bool = False  # the audit re-derives every decision it made
+    # How long its live reader lets events gather between pulls while they flow (``--read-linger-ms``;
+    # 0: woken by each event as it is stored). Only for a decider nothing waits on within
+    # milliseconds: it then costs the host a wake-up per pull, not per event.
+    read_linger_s: float = 0.0
+    # How far it yields the CPU to the processes decisions wait on (the scheduler, the agents, NATS)
+    # where they share a host: a ``nice`` increment its process takes at start (``--nice``).
+    nice: int = 0
     # A fresh explainer of its queue (folds from the start, says why each job waits and when it
     # starts), for readers that show it (the dashboard).
     explainer: Callable[[], QueueExplainer] | None = None
@@ -177,6 +187,8 @@ def switched_decider(
     about: str,
     timer: TimerSpec,
     tasks: Callable[[argparse.Namespace], Sequence[ExtraTask]] = lambda args: (),
+    read_linger_s: float = 0.0,
+    nice: int = 0,
 ) -> ServiceSpec:
     """The spec of a decider with a parameters command (``--params``, its ``PARAMS_EXAMPLE`` in the
     help) and a timer, which takes part in a simulation when its name is a switch that is on
@@ -201,4 +213,6 @@ def switched_decider(
         auditable=True,
         simulated=simulated,
         local_argv=lambda ctx: [],
+        read_linger_s=read_linger_s,
+        nice=nice,
     )
