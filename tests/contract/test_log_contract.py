@@ -152,7 +152,9 @@ async def test_durable_consumer_resumes_after_last_ack(log: EventLog) -> None:
     assert got[0].headers.get("k") == "0"
     await consumer.ack(got[0])
     await consumer.ack(got[1])
-    # m2 was not acknowledged: a new consumer object with the same name gets it again after ack_wait.
+    # m2 was not acknowledged: closed (as a stopping service closes it), the next consumer object with
+    # the same name gets it again after ack_wait.
+    await consumer.close()
     again = log.intake_consumer(name, ack_wait=1.0)
     redelivered: list = []
     for _ in range(20):
