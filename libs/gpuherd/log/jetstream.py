@@ -854,21 +854,10 @@ def _content_key(subject: str, data: bytes) -> bytes:
 
 
 class _JetStreamConsumer(DurableConsumer):
-    """A durable pull consumer that keeps one pull request open at the server, so a message is
-    pushed to it as soon as it is stored (nats-py's ``fetch`` asks anew on every call, with a
-    no-wait probe first: two round trips before a message that arrives between calls moves).
-    A request ends when its batch is used up, it expires, or the server says so; the next
-    ``fetch`` then asks again, as it does when the server has gone quiet (no message and no
-    heartbeat: a failover or a restart dropped the request) or the connection was re-made.
-
-    On the intake stream it also learns the reply inbox of plain NATS requests (the stream keeps
-    no reply subject), so the verdict can answer them: a core subscription sees the request first
-    and the stored copy is matched to it by subject and content."""
-
-    BATCH = 512  # messages one pull request may deliver
-    EXPIRES_S = 5.0
-    HEARTBEAT_S = 1.0
-    SILENCE_S = 3.0  # no message or heartbeat for this long: the request is gone, ask again
+    """A durable pull consumer. On the intake stream it also learns the reply
+    inbox of plain NATS requests (the stream keeps no reply subject), so the
+    verdict can answer them: a core subscription sees the request first and
+    the stored copy is matched to it by subject and content."""
 
     def __init__(self, log_: JetStreamLog, stream: str, name: str, ack_wait: float) -> None:
         self._log = log_
@@ -876,16 +865,7 @@ class _JetStreamConsumer(DurableConsumer):
         self._name = name
         self._ack_wait = ack_wait
         self._sub: Any = None
-        self._inbox = ""
         self._requests: Any = None
-        self._buffer: collections.deque[Msg] = collections.deque()
-        self._arrived = asyncio.Event()
-        self._remaining = 0  # messages the open pull request may still deliver
-        self._heard = 0.0  # (monotonic) the last message, status or heartbeat, or the last request
-        self._asked_at = 0.0  # (wall) when the open request was sent
-        self._pull_request = msgspec.json.encode(
-            {"batch": self.BATCH, "expires": int(self.EXPIRES_S * 1e9), "idle_heartbeat": int(self.HEARTBEAT_S * 1e9)}
-        )
         # (oldest first; an OrderedDict drops its oldest at once, where a dict scans the holes of earlier drops)
         self._reply_inboxes: collections.OrderedDict[bytes, collections.deque[str]] = collections.OrderedDict()
 
@@ -912,48 +892,16 @@ class _JetStreamConsumer(DurableConsumer):
                 deliver_policy=DeliverPolicy.ALL,
                 max_ack_pending=10_000,
             )
-            jsm = self._log.js._jsm
-            try:
-                await jsm.consumer_info(self._stream, self._name)
-            except nats.js.errors.NotFoundError:
-                await jsm.add_consumer(self._stream, config=config)
-
-            async def on_message(msg: Msg) -> None:
-                self._buffer.append(msg)
-                self._arrived.set()
-
-            self._inbox = self._log.nc.new_inbox()
-            self._sub = await self._log.nc.subscribe(self._inbox, cb=on_message, pending_msgs_limit=4 * self.BATCH)
-            self._remaining = 0
+            self._sub = await self._log.js.pull_subscribe("", durable=self._name, stream=self._stream, config=config)
         return self._sub
-
-    async def _ask(self) -> None:
-        """Open a pull request where none is (or where it is lost)."""
-        quiet = time.monotonic() - self._heard > self.SILENCE_S
-        reconnected = self._log.connected_since() > self._asked_at
-        if self._remaining > 0 and not quiet and not reconnected:
-            return
-        await self._log.nc.publish(
-            f"$JS.API.CONSUMER.MSG.NEXT.{self._stream}.{self._name}", self._pull_request, reply=self._inbox
-        )
-        self._remaining = self.BATCH
-        self._heard = time.monotonic()
-        self._asked_at = time.time()
-
-    async def _drop_pull(self) -> None:
-        sub, self._sub = self._sub, None
-        self._buffer.clear()  # (unacknowledged: the server delivers them again)
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
 
     async def open(self) -> None:
         await self._watch_requests()
         await self._subscription()
 
     async def close(self) -> None:
-        """Unsubscribe at once (a message the open request delivers later comes back to the next
-        consumer after ``ack_wait``)."""
+        """Unsubscribe at once: left to the connection's drain, a pull subscription whose last fetch
+        was cancelled holds the drain until its timeout (seconds of a service's shutdown)."""
         subs, self._sub, self._requests = (self._sub, self._requests), None, None
         for sub in subs:
             if sub is not None:
@@ -963,36 +911,15 @@ class _JetStreamConsumer(DurableConsumer):
     async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
         try:
             await self._watch_requests()
-            await self._subscription()
-            await self._ask()
-            if not self._buffer:
-                self._arrived.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), timeout)
-        except (nats.errors.Error, nats.js.errors.Error, ConnectionError, TimeoutError) as exc:
+            sub = await self._subscription()
+            msgs = await sub.fetch(batch=max_messages, timeout=timeout)
+        except TimeoutError:  # nats-py raises both its own and the builtin one
+            return []
+        except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
             log.warning("durable consumer fetch failed; retrying", consumer=self._name, error=repr(exc))
-            await self._drop_pull()
+            self._sub = None
             await asyncio.sleep(0.2)
             return []
-        msgs: list[Msg] = []
-        refused = ""
-        while self._buffer and len(msgs) < max_messages:
-            msg = self._buffer.popleft()
-            self._heard = time.monotonic()
-            headers = msg.headers
-            if not msg.data and headers and "Status" in headers:
-                status = headers["Status"]
-                if status != "100":  # not a heartbeat: the request ended (expired: 408)
-                    self._remaining = 0
-                if status not in ("100", "404", "408"):  # 409 and the like: consumer deleted, too many requests
-                    refused = f"{status} {headers.get('Description', '')}".strip()
-                continue
-            self._remaining = max(0, self._remaining - 1)
-            msgs.append(msg)
-        if refused and not msgs:
-            log.warning("durable consumer's pull refused; opening it again", consumer=self._name, status=refused)
-            await self._drop_pull()  # (the next fetch looks the consumer up, and adds it if it is gone)
-            await asyncio.sleep(0.2)
         out = []
         for msg in msgs:
             meta = msg.metadata
