@@ -212,9 +212,13 @@ def _partitions(
             yield vc, run(jobs, cluster, on_submit=on_submit)
         return
     # Largest first, so the longest run starts at once; logs cross back as msgpack (fast both ways).
+    # The inputs go to the workers as forked memory (an initializer's arguments are not pickled under
+    # fork): pickling every VC's jobs through the pool's queue cost more than a small VC's run.
     order = sorted(inputs, key=lambda vc: -len(inputs[vc][0]))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = {vc: pool.submit(_simulate_encoded, run, *inputs[vc]) for vc in order}
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_inherit, initargs=(run, inputs)
+    ) as pool:
+        futures = {vc: pool.submit(_simulate_inherited, vc) for vc in order}
         for vc in inputs:
             data, part = futures[vc].result()
             if on_submit is not None:
@@ -222,7 +226,19 @@ def _partitions(
             yield vc, part._replace(log=[Record(seq, event) for seq, event in _LOG.decode(data)] if data else [])
 
 
-def _simulate_encoded(run: Callable[..., _Part], jobs: list[ev.JobSubmitted], cluster: ClusterSpec) -> tuple:
+_inherited: tuple[Callable[..., _Part], dict[str, Inputs]] | None = None  # (set in a worker only)
+
+
+def _inherit(run: Callable[..., _Part], inputs: dict[str, Inputs]) -> None:
+    """A worker's start: keep what its parent had when it forked."""
+    global _inherited
+    _inherited = (run, inputs)
+
+
+def _simulate_inherited(vc: str) -> tuple:
+    assert _inherited is not None, "a worker of _partitions' pool"
+    run, inputs = _inherited
+    jobs, cluster = inputs[vc]
     part = run(jobs, cluster, on_submit=None)  # (its progress is reported when it is done)
     data = msgspec.msgpack.encode([(r.seq, r.event) for r in part.log]) if part.log else b""
     return data, part._replace(log=[])
