@@ -29,12 +29,13 @@ if TYPE_CHECKING:  # (the runner imports the log client: a spec is read without 
     from gpuherd.security import Permissions
 
 Role = Literal["decider", "agent", "reader"]
-# The ``nice`` of a decider no decision waits on within milliseconds (predictions, rescales, leases):
-# on a host it shares, the CPU goes first to the scheduler, the agents and NATS when they need it.
-BACKGROUND_NICE = 10
 # decider: folds the log and appends decisions, one leader at a time (the generic shell runs it);
 # agent:   one process per node, carrying decisions out (its own main);
 # reader:  reads the log and decides nothing (its own main; e.g. the dashboard).
+
+# The ``nice`` of a decider no decision waits on within milliseconds (predictions, rescales, leases):
+# on a host it shares, the CPU goes first to the scheduler, the agents and NATS when they need it.
+BACKGROUND_NICE = 10
 
 
 def _always(_: Any) -> bool:
