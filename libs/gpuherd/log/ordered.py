@@ -89,8 +89,7 @@ async def ordered_messages(
         {"batch": 1 if lingering else PULL, "expires": int(EXPIRES_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
     )
     poll_request = msgspec.json.encode({"batch": PULL, "no_wait": True})
-    flowing = False  # the last request handed messages on, and did not fill its batch
-    got = 0  # messages the open request handed on
+    got = 0  # messages the open (or last) request handed on
     try:
         while True:
             if consumer is None:
@@ -100,8 +99,8 @@ async def ordered_messages(
             if remaining == 0:
                 request = waiting_request
                 if lingering and got:
-                    if flowing:
-                        await asyncio.sleep(linger_s)  # let what follows gather; a full batch asks again at once
+                    if got < PULL:  # events flow: let what follows gather (a full batch asks again at once)
+                        await asyncio.sleep(linger_s)
                     request = poll_request
                 await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=inbox)
                 remaining = 1 if request is waiting_request and lingering else PULL
@@ -121,7 +120,6 @@ async def ordered_messages(
                     if status == "100":
                         continue  # idle heartbeat: the request is alive
                     if status in ("404", "408"):
-                        flowing = got > 0
                         remaining = 0  # the request ended; ask again
                         if not follow and stop is None:
                             return
@@ -131,8 +129,6 @@ async def ordered_messages(
                 seq = stream_seq(msg.reply)
                 remaining -= 1
                 got += 1
-                if remaining == 0:
-                    flowing = got < PULL
                 if seq < next_seq:
                     continue  # seen before a reset
                 if seq > next_seq and filter_subject is None:
