@@ -21,6 +21,7 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -41,6 +42,8 @@ from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
 from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 from gpuherd.runtime.stages import BatchTrace, StageTracer
+
+REPORT_FOLDED_EVERY = 256  # records folded between two updates of ``events_consumed`` (while catching up)
 
 log = get_logger("gpuherd.runtime")
 
@@ -115,6 +118,8 @@ class DeciderRunner(Generic[S]):
         self.decisions_appended = 0
         self.metrics = metrics or ServiceMetrics(decider.name)
         self.metrics.watch_connection(lambda: self.log.is_connected())
+        # Read at scrape time, not set per record: a busy decider folds thousands a second.
+        self.metrics.folded_seq.set_function(lambda: self.core.state.seq)
         self.metrics_port: int | None = None  # where serve_until_signal_with_http serves /metrics
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
@@ -124,6 +129,7 @@ class DeciderRunner(Generic[S]):
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
         self.stages = StageTracer.from_env(decider.name)  # where decisions' time goes (benchmarks)
+        self._unreported = 0  # records folded and not yet counted in ``events_consumed``
 
     @property
     def name(self) -> str:
@@ -308,8 +314,9 @@ class DeciderRunner(Generic[S]):
             self.snapshots.folded()
             if self.stages is not None:
                 self.stages.folded(record.seq)
-            self.metrics.events_consumed.inc()
-            self.metrics.folded_seq.set(record.seq)
+            self._unreported += 1
+            if self._unreported >= REPORT_FOLDED_EVERY:
+                self._report_folded()
             if not self.caught_up.is_set() and self.core.caught_up:
                 log.info("caught up", decider=self.name, seq=record.seq, to_decide=self.core.waiting)
                 self.caught_up.set()
@@ -321,6 +328,7 @@ class DeciderRunner(Generic[S]):
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._report_folded()
             while self.core.ready():
                 stages = self.stages if self.stages is not None and self.stages.active else None
                 start = time.time()
@@ -329,6 +337,13 @@ class DeciderRunner(Generic[S]):
                     trace = stages.decided(batch, start, time.time()) if stages is not None else None
                     await self._commit(batch, trace)
             await self._maybe_snapshot()
+
+    def _report_folded(self) -> None:
+        """Count the records folded since the last call in ``events_consumed`` (once per wake of the
+        decider, not once per record)."""
+        if self._unreported:
+            self.metrics.events_consumed.inc(self._unreported)
+            self._unreported = 0
 
     def _traces(self, batch: list[Decided]) -> list[str | None]:
         """Each output's traceparent: a span of this decider's, child of its cause's trace (a
@@ -358,8 +373,8 @@ class DeciderRunner(Generic[S]):
         now = time.perf_counter()
         for decided in batch:
             self.metrics.decision_latency.observe(now - decided.arrived)
-        for output in outputs:
-            self.metrics.decisions.labels(type(output).__name__).inc()
+        for kind, count in collections.Counter(type(output).__name__ for output in outputs).items():
+            self.metrics.decisions.labels(kind).inc(count)
         self.metrics.coalesced.inc(self.core.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.core.coalesced
         if result.seqs:
