@@ -26,7 +26,7 @@ from gpuherd import events as ev
 from gpuherd.errors import LogUnavailable, SubmissionError
 from gpuherd.fold import vc_problem
 from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
-from gpuherd.obs import current_traceparent, tracer
+from gpuherd.obs import call_span
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Unanswered this long, a submission that names its intake id is stored again under a new message
@@ -179,9 +179,8 @@ class Client:
         may_resend = _names_its_intake_id(data)
         stamped = time.monotonic()
         try:
-            with tracer().start_as_current_span("client.submit", attributes={"source": self.source}):
+            with call_span("client.submit", source=self.source) as trace:
                 headers = {REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex}
-                trace = current_traceparent()
                 if trace:
                     headers["traceparent"] = trace
                 while True:

@@ -8,6 +8,7 @@ Logs carry ``trace_id`` and ``span_id`` of the current span.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -77,7 +78,11 @@ def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
+    """gpuherd's tracer, made once: ``get_tracer`` builds a new one on every call (a twentieth of a
+    busy submitter's time). Made before ``configure``, it is OpenTelemetry's proxy, which hands on
+    to the provider set later."""
     return trace.get_tracer("gpuherd")
 
 
@@ -93,6 +98,18 @@ def span_from(traceparent: str | None, name: str, **attributes: Any) -> Iterator
     parent = _propagator.extract({"traceparent": traceparent}) if traceparent else otel_context.Context()
     with tracer().start_as_current_span(name, context=parent, attributes=attributes) as span:
         yield span
+
+
+@contextmanager
+def call_span(name: str, **attributes: Any) -> Iterator[str | None]:
+    """A span around a call that waits on others (a submission awaiting its verdict), as the
+    ``traceparent`` to send with it. Where spans are exported it is a recorded SDK span that lasts
+    the call; where nothing records them only its ids are made, as in ``child_traceparent``."""
+    if _exporting or not _configured:
+        with tracer().start_as_current_span(name, attributes=attributes):
+            yield current_traceparent()
+        return
+    yield child_traceparent(current_traceparent(), name)
 
 
 def child_traceparent(traceparent: str | None, name: str, **attributes: Any) -> str | None:

@@ -40,3 +40,34 @@ def test_recorded_spans_continue_the_parents_trace(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(obs, "_exporting", True)
     child = obs.child_traceparent(PARENT, "x")
     assert child is not None and child.split("-")[1] == PARENT.split("-")[1]
+
+
+def test_a_call_where_nothing_records_spans_still_sends_a_traceparent(ids_only: None) -> None:
+    with obs.call_span("client.submit", source="ci") as sent:
+        assert sent is not None and SHAPE.match(sent)
+    with obs.call_span("client.submit", source="ci") as again:
+        assert again is not None and again.split("-")[1] != sent.split("-")[1], "each call starts its own trace"
+
+
+def test_a_call_inside_a_span_continues_its_trace(ids_only: None) -> None:
+    with obs.span_from(PARENT, "caller"), obs.call_span("client.submit") as sent:
+        assert sent is not None and sent.split("-")[1] == PARENT.split("-")[1]
+        assert sent.split("-")[2] != PARENT.split("-")[2]
+
+
+def test_an_exported_call_span_lasts_the_call_and_carries_its_attributes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(obs, "_exporting", True)
+    monkeypatch.setattr(obs, "tracer", lambda: provider.get_tracer("gpuherd"))
+    with obs.call_span("client.submit", source="ci") as sent:
+        assert not exporter.get_finished_spans(), "the span is open while the call waits"
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "client.submit" and span.attributes == {"source": "ci"}
+    assert sent is not None and sent.split("-")[1] == format(span.context.trace_id, "032x")
+    assert sent.split("-")[2] == format(span.context.span_id, "016x")
