@@ -8,6 +8,9 @@ import os
 from collections.abc import Callable
 
 from gpuherd.metrics import metrics_port_from_env
+from gpuherd.obs import get_logger
+
+log = get_logger("gpuherd.service")
 
 
 def service_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -27,6 +30,36 @@ def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
         help="serve /metrics, /healthz and /readyz on this port (0: any free one; default $GPUHERD_METRICS_PORT, "
         "else none)",
     )
+
+
+def add_yield_arguments(parser: argparse.ArgumentParser, *, read_linger_s: float, nice: int) -> None:
+    """``--read-linger-ms`` and ``--nice``, for a process nothing waits on within milliseconds (a
+    background decider, the dashboard): how it spares a host it shares with those decisions do wait
+    on. Their defaults come from its spec."""
+    parser.add_argument(
+        "--read-linger-ms",
+        type=float,
+        default=read_linger_s * 1000,
+        help="while events flow, let them gather this long between reads of the log (fewer wake-ups, "
+        f"later decisions; 0: read each as it is stored; default {read_linger_s * 1000:g})",
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=nice,
+        help="yield the CPU by this nice increment to the processes decisions wait on, where they share a "
+        f"host (default {nice})",
+    )
+
+
+def yield_cpu(service: str, increment: int) -> None:
+    """Lower this process's CPU priority by ``increment`` (a background process on a shared host)."""
+    if increment <= 0:
+        return
+    try:
+        os.nice(increment)
+    except OSError as exc:  # a sandbox that forbids it: run at the priority given
+        log.warning("cannot lower the CPU priority", service=service, nice=increment, error=str(exc))
 
 
 def add_params_argument(parser: argparse.ArgumentParser, example: str) -> None:

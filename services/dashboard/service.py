@@ -38,7 +38,9 @@ from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from gpuherd.runtime.audit import audit
 from gpuherd.runtime.spec import ServiceSpec
+from gpuherd.service_args import add_yield_arguments, yield_cpu
 from services.dashboard.server import Actions, Backend, make_app
+from services.dashboard.spec import SPEC
 from services.dashboard.view import DashboardView
 
 log = get_logger("gpuherd.dashboard")
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--report-dir", default=None, help="a folder of reports (gpuherd report / sim) to show")
     parser.add_argument("--url-file", default=None, help="write the URL it serves on to this file once ready")
+    add_yield_arguments(parser, read_linger_s=SPEC.read_linger_s, nice=SPEC.nice)
     return parser
 
 
@@ -106,8 +109,10 @@ class Dashboard:
         tools: Tools,
         operator_token: str | None = None,
         reports_dir: Path | None = None,
+        read_linger_s: float = 0.0,
     ) -> None:
         self.log = log_
+        self.read_linger_s = read_linger_s  # (see EventStore.read): nothing waits on it within milliseconds
         self.tools = tools
         self.view = DashboardView(tools.queue() if tools.queue is not None else None)
         self.metrics = ServiceMetrics("dashboard")
@@ -142,7 +147,7 @@ class Dashboard:
         if head == 0:
             self.caught_up = True
         n = 0
-        async for record in self.log.read(1, follow=True):
+        async for record in self.log.read(1, follow=True, linger_s=self.read_linger_s):
             self.view.fold(record.seq, record.event, record.stored_at)
             self.metrics.events_consumed.inc()
             self.metrics.folded_seq.set(record.seq)
@@ -205,7 +210,11 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
     token = read_token(args.operator_token_file)
     log_ = await open_log(args.nats_url, name="gpuherd-dashboard", persistent=True)
     dashboard = Dashboard(
-        log_, tools=tools, operator_token=token, reports_dir=Path(args.report_dir) if args.report_dir else None
+        log_,
+        tools=tools,
+        operator_token=token,
+        reports_dir=Path(args.report_dir) if args.report_dir else None,
+        read_linger_s=max(0.0, args.read_linger_ms / 1000),
     )
     runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) ->
     parser = build_parser()
     args = parser.parse_args(argv)
     configure("dashboard")
+    yield_cpu("dashboard", args.nice)
     try:
         read_token(args.operator_token_file)
     except (OSError, ValueError) as exc:

@@ -8,12 +8,15 @@ import argparse
 from collections.abc import Sequence
 
 from gpuherd.log import CONTROL_PREFIX, STATUS_BUCKET
-from gpuherd.runtime.spec import LocalContext, ServiceSpec
+from gpuherd.runtime.spec import BACKGROUND_NICE, LocalContext, ServiceSpec
 from gpuherd.security import Permissions, inbox, kv_write, read_log
 
 # The HERD subjects of the operator commands it offers (JobCancelRequested, NodeDrained,
 # NodeUndrained): each aggregate's own subject, never an agent's ``.by.<node>`` one.
 APPENDS = ("herd.job.*", "herd.node.*")
+# People read its pages: a change shown 50 ms later is not seen later, and reading the log in
+# batches that far apart spares a host it shares with the scheduler a wake-up for every job event.
+READ_LINGER_S = 0.05
 
 
 def permissions(_: str) -> Permissions:
@@ -57,4 +60,6 @@ SPEC = ServiceSpec(
     parser=build_parser,
     local_argv=local_argv,
     required=False,
+    read_linger_s=READ_LINGER_S,
+    nice=BACKGROUND_NICE,
 )

@@ -1,5 +1,5 @@
-"""The generic decider shell's own switches: how far a background decider yields the CPU, and how
-long its reader lets events gather, from its spec unless the command line says otherwise."""
+"""How far a background process (a decider no decision waits on, the dashboard) yields the CPU, and
+how long its reader lets events gather, from its spec unless the command line says otherwise."""
 
 from __future__ import annotations
 
@@ -23,9 +23,17 @@ def test_background_deciders_yield_the_cpu_and_read_in_batches_the_scheduler_doe
     assert given.nice == 0 and given.read_linger_ms == 0
 
 
+def test_the_dashboard_yields_the_cpu_and_reads_in_batches_as_its_spec_says() -> None:
+    spec = registry.spec("dashboard")
+    args = shell.build_parser(spec).parse_args([])
+    assert args.nice == spec.nice > 0 and args.read_linger_ms == spec.read_linger_s * 1000 > 0
+    given = shell.build_parser(spec).parse_args(["--nice", "0", "--read-linger-ms", "0"])
+    assert given.nice == 0 and given.read_linger_ms == 0
+
+
 def test_yielding_the_cpu_lowers_the_process_priority_by_the_increment() -> None:
     code = (
-        "import os; from gpuherd.runtime.shell import yield_cpu; "
+        "import os; from gpuherd.service_args import yield_cpu; "
         "yield_cpu('t', 3); print(os.getpriority(os.PRIO_PROCESS, 0))"
     )
     before = os.getpriority(os.PRIO_PROCESS, 0)

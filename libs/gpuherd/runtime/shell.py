@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from gpuherd.obs import configure, get_logger
+from gpuherd.obs import configure
 from gpuherd.runtime.decider import Decider
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from gpuherd.runtime.serve import configured_event, serve_decider
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.runtime.timers import clock_ticker
-from gpuherd.service_args import add_params_argument, params_argument, service_parser
-
-log = get_logger("gpuherd.runtime")
+from gpuherd.service_args import (
+    add_params_argument,
+    add_yield_arguments,
+    params_argument,
+    service_parser,
+    yield_cpu,
+)
 
 
 def build_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
@@ -36,20 +39,7 @@ def build_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
         add_params_argument(parser, spec.params.example)
     if spec.timer is not None:
         parser.add_argument("--tick", type=float, default=spec.timer.every_s, help="seconds between its timer's ticks")
-    parser.add_argument(
-        "--read-linger-ms",
-        type=float,
-        default=spec.read_linger_s * 1000,
-        help="while events flow, let them gather this long between reads of the log (fewer wake-ups, "
-        f"later decisions; 0: read each as it is stored; default {spec.read_linger_s * 1000:g})",
-    )
-    parser.add_argument(
-        "--nice",
-        type=int,
-        default=spec.nice,
-        help="yield the CPU by this nice increment to the processes decisions wait on, where they share a "
-        f"host (default {spec.nice})",
-    )
+    add_yield_arguments(parser, read_linger_s=spec.read_linger_s, nice=spec.nice)
     if spec.add_arguments is not None:
         spec.add_arguments(parser)
     return parser
@@ -65,16 +55,6 @@ def live_tasks(spec: ServiceSpec, decider: Decider[Any], args: argparse.Namespac
         tasks.append(ticker or clock_ticker(timer.tick, args.tick, needed=timer.needed, due=timer.due))
     tasks += spec.tasks(args)
     return tasks
-
-
-def yield_cpu(service: str, increment: int) -> None:
-    """Lower this process's CPU priority by ``increment`` (a background decider on a shared host)."""
-    if increment <= 0:
-        return
-    try:
-        os.nice(increment)
-    except OSError as exc:  # a sandbox that forbids it: run at the priority given
-        log.warning("cannot lower the CPU priority", service=service, nice=increment, error=str(exc))
 
 
 def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) -> None:
