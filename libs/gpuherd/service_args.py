@@ -34,8 +34,8 @@ def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_yield_arguments(parser: argparse.ArgumentParser, *, read_linger_s: float, nice: int) -> None:
     """``--read-linger-ms`` and ``--nice``, for a process nothing waits on within milliseconds (a
-    background decider, the dashboard): how it spares a host it shares with those decisions do wait
-    on. Their defaults come from its spec."""
+    background decider, the dashboard): how it spares a host it shares with the processes decisions
+    wait on. Their defaults come from its spec."""
     parser.add_argument(
         "--read-linger-ms",
         type=float,

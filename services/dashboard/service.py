@@ -118,6 +118,7 @@ class Dashboard:
         self.metrics = ServiceMetrics("dashboard")
         self.metrics.watch_cluster(lambda: self.view.state)
         self.metrics.watch_connection(log_.is_connected)
+        self.metrics.folded_seq.set_function(lambda: self.view.state.seq)  # (read at scrape time)
         self.caught_up = False
         self.operator_token = operator_token
         self.reports_dir = reports_dir
@@ -150,7 +151,6 @@ class Dashboard:
         async for record in self.log.read(1, follow=True, linger_s=self.read_linger_s):
             self.view.fold(record.seq, record.event, record.stored_at)
             self.metrics.events_consumed.inc()
-            self.metrics.folded_seq.set(record.seq)
             if not self.caught_up and record.seq >= head:
                 self.caught_up = True
                 log.info("caught up with the log", seq=record.seq, jobs=len(self.view.state.jobs))

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import open_log
 from gpuherd.metrics import http_get, parse_metrics
@@ -52,6 +53,9 @@ async def test_metrics_health_and_status(local_nats, tmp_path) -> None:
         assert metric(text, 'gpuherd_gpus{state="free"}') == 4
         assert metric(text, 'gpuherd_intake_submissions_total{verdict="accepted"}') == 3
         assert metric(text, "gpuherd_leader") == 1
+        finished = [r.seq async for r in log.read() if isinstance(r.event, ev.JobFinished)]
+        # (read at scrape time: the scheduler has folded the ends it decided, not only as of its last status)
+        assert metric(text, "gpuherd_folded_sequence") >= max(finished)
         for path in ("/healthz", "/readyz"):
             status, body = await http_get(ports["scheduler"], path)
             assert status == 200 and json.loads(body)["role"] == "leader"
