@@ -52,6 +52,11 @@ def add_yield_arguments(parser: argparse.ArgumentParser, *, read_linger_s: float
     )
 
 
+def read_linger_s(args: argparse.Namespace) -> float:
+    """The reader's linger in seconds, from ``--read-linger-ms`` (``add_yield_arguments``)."""
+    return max(0.0, args.read_linger_ms / 1000)
+
+
 def yield_cpu(service: str, increment: int) -> None:
     """Lower this process's CPU priority by ``increment`` (a background process on a shared host)."""
     if increment <= 0:

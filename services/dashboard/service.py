@@ -38,7 +38,7 @@ from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from gpuherd.runtime.audit import audit
 from gpuherd.runtime.spec import ServiceSpec
-from gpuherd.service_args import add_yield_arguments, yield_cpu
+from gpuherd.service_args import add_yield_arguments, read_linger_s, yield_cpu
 from services.dashboard.server import Actions, Backend, make_app
 from services.dashboard.spec import SPEC
 from services.dashboard.view import DashboardView
@@ -214,7 +214,7 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
         tools=tools,
         operator_token=token,
         reports_dir=Path(args.report_dir) if args.report_dir else None,
-        read_linger_s=max(0.0, args.read_linger_ms / 1000),
+        read_linger_s=read_linger_s(args),
     )
     runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=1.0)
     await runner.setup()

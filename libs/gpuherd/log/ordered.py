@@ -85,8 +85,9 @@ async def ordered_messages(
     handed = 0
     lingering = follow and linger_s > 0
     # A lingering follower waits for one message (its first after a pause), then polls.
+    waiting_batch = 1 if lingering else PULL
     waiting_request = msgspec.json.encode(
-        {"batch": 1 if lingering else PULL, "expires": int(EXPIRES_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
+        {"batch": waiting_batch, "expires": int(EXPIRES_S * 1e9), "idle_heartbeat": int(HEARTBEAT_S * 1e9)}
     )
     poll_request = msgspec.json.encode({"batch": PULL, "no_wait": True})
     got = 0  # messages the open (or last) request handed on
@@ -103,7 +104,7 @@ async def ordered_messages(
                         await asyncio.sleep(linger_s)
                     request = poll_request
                 await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=inbox)
-                remaining = 1 if request is waiting_request and lingering else PULL
+                remaining = waiting_batch if request is waiting_request else PULL
                 got = 0
             if not buffer:
                 arrived.clear()

@@ -24,6 +24,7 @@ from gpuherd.service_args import (
     add_params_argument,
     add_yield_arguments,
     params_argument,
+    read_linger_s,
     service_parser,
     yield_cpu,
 )
@@ -98,6 +99,6 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
             instance=args.instance,
             metrics_port=args.metrics_port,
             setup=setup,
-            read_linger_s=max(0.0, args.read_linger_ms / 1000),
+            read_linger_s=read_linger_s(args),
         )
     )
