@@ -147,9 +147,12 @@ class AgentEvents:
         reason: str = "",
         output_tail: str = "",
         metrics: dict[str, float] | None = None,
+        generation: int = 0,
     ) -> ev.TaskEnded:
+        # An elastic part that left and came back ends again in the same attempt: not a repeat.
+        again = (str(generation),) if generation else ()
         return ev.TaskEnded(
-            **self.stamp("ended", key.job, str(key.attempt), at=at),  # type: ignore[arg-type]
+            **self.stamp("ended", key.job, str(key.attempt), *again, at=at),  # type: ignore[arg-type]
             job=key.job,
             attempt=key.attempt,
             node=self.node,
@@ -260,8 +263,11 @@ def reconcile(
     # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
     leaving = job is not None and job.status in ACTIVE and not mine and any(a.node == node for a in job.releasing)
     key = TaskKey(job_id, job.attempt) if job is not None else None
+    generation = job.generation if job is not None else 0
     out: list[Action] = [
-        RecordEnd(k, ended(k, tasks, now, events)) for k in sorted(tasks.unrecorded) if k.job == job_id
+        RecordEnd(k, ended(k, tasks, now, events, generation if k == key else 0))
+        for k in sorted(tasks.unrecorded)
+        if k.job == job_id
     ]
     for running in sorted(k for k in tasks.running if k.job == job_id) if tasks.running else ():
         if leaving and running == key:
@@ -318,8 +324,9 @@ def new_workers(job: JobState, node: str, launched: Set[int]) -> list[Action]:
     return [StartWorkers(launch_for(job, node, resume=False, elapsed_s=0.0, gpus=new))] if new else []
 
 
-def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents) -> ev.TaskEnded:
-    """How a task that ended by itself ended, with its leader's last report as the final metrics."""
+def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, generation: int = 0) -> ev.TaskEnded:
+    """How a task that ended by itself ended, with its leader's last report as the final metrics
+    (``generation``: the elastic job's, when the task is of its current attempt)."""
     exit_ = tasks.unrecorded[key]
     metrics = tasks.progress.get(key)
     return events.ended(
@@ -330,6 +337,7 @@ def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents) -> ev.Tas
         reason=exit_.reason,
         output_tail=exit_.output_tail,
         metrics=dict(metrics) if metrics is not None else None,
+        generation=generation,
     )
 
 

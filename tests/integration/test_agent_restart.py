@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ import pytest
 from gpuherd import events as ev
 from gpuherd.log import InProcessLog
 from services.nodeagent.agent import Agent
+from services.nodeagent.executors import TaskKey
 from services.nodeagent.executors.cpu import CpuExecutor
+from tests.helpers import node
 from tests.integration.test_process_executor import pids_of_job, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,3 +157,40 @@ async def test_a_restarted_agent_reads_only_the_log_after_its_snapshot(tmp_path:
         assert log.starts[0] == saved + 1, "it folded the snapshot's state, then read from there on"
         assert set(second.state.jobs) == {f"o{i}" for i in range(12)}, "what it knows is the snapshot's"
     assert len(events_of(log, ev.JobStarted)) == 1, "the finished job was not started again"
+
+
+async def test_an_elastic_part_back_on_its_node_reports_its_stop_on_a_cancel(tmp_path: Path) -> None:
+    """The part left at a shrink (its end recorded then) and came back at a grow: stopped on a
+    cancel, its end must still reach the log, or the job waits for it forever."""
+    from services.nodeagent.executors.sim import SimExecutor
+
+    log = InProcessLog(leadership_ttl=0.5)
+    spec = ev.JobSpec(name="e", user="u", gpus=2, duration_s=1000.0, elastic=ev.Elastic(min=1, max=3))
+    both = (ev.Allocation("n1", (0, 1)), ev.Allocation("n2", (0,)))
+    rendezvous = ev.Rendezvous("n1.local", 29500)
+    agent = Agent(log, "n2", SimExecutor(gpus=2))
+    await log.append([node("n1", 2)])
+    async with running(agent):
+        await log.append([ev.JobSubmitted(id="sub-e", job="e", spec=spec, intake_source="t")])
+        placed = ev.JobPlaced(id="p", at=time.time(), job="e", attempt=0, allocations=both, rendezvous=rendezvous)
+        await log.append([placed])
+        await log.append([ev.JobStarted(id="s-n1", at=time.time(), job="e", attempt=0, node="n1")])
+        await wait_until(lambda: len(events_of(log, ev.JobStarted)) == 2)
+        shrink = ev.JobResized(
+            id="g1", job="e", attempt=0, generation=1, allocations=both[:1], releasing=both[1:], kind="shrink",
+            rendezvous=rendezvous,
+        )  # fmt: skip
+        await log.append([shrink])
+        # Its worker took part in the switch and left: the part's end, as its agent records it.
+        await log.append([agent.writer.events.ended(TaskKey("e", 0), "completed", 1.0, exit_code=0)])
+        done = ev.RescaleCompleted(id="r1", job="e", attempt=0, generation=1, node="n1", world=2, world_before=3)
+        await log.append([done])
+        await wait_until(lambda: agent.executor.running() == set())  # (a sim task: stopped once the rescale is done)
+        grow = ev.JobResized(id="g2", job="e", attempt=0, generation=2, allocations=both, rendezvous=rendezvous)
+        await log.append([grow])
+        await wait_until(lambda: len(events_of(log, ev.JobStarted)) == 3)
+        await log.append([ev.JobCancelRequested(id="c", job="e")])
+        await wait_until(lambda: agent.executor.running() == set())
+        await agent.settled()
+    ends = [e for e in events_of(log, ev.TaskEnded) if e.node == "n2"]
+    assert [e.outcome for e in ends] == ["completed", "stopped"], "the stop after the grow was recorded too"

@@ -3,9 +3,12 @@ against what runs, to actions. And the agent's own fold: only what concerns its 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from gpuherd import events as ev
+from gpuherd.log import InProcessLog
+from gpuherd.log.records import AppendResult
 from services.nodeagent import leases as lease_rules
 from services.nodeagent.executors.base import TaskExit, TaskKey, TaskWorkers
 from services.nodeagent.reconcile import (
@@ -277,3 +280,44 @@ def test_an_agent_folds_its_own_node_and_no_other() -> None:
     assert state.jobs["a"].status == "placed", "a job placed elsewhere is still folded (it may come here)"
     state = fold(ev.NodeLost(id="l", node="n2", reason="silent"), state=state)
     assert state.jobs["a"].stopping(), "its part on the lost node ended"
+
+
+def test_an_elastic_job_back_on_a_node_it_left_has_its_second_end_recorded_too() -> None:
+    """A node's part that left at a shrink and came back at a grow ends twice in one attempt: the
+    second end must not share the first one's id (the log would drop it as a repeat, and the job
+    would wait for that part forever)."""
+    submitted = ev.JobSubmitted(id="s", job="e", spec=ELASTIC, intake_source="t")
+    both = (ev.Allocation("n1", (0, 1)), ev.Allocation("n2", (0,)))
+    state = fold(
+        node("n1", 2), node("n2", 2), submitted, placed("e", *((a.node, a.gpus) for a in both), rendezvous=True),
+        started("e", "n1"), started("e", "n2"), me="n2",
+    )  # fmt: skip
+    key = TaskKey("e", 0)
+    shrink = ev.JobResized(
+        id="s1", at=5.0, job="e", attempt=0, generation=1, allocations=both[:1], releasing=both[1:],
+        kind="shrink", rendezvous=RENDEZVOUS,
+    )  # fmt: skip
+    state = fold(shrink, state=state)
+    left = TaskExit(key=key, outcome="completed", exit_code=0)  # its worker took part in the switch, then left
+    (first,) = act(state, "e", Tasks(set(), {key}, {}, unrecorded={key: left}))
+    assert isinstance(first, RecordEnd)
+    done = ev.RescaleCompleted(id="rc1", at=6.0, job="e", attempt=0, generation=1, node="n1", world=2, world_before=3)
+    grow = ev.JobResized(
+        id="g2", at=7.0, job="e", attempt=0, generation=2, allocations=both, rendezvous=RENDEZVOUS, joiners=("n2/0",)
+    )
+    state = fold(first.event, done, grow, state=state)
+    (start, _plan) = act(state, "e")
+    assert isinstance(start, StartTask) and start.started is not None
+    state = fold(start.started, state=state)
+    failed = TaskExit(key=key, outcome="failed", exit_code=1, reason="local rank 0 exited with code 1")
+    (second,) = act(state, "e", Tasks(set(), {key}, {}, unrecorded={key: failed}))
+    assert isinstance(second, RecordEnd) and second.event.outcome == "failed"
+    log = InProcessLog()
+    stored = asyncio.run(_append_each(log, first.event, second.event))
+    assert [r.duplicate for r in stored] == [False, False], "a repeat of the first end's id is dropped by the log"
+    state = fold(second.event, state=state)
+    assert state.jobs["e"].parts_ended["n2"].outcome == "failed"
+
+
+async def _append_each(log: InProcessLog, *events: ev.Event) -> list[AppendResult]:
+    return [await log.append([event]) for event in events]
