@@ -131,7 +131,8 @@ class SimAgents:
                     if modelled and (job.status not in ACTIVE or job.stopping()):  # type: ignore[union-attr]
                         self.elastic.stop(job_id, now)  # type: ignore[union-attr]  # (not a leaving worker's node)
                 if action.report is not None:
-                    out.append(events.ended(action.key, action.report, now, reason=action.reason))
+                    again = _generation(job, action.key)
+                    out.append(events.ended(action.key, action.report, now, reason=action.reason, generation=again))
             elif isinstance(action, RequestLease):
                 self.asked.add(action.event.lease)
                 out.append(action.event)
@@ -188,7 +189,7 @@ class SimAgents:
         stamp = self._of(node)[2].stamp(f"power-{kind.__name__}", f"{now:.3f}", at=now)
         return kind(**stamp, node=node)  # type: ignore[arg-type]
 
-    def fire(self, kind: str, payload: tuple, now: float) -> list[ev.Event]:
+    def fire(self, kind: str, payload: tuple, state: ClusterState, now: float) -> list[ev.Event]:
         """What a timer's moment brings."""
         if kind == "task-end":
             node, key, end = payload
@@ -197,7 +198,8 @@ class SimAgents:
                 return []  # stopped (or started again) before it could end
             self._gone(key.job, node, tasks)
             exited.add(key)
-            return [events.ended(key, "completed", now, exit_code=0)]
+            generation = _generation(state.jobs.get(key.job), key)
+            return [events.ended(key, "completed", now, exit_code=0, generation=generation)]
         if kind == "rescaled":
             key, report = payload
             self.rescaling.discard(key)
@@ -207,3 +209,10 @@ class SimAgents:
             self.booting.discard(node)
             return [self._powered(node, now, up=True)]
         raise ValueError(f"unknown timer {kind!r}")
+
+
+def _generation(job: JobState | None, key: TaskKey) -> int:
+    """The generation a task's end is recorded with, as the live agent records it: the elastic job's
+    current one for a task of its current attempt (a part that left a node and came back ends there
+    again in the same attempt, under an id of its own)."""
+    return job.generation if job is not None and job.attempt == key.attempt else 0

@@ -273,7 +273,7 @@ class Simulation:
                 elif kind == "due":
                     self._due_tick(payload, at)
                 elif self.agents is not None:
-                    self._append(self.agents.fire(kind, payload, self.now))
+                    self._append(self.agents.fire(kind, payload, self.scheduler.state, self.now))
             self._drain()
             for n, timer in enumerate(self.timers):  # a timer that was not needed may be now
                 if n not in self._ticking:

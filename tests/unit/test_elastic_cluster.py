@@ -74,3 +74,20 @@ def test_a_share_of_a_trace_made_elastic_is_the_same_jobs_for_a_seed() -> None:
     first = [j.spec.elastic is not None for j in make_elastic(drafts, workload)]
     again = [j.spec.elastic is not None for j in make_elastic(drafts, workload)]
     assert first == again and 0.2 < sum(first) / len(first) < 0.4
+
+
+
+def test_an_elastic_job_s_ends_are_recorded_with_its_generation_as_the_live_agent_records_them() -> None:
+    # Live, a part that left a node and came back ends there again in the same attempt, and the log
+    # drops a repeated id: the agent puts the generation in the id. The simulated agents must too.
+    cluster = ClusterSpec(vcs={"default": VcSpec(nodes=2)}, gpus_per_node=4)
+    jobs = [_elastic("e", 2, 8, 0.9), submit("rigid", 4, duration=500.0, at=3000.0)]
+    jobs[0] = msgspec.structs.replace(jobs[0], spec=msgspec.structs.replace(jobs[0].spec, duration_s=20_000.0))
+    result = simulate(jobs, cluster, "fifo", elastic=True)
+    ids = [record.event.id for record in result.records]
+    assert len(ids) == len(set(ids))
+    resized = [r.event for r in result.records if isinstance(r.event, ev.JobResized)]
+    ends = [r.event for r in result.records if isinstance(r.event, ev.TaskEnded) and r.event.job == resized[0].job]
+    assert len(ends) == 2, "its two parts ended (grown, shrunk for the rigid job, grown back)"
+    for end in ends:
+        assert end.id == f"agent.{end.node}:ended:{end.job}:0:{resized[-1].generation}"
