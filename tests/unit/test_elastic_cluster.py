@@ -76,7 +76,6 @@ def test_a_share_of_a_trace_made_elastic_is_the_same_jobs_for_a_seed() -> None:
     assert first == again and 0.2 < sum(first) / len(first) < 0.4
 
 
-
 def test_an_elastic_job_s_ends_are_recorded_with_its_generation_as_the_live_agent_records_them() -> None:
     # Live, a part that left a node and came back ends there again in the same attempt, and the log
     # drops a repeated id: the agent puts the generation in the id. The simulated agents must too.
