@@ -15,6 +15,7 @@ verdict's ``based_on`` is exactly the state it was judged on, and the audit re-j
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Iterable
@@ -81,14 +82,21 @@ def _excerpt(data: bytes) -> str:
 
 
 class Sizes(NamedTuple):
-    """The registered nodes of one kind: how many, their GPUs in all, the largest node's GPUs."""
+    """The registered nodes of one kind: how many, their GPUs in all, the largest node's GPUs, and
+    each node's GPUs (sorted)."""
 
     nodes: int = 0
     gpus: int = 0
     largest: int = 0
+    each: tuple[int, ...] = ()
 
     def plus(self, other: Sizes) -> Sizes:
-        return Sizes(self.nodes + other.nodes, self.gpus + other.gpus, max(self.largest, other.largest))
+        each = tuple(sorted(self.each + other.each))
+        return Sizes(self.nodes + other.nodes, self.gpus + other.gpus, max(self.largest, other.largest), each)
+
+    def holding(self, gpus: int) -> int:
+        """How many of the nodes have at least ``gpus`` GPUs."""
+        return len(self.each) - bisect.bisect_left(self.each, gpus)
 
 
 NodeSizes = dict[bool, Sizes]  # runs processes? -> the registered nodes of that kind
@@ -96,11 +104,10 @@ NodeSizes = dict[bool, Sizes]  # runs processes? -> the registered nodes of that
 
 def node_sizes(state: SchedulerState) -> NodeSizes:
     """What intake checks a spec against; compute it once for a batch of submissions."""
-    sizes: NodeSizes = {False: Sizes(), True: Sizes()}
+    each: dict[bool, list[int]] = {False: [], True: []}
     for node in state.nodes.values():
-        kind = node.runs_processes()
-        sizes[kind] = sizes[kind].plus(Sizes(1, len(node.gpus), len(node.gpus)))
-    return sizes
+        each[node.runs_processes()].append(len(node.gpus))
+    return {kind: Sizes(len(gpus), sum(gpus), max(gpus, default=0), tuple(sorted(gpus))) for kind, gpus in each.items()}
 
 
 def _memory_problem(memory: ev.MemoryNeeds) -> str | None:
@@ -207,6 +214,35 @@ def _spec_problem(
         if per_node > sizes.largest:
             largest = "the largest node" if every else "the largest node that can run it"
             return f"asks for {per_node} GPUs per node but {largest} has {sizes.largest}"
+        # (A mixed cluster: the nodes large enough for a share may be fewer than the gang.)
+        if rules >= 5 and (holding := sizes.holding(per_node)) < spec.nodes:
+            which = "nodes" if every else "nodes that can run it"
+            return f"asks for {spec.nodes} nodes of {per_node} GPUs but only {holding} {which} have that many"
+    if rules >= 5 and (field := _out_of_range(spec)) is not None:
+        return f"`{field}` is out of range: integers in a job spec lie within -2**63..2**64-1"
+    return None
+
+
+_SNAPSHOT_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def _out_of_range(spec: ev.JobSpec) -> str | None:
+    """The path of an integer of ``spec`` that a snapshot cannot hold, if any: snapshots are msgpack
+    (64-bit integers), and one such number would stop every snapshot of the state."""
+    try:
+        _SNAPSHOT_ENCODE(spec)  # (the common case: one fast encode, no walk)
+        return None
+    except OverflowError:
+        return _path_of_big_int(msgspec.to_builtins(spec)) or "spec"
+
+
+def _path_of_big_int(value: Any, path: str = "") -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if -(2**63) <= value < 2**64 else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _path_of_big_int(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
     return None
 
 

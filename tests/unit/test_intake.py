@@ -165,3 +165,39 @@ def test_recorded_verdicts_are_judged_again_by_the_rules_they_were_judged_by() -
     assert recheck(state, wrongly) == "would now be accepted"
     cut = msgspec.structs.replace(forged, payload_size=10_000)  # only the start was kept: not judged again
     assert recheck(state, cut) is None
+
+
+def test_a_number_a_snapshot_cannot_hold_is_refused() -> None:
+    # Snapshots are msgpack, which holds 64-bit integers: one beyond would stop every snapshot of the state.
+    for extra, field in [
+        ({"priority": 2**64}, "priority"),
+        ({"priority": -(2**63) - 1}, "priority"),
+        ({"memory": {"extra_mb": 10**30}}, "memory.extra_mb"),
+        ({"array": {"count": 2, "max_running": 10**30}}, "array.max_running"),
+    ]:
+        v = verdict(GOOD | extra)
+        assert isinstance(v.event, ev.JobRejected), extra
+        assert f"`{field}` is out of range" in v.event.reason
+    accepted = verdict(GOOD | {"intake_id": "p"}).event
+    huge = msgspec.structs.replace(accepted, spec=msgspec.structs.replace(accepted.spec, priority=2**64))
+    assert "would now be rejected" in recheck(cluster(), huge)
+    assert recheck(cluster(), msgspec.structs.replace(huge, intake_rules=4)) is None, "accepted by the rules before"
+    state = cluster()
+    v = verdict(GOOD | {"priority": 2**63 - 1}, state)
+    assert isinstance(v.event, ev.JobSubmitted)
+    apply(state, 10, v.event)
+    assert _scheduler.decode_state(_scheduler.encode_state(state)).jobs[v.event.job].spec.priority == 2**63 - 1
+
+
+def test_a_gang_split_over_more_nodes_than_can_hold_its_share_is_refused() -> None:
+    state = cluster()  # two nodes of 8 GPUs
+    for seq, small in enumerate([node("s1", 2), node("s2", 2)], 4):
+        apply(state, seq, small)
+    v = verdict(GOOD | {"gpus": 16, "nodes": 4}, state)
+    assert isinstance(v.event, ev.JobRejected), "only 2 nodes have 4 GPUs: it could never start"
+    assert v.event.reason == "asks for 4 nodes of 4 GPUs but only 2 nodes have that many"
+    assert isinstance(verdict(GOOD | {"gpus": 8, "nodes": 4}, state).event, ev.JobSubmitted), "2 GPUs on each of 4"
+    fits = verdict(GOOD | {"gpus": 8, "nodes": 4, "intake_id": "g"}, state).event
+    gang = msgspec.structs.replace(fits, spec=msgspec.structs.replace(fits.spec, gpus=16))
+    assert "would now be rejected" in recheck(state, gang)
+    assert recheck(state, msgspec.structs.replace(gang, intake_rules=4)) is None, "accepted by the rules before"

@@ -14,8 +14,10 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # was judged by, so the audit re-judges it by the same. 2: a job larger than its VC's quota, in a
 # VC that may not borrow, is refused (it could never start). 3: dependencies, arrays, workflows,
 # time limits (a VC's default filled in, its maximum checked) and per-user limits. 4: an elastic
-# job's ``max`` is at most ``MAX_ELASTIC_WORLD`` GPUs.
-INTAKE_RULES = 4
+# job's ``max`` is at most ``MAX_ELASTIC_WORLD`` GPUs. 5: a gang needs as many nodes as it asks for
+# that hold its share of GPUs (a mixed cluster may have fewer), and no integer of a spec lies beyond
+# what a snapshot holds (64 bits).
+INTAKE_RULES = 5
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
