@@ -334,6 +334,21 @@ def test_operator_commands_it_cannot_apply_are_refused_with_the_reason_and_chang
     assert decider.policy_for(fold_log(log)).name == "las", "as then: its unknown parameter was ignored"
 
 
+def test_a_vc_limit_a_snapshot_cannot_hold_is_refused() -> None:
+    # Snapshots are msgpack (64-bit integers): a quota beyond would stop every snapshot of the state.
+    log = drive([node("n1", 2)])
+    huge = [
+        ev.VcConfigured(id="quota", vc="a", gpu_quota=10**30),
+        ev.VcConfigured(id="gpus", vc="a", max_gpus_per_user=2**64),
+        ev.VcConfigured(id="jobs", vc="a", max_running_per_user=10**20),
+    ]
+    log = drive(huge, log)
+    refused = {r.command_id: r.reason for r in decisions(log, ev.CommandRefused)}
+    assert set(refused) == {"quota", "gpus", "jobs"} and all("out of range" in r for r in refused.values())
+    state = fold_log(log)
+    assert "a" not in state.vcs and decider.decode_state(decider.encode_state(state)).seq == state.seq
+
+
 def test_a_prediction_makes_a_pass_only_where_it_is_used() -> None:
     # "declared" runs on n1, "unknown" (a command of unknown duration) on n2; "late" waits for
     # n1's free GPU, its own pass not made: whether a prediction makes one shows in what it places.

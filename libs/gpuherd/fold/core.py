@@ -66,6 +66,13 @@ def vc_problem(e: ev.VcConfigured) -> str | None:
     for name, count in (("GPUs per user", e.max_gpus_per_user), ("running jobs per user", e.max_running_per_user)):
         if count is not None and count < 1:
             return f"a limit of {name} must be at least 1, got {count}"
+    for name, count in (
+        ("GPU quota", e.gpu_quota),
+        ("limit of GPUs per user", e.max_gpus_per_user),
+        ("limit of running jobs per user", e.max_running_per_user),
+    ):
+        if count is not None and count >= 2**63:  # (snapshots are msgpack: 64-bit integers)
+            return f"a {name} of {count} is out of range: at most 2**63-1"
     return None
 
 
