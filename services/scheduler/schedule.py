@@ -804,9 +804,26 @@ def _fewest_victims(
                     i for i in gpus if node.gpus[i].healthy
                 }
                 trial[name] = _view(node, usable)
-        if place(job.spec, trial) is not None:
-            return victims[:count]
+        placement = place(job.spec, trial)
+        if placement is not None:
+            if state.scheduling.rules < 7:
+                return victims[:count]
+            return _needed(victims[:count], placement, quota_over)
     return []
+
+
+def _needed(chosen: list[JobState], placement: Placement, quota_over: int) -> list[JobState]:
+    """Of ``chosen``, the victims whose GPUs the placement takes, and of the others the cheapest
+    the quota still needs: a cheaper victim ahead of the one that made the gang fit may hold GPUs
+    the gang would not use, and stopping that job would gain nothing."""
+    used = {(a.node, i) for a in placement.allocations for i in a.gpus}
+    spare = sum(v.held for v in chosen) - quota_over  # GPUs of quota the victims free beyond the need
+    dropped: set[str] = set()
+    for victim in reversed(chosen):
+        if victim.held <= spare and not any((a.node, i) in used for a in victim.allocations for i in a.gpus):
+            dropped.add(victim.job)
+            spare -= victim.held
+    return [v for v in chosen if v.job not in dropped]
 
 
 # -- rendezvous ------------------------------------------------------------------------------------

@@ -195,6 +195,31 @@ def test_priority_preempts_the_least_lost_work_and_only_what_the_gang_needs() ->
     assert again.preempted == [] and again.pending["vip"].kind == "preempting"
 
 
+def test_preemption_takes_no_job_whose_gpus_the_gang_would_not_use() -> None:
+    # n1: "keep" (priority 5) and "young" (2 GPUs, 10 s of work); n2: "old" (4 GPUs, 100 s).
+    # vip (4 GPUs) fits on n2 alone once old stops: young, though the cheaper victim, is not needed.
+    def job(name: str, gpus: int, priority: int) -> ev.JobSubmitted:
+        spec = ev.JobSpec(name=name, user="u", gpus=gpus, duration_s=1000.0, priority=priority)
+        return ev.JobSubmitted(id=name, at=100.0, job=name, spec=spec, intake_source="t")
+
+    def victims(rules: int) -> list[str]:
+        state = state_of(
+            ev.PolicyConfigured(id="policy", policy="fifo", rules=rules),
+            node("n1", 4),
+            node("n2", 4),
+            *(job(name, gpus, priority) for name, gpus, priority in [("keep", 2, 5), ("young", 2, 0), ("old", 4, 0)]),
+            *run("keep", "n1", (0, 1)),
+            *run("young", "n1", (2, 3), at=90.0),
+            *run("old", "n2", (0, 1, 2, 3)),
+        )
+        state.now = 100.0
+        apply(state, 20, job("vip", 4, 3))
+        return [p.job for p in plan(state, make_policy("fifo")).preempted]
+
+    assert victims(ev.SCHEDULING_RULES) == ["old"], "young's GPUs are not where vip goes"
+    assert victims(6) == ["young", "old"], "a log of the rules before is re-derived as it was decided"
+
+
 def test_preemption_is_bounded_per_hour() -> None:
     state = state_of(node("n1", 2), submit("low", 2, duration=None), *run("low", "n1", (0, 1), at=0.0))
     state.preempted_at["low"] = [10.0, 20.0]

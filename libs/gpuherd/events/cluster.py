@@ -49,7 +49,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # (backfill, reservations, forecasts). (No log of older rules holds a job with any of these.)
 # 5: an elastic job's expected end runs its remaining work at its current size. 6: an elastic job
 # that does not fit at the GPUs it asked for starts at the largest of its sizes that fits now.
-SCHEDULING_RULES = 6
+# 7: a preemption stops only the victims whose GPUs the placement takes (and those the quota needs).
+SCHEDULING_RULES = 7
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
