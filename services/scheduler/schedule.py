@@ -13,11 +13,13 @@ It runs in numbered phases, one function each (the shape of Kueue's scheduling c
    ``max_running`` or its VC's per-user limits hold back takes no part in the pass (``holds.py``);
 2. **quota**: its VC's GPUs in use plus its own must stay within the VC's quota, unless the VC
    may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``, and is
-   reclaimable). The first job of a VC that its quota stops is that VC's *quota head*, protected
-   as the gang head is: its start is reserved at the earliest time enough of the VC's quota
-   frees up by the expected ends of the VC's running jobs, and a later job of that VC starts
-   only if it ends before then, or uses quota the quota head will not need then. When an end
-   it depends on is unknown, or backfill is off, nothing of its VC overtakes it;
+   reclaimable). A job that must borrow is considered after the jobs that fit within their VC's
+   quota (``consider_borrowers``): lent GPUs go back to their owner's jobs first. The first job
+   of a VC that its quota stops is that VC's *quota head*, protected as the gang head is: its
+   start is reserved at the earliest time enough of the VC's quota frees up by the expected ends
+   of the VC's running jobs, and a later job of that VC starts only if it ends before then, or
+   uses quota the quota head will not need then. When an end it depends on is unknown, or
+   backfill is off, nothing of its VC overtakes it;
 3. **placement**: its whole gang must fit (``placement.py``); the first job that does not fit
    becomes the *head*, and its start is reserved (EASY backfill) at the earliest time enough GPUs
    free up by the expected ends of running jobs;
@@ -159,6 +161,7 @@ class Pass:
     # and passes over a VC's jobs behind its quota head (``_behind_quota_head``).
     ends_at_head: bool = False
     replaced: dict[str, NodeView] = field(default_factory=dict)  # views the pass replaced: put back after it
+    borrowers: list[tuple[int, JobState]] = field(default_factory=list)  # (position, job): must borrow
 
     @property
     def any_free(self) -> bool:
@@ -223,13 +226,30 @@ def plan(
                     work.wait(job, *held, position)
                 continue
             borrowed = check_quota(work, job, position)
-            if borrowed is not None:
+            if borrowed and work.state.scheduling.rules >= 8:
+                work.borrowers.append((position, job))  # (considered once the jobs within their quota were)
+            elif borrowed is not None:
                 consider(work, job, position, borrowed)
+        consider_borrowers(work)
         preempt(work)
         return work.out
     finally:
         free.update(work.replaced)  # the views as the pass found them (the cache's)
         index.end_pass()
+
+
+def consider_borrowers(work: Pass) -> None:
+    """Phase 2's end: the jobs that must borrow GPUs beyond their VC's quota, in the policy's order,
+    once the jobs that fit within theirs were considered: GPUs lent are given back to their owner's
+    waiting jobs first (as Kueue admits workloads that borrow after those that do not). Otherwise a
+    job preempted to give a VC its quota back ranks again ahead of the job it was preempted for, and
+    borrows the same GPUs again at once."""
+    for position, job in work.borrowers:
+        if not (work.explain or work.any_free):
+            break
+        borrowed = check_quota(work, job, position)  # (again: its VC's jobs within quota may have started)
+        if borrowed is not None:
+            consider(work, job, position, borrowed)
 
 
 def consider(work: Pass, job: JobState, position: int, borrowed: int) -> None:

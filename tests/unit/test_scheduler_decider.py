@@ -488,3 +488,28 @@ def test_a_pass_joins_settles_of_other_jobs_but_waits_for_one_it_decides_about()
     assert [o.job for o in decided.outputs if isinstance(o, ev.JobPlaced)] == ["b"]
     assert decided.outputs[0].based_on == len(records), "decided on the state that shows a finished"
     assert decider.keys_of([*outputs_of(batch), *decided.outputs]) == {"a", "b"}
+
+
+def test_a_vc_reclaiming_its_quota_gets_it_and_the_lender_does_not_borrow_it_back() -> None:
+    # vision borrows 2 of nlp's GPUs; nlp's job reclaims them. Requeued, vision-big ranks ahead of
+    # nlp-job again (FIFO): by the rules before, it borrowed the same GPUs at once and nlp-job waited
+    # on; now the job within its quota is considered first.
+    def run(rules: int) -> list[Record]:
+        setup = [
+            ev.PolicyConfigured(id="policy", policy="fifo", rules=rules),
+            ev.VcConfigured(id="v1", vc="vision", gpu_quota=2, can_borrow=True),
+            ev.VcConfigured(id="v2", vc="nlp", gpu_quota=2, can_borrow=True),
+            node("n1", 4),
+            submit("vision-big", 4, vc="vision", duration=1000.0),
+        ]
+        log = drive(setup)
+        log = drive([ev.JobStarted(id="s0", job="vision-big", attempt=0, node="n1")], log)
+        log = drive([submit("nlp-job", 2, vc="nlp", duration=1000.0)], log)
+        (pre,) = decisions(log, ev.JobPreempted)
+        assert pre.job == "vision-big" and "reclaiming" in pre.reason
+        return drive([ended("vision-big", "n1", outcome="stopped")], log)
+
+    placed = [(p.job, p.attempt) for p in decisions(run(ev.SCHEDULING_RULES), ev.JobPlaced)]
+    assert placed == [("vision-big", 0), ("nlp-job", 0)], "nlp-job starts on its quota; vision-big waits for GPUs"
+    before = [(p.job, p.attempt) for p in decisions(run(7), ev.JobPlaced)]
+    assert before == [("vision-big", 0), ("vision-big", 1)], "a log of the rules before is re-derived as it was"
