@@ -245,7 +245,9 @@ def consider_borrowers(work: Pass) -> None:
     job preempted to give a VC its quota back ranks again ahead of the job it was preempted for, and
     borrows the same GPUs again at once."""
     for position, job in work.borrowers:
-        if not (work.explain or work.any_free):
+        # (As behind the head in the pass's loop: where nothing more can start, the rest is not looked
+        # at. Until the head is known, a borrower that does not fit may be it, and preempt.)
+        if work.out.head is not None and (work.ends_at_head or not (work.explain or work.any_free)):
             break
         borrowed = check_quota(work, job, position)  # (again: its VC's jobs within quota may have started)
         if borrowed is not None:
