@@ -61,3 +61,21 @@ def test_the_rules_a_service_records_at_start_are_inputs_not_unattributed_decisi
     recorded = ev.ElasticConfigured(id="elastic:rules:1f", source="elastic", params={}, rules=ev.ELASTIC_RULES)
     log.append(Record(len(log) + 1, recorded))
     assert audit(log, ElasticDecider()).ok
+
+
+def test_a_forged_decision_claiming_to_be_based_on_nothing_is_reported() -> None:
+    log = drive(HISTORY)
+    cause = next(r for r in log if isinstance(r.event, ev.JobSubmitted) and r.event.job == "c")  # decided nothing
+    forged = ev.JobPlaced(
+        id=f"scheduler:{cause.seq}:0",
+        at=0.0,
+        source="scheduler",
+        based_on=0,
+        cause=cause.event.id,
+        job="c",
+        attempt=0,
+        allocations=(ev.Allocation("n1", (0, 1)),),
+    )
+    log.append(Record(len(log) + 1, forged))
+    report = audit(log, SchedulerDecider())
+    assert [(m.event_id, m.kind) for m in report.mismatches] == [(forged.id, "unattributable")]

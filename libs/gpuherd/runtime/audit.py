@@ -126,7 +126,7 @@ def audit(
     # Decisions whose based_on never appeared in the log (forged provenance).
     seen = {r.seq for r in records} | {0}
     for based_on, causes in checkpoints.items():
-        if based_on not in seen:
+        if based_on not in seen or based_on == 0:  # (a decision folds its cause first: never based on nothing)
             for cause in causes:
                 for r in batches[cause]:
                     report.mismatches.append(
