@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from gpuherd.errors import GpuherdError
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # tables of many columns stay readable in logs
 
@@ -51,6 +54,42 @@ def _cluster_spec(args: argparse.Namespace, trace: Any) -> Any:
         return ClusterSpec.from_file(args.cluster)
     peaks = vc_peak_demand(trace)
     return ClusterSpec.from_peaks(peaks, scale=args.scale, gpus_per_node=args.gpus_per_node, can_borrow=args.can_borrow)
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no NaN (a summary of no finished job has them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
+
+
+def ces_params(text: str, option: str) -> dict[str, Any]:
+    """``--ces`` / ``--params``: CES parameters as a JSON object, checked before anything runs."""
+    import msgspec
+
+    from services.analytics.ces import CesParams
+
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GpuherdError(
+            f"{option} takes a JSON object, e.g. '{{\"buffer_nodes\": 4}}'; got {text!r} ({exc})"
+        ) from None
+    if not isinstance(params, dict):
+        raise GpuherdError(f"{option} takes a JSON object of CES parameters, e.g. {{}}; got {text!r}")
+    unknown = sorted(set(params) - set(CesParams.__struct_fields__))
+    if unknown:
+        known = ", ".join(CesParams.__struct_fields__)
+        raise GpuherdError(f"{option}: unknown CES parameters {', '.join(unknown)}; known: {known}")
+    try:
+        msgspec.convert(params, CesParams)
+    except msgspec.ValidationError as exc:
+        raise GpuherdError(f"{option}: {exc}") from None
+    return params
 
 
 # -- sim ---------------------------------------------------------------------------------------------
@@ -99,6 +138,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from services.analytics import jobs as jobs_mod
     from services.analytics import traces
 
+    if not args.bucket > 0:  # (checked before the run: the utilization is computed after it)
+        raise GpuherdError(f"--bucket is seconds > 0, got {args.bucket:g}")
+    if args.gpus_per_node < 1:
+        raise GpuherdError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    ces = ces_params(args.ces, "--ces") if args.ces is not None else None
     trace = load_history(args.trace, args.kind)
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)
@@ -106,7 +150,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
     model = sim_model(args)
     estimates = load_estimates(args.estimates) if args.estimates else None
     policies = policy_names(args.policy)
-    ces = json.loads(args.ces) if args.ces is not None else None
     elastic_jobs = None
     if args.elastic_share > 0:
         low, high = parse_range(args.elastic_range)
@@ -164,7 +207,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 write_log_file(records, folder / "events.jsonl")
             table.jobs.to_csv(target / "jobs.csv", index=False)
             util.to_csv(target / "utilization.csv", index=False)
-            (target / "summary.json").write_text(json.dumps(figures, indent=2))
+            (target / "summary.json").write_text(json.dumps(_strict(figures), indent=2))
         return figures
 
     results: dict[str, Any] = {}
@@ -195,7 +238,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if not quiet and len(policies) > 1:
         console.print(f"{len(policies)} policies in {time.perf_counter() - began:.1f}s, {at_once} at a time")
     if quiet:
-        console.print_json(json.dumps({"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}))
+        out = {"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}
+        console.print_json(json.dumps(_strict(out)))
         return 0
     header = ["policy", *jobs_mod.SUMMARY_HEADER[1:], "preemptions", "utilization"]
     header += ["rescales", "paused GPU-s"] if elastic_jobs is not None or args.elastic else []
@@ -203,7 +247,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     for policy, r in results.items():
         row = jobs_mod.summary_rows(r["summary"])[0]
         row[0] = policy
-        rows.append([*row, f"{r['summary']['all']['preemptions']:,}", f"{r['mean_utilization']:.1%}"])
+        util = "-" if r["mean_utilization"] is None else f"{r['mean_utilization']:.1%}"  # (None: no job ran)
+        rows.append([*row, f"{r['summary']['all']['preemptions']:,}", util])
         if len(header) > len(rows[-1]):
             rows[-1] += [f"{r['rescales']:,}", f"{r['paused_gpu_s']:,.0f}"]
     console.print(_table("all VCs", header, rows))
@@ -255,7 +300,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_ces(args: argparse.Namespace) -> int:
     from services.analytics import ces
 
-    params = ces.CesParams(**json.loads(args.params)) if args.params else ces.CesParams()
+    params = ces.CesParams(**ces_params(args.params, "--params")) if args.params else ces.CesParams()
     report = ces.evaluate_sequence(ces.load_node_sequence(args.sequence), params, decide_every_s=args.every)
     if args.json:
         console.print_json(json.dumps(report.__dict__))

@@ -23,7 +23,7 @@ import msgspec
 from apps import registry
 from apps.sim.cluster import ClusterSpec
 from apps.sim.elastic import ElasticRuns, ElasticWorkload, make_elastic
-from apps.sim.engine import Simulation, Timer
+from apps.sim.engine import Simulation, SimulationError, Timer
 from apps.sim.model import GPUHERD, SimModel
 from gpuherd import events as ev
 from gpuherd.log import Record
@@ -141,6 +141,8 @@ def simulate(
     seeded share of the jobs elastic and runs the elastic service. ``estimates`` (intake id -> seconds)
     replace the duration model's predictions; when every job has one, the model is not trained at all
     (the same log, without its cost)."""
+    if not tick_s > 0:  # (the virtual clock would never move past a tick of 0 s or less)
+        raise SimulationError(f"a clock tick is a number of seconds > 0, got {tick_s}")
     t0 = time.perf_counter()
     predict = predict and (model.predict_always or make_policy(policy).ranks_by_prediction)
     if elastic_jobs is not None:  # a seeded share of the trace's jobs made elastic (the elastic service on)

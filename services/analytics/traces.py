@@ -101,6 +101,7 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
         ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
         ("negative duration", df["duration"].astype("float64") < 0),
         ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),
+        ("bad GPU count", ~np.isfinite(df["gpus"].astype("float64"))),  # (inf: no whole number of GPUs)
         ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),
     ]
     keep = pd.Series(True, index=df.index)
@@ -127,7 +128,10 @@ def _epoch(series: pd.Series) -> pd.Series:
 def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
-    df = pd.read_csv(path)
+    try:
+        df = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: not a readable CSV trace ({exc})") from None  # e.g. a row of too many fields
     missing = required - set(df.columns)
     if missing:
         raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
@@ -400,7 +404,8 @@ def vc_peak_demand(trace: Trace) -> dict[str, int]:
     submit + duration): the capacity at which nobody in the VC would ever wait."""
     peaks: dict[str, int] = {}
     jobs = trace.jobs
-    for vc, group in jobs.groupby("vc", sort=True):
+    # A job without a VC is submitted to "default" (``submissions``): its demand counts there.
+    for vc, group in jobs.groupby(jobs["vc"].fillna("default"), sort=True):
         starts = group["submit_time"].to_numpy()
         ends = starts + group["duration"].to_numpy()
         gpus = group["gpus"].to_numpy()

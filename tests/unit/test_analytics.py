@@ -12,7 +12,7 @@ import pytest
 
 from apps.registry import make_decider
 from apps.sim.cluster import ClusterSpec, VcSpec
-from apps.sim.engine import Simulation, Timer
+from apps.sim.engine import Simulation, SimulationError, Timer
 from apps.sim.run import as_submissions, make_deciders, simulate
 from gpuherd import events as ev
 from gpuherd.fold.invariants import violations
@@ -145,6 +145,42 @@ def test_unknown_files_get_a_clear_error(tmp_path: Path) -> None:
         load_trace(path)
     with pytest.raises(TraceError, match="no such trace file"):
         load_trace(tmp_path / "missing.csv")
+
+
+def test_a_malformed_row_gets_a_clear_error_not_a_parser_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "philly.csv"
+    path.write_text(
+        "timestamp,duration,num_gpus,gpu_time,cluster\n"
+        "2017-10-03 02:18:55,100,1,100,vc1\n"
+        "2017-10-03 02:18:56,100,1,100,vc1,extra\n"
+    )
+    with pytest.raises(TraceError, match="line 3"):
+        load_trace(path)
+
+
+def test_rows_with_an_infinite_gpu_count_are_counted_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "philly.csv"
+    path.write_text(
+        "timestamp,duration,num_gpus,gpu_time,cluster\n"
+        "2017-10-03 02:18:55,100,1,100,vc1\n"
+        "2017-10-03 02:18:56,100,inf,100,vc1\n"
+    )
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["gpus"]) == [1]
+    assert sum(trace.rejected.values()) == 1
+
+
+def test_jobs_without_a_vc_count_towards_the_default_vc_they_are_submitted_to(tmp_path: Path) -> None:
+    path = tmp_path / "philly.csv"
+    path.write_text(
+        "timestamp,duration,num_gpus,gpu_time,cluster\n"
+        "2017-10-03 02:18:55,100,1,100,\n"
+        "2017-10-03 02:18:56,100,2,200,\n"
+        "2017-10-03 02:18:57,100,4,400,vc1\n"
+    )
+    trace = load_philly_csv(path)
+    assert {job.spec.vc for job in submissions(trace)} == {"default", "vc1"}
+    assert vc_peak_demand(trace) == {"default": 3, "vc1": 4}
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="shared traces not present")
@@ -322,6 +358,14 @@ def test_qssf_places_by_predictions_it_learned(tmp_path: Path) -> None:
     assert summarize(job_table(result.records).jobs)["all"]["finished"] == len(trace.jobs)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tick_s", [0.0, -5.0])
+def test_a_clock_tick_that_is_not_positive_is_refused_rather_than_never_ending(tmp_path: Path, tick_s: float) -> None:
+    trace = _contended(tmp_path)
+    with pytest.raises(SimulationError, match="tick"):
+        simulate(submissions(trace), SMALL, "fifo", tick_s=tick_s)
+
+
 def test_jobs_larger_than_their_vc_are_rejected_with_a_reason(tmp_path: Path) -> None:
     trace = _toy_trace(tmp_path, [(0, 10.0, 8, "a"), (1, 10.0, 1, "a"), (2, 10.0, 1, "b")])
     result = simulate(submissions(trace), SMALL, "fifo")
@@ -419,6 +463,21 @@ def test_simulated_logs_replay_from_a_file(tmp_path: Path) -> None:
     again = read_log_file(path)
     assert [r.event for r in again] == [r.event for r in result.records]
     assert audit(again, SchedulerDecider(make_policy("sjf"))).ok
+
+
+@pytest.mark.parametrize("command", ["usage", "history"])
+def test_usage_and_history_name_a_damaged_line_of_a_log_file(tmp_path: Path, command: str) -> None:
+    from apps.cli import build_parser
+    from gpuherd.errors import GpuherdError
+
+    result = simulate(submissions(_contended(tmp_path)), SMALL, "fifo")
+    path = tmp_path / "events.jsonl"
+    write_log_file(result.records, path)
+    with path.open("a") as f:
+        f.write('{"type":"JobPlaced", broken\n')  # (a line cut short, as by a full disk)
+    args = build_parser().parse_args([command, "--log", str(path)])
+    with pytest.raises(GpuherdError, match=f"events.jsonl:{len(result.records) + 1}: "):
+        args.func(args)
 
 
 def test_cluster_spec_from_peaks_and_file(tmp_path: Path) -> None:

@@ -134,3 +134,44 @@ def test_gpuherd_sim_refuses_an_unknown_policy_before_running_any() -> None:
     args = build_parser().parse_args(["sim", str(SAMPLE), "--policy", "fifo,nonesuch"])
     with pytest.raises(GpuherdError, match="unknown policies: nonesuch; choose from"):
         args.func(args)
+
+
+def test_gpuherd_sim_json_is_strict_json_when_no_job_finishes(tmp_path: Path, capsys: Any) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("vcs:\n  other: {nodes: 1}\ngpus_per_node: 8\n")  # no VC of the trace: every job rejected
+    argv = ["sim", str(SAMPLE), "--limit", "20", "--workers", "1", "--cluster", str(cluster), "--json"]
+    args = build_parser().parse_args([*argv, "--out", str(tmp_path / "out")])
+    assert args.func(args) == 0
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    printed = json.loads(capsys.readouterr().out, parse_constant=strict)
+    assert printed["fifo"]["rejected"] == 20 and printed["fifo"]["summary"]["all"]["avg_jct_s"] is None
+    json.loads((tmp_path / "out" / "fifo" / "summary.json").read_text(), parse_constant=strict)
+
+
+def test_gpuherd_sim_prints_its_table_when_no_job_ran(tmp_path: Path, capsys: Any) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("vcs:\n  other: {nodes: 1}\ngpus_per_node: 8\n")  # no VC of the trace: every job rejected
+    args = build_parser().parse_args(["sim", str(SAMPLE), "--limit", "20", "--workers", "1", "--cluster", str(cluster)])
+    assert args.func(args) == 0
+    assert "20 jobs (20 rejected)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", str(SAMPLE), "--ces", "nope"],
+        ["sim", str(SAMPLE), "--ces", '{"nope": 1}'],
+        ["sim", str(SAMPLE), "--ces", "[]"],
+        ["sim", str(SAMPLE), "--bucket", "0"],
+        ["sim", str(SAMPLE), "--gpus-per-node", "0"],
+        ["ces", str(SAMPLE), "--params", "nope"],
+        ["ces", str(SAMPLE), "--params", '{"nope": 1}'],
+    ],
+)
+def test_gpuherd_sim_and_ces_refuse_bad_options_with_a_clear_error(argv: list[str]) -> None:
+    args = build_parser().parse_args([*argv])
+    with pytest.raises(GpuherdError):
+        args.func(args)
