@@ -125,13 +125,14 @@ def _may_rescale(job: JobState, now: float, params: ElasticParams) -> bool:
     return job.rescaled_at is None or now - job.rescaled_at >= params.min_interval_s
 
 
-def resizable(state: ElasticState) -> list[JobState]:
-    """Running elastic jobs with no rescale in flight and no dead worker to recover from."""
+def resizable(state: ElasticState, rules: int = ev.ELASTIC_RULES) -> list[JobState]:
+    """Running elastic jobs with no rescale in flight, no dead worker to recover from, and (rules 3)
+    not stopping (cancelled, preempted, past its time limit: its GPUs free as it ends)."""
     jobs = state.jobs
     return [
         j
         for j in (jobs[job] for job in state.elastic_active)  # (the placed and running elastic jobs, indexed)
-        if j.status == "running" and j.rescale is None and not j.lost_workers
+        if j.status == "running" and j.rescale is None and not j.lost_workers and not (rules >= 3 and j.stopping())
     ]
 
 
@@ -166,7 +167,7 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
     now, proposed = state.now, state.proposed
     jobs = [
         j
-        for j in resizable(state)
+        for j in resizable(state, rules)
         if not (proposed.get(j.job, (-1, 0.0))[0] == j.generation and now - proposed[j.job][1] < params.retry_s)
     ]
     if not jobs:
@@ -369,7 +370,7 @@ def _decide_v1(state: ElasticState, params: ElasticParams) -> list[ev.RescalePro
     now, proposed = state.now, state.proposed
     jobs = [
         j
-        for j in resizable(state)
+        for j in resizable(state, rules=1)
         if _may_rescale(j, now, params)
         and not (proposed.get(j.job, (-1, 0.0))[0] == j.generation and now - proposed[j.job][1] < params.retry_s)
     ]

@@ -195,3 +195,17 @@ def test_the_timer_is_due_when_a_hold_ends_and_not_before() -> None:
     assert next_due(state, PARAMS) == 1010.0 + max(PARAMS.min_interval_s, PARAMS.hold_after_shrink_s)
     later = _state(_at(log, 1010.0 + PARAMS.hold_after_shrink_s + 1))
     assert next_due(later, PARAMS) is None, "nothing more waits on time: events decide from here"
+
+
+def test_a_job_that_is_stopping_is_neither_grown_nor_shrunk() -> None:
+    """A cancelled elastic job runs until its parts end: a grow would start workers (and take GPUs)
+    for a job that is going away, a shrink would stand it still for GPUs it gives back anyway."""
+    log = drive([_e(ev.JobCancelRequested, job="j", reason="enough")], _at(started(), 1000.0))
+    job = _state(log).jobs["j"]
+    assert job.status == "running" and job.stopping()  # (its parts have not ended yet)
+    assert _decide(log) == []
+    assert _decide(log, rules=2), "the rules before grew it: a log of them is re-derived as it was decided"
+    rigid = ev.JobSpec(name="rigid", user="bo", gpus=8, command=("python", "x.py"))  # 6 free: it waits
+    log = _at(drive([ev.JobSubmitted(id="s2", source="test", job="r", spec=rigid, intake_source="t")], log), 1010)
+    assert _state(log).jobs["r"].status == "pending"
+    assert _decide(log) == []

@@ -15,8 +15,9 @@ from gpuherd.events.values import Allocation, Rendezvous, RescaleKind
 # re-derived by the rules it was made by. 2: shrink for every waiting job that shrinks let start
 # (at once, whatever the minimum interval), lend only GPUs no waiting job can use, one allowed size
 # at a time to the job whose throughput gains most per GPU, and only where the gain over the
-# minimum interval outweighs the rescale's pause.
-ELASTIC_RULES = 2
+# minimum interval outweighs the rescale's pause. 3: a job that is stopping (cancelled, preempted,
+# past its time limit) is neither grown nor shrunk.
+ELASTIC_RULES = 3
 
 
 class RescaleProposed(Decision, kw_only=True, frozen=True):
