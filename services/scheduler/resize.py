@@ -27,8 +27,8 @@ from services.scheduler.state import SchedulerState, user_key
 
 
 def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.Event]:
-    """Commit the proposal if it still holds: the job runs that generation, no rescale is in
-    flight, the size is one the job may take, and (to grow) the GPUs are free."""
+    """Commit the proposal if it still holds: the job runs that generation, is not stopping (rules 8),
+    no rescale is in flight, the size is one the job may take, and (to grow) the GPUs are free."""
     job = state.jobs.get(proposal.job)
     if job is None or job.status != "running" or job.spec.elastic is None:
         return []
@@ -36,6 +36,8 @@ def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.
         return []
     if job.lost_workers or proposal.gpus not in job.spec.elastic.sizes():
         return []
+    if job.stopping() and state.scheduling.rules >= 8:
+        return []  # (cancelled or preempted since it was proposed: its GPUs free as it ends)
     size = len(job.workers)
     if proposal.gpus > size:
         if _over_user_limit(state, job, proposal.gpus - size):

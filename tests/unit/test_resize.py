@@ -108,6 +108,15 @@ def test_a_shrink_lets_the_newest_workers_go_and_frees_their_gpus_once_it_is_don
     assert [g.job for g in state.nodes["n1"].gpus] == ["j", None, None, None]
 
 
+def test_a_proposal_for_a_job_cancelled_since_is_not_committed() -> None:
+    # The elastic service proposed a grow; the job was cancelled before the scheduler decided it.
+    log = drive([_e(ev.JobCancelRequested, job="j", reason="enough")], started())
+    assert _state(log).jobs["j"].stopping()
+    assert _resized(_propose(log, 3)) == [], "no workers start for a job that is going away"
+    old_rules = drive([_e(ev.PolicyConfigured, policy="fifo", rules=7)], log)
+    assert [r.kind for r in _resized(_propose(old_rules, 3))] == ["grow"], "the rules before committed it"
+
+
 def test_only_sizes_that_keep_the_global_batch_and_current_proposals_are_committed() -> None:
     log = started()
     assert _resized(_propose(log, 4)) == []  # 24 is not 4 workers x whole micro-batches of 4

@@ -50,7 +50,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # 5: an elastic job's expected end runs its remaining work at its current size. 6: an elastic job
 # that does not fit at the GPUs it asked for starts at the largest of its sizes that fits now.
 # 7: a preemption stops only the victims whose GPUs the placement takes (and those the quota needs).
-# 8: a job that must borrow beyond its VC's quota is considered after the jobs within their quota.
+# 8: a job that must borrow beyond its VC's quota is considered after the jobs within their quota;
+# a rescale proposed for a job that is stopping by the time it is decided is not committed.
 SCHEDULING_RULES = 8
 
 
