@@ -70,6 +70,10 @@ def owner_need_mb(state: MemoryState, node: NodeState, slot: GpuSlot, lent: int,
         return current  # a free GPU: only strays use it
     if owner.status != "running" or owner.started_at is None or state.now - owner.started_at < params.owner_warmup_s:
         return None
+    # A worker that joined at a grow is as new on this GPU as a placed job: the same warm-up.
+    joined_at = owner.rescaled_at if ev.worker_id(node.node, slot.info.index) in owner.joiners else None
+    if joined_at is not None and state.now - joined_at < params.owner_warmup_s:
+        return None
     return int(max(current, state.peak_mb.get(owner.job, 0)) * (1 + params.owner_headroom))
 
 

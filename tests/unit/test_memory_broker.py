@@ -299,3 +299,26 @@ def test_grants_never_lend_more_than_a_gpu_can_spare(used: list[int], asks: list
     for lease in state.leases.values():
         assert lease.granted_mb <= lease.mb
         assert len(lease.lenders()) <= PARAMS.max_neighbors
+
+
+def test_an_elastic_grow_onto_a_lender_revokes_the_shares_on_it() -> None:
+    """A worker that joins its job at a grow is as new on its GPU as a placed job: what is lent
+    there is revoked (its need is not known yet), not left for the new worker to run out of."""
+    log = cluster()
+    free_room = TOTAL - reserve_mb(_fold(log).nodes["n1"].gpus[2], PARAMS)
+    log = run([request(2 * free_room, tiers=("pcie",))], log)
+    (grant,) = of(log, ev.MemoryLeaseGranted)
+    assert shares(grant) == [("pcie", 2, free_room), ("pcie", 3, free_room)]
+    grow = _e(
+        ev.JobResized,
+        at=200.0,
+        job="small",
+        attempt=0,
+        generation=1,
+        allocations=(ev.Allocation("n1", (1, 2)),),
+        joiners=("n1/2",),
+        kind="grow",
+    )
+    log = run([grow], log)
+    (revoked,) = of(log, ev.MemoryLeaseRevoked)
+    assert (revoked.lease, revoked.gpus) == ("L", (2,)) and "need is not known" in revoked.reason
