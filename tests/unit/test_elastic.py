@@ -514,3 +514,45 @@ def test_a_generation_s_store_opens_once_its_port_is_free_instead_of_failing_the
     assert [r["event"] for r in reports] == ["completed"]  # no "failed": no rollback was needed
     assert set(reports[0]["times"]) == {"decided", "noticed", "quiesced", "reformed", "restored", "first_step"}
     assert all(reports[0]["times"].values())
+
+
+def _lr_scaled_steps_then_switch(ports: list[int], out: mp.Queue) -> None:
+    """One worker under linear LR scaling, its sampler made with a global batch of 96: at world 1 a
+    step is 1 x 8 samples. Six steps of at least 50 ms, then a switch to generation 1."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plans = _Plans(ElasticPlan(0, ("a",), "127.0.0.1", ports[0], "a"))
+    reports: list[dict] = []
+    membership = Membership("a", plans, reform_timeout_s=30.0, reporter=reports.append)
+    sampler = ElasticSampler(960, 96, fixed_batch=False)
+    state = ElasticState(model, optimizer, sampler=sampler, micro_batch=8, membership=membership, lr_scaling="linear")
+    for _ in range(6):
+        assert state.sync()
+        time.sleep(0.05)
+        state.finish_step()
+    plans.plans.append(ElasticPlan(1, ("a",), "127.0.0.1", ports[1], "a", decided_at=time.time()))
+    assert state.sync()
+    state.finish_step()
+    assert state.sync()  # the first step at generation 1 is done: its rank 0 reports the rescale
+    membership.close()
+    out.put((sampler.global_batch, reports))
+
+
+@pytest.mark.timeout(120)
+def test_the_throughput_reported_at_a_rescale_counts_the_batch_the_steps_ran_under_lr_scaling() -> None:
+    """Under an LR-scaling rule the batch follows the world: the samples per second a rescale
+    reports (the elastic service's measured throughput) are those of the batch the steps ran."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    proc = context.Process(target=_lr_scaled_steps_then_switch, args=(_free_ports(2), out))
+    proc.start()
+    try:
+        batch, reports = out.get(timeout=90)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert batch == 8
+    (completed,) = [r for r in reports if r["event"] == "completed"]
+    assert 0 < completed["samples_per_s_before"] <= 8 / 0.05  # 8 samples a step, each step 50 ms or more

@@ -241,7 +241,6 @@ class Membership:
         self, state: ElasticState, plan: ElasticPlan, snapshot: dict[str, Any] | None, phases: RescalePhases
     ) -> bool:
         """Join ``plan``'s group and take its source's state; on failure roll back and wait for the next plan."""
-        self._batch = state.sampler.global_batch
         joining = self.current is None or snapshot is None
         try:
             self._form(plan, joining=joining)
@@ -255,6 +254,7 @@ class Membership:
         except Exception as exc:
             return self._failed(state, plan, snapshot, phases, f"{type(exc).__name__}: {first_line(exc)}")
         self.current = plan
+        self._batch = state.sampler.global_batch  # after adapt(): an LR-scaling rule resizes the batch
         self._step_times = []  # throughput is measured per generation
         self._store = None if self._store is not None and self._store[0] != plan.generation else self._store
         self.history.append(phases)
