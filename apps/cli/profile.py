@@ -46,11 +46,37 @@ def load_factory(target: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except (ImportError, TypeError) as exc:  # (TypeError: a relative name such as ".models")
+            raise ProfileTargetError(f"cannot import {where} ({exc}): give path/to/file.py:Factory instead") from None
     factory = getattr(module, name, None)
     if factory is None:
         raise ProfileTargetError(f"{where} has no {name}")
+    if not callable(factory):
+        raise ProfileTargetError(f"{where}:{name} is not a factory: it is a {type(factory).__name__}")
     return factory
+
+
+def positive_ints(text: str, option: str) -> list[int]:
+    """``--input`` and ``--ddp``: positive whole numbers separated by commas, or a clear error."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise GpuherdError(f"{option} takes positive whole numbers separated by commas (e.g. 3,32,32); got {text!r}")
+    return values
+
+
+def float_dtype(name: str) -> Any:
+    """The torch dtype ``--dtype`` names, which must be a floating-point one."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise GpuherdError(f"--dtype {name!r} is not a floating-point torch dtype: float32, bfloat16, float16, float64")
+    return dtype
 
 
 def _fmt_bytes(n: float) -> str:
@@ -178,10 +204,10 @@ def scaling_tables(detail: list[Any], points: list[Any]) -> tuple[Table, Table]:
 def make_batch(args: argparse.Namespace, device: Any) -> Any:
     import torch
 
-    shape = (args.batch, *(int(d) for d in args.input.split(",")))
+    shape = (args.batch, *positive_ints(args.input, "--input"))
     if args.input_dtype == "long":
         return torch.randint(0, args.vocab, shape, device=device)
-    return torch.randn(shape, device=device, dtype=getattr(torch, args.dtype))
+    return torch.randn(shape, device=device, dtype=float_dtype(args.dtype))
 
 
 async def request_job_profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,6 +252,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from gpuherd.train.dataparallel import measure_allreduce, measure_core_sharing, predict_scaling
     from gpuherd.train.profile import StepProfile, profile_layers
 
+    workers = positive_ints(args.ddp, "--ddp") if args.ddp else []  # checked before the minutes of profiling
+    for option, value, least in (("--batch", args.batch, 1), ("--threads", args.threads, 0), ("--top", args.top, 0)):
+        if value < least:
+            raise GpuherdError(f"{option} must be at least {least}, got {value}")
     if args.source:
         profile = StepProfile.load(args.source)
     elif args.job:
@@ -237,23 +267,36 @@ def cmd_profile(args: argparse.Namespace) -> int:
             return 2
         if args.threads:
             torch.set_num_threads(args.threads)
-        device = torch.device(
-            args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        model = load_factory(args.target)().to(device=device, dtype=getattr(torch, args.dtype))
-        batch = make_batch(args, device)
-        with console.status(f"profiling {args.target} on {device} ({args.warmup} warm-up + {args.repeats} steps)"):
-            profile = profile_layers(
-                model, batch, warmup=args.warmup, repeats=args.repeats, block_depth=args.block_depth
+        try:
+            device = torch.device(
+                args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             )
+        except RuntimeError as exc:
+            raise GpuherdError(f"--device {args.device!r} is not a device ({exc})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise GpuherdError(f"--device {args.device}: no CUDA GPU here (use cpu or auto)")
+        dtype = float_dtype(args.dtype)
+        batch = make_batch(args, device)
+        model = load_factory(args.target)()
+        if not isinstance(model, torch.nn.Module):
+            raise ProfileTargetError(f"{args.target} returned a {type(model).__name__}, not an nn.Module")
+        model = model.to(device=device, dtype=dtype)
+        with console.status(f"profiling {args.target} on {device} ({args.warmup} warm-up + {args.repeats} steps)"):
+            try:
+                profile = profile_layers(
+                    model, batch, warmup=args.warmup, repeats=args.repeats, block_depth=args.block_depth
+                )
+            except RuntimeError as exc:  # most often --input does not fit the model (torch says how)
+                raise GpuherdError(
+                    f"{args.target} cannot run a training step on a batch of shape {tuple(batch.shape)}: {exc}"
+                ) from None
     console.print(profile_table(profile, blocks=args.blocks, top=args.top))
     if args.json:
         profile.save(args.json)
         console.print(f"profile written to {args.json}")
     if args.plot:
         console.print(f"roofline plot: {plot_roofline(profile, args.plot)}")
-    if args.ddp:
-        workers = [int(w) for w in args.ddp.split(",")]
+    if workers:
         cuda = profile.device.startswith("cuda")
         backend = "nccl" if cuda else "gloo"
         local = torch.cuda.device_count() if cuda else os.cpu_count() or 1

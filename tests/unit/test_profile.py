@@ -4,6 +4,7 @@ against the whole step, and no trace left on the model."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,72 @@ def test_ddp_replay_adds_the_buffer_broadcast_before_forward() -> None:
     assert two.step_s == pytest.approx(8.5 + 1.0) and two.exposed_s == pytest.approx(5.0)
     _, (_, quiet) = predict_scaling(with_buffers, {2: cost}, workers=(1, 2), broadcast_buffers=False)
     assert quiet.step_s == pytest.approx(8.5)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+CNN = f"{Path(__file__).resolve().parents[2] / 'examples' / 'train_cnn.py'}:SmallResNet"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--input", "3,x"], "--input takes positive whole numbers"),
+        (["--input", ","], "--input takes positive whole numbers"),
+        (["--input", "3,-1,32"], "--input takes positive whole numbers"),
+        (["--input", "3,8,8", "--batch", "0"], "--batch"),
+        (["--input", "3,8,8", "--batch", "-1"], "--batch"),
+        (["--input", "3,8,8", "--dtype", "floaty"], "--dtype 'floaty'"),
+        (["--input", "3,8,8", "--dtype", "int32"], "--dtype 'int32'"),
+        (["--input", "3,8,8", "--ddp", "1,x"], "--ddp takes positive whole numbers"),
+        (["--input", "3,8,8", "--ddp", "0"], "--ddp takes positive whole numbers"),
+        (["--input", "3,8,8", "--device", "bogus"], "--device 'bogus'"),
+        (["--input", "3,8,8", "--threads", "-1"], "--threads"),
+        (["--input", "3,8,8", "--top", "-2"], "--top"),
+        (["--input", "5"], "cannot run a training step on a batch of shape"),
+    ],
+)
+def test_the_profile_command_refuses_bad_options_with_a_clear_error(argv: list[str], message: str) -> None:
+    from apps.cli import build_parser
+    from gpuherd.errors import GpuherdError
+
+    args = build_parser().parse_args(["profile", CNN, "--warmup", "0", "--repeats", "1", "--batch", "2", *argv])
+    with pytest.raises(GpuherdError, match=message):
+        args.func(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_the_profile_command_says_when_there_is_no_cuda() -> None:
+    from apps.cli import build_parser
+    from gpuherd.errors import GpuherdError
+
+    args = build_parser().parse_args(["profile", CNN, "--input", "3,8,8"])
+    args.device = "cuda"
+    with pytest.raises(GpuherdError, match="no CUDA"):
+        args.func(args)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_such_package.models:Net", "cannot import no_such_package.models"),
+        ("math:pi", "is not a factory"),
+        ("collections:OrderedDict", "not an nn.Module"),
+    ],
+)
+def test_the_profile_command_names_a_target_it_cannot_load(target: str, message: str) -> None:
+    from apps.cli import build_parser
+    from apps.cli.profile import ProfileTargetError
+
+    args = build_parser().parse_args(["profile", target, "--input", "3"])
+    with pytest.raises(ProfileTargetError, match=message):
+        args.func(args)
+
+
+def test_loading_a_file_that_is_not_a_saved_profile_says_so(tmp_path) -> None:
+    with pytest.raises(ProfileError, match=r"no-such\.json: not a saved profile"):
+        StepProfile.load(tmp_path / "no-such.json")
+    for text in ("{not json", '{"device": "cpu"}', "[1, 2]", '{"layers": [], "colour": 1}'):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ProfileError, match=r"bad\.json: not a saved profile"):
+            StepProfile.load(tmp_path / "bad.json")

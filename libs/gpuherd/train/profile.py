@@ -195,7 +195,10 @@ class StepProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> StepProfile:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # missing, not JSON, or not a profile's fields
+            raise ProfileError(f"{path}: not a saved profile ({type(exc).__name__}: {exc})") from None
 
 
 # -- profiling -------------------------------------------------------------------------------------
