@@ -21,6 +21,7 @@ import msgspec
 from aiohttp import web
 
 from gpuherd.errors import GpuherdError
+from gpuherd.security import check_token
 from services.dashboard.view import DashboardView
 
 STATIC = Path(__file__).parent / "static"
@@ -118,6 +119,11 @@ class Routes:
         try:
             limit = min(int(q.get("limit", "200")), 5_000)
             offset = max(int(q.get("offset", "0")), 0)
+        except ValueError:
+            return _error(400, "limit and offset are whole numbers (e.g. ?limit=200&offset=0)")
+        if limit < 0:  # a negative slice end would drop jobs from the end of the page instead
+            return _error(400, f"limit must be 0 or more, got {limit}")
+        try:
             total, rows = self.view.jobs(
                 status=q.get("status") or None,
                 user=q.get("user") or None,
@@ -261,7 +267,15 @@ class Routes:
         drain = self.backend.actions.drain
         done = f"{'undrained' if undrain else 'drained'} {node}"
         default = "" if undrain else "drained from the dashboard"
-        return await self._act(request, lambda reason: ((lambda: drain(node, reason, undrain)), done), default)
+
+        async def checked(reason: str) -> None:
+            try:
+                check_token("node", node)  # a wildcard ('*', '>') matched every node's subject: "drained *"
+            except ValueError as exc:
+                raise GpuherdError(str(exc)) from None
+            await drain(node, reason, undrain)
+
+        return await self._act(request, lambda reason: ((lambda: checked(reason)), done), default)
 
 
 async def _reason_of(request: web.Request) -> str:
@@ -269,7 +283,7 @@ async def _reason_of(request: web.Request) -> str:
         return ""
     try:
         body = await request.json()
-    except json.JSONDecodeError:
+    except (ValueError, LookupError):  # not JSON, not text in its charset, or an unknown charset: no reason
         return ""
     return str(body.get("reason", "")) if isinstance(body, dict) else ""
 

@@ -221,3 +221,71 @@ def test_usage_and_workflows_come_from_the_log_as_gpuherd_usage_has_them() -> No
     assert graph["steps"][1]["depends"] == [{"kind": "afterok", "step": "prep"}]
     assert all(s["status"] == "completed" for s in graph["steps"])
     assert view.workflow("w-none") is None
+
+
+async def test_the_jobs_page_refuses_a_negative_or_unreadable_limit(client: Any) -> None:
+    c = await client(None)
+    for query in ("limit=-1", "limit=-2", "limit=abc", "offset=1.5", "limit=" + "9" * 5000):
+        response = await c.get(f"/api/jobs?{query}")
+        assert response.status == 400, query
+        assert "limit" in (await response.json())["error"], query
+    everything = await c.get("/api/jobs?limit=0")
+    assert everything.status == 200 and await everything.json() == [] and everything.headers["X-Total-Count"] == "3"
+
+
+async def test_an_action_with_a_body_that_is_not_text_still_acts() -> None:
+    done: list[tuple[str, str]] = []
+
+    async def cancel(job: str, reason: str) -> None:
+        done.append((job, reason))
+
+    async def drain(node: str, reason: str, undrain: bool) -> None:
+        done.append((node, reason))
+
+    async def nothing(*args: Any) -> Any:
+        return {}
+
+    backend = Backend(
+        view=folded(),
+        ready=lambda: True,
+        services=nothing,
+        audit=None,
+        actions=Actions(cancel=cancel, drain=drain),
+        metrics=lambda: b"",
+        output=nothing,
+        operator_token=TOKEN,
+    )
+    async with TestClient(TestServer(make_app(backend))) as c:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        response = await c.post("/api/jobs/b/cancel", data=b"\xff\xfe", headers=auth)
+        assert response.status == 200, await response.text()
+        odd_charset = auth | {"Content-Type": "application/json; charset=no-such-charset"}
+        response = await c.post("/api/nodes/n1/drain", data=b'{"reason": "x"}', headers=odd_charset)
+        assert response.status == 200, await response.text()
+    assert done == [("b", "cancelled from the dashboard"), ("n1", "drained from the dashboard")]
+
+
+async def test_drain_refuses_a_node_name_that_is_a_subject_wildcard() -> None:
+    drained: list[str] = []
+
+    async def drain(node: str, reason: str, undrain: bool) -> None:
+        drained.append(node)
+
+    async def nothing(*args: Any) -> Any:
+        return {}
+
+    backend = Backend(
+        view=folded(),
+        ready=lambda: True,
+        services=nothing,
+        audit=None,
+        actions=Actions(cancel=nothing, drain=drain),
+        metrics=lambda: b"",
+        output=nothing,
+        operator_token=TOKEN,
+    )
+    async with TestClient(TestServer(make_app(backend))) as c:
+        for name in ("*", ">", "%2A"):
+            response = await c.post(f"/api/nodes/{name}/drain", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert response.status == 400 and "subject token" in (await response.json())["error"], name
+    assert drained == []
