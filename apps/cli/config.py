@@ -23,6 +23,7 @@ from apps.cli.common import (
 )
 from apps.registry import make_decider, replay_state
 from gpuherd.errors import GpuherdError
+from gpuherd.security import check_token
 from services.elastic.policy import params_from as elastic_params
 from services.scheduler.policy import POLICIES, check_policy
 
@@ -198,6 +199,10 @@ def cmd_elastic(args: argparse.Namespace) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     undrain = args.command == "undrain"
+    try:
+        check_token("node", args.node)  # a wildcard ('*', '>') matched every node's subject: "drained *"
+    except ValueError as exc:
+        raise GpuherdError(str(exc)) from None
     client_call(args, lambda c: c.drain(args.node, getattr(args, "reason", ""), undrain=undrain))
     console.print(f"{'undrained' if undrain else 'drained'} {args.node}")
     return 0

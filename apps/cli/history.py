@@ -19,6 +19,7 @@ from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cl
 from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
 from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
 from gpuherd.runtime.audit import audit
 
@@ -41,6 +42,8 @@ def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
 def cmd_events(args: argparse.Namespace) -> int:
     if args.dead_letter:
         return cmd_dead_letters(args)
+    if args.last < 0:
+        raise GpuherdError(f"--last takes the number of latest events to show (0: all), got {args.last}")
 
     async def run() -> int:
         log_ = await open_cli_log(args)

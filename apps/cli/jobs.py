@@ -184,6 +184,8 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    if args.limit < 0:  # jobs[-args.limit:] would drop the first jobs instead
+        raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
     state, records = read_cluster(args)
     _, pending, starts = why_waiting(records, forecast=args.status in (None, "pending"))
     if args.workflow or args.array:
@@ -299,7 +301,7 @@ def add_commands(sub: Any) -> None:
     j.add_argument("--status", default=None)
     j.add_argument("--workflow", default=None, help="only this workflow's jobs (its id, or its name)")
     j.add_argument("--array", default=None, help="only this array's jobs (its id)")
-    j.add_argument("--limit", type=int, default=50)
+    j.add_argument("--limit", type=int, default=50, help="the latest N (0: all)")
     j.add_argument("--json", action="store_true")
     j.set_defaults(func=cmd_jobs)
 

@@ -27,6 +27,7 @@ from gpuherd.errors import LogUnavailable, SubmissionError
 from gpuherd.fold import vc_problem
 from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import call_span
+from gpuherd.security import check_token
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Unanswered this long, a submission that names its intake id is stored again under a new message
@@ -305,6 +306,10 @@ class Client:
 
     async def drain(self, node: str, reason: str = "", *, undrain: bool = False) -> None:
         """Stop (or resume) placing new work on a node; running jobs stay."""
+        try:
+            check_token("node", node)  # (a wildcard such as '*' would match every node's subject)
+        except ValueError as exc:
+            raise SubmissionError(str(exc)) from None
         log_ = await self._log()
         if not await log_.subject_seen(f"herd.node.{node}"):
             raise SubmissionError(f"no node {node!r}: see `gpuherd nodes` for the names")

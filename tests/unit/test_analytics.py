@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -541,3 +542,73 @@ def test_a_submission_is_forecast_even_when_decided_after_its_placement_but_not_
     assert isinstance(forecast, ev.JobDurationPredicted) and forecast.job == "j1"
     state = analytics.evolve(state, 4, finished)
     assert analytics.decide(state, submitted) == []
+
+
+def _five_jobs() -> list[Any]:
+    from gpuherd.log import Record
+    from tests.helpers import node, submit
+
+    events = [node("n1", 1), *(submit(f"j{i}", 1, at=float(i)) for i in range(5))]
+    return [Record(seq, event) for seq, event in enumerate(events, 1)]
+
+
+def test_jobs_limit_shows_the_latest_and_refuses_a_negative_count(monkeypatch: Any, capsys: Any) -> None:
+    from apps.cli import build_parser, jobs
+    from gpuherd.errors import GpuherdError
+    from gpuherd.fold import fold
+
+    records = _five_jobs()
+    monkeypatch.setattr(jobs, "read_cluster", lambda args: (fold((r.seq, r.event) for r in records), records))
+    args = build_parser().parse_args(["jobs", "--limit", "2"])
+    assert args.func(args) == 0
+    shown = capsys.readouterr().out
+    assert "j3" in shown and "j4" in shown and "j0" not in shown
+    args = build_parser().parse_args(["jobs", "--limit", "-2"])  # (read as "all but the first two" before)
+    with pytest.raises(GpuherdError, match="--limit"):
+        args.func(args)
+
+
+def test_events_last_refuses_a_negative_count(monkeypatch: Any) -> None:
+    from apps.cli import build_parser, history
+    from gpuherd.errors import GpuherdError
+    from gpuherd.log import InProcessLog
+
+    async def in_process_log(args: Any) -> InProcessLog:
+        log_ = InProcessLog()
+        await log_.append([r.event for r in _five_jobs()])
+        return log_
+
+    monkeypatch.setattr(history, "open_cli_log", in_process_log)
+    args = build_parser().parse_args(["events", "--last", "-5"])
+    with pytest.raises(GpuherdError, match="--last"):
+        args.func(args)
+
+
+@pytest.mark.parametrize("name", ["*", ">", "n.1"])
+def test_drain_refuses_a_node_name_that_is_a_subject_wildcard(monkeypatch: Any, name: str) -> None:
+    from apps.cli import build_parser, config
+    from gpuherd.errors import GpuherdError
+
+    calls: list[Any] = []
+    monkeypatch.setattr(config, "client_call", lambda args, call: calls.append(call))
+    for command in ("drain", "undrain"):
+        args = build_parser().parse_args([command, name])  # ('*' matched every node's subject: "drained *")
+        with pytest.raises(GpuherdError, match="not a NATS subject token"):
+            args.func(args)
+    assert calls == []
+
+
+@pytest.mark.parametrize("name", ["*", ">", "n.1"])
+def test_the_client_refuses_to_drain_a_subject_wildcard(name: str) -> None:
+    import asyncio
+
+    from gpuherd.client import Client
+    from gpuherd.errors import SubmissionError
+
+    class Unconnected:  # (refused before it reads the log: nothing is sent)
+        def new_inbox(self) -> str:
+            return "_INBOX.test"
+
+    client = Client(nc=Unconnected())
+    with pytest.raises(SubmissionError, match="not a NATS subject token"):
+        asyncio.run(client.drain(name))
