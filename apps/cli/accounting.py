@@ -108,6 +108,8 @@ def fmt_day(at: float | None) -> str:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
+    if args.limit < 0:  # rows[-args.limit:] would drop the oldest instead
+        raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
     since, until = _window(args)
     finished = fold_log(args, Accounting(history=True)).finished or []
     states = set(args.state.split(",")) if args.state else None

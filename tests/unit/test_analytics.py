@@ -481,6 +481,17 @@ def test_usage_and_history_name_a_damaged_line_of_a_log_file(tmp_path: Path, com
         args.func(args)
 
 
+def test_history_refuses_a_negative_limit(tmp_path: Path) -> None:
+    from apps.cli import build_parser
+    from gpuherd.errors import GpuherdError
+
+    path = tmp_path / "events.jsonl"
+    write_log_file(simulate(submissions(_contended(tmp_path)), SMALL, "fifo").records, path)
+    args = build_parser().parse_args(["history", "--log", str(path), "--limit", "-2"])  # (all but the oldest 2)
+    with pytest.raises(GpuherdError, match="--limit"):
+        args.func(args)
+
+
 def test_cluster_spec_from_peaks_and_file(tmp_path: Path) -> None:
     trace = _toy_trace(tmp_path, [(0, 100.0, 4, "a"), (10, 100.0, 4, "a"), (0, 10.0, 1, "b")])
     assert vc_peak_demand(trace) == {"a": 8, "b": 1}
