@@ -233,6 +233,24 @@ async def test_the_jobs_page_refuses_a_negative_or_unreadable_limit(client: Any)
     assert everything.status == 200 and await everything.json() == [] and everything.headers["X-Total-Count"] == "3"
 
 
+def _acting(actions: Actions) -> Backend:
+    """A backend over the test view whose operator actions are ``actions`` (token ``TOKEN``)."""
+
+    async def nothing(*args: Any) -> Any:
+        return {}
+
+    return Backend(
+        view=folded(),
+        ready=lambda: True,
+        services=nothing,
+        audit=None,
+        actions=actions,
+        metrics=lambda: b"",
+        output=nothing,
+        operator_token=TOKEN,
+    )
+
+
 async def test_an_action_with_a_body_that_is_not_text_still_acts() -> None:
     done: list[tuple[str, str]] = []
 
@@ -242,20 +260,7 @@ async def test_an_action_with_a_body_that_is_not_text_still_acts() -> None:
     async def drain(node: str, reason: str, undrain: bool) -> None:
         done.append((node, reason))
 
-    async def nothing(*args: Any) -> Any:
-        return {}
-
-    backend = Backend(
-        view=folded(),
-        ready=lambda: True,
-        services=nothing,
-        audit=None,
-        actions=Actions(cancel=cancel, drain=drain),
-        metrics=lambda: b"",
-        output=nothing,
-        operator_token=TOKEN,
-    )
-    async with TestClient(TestServer(make_app(backend))) as c:
+    async with TestClient(TestServer(make_app(_acting(Actions(cancel=cancel, drain=drain))))) as c:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         response = await c.post("/api/jobs/b/cancel", data=b"\xff\xfe", headers=auth)
         assert response.status == 200, await response.text()
@@ -271,20 +276,10 @@ async def test_drain_refuses_a_node_name_that_is_a_subject_wildcard() -> None:
     async def drain(node: str, reason: str, undrain: bool) -> None:
         drained.append(node)
 
-    async def nothing(*args: Any) -> Any:
-        return {}
+    async def nothing(*args: Any) -> None:
+        return None
 
-    backend = Backend(
-        view=folded(),
-        ready=lambda: True,
-        services=nothing,
-        audit=None,
-        actions=Actions(cancel=nothing, drain=drain),
-        metrics=lambda: b"",
-        output=nothing,
-        operator_token=TOKEN,
-    )
-    async with TestClient(TestServer(make_app(backend))) as c:
+    async with TestClient(TestServer(make_app(_acting(Actions(cancel=nothing, drain=drain))))) as c:
         for name in ("*", ">", "%2A"):
             response = await c.post(f"/api/nodes/{name}/drain", headers={"Authorization": f"Bearer {TOKEN}"})
             assert response.status == 400 and "subject token" in (await response.json())["error"], name

@@ -470,16 +470,37 @@ class _Plans:
         return self.plans[-1] if self.plans else None
 
 
+def _one_worker(port: int) -> tuple[nn.Module, torch.optim.Optimizer, _Plans, list[dict], Membership]:
+    """A one-worker group's parts at generation 0 on ``port``: model, optimizer, plans, the reports
+    its membership sends, and the membership."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plans = _Plans(ElasticPlan(0, ("a",), "127.0.0.1", port, "a"))
+    reports: list[dict] = []
+    membership = Membership("a", plans, reform_timeout_s=30.0, reporter=reports.append)
+    return model, optimizer, plans, reports, membership
+
+
+def _in_a_process(target: Callable[[list[int], mp.Queue], None]) -> Any:
+    """What ``target(two free ports, queue)`` puts on the queue, run in a fresh process (stopped after)."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    proc = context.Process(target=target, args=(_free_ports(2), out))
+    proc.start()
+    try:
+        return out.get(timeout=90)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
 def _switch_while_the_port_is_held(ports: list[int], out: mp.Queue) -> None:
     """One worker: generation 0, then generation 1 at a port another process still listens on for a second."""
     import threading
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    plans = _Plans(ElasticPlan(0, ("a",), "127.0.0.1", ports[0], "a"))
-    reports: list[dict] = []
-    membership = Membership("a", plans, reform_timeout_s=30.0, reporter=reports.append)
+    model, optimizer, plans, reports, membership = _one_worker(ports[0])
     state = ElasticState(model, optimizer, sampler=ElasticSampler(8, 4), membership=membership)
     assert state.sync()
     state.finish_step()
@@ -500,16 +521,7 @@ def _switch_while_the_port_is_held(ports: list[int], out: mp.Queue) -> None:
 def test_a_generation_s_store_opens_once_its_port_is_free_instead_of_failing_the_switch() -> None:
     """A port still held (by a process that is ending, in TIME_WAIT) delays the switch; it does not
     fail it: the host tries again, bounded, and the rescale completes."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    proc = context.Process(target=_switch_while_the_port_is_held, args=(_free_ports(2), out))
-    proc.start()
-    try:
-        switched, generation, reports = out.get(timeout=90)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    switched, generation, reports = _in_a_process(_switch_while_the_port_is_held)
     assert switched and generation == 1
     assert [r["event"] for r in reports] == ["completed"]  # no "failed": no rollback was needed
     assert set(reports[0]["times"]) == {"decided", "noticed", "quiesced", "reformed", "restored", "first_step"}
@@ -519,12 +531,7 @@ def test_a_generation_s_store_opens_once_its_port_is_free_instead_of_failing_the
 def _lr_scaled_steps_then_switch(ports: list[int], out: mp.Queue) -> None:
     """One worker under linear LR scaling, its sampler made with a global batch of 96: at world 1 a
     step is 1 x 8 samples. Six steps of at least 50 ms, then a switch to generation 1."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    plans = _Plans(ElasticPlan(0, ("a",), "127.0.0.1", ports[0], "a"))
-    reports: list[dict] = []
-    membership = Membership("a", plans, reform_timeout_s=30.0, reporter=reports.append)
+    model, optimizer, plans, reports, membership = _one_worker(ports[0])
     sampler = ElasticSampler(960, 96, fixed_batch=False)
     state = ElasticState(model, optimizer, sampler=sampler, micro_batch=8, membership=membership, lr_scaling="linear")
     for _ in range(6):
@@ -543,16 +550,7 @@ def _lr_scaled_steps_then_switch(ports: list[int], out: mp.Queue) -> None:
 def test_the_throughput_reported_at_a_rescale_counts_the_batch_the_steps_ran_under_lr_scaling() -> None:
     """Under an LR-scaling rule the batch follows the world: the samples per second a rescale
     reports (the elastic service's measured throughput) are those of the batch the steps ran."""
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    proc = context.Process(target=_lr_scaled_steps_then_switch, args=(_free_ports(2), out))
-    proc.start()
-    try:
-        batch, reports = out.get(timeout=90)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    batch, reports = _in_a_process(_lr_scaled_steps_then_switch)
     assert batch == 8
     (completed,) = [r for r in reports if r["event"] == "completed"]
     assert 0 < completed["samples_per_s_before"] <= 8 / 0.05  # 8 samples a step, each step 50 ms or more
