@@ -91,6 +91,8 @@ class Sizes(NamedTuple):
     each: tuple[int, ...] = ()
 
     def plus(self, other: Sizes) -> Sizes:
+        if not (self.nodes and other.nodes):  # (the common case, one kind of node: no merge per submission)
+            return other if other.nodes else self
         each = tuple(sorted(self.each + other.each))
         return Sizes(self.nodes + other.nodes, self.gpus + other.gpus, max(self.largest, other.largest), each)
 
