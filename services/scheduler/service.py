@@ -72,6 +72,8 @@ class Intake:
         self._in_flight: set[int] = set()  # intake sequences handed to the runner, not answered yet
 
     async def loop(self, runner: DeciderRunner[SchedulerState]) -> None:
+        # A new leadership's runner holds nothing the last one was handed: its redeliveries are new.
+        self._in_flight.clear()
         await runner.caught_up.wait()
         consumer = self.consumer = runner.log.intake_consumer(INTAKE_CONSUMER, ack_wait=self.ack_wait_s)
         # The intake stream may be electing its leader, or NATS failing over: wait for it.

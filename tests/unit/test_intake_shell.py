@@ -73,3 +73,27 @@ async def test_a_judging_bug_becomes_a_recorded_rejection(monkeypatch: pytest.Mo
 def test_server_refusals_are_retryable_only_when_transient(code: int, kind: type) -> None:
     error = _refusal("append", {"code": code, "err_code": 10008, "description": "jetstream unavailable"})
     assert type(error) is kind and "jetstream unavailable" in str(error)
+
+
+async def test_a_submission_in_flight_when_the_leadership_is_lost_is_answered_once_it_leads_again() -> None:
+    """Fenced out while a verdict was on its way, the scheduler forgets what it was handed (a standby
+    starts from the snapshot and the log): leading again, it decides the redelivered message."""
+    log = InProcessLog(duplicate_window=0)
+    await log.append([node("n1", 4)])
+    runner = DeciderRunner(log, SchedulerDecider(), instance="a")
+    service.setup(runner, ack_wait_s=0.2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        spec = {"name": "a", "user": "u", "gpus": 1, "duration_s": 1}
+        assert (await submit(log, msgspec.json.encode(spec | {"intake_id": "x"}), "inbox.1"))["ok"]
+        # Another instance fenced this one: its next verdict is refused, and it leads again at once.
+        fence = ev.LeadershipTaken(id="scheduler:leader:b:1", source="scheduler", service="scheduler", instance="b")
+        await log.append([fence])
+        answer = await submit(log, msgspec.json.encode(spec | {"intake_id": "y"}), "inbox.2")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert answer["ok"] and not answer["duplicate"]
+    submitted = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobSubmitted)]
+    assert [s.job for s in submitted].count(answer["job_id"]) == 1
