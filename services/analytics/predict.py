@@ -340,7 +340,8 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         key = f.burst_key()
         size, med = self.previous_burst.get(key, (0, _NAN))
         if burst is not None:
-            x += [math.log1p(burst.size - 1), math.log1p(f.at - burst.first_at)]
+            # (a mate the stream stored earlier than the burst's first, clocks apart: age 0, not a crash)
+            x += [math.log1p(burst.size - 1), math.log1p(max(f.at - burst.first_at, 0.0))]
         else:
             x += [0.0, 0.0]
         last = self.bursts.get(self.open_burst.get(key, ""))

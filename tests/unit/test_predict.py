@@ -251,3 +251,16 @@ def test_the_groups_a_burst_keeps_revise_as_every_mate_weighed_one_by_one_would_
             fold(made)
     assert revisions > 50, "(the mates' predictions did move, in groups of several)"
     assert set(state.model.grouped) == set(submitted) - ended  # (an ended job leaves its group)
+
+
+def test_a_submission_stored_earlier_than_its_burst_s_first_is_predicted_not_a_crash() -> None:
+    """JobSubmitted.at is when the intake stream stored it: after a leader change to a server whose
+    clock is behind, a burst-mate may carry an earlier time than the burst's first job."""
+    analytics = make_decider("analytics")
+    state = analytics.initial_state()
+    spec = ev.JobSpec(name="sweep", user="bo", gpus=1, duration_s=50)
+    for seq, (job, at) in enumerate((("b0", 1000.0), ("b1", 995.0)), start=1):
+        submitted = ev.JobSubmitted(id=f"s{job}", at=at, job=job, spec=spec, intake_source="t")
+        state = analytics.evolve(state, seq, submitted)
+        (made,) = analytics.decide(state, submitted)
+        assert made.seconds == pytest.approx(3600.0)  # nothing known: the default
