@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 from gpuherd import events as ev
@@ -26,6 +27,11 @@ JOB_EVENTS = (
     ev.JobFinished,
     ev.JobDurationPredicted,
 )
+
+
+def _json(value: float) -> float | None:
+    """NaN as null: JSON has no NaN (a summary of no finished job has them)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def reporter(out_dir: Path, every_s: float) -> ExtraTask:
@@ -55,7 +61,10 @@ def reporter(out_dir: Path, every_s: float) -> ExtraTask:
                 table = job_table(list(seen), name="gpuherd")
                 if len(table.jobs):
                     await asyncio.to_thread(write_report, table, out_dir)
-                    (out_dir / "summary.json").write_text(json.dumps(summarize(table.jobs), indent=2))
+                    figures = {
+                        key: {k: _json(v) for k, v in stats.items()} for key, stats in summarize(table.jobs).items()
+                    }
+                    (out_dir / "summary.json").write_text(json.dumps(figures, indent=2))
                     log.info("report written", jobs=len(table.jobs), dir=str(out_dir))
                 await asyncio.sleep(every_s)
         finally:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,12 +20,14 @@ from apps.sim.engine import Simulation, SimulationError, Timer
 from apps.sim.run import as_submissions, make_deciders, simulate
 from gpuherd import events as ev
 from gpuherd.fold.invariants import violations
+from gpuherd.log import InProcessLog
 from gpuherd.log.files import read_log_file, write_log_file
 from gpuherd.runtime.audit import audit
 from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
 from services.analytics.jobs import TABLE_COLUMNS, job_table, summarize
 from services.analytics.predict import DurationModel, Features, evaluate
 from services.analytics.report import write_report
+from services.analytics.service import reporter
 from services.analytics.traces import (
     TraceError,
     load_alibaba_openb,
@@ -553,6 +558,31 @@ def test_a_submission_is_forecast_even_when_decided_after_its_placement_but_not_
     assert isinstance(forecast, ev.JobDurationPredicted) and forecast.job == "j1"
     state = analytics.evolve(state, 4, finished)
     assert analytics.decide(state, submitted) == []
+
+
+async def test_the_live_report_s_summary_is_json_while_no_job_has_finished(tmp_path: Path) -> None:
+    """``gpuherd serve analytics --report-dir`` (``gpuherd up``) writes summary.json: JSON has no NaN,
+    and a summary of no finished job has them (as ``gpuherd sim``'s, they are null)."""
+    log = InProcessLog()
+    spec = ev.JobSpec(name="j", user="u", gpus=1, duration_s=10)
+    await log.append([ev.JobSubmitted(id="s1", at=1.7e9, job="j1", spec=spec, intake_source="test")])
+    task = asyncio.create_task(reporter(tmp_path, 60.0)(SimpleNamespace(log=log)))  # type: ignore[arg-type]
+    summary = tmp_path / "summary.json"
+    try:
+        for _ in range(1200):  # (the report is drawn in a thread first)
+            if summary.exists() or task.done():
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    figures = json.loads(summary.read_text(), parse_constant=strict)
+    assert figures["all"]["jobs"] == 1 and figures["all"]["finished"] == 0 and figures["all"]["avg_jct_s"] is None
 
 
 def _five_jobs() -> list[Any]:
