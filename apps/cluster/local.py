@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 from rich.console import Console
 
 from apps import registry
+from gpuherd.errors import GpuherdError
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.spec import LocalContext
 
@@ -84,6 +87,33 @@ def service_argv(service: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "apps", "serve", service, *args]
 
 
+def refuse_if_in_use(data_dir: Path) -> None:
+    """Raise if another ``gpuherd up`` still serves from ``data_dir``: its ``cluster.json`` names a
+    live process and its NATS answers (a second nats-server on the same JetStream store corrupts it)."""
+    try:
+        recorded = msgspec.json.decode((Path(data_dir) / "cluster.json").read_bytes())
+        pid, url = int(recorded["pid"]), urlsplit(str(recorded["nats_url"]))
+        address = (url.hostname or "127.0.0.1", url.port or 4222)
+    except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return  # (no cluster started here, or its record is unreadable)
+    if pid == os.getpid():
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        pass  # (alive: another user's)
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+    except OSError:
+        return  # (a process that took its pid since; its NATS is gone)
+    raise GpuherdError(
+        f"{data_dir} is in use by gpuherd up (pid {pid}, NATS {recorded['nats_url']}): "
+        "stop it first (Ctrl-C in its terminal), or give another --data-dir"
+    )
+
+
 RENDEZVOUS_BASE = 29400
 
 
@@ -137,6 +167,14 @@ class LocalCluster:
         return None
 
     def start(self) -> str:
+        try:
+            return self._start()
+        except BaseException:  # (a failure or a Ctrl-C half-way: stop what had started, nats-server too)
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        refuse_if_in_use(self.data_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self.url:
             self.server = NatsServer(

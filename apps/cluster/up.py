@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from apps.cluster.local import ClusterLayout, LocalCluster, console
+from apps.cluster.local import ClusterLayout, LocalCluster, console, refuse_if_in_use
 from gpuherd.client import Client, load_data_file
 from gpuherd.errors import GpuherdError
 from gpuherd.natsd import UNSAFE_SYNC, unsafe_sync_warning
@@ -100,6 +100,7 @@ def _command_name() -> str:
 
 def run_cluster(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
+    refuse_if_in_use(data_dir)  # (before --fresh deletes what it serves from)
     if args.fresh and data_dir.exists():
         shutil.rmtree(data_dir)
     layout = ClusterLayout(
@@ -117,40 +118,40 @@ def run_cluster(args: argparse.Namespace) -> int:
     vcs = load_vc_file(args.vcs) if args.vcs else []
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
     url = cluster.start()
-    if vcs:
-        asyncio.run(configure_vcs(url, vcs))
-        console.print(f"configured {len(vcs)} virtual clusters from {args.vcs}")
-    if cluster.server is not None:
-        console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
-        warning = unsafe_sync_warning(cluster.server.sync)
-        if warning:
-            console.print(f"[bold red]{warning}[/bold red]", highlight=False)
-        else:
-            console.print("the log fsyncs before every acknowledgement (sync_interval: always)")
-    else:
-        console.print(f"using NATS at {url}")
-    console.print(
-        f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
-        f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs"
-        + (" and an nvml agent" if args.nvml else "")
-        + f" (logs in {cluster.log_dir})"
-    )
-
-    if layout.ui_port is not None:
-        ui = cluster.dashboard_url()
-        where = ui or f"not serving yet (see {cluster.log_dir / 'dashboard.log'})"
-        console.print(f"dashboard: {where}" + ("" if args.ui_token_file else " (read-only)"))
-    stopping = False
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
     code = 0
-    try:
+    try:  # (from here on: whatever fails, or a Ctrl-C before the handlers below, stops every process)
+        if vcs:
+            asyncio.run(configure_vcs(url, vcs))
+            console.print(f"configured {len(vcs)} virtual clusters from {args.vcs}")
+        if cluster.server is not None:
+            console.print(f"embedded nats-server with JetStream at {url} (data in {cluster.data_dir / 'nats'})")
+            warning = unsafe_sync_warning(cluster.server.sync)
+            if warning:
+                console.print(f"[bold red]{warning}[/bold red]", highlight=False)
+            else:
+                console.print("the log fsyncs before every acknowledgement (sync_interval: always)")
+        else:
+            console.print(f"using NATS at {url}")
+        console.print(
+            f"started the scheduler, {args.agents} sim agents x {args.gpus_per_node} GPUs and "
+            f"{args.cpu_agents} cpu agents x {args.cpu_gpus} virtual GPUs"
+            + (" and an nvml agent" if args.nvml else "")
+            + f" (logs in {cluster.log_dir})"
+        )
+
+        if layout.ui_port is not None:
+            ui = cluster.dashboard_url()
+            where = ui or f"not serving yet (see {cluster.log_dir / 'dashboard.log'})"
+            console.print(f"dashboard: {where}" + ("" if args.ui_token_file else " (read-only)"))
+        stopping = False
+
+        def on_signal(signum: int, frame: object) -> None:
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
         if args.demo:
             from apps.cluster.demo import run_demo
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,31 @@ def wait_for(fn, timeout: float = 30.0):
         if time.monotonic() > deadline:
             raise AssertionError("timed out")
         time.sleep(0.3)
+
+
+def processes_of(data: Path) -> list[int]:
+    """The processes of the local cluster in ``data``: its nats-server (whose config is there) and
+    every service and agent (started with its NATS URL)."""
+    names = [str(data.resolve())]
+    if (data / "cluster.json").exists():
+        names.append(json.loads((data / "cluster.json").read_text())["nats_url"] + " ")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # (gone meanwhile)
+        if any(name in cmdline for name in names):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_processes_of(data: Path) -> None:
+    for pid in processes_of(data):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -135,6 +161,26 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
     up.send_signal(signal.SIGINT)
     output, _ = up.communicate(timeout=30)
     assert up.returncode == 0 and "stopped" in output
+
+
+def test_a_second_up_in_a_data_dir_in_use_is_refused(running_cluster) -> None:
+    """Two nats-servers on one JetStream store, and --fresh deleting the first's: refused."""
+    data, _ = running_cluster
+    second = subprocess.Popen(
+        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "1", "--fresh"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        output, _ = second.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        second.send_signal(signal.SIGINT)  # (it started a second cluster: it stops what it started)
+        output, _ = second.communicate(timeout=30)
+    assert second.returncode == 2 and "is in use by gpuherd up" in output, output
+    assert len(json.loads(cli(data, "nodes", "--json").stdout)) == 3, "the first cluster serves on"
 
 
 @pytest.mark.long
@@ -244,3 +290,16 @@ def test_profile_command_writes_table_json_and_roofline(tmp_path) -> None:
         cwd=ROOT,
     )
     assert bad.returncode == 2 and "has no NoSuchModel" in bad.stdout + bad.stderr
+
+
+def test_up_stops_what_it_started_when_its_vcs_cannot_be_configured(tmp_path) -> None:
+    data = tmp_path / "data"
+    vcs = tmp_path / "vcs.yaml"
+    vcs.write_text("- {name: vision lab, quota: 4}\n")  # (a VC name has no spaces: the client refuses it)
+    try:
+        result = cli(data, "up", "--agents", "1", "--vcs", str(vcs), check=False)
+        assert result.returncode == 2 and "VC names are" in result.stdout, result.stdout + result.stderr
+        assert (data / "cluster.json").exists(), "(the cluster had started)"
+        assert processes_of(data) == [], "every process it started is stopped"
+    finally:
+        kill_processes_of(data)

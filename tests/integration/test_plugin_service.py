@@ -5,6 +5,7 @@ file, in the simulator and in ``gpuherd up``, where it runs and appends its deci
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import textwrap
@@ -152,3 +153,22 @@ async def test_a_plugin_service_runs_in_gpuherd_up(toy_installed: Path, tmp_path
         assert [e.job for e in counted] == [job] and counted[0].source == "toy"
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+def test_a_plugin_service_that_cannot_start_leaves_no_process_of_gpuherd_up_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(ctx: object) -> list[str]:
+        raise RuntimeError("the plugin cannot say how it starts")
+
+    specs = registry.specs
+    plugin = dataclasses.replace(registry.spec("dashboard"), name="zz-broken", local_argv=broken)
+    monkeypatch.setattr(registry, "specs", lambda: [*specs(), plugin])
+    cluster = LocalCluster(tmp_path / "cluster", ClusterLayout(sim_agents=1))
+    try:
+        with pytest.raises(RuntimeError, match="cannot say how it starts"):
+            cluster.start()
+        assert cluster.server is not None and cluster.server.proc is not None
+        assert cluster.server.proc.poll() is not None, "the embedded nats-server is stopped"
+    finally:
+        cluster.stop()
