@@ -150,7 +150,11 @@ class NatsServer:
             start_new_session=True,  # a Ctrl-C in the terminal is ours to forward, not the child's
         )
         log.close()
-        _wait_listening(self.host, self.port, timeout, self.proc)
+        try:
+            _wait_listening(self.host, self.port, timeout, self.proc)
+        except BaseException:  # (it did not come up in time, or start was interrupted: none is left behind)
+            self.stop()
+            raise
         return self
 
     def stop(self, timeout: float = 10.0) -> None:

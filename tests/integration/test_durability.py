@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpuherd.log.health import durability, sync_mode
-from gpuherd.natsd import UNSAFE_FSYNC_ENV, NatsServer, default_sync
+from gpuherd.natsd import UNSAFE_FSYNC_ENV, NatsServer, NatsServerError, default_sync
 
 
 def test_sync_mode_reads_varz() -> None:
@@ -61,3 +61,10 @@ def test_a_running_server_is_not_started_twice(tmp_path) -> None:
         first = server.proc
         assert server.start() is server and server.proc is first
     assert first is not None and first.poll() is not None
+
+
+def test_a_server_that_does_not_come_up_in_time_is_not_left_running(tmp_path) -> None:
+    server = NatsServer(tmp_path / "nats")
+    with pytest.raises(NatsServerError, match="did not listen"):
+        server.start(timeout=0.0)  # (gone before it could listen)
+    assert server.proc is not None and server.proc.poll() is not None, "the process it started was stopped"
