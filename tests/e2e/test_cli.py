@@ -69,30 +69,22 @@ def kill_processes_of(data: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def running_cluster(tmp_path):
-    data = tmp_path / "data"
-    up = subprocess.Popen(
-        [
-            *GPUHERD,
-            "--data-dir",
-            str(data),
-            "up",
-            "--agents",
-            "2",
-            "--gpus-per-node",
-            "4",
-            "--cpu-agents",
-            "1",
-            "--policy",
-            "fifo",
-        ],
+def gpuherd_up(data: Path, *flags: str) -> subprocess.Popen[str]:
+    """``gpuherd up`` on ``data`` in the background, its output in a pipe."""
+    return subprocess.Popen(
+        [*GPUHERD, "--data-dir", str(data), "up", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=ENV,
         cwd=ROOT,
     )
+
+
+@pytest.fixture
+def running_cluster(tmp_path):
+    data = tmp_path / "data"
+    up = gpuherd_up(data, "--agents", "2", "--gpus-per-node", "4", "--cpu-agents", "1", "--policy", "fifo")
     try:
         wait_for(lambda: (data / "cluster.json").exists(), 30)
         wait_for(lambda: len(json.loads(cli(data, "nodes", "--json").stdout)) == 3, 60)
@@ -166,14 +158,7 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
 def test_a_second_up_in_a_data_dir_in_use_is_refused(running_cluster) -> None:
     """Two nats-servers on one JetStream store, and --fresh deleting the first's: refused."""
     data, _ = running_cluster
-    second = subprocess.Popen(
-        [*GPUHERD, "--data-dir", str(data), "up", "--agents", "1", "--fresh"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=ENV,
-        cwd=ROOT,
-    )
+    second = gpuherd_up(data, "--agents", "1", "--fresh")
     try:
         output, _ = second.communicate(timeout=30)
     except subprocess.TimeoutExpired:
