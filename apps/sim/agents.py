@@ -131,8 +131,7 @@ class SimAgents:
                     if modelled and (job.status not in ACTIVE or job.stopping()):  # type: ignore[union-attr]
                         self.elastic.stop(job_id, now)  # type: ignore[union-attr]  # (not a leaving worker's node)
                 if action.report is not None:
-                    again = _generation(job, action.key)
-                    out.append(events.ended(action.key, action.report, now, reason=action.reason, generation=again))
+                    out.append(events.ended(action.key, action.report, now, reason=action.reason, job=job))
             elif isinstance(action, RequestLease):
                 self.asked.add(action.event.lease)
                 out.append(action.event)
@@ -198,8 +197,7 @@ class SimAgents:
                 return []  # stopped (or started again) before it could end
             self._gone(key.job, node, tasks)
             exited.add(key)
-            generation = _generation(state.jobs.get(key.job), key)
-            return [events.ended(key, "completed", now, exit_code=0, generation=generation)]
+            return [events.ended(key, "completed", now, exit_code=0, job=state.jobs.get(key.job))]
         if kind == "rescaled":
             key, report = payload
             self.rescaling.discard(key)
@@ -209,10 +207,3 @@ class SimAgents:
             self.booting.discard(node)
             return [self._powered(node, now, up=True)]
         raise ValueError(f"unknown timer {kind!r}")
-
-
-def _generation(job: JobState | None, key: TaskKey) -> int:
-    """The generation a task's end is recorded with, as the live agent records it: the elastic job's
-    current one for a task of its current attempt (a part that left a node and came back ends there
-    again in the same attempt, under an id of its own)."""
-    return job.generation if job is not None and job.attempt == key.attempt else 0

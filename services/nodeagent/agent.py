@@ -470,7 +470,6 @@ class Agent:
 
     async def _report(self, exit_: TaskExit) -> None:
         key = exit_.key
-        job = self.state.jobs.get(key.job)
         ended = self.writer.events.ended(
             key,
             exit_.outcome,
@@ -479,7 +478,7 @@ class Agent:
             reason=exit_.reason,
             output_tail=exit_.output_tail,
             metrics=self.messages.progress.get(key),
-            generation=job.generation if job is not None and job.attempt == key.attempt else 0,
+            job=self.state.jobs.get(key.job),
         )
         await self.writer.append(ended)
         log.info("task ended", job=key.job, attempt=key.attempt, outcome=exit_.outcome, reason=exit_.reason)

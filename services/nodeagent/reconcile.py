@@ -147,9 +147,11 @@ class AgentEvents:
         reason: str = "",
         output_tail: str = "",
         metrics: dict[str, float] | None = None,
-        generation: int = 0,
+        job: JobState | None = None,
     ) -> ev.TaskEnded:
-        # An elastic part that left and came back ends again in the same attempt: not a repeat.
+        """``job``: the log's state of the task's job, if known. An elastic part that left this node
+        and came back ends here again in the same attempt: its generation makes the id its own."""
+        generation = job.generation if job is not None and job.attempt == key.attempt else 0
         again = (str(generation),) if generation else ()
         return ev.TaskEnded(
             **self.stamp("ended", key.job, str(key.attempt), *again, at=at),  # type: ignore[arg-type]
@@ -263,11 +265,8 @@ def reconcile(
     # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
     leaving = job is not None and job.status in ACTIVE and not mine and any(a.node == node for a in job.releasing)
     key = TaskKey(job_id, job.attempt) if job is not None else None
-    generation = job.generation if job is not None else 0
     out: list[Action] = [
-        RecordEnd(k, ended(k, tasks, now, events, generation if k == key else 0))
-        for k in sorted(tasks.unrecorded)
-        if k.job == job_id
+        RecordEnd(k, ended(k, tasks, now, events, job)) for k in sorted(tasks.unrecorded) if k.job == job_id
     ]
     for running in sorted(k for k in tasks.running if k.job == job_id) if tasks.running else ():
         if leaving and running == key:
@@ -324,9 +323,8 @@ def new_workers(job: JobState, node: str, launched: Set[int]) -> list[Action]:
     return [StartWorkers(launch_for(job, node, resume=False, elapsed_s=0.0, gpus=new))] if new else []
 
 
-def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, generation: int = 0) -> ev.TaskEnded:
-    """How a task that ended by itself ended, with its leader's last report as the final metrics
-    (``generation``: the elastic job's, when the task is of its current attempt)."""
+def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, job: JobState | None) -> ev.TaskEnded:
+    """How a task that ended by itself ended, with its leader's last report as the final metrics."""
     exit_ = tasks.unrecorded[key]
     metrics = tasks.progress.get(key)
     return events.ended(
@@ -337,7 +335,7 @@ def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, generatio
         reason=exit_.reason,
         output_tail=exit_.output_tail,
         metrics=dict(metrics) if metrics is not None else None,
-        generation=generation,
+        job=job,
     )
 
 
