@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -54,17 +53,6 @@ def _cluster_spec(args: argparse.Namespace, trace: Any) -> Any:
         return ClusterSpec.from_file(args.cluster)
     peaks = vc_peak_demand(trace)
     return ClusterSpec.from_peaks(peaks, scale=args.scale, gpus_per_node=args.gpus_per_node, can_borrow=args.can_borrow)
-
-
-def _strict(value: Any) -> Any:
-    """``value`` with NaN and infinities as None: JSON has no NaN (a summary of no finished job has them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_strict(v) for v in value]
-    return value
 
 
 def ces_params(text: str, option: str) -> dict[str, Any]:
@@ -207,7 +195,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 write_log_file(records, folder / "events.jsonl")
             table.jobs.to_csv(target / "jobs.csv", index=False)
             util.to_csv(target / "utilization.csv", index=False)
-            (target / "summary.json").write_text(json.dumps(_strict(figures), indent=2))
+            (target / "summary.json").write_text(json.dumps(jobs_mod.json_safe(figures), indent=2))
         return figures
 
     results: dict[str, Any] = {}
@@ -239,7 +227,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         console.print(f"{len(policies)} policies in {time.perf_counter() - began:.1f}s, {at_once} at a time")
     if quiet:
         out = {"trace": trace.describe(), "cluster_gpus": cluster.total_gpus, **results}
-        console.print_json(json.dumps(_strict(out)))
+        console.print_json(json.dumps(jobs_mod.json_safe(out)))
         return 0
     header = ["policy", *jobs_mod.SUMMARY_HEADER[1:], "preemptions", "utilization"]
     header += ["rescales", "paused GPU-s"] if elastic_jobs is not None or args.elastic else []

@@ -10,8 +10,10 @@ counts). Jobs still open at the end of the log have no end and count as ``runnin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -269,6 +271,18 @@ def _busy_gpu_seconds(starts: np.ndarray, ends: np.ndarray, gpus: np.ndarray, ed
         span = slice(a, b + 1)
         busy[span] += g * np.clip(np.minimum(hi[span], e) - np.maximum(lo[span], s), 0, None)
     return busy
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` (a summary, or figures holding summaries) with NaN and infinities as None: JSON has
+    no NaN, and a summary of no finished job has them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def summary_rows(summary: dict[str, dict[str, float]], keys: Sequence[str] = ("all",)) -> list[list[str]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from pathlib import Path
 
 from gpuherd import events as ev
@@ -29,11 +28,6 @@ JOB_EVENTS = (
 )
 
 
-def _json(value: float) -> float | None:
-    """NaN as null: JSON has no NaN (a summary of no finished job has them)."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
 def reporter(out_dir: Path, every_s: float) -> ExtraTask:
     """Keep the report current: follow the job events of the log and rewrite the report."""
 
@@ -41,7 +35,7 @@ def reporter(out_dir: Path, every_s: float) -> ExtraTask:
         # pandas and matplotlib load only when a report is asked for: every service's process
         # imports this spec (the registry looks them all up) and would pay for both at its start
         # and at its exit.
-        from services.analytics.jobs import job_table, summarize
+        from services.analytics.jobs import job_table, json_safe, summarize
         from services.analytics.report import write_report
 
         seen: list[Record] = []
@@ -61,10 +55,7 @@ def reporter(out_dir: Path, every_s: float) -> ExtraTask:
                 table = job_table(list(seen), name="gpuherd")
                 if len(table.jobs):
                     await asyncio.to_thread(write_report, table, out_dir)
-                    figures = {
-                        key: {k: _json(v) for k, v in stats.items()} for key, stats in summarize(table.jobs).items()
-                    }
-                    (out_dir / "summary.json").write_text(json.dumps(figures, indent=2))
+                    (out_dir / "summary.json").write_text(json.dumps(json_safe(summarize(table.jobs)), indent=2))
                     log.info("report written", jobs=len(table.jobs), dir=str(out_dir))
                 await asyncio.sleep(every_s)
         finally:

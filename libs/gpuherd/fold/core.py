@@ -71,8 +71,8 @@ def vc_problem(e: ev.VcConfigured) -> str | None:
         ("limit of GPUs per user", e.max_gpus_per_user),
         ("limit of running jobs per user", e.max_running_per_user),
     ):
-        if count is not None and count >= 2**63:  # (snapshots are msgpack: 64-bit integers)
-            return f"a {name} of {count} is out of range: at most 2**63-1"
+        if count is not None and count >= 2**64:  # (snapshots are msgpack: 64-bit integers, as intake checks)
+            return f"a {name} of {count} is out of range: at most 2**64-1"
     return None
 
 
