@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import base64
 import collections
+import difflib
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -29,14 +30,31 @@ async def _replay(records: Iterable[Record]) -> AsyncIterator[Record]:
         yield record
 
 
-def _matches(event: ev.Event, args: argparse.Namespace) -> bool:
+def event_types_asked(text: str | None) -> frozenset[str]:
+    """The event type names of ``--type`` (comma-separated; none: every type). A name no event
+    type has is refused: it would match nothing, and an empty answer reads as "no such events"."""
+    names = frozenset(part.strip() for part in (text or "").split(",") if part.strip())
+    known = {*ev.EVENT_TYPES, ev.Unreadable.__name__}  # (readers make Unreadable of a damaged record)
+    unknown = sorted(names - known)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise GpuherdError(
+            f"--type: no event type named {', '.join(hints)}; the event types are: {', '.join(sorted(known))}"
+        )
+    return names
+
+
+def _matches(event: ev.Event, args: argparse.Namespace, types: frozenset[str]) -> bool:
     if args.job and getattr(event, "job", None) != args.job:
         return False
     if args.node:
         nodes = {getattr(event, "node", None)} | {a.node for a in getattr(event, "allocations", ())}
         if args.node not in nodes:
             return False
-    return not (args.type and type(event).__name__ not in args.type.split(","))
+    return not (types and type(event).__name__ not in types)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -44,6 +62,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         return cmd_dead_letters(args)
     if args.last < 0:
         raise GpuherdError(f"--last takes the number of latest events to show (0: all), got {args.last}")
+    types = event_types_asked(args.type)
 
     async def run() -> int:
         log_ = await open_cli_log(args)
@@ -56,7 +75,7 @@ def cmd_events(args: argparse.Namespace) -> int:
             else:
                 records = log_.read(1, follow=args.follow)
             async for record in records:
-                if not _matches(record.event, args):
+                if not _matches(record.event, args, types):
                     continue
                 if args.json:
                     print_json({"seq": record.seq, **msgspec.to_builtins(record.event)})

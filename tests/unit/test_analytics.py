@@ -625,6 +625,26 @@ def test_events_last_refuses_a_negative_count(monkeypatch: Any) -> None:
         args.func(args)
 
 
+def test_events_type_refuses_a_name_no_event_type_has(monkeypatch: Any, capsys: Any) -> None:
+    from apps.cli import history, main
+
+    async def in_process_log(args: Any) -> InProcessLog:
+        log_ = InProcessLog()
+        await log_.append([r.event for r in _five_jobs()])
+        return log_
+
+    monkeypatch.setattr(history, "open_cli_log", in_process_log)
+    with pytest.raises(SystemExit) as exit_:
+        main(["events", "--type", "JobSubmitted"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.count("JobSubmitted") == 5
+    with pytest.raises(SystemExit) as exit_:  # (printed nothing and exited 0: read as "no such events")
+        main(["events", "--type", "JobPlaced,jobsubmitted,Bogus"])
+    shown = " ".join(capsys.readouterr().out.split())  # (rich wraps the line)
+    assert exit_.value.code != 0
+    assert "no event type named Bogus, jobsubmitted (did you mean JobSubmitted?)" in shown
+    assert all(name in shown for name in ev.EVENT_TYPES)
+
+
 @pytest.mark.parametrize("name", ["*", ">", "n.1"])
 def test_drain_refuses_a_node_name_that_is_a_subject_wildcard(monkeypatch: Any, name: str) -> None:
     from apps.cli import build_parser, config
