@@ -130,6 +130,10 @@ class SimAgents:
                     self._gone(job_id, node, tasks)
                     if modelled and (job.status not in ACTIVE or job.stopping()):  # type: ignore[union-attr]
                         self.elastic.stop(job_id, now)  # type: ignore[union-attr]  # (not a leaving worker's node)
+                    if action.report is None and _left_at_a_shrink(job, node, action.key):
+                        # Live, a leaving part's workers exit by themselves once the switch is done,
+                        # and the agent records that end: so does the simulated one.
+                        out.append(events.ended(action.key, "completed", now, exit_code=0, job=job))
                 if action.report is not None:
                     out.append(events.ended(action.key, action.report, now, reason=action.reason, job=job))
             elif isinstance(action, RequestLease):
@@ -207,3 +211,8 @@ class SimAgents:
             self.booting.discard(node)
             return [self._powered(node, now, up=True)]
         raise ValueError(f"unknown timer {kind!r}")
+
+
+def _left_at_a_shrink(job: JobState | None, node: str, key: TaskKey) -> bool:
+    """Whether the stopped part is one a rescale moved off ``node`` while its attempt goes on."""
+    return job is not None and job.status in ACTIVE and key.attempt == job.attempt and node not in job.nodes

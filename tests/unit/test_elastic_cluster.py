@@ -87,6 +87,16 @@ def test_an_elastic_job_s_ends_are_recorded_with_its_generation_as_the_live_agen
     assert len(ids) == len(set(ids))
     resized = [r.event for r in result.records if isinstance(r.event, ev.JobResized)]
     ends = [r.event for r in result.records if isinstance(r.event, ev.TaskEnded) and r.event.job == resized[0].job]
-    assert len(ends) == 2, "its two parts ended (grown, shrunk for the rigid job, grown back)"
-    for end in ends:
+    shrink = next(r for r in resized if r.kind == "shrink")
+    (left,) = shrink.releasing
+    # Grown, shrunk for the rigid job (the leaving part's workers exit once the switch is done, and
+    # its agent records that, as live), grown back, and both parts ended.
+    assert [(end.node, end.outcome) for end in ends] == [
+        (left.node, "completed"),
+        ("default-n000", "completed"),
+        ("default-n001", "completed"),
+    ]
+    assert ends[0].id == f"agent.{left.node}:ended:{shrink.job}:0:{shrink.generation}" and ends[0].exit_code == 0
+    assert ends[0].at >= shrink.at
+    for end in ends[1:]:
         assert end.id == f"agent.{end.node}:ended:{end.job}:0:{resized[-1].generation}"
