@@ -93,6 +93,7 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
             {"": "jobs used", "value": f"{len(jobs):,}"},
             {"": "rows read", "value": f"{trace.rows_read:,}"},
             *({"": f"not used: {why}", "value": f"{n:,}"} for why, n in sorted(trace.rejected.items())),
+            *({"": f"changed: {how}", "value": f"{n:,}"} for how, n in sorted(trace.changed.items())),
             {"": "GPU-hours", "value": f"{(jobs['gpus'] * jobs['duration']).sum() / 3600:,.0f}"},
             {"": "VCs", "value": f"{jobs['vc'].nunique():,}"},
             {"": "users", "value": f"{jobs['user'].nunique():,}" if jobs["user"].notna().any() else "not in the data"},

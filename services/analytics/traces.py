@@ -4,7 +4,9 @@ Every loader returns a :class:`Trace`: a pandas DataFrame with the columns of
 ``COLUMNS`` (one row per usable job) and a count of the rows it could not use,
 by reason. Nothing is dropped silently: a row with a negative duration, no
 GPUs or a timestamp that does not parse is counted under its reason, and
-``Trace.describe()`` says how many.
+``Trace.describe()`` says how many. Nor is anything changed silently: a row asking for a
+fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would hold (rounded up: gpuherd
+schedules whole GPUs; the fraction stays in ``gpu_request``), counted under ``Trace.changed``.
 
 Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
 seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
@@ -64,19 +66,23 @@ _STATES = {
 }
 
 
+FRACTIONAL_GPUS = "fractional GPU count, rounded up to whole GPUs"
+
+
 class TraceError(GpuherdError):
     """A trace file that cannot be read at all (missing, unknown format, wrong columns)."""
 
 
 @dataclass
 class Trace:
-    """A normalized job table and what could not be used."""
+    """A normalized job table, what could not be used and what was changed to be used."""
 
     name: str
     jobs: pd.DataFrame
     rows_read: int
     rejected: dict[str, int] = field(default_factory=dict)
     absolute_time: bool = False
+    changed: dict[str, int] = field(default_factory=dict)  # rows used with a value changed, by how
 
     @property
     def origin(self) -> float:
@@ -87,6 +93,8 @@ class Trace:
         text = f"{self.name}: {kept:,} of {self.rows_read:,} rows used"
         if self.rejected:
             text += "; not used: " + ", ".join(f"{n:,} {why}" for why, n in sorted(self.rejected.items()))
+        if self.changed:
+            text += "; changed: " + ", ".join(f"{n:,} {how}" for how, n in sorted(self.changed.items()))
         return text
 
 
@@ -111,11 +119,19 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
             rejected[why] = rejected.get(why, 0) + int(bad.sum())
         keep &= ~bad
     df = df[keep]
+    # gpuherd schedules whole GPUs: a job asking for part of one holds a whole one (the share asked
+    # for stays in gpu_request), where int64 would truncate 0.5 to no GPU at all.
+    gpus = df["gpus"].astype("float64")
+    fractional = gpus != np.floor(gpus)
+    changed: dict[str, int] = {}
+    if fractional.any():
+        changed[FRACTIONAL_GPUS] = int(fractional.sum())
+        df["gpus"] = np.ceil(gpus)
     if "queue" not in raw:
         df["queue"] = df["start_time"] - df["submit_time"]
     df = df[list(COLUMNS)].astype(COLUMNS)
     df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
-    return Trace(name=name, jobs=df, rows_read=rows_read, rejected=rejected, absolute_time=absolute)
+    return Trace(name=name, jobs=df, rows_read=rows_read, rejected=rejected, absolute_time=absolute, changed=changed)
 
 
 def _epoch(series: pd.Series) -> pd.Series:

@@ -29,9 +29,11 @@ from services.analytics.predict import DurationModel, Features, evaluate
 from services.analytics.report import write_report
 from services.analytics.service import reporter
 from services.analytics.traces import (
+    FRACTIONAL_GPUS,
     TraceError,
     load_alibaba_openb,
     load_helios,
+    load_itp,
     load_philly_csv,
     load_philly_json,
     load_trace,
@@ -174,6 +176,19 @@ def test_rows_with_an_infinite_gpu_count_are_counted_not_a_crash(tmp_path: Path)
     trace = load_philly_csv(path)
     assert list(trace.jobs["gpus"]) == [1]
     assert sum(trace.rejected.values()) == 1
+
+
+def test_a_fractional_gpu_count_is_rounded_up_to_whole_gpus_and_counted(tmp_path: Path) -> None:
+    path = tmp_path / "cluster09.csv"
+    path.write_text("job_id,submission_time,duration,num_gpu\na,0,100,0.5\nb,10,100,1.5\nc,20,100,2\n")
+    trace = load_itp(path)  # (0.5 was truncated to a job of no GPUs, 1.5 to 1: silently)
+    assert list(trace.jobs["gpus"]) == [1, 2, 2]
+    assert list(trace.jobs["gpu_request"]) == [0.5, 1.5, 2.0]  # (what the trace asked for, unchanged)
+    assert [job.spec.gpus for job in submissions(trace)] == [1, 2, 2]
+    assert trace.changed == {FRACTIONAL_GPUS: 2} and not trace.rejected
+    assert (
+        trace.describe() == "itp-cluster09: 3 of 3 rows used; changed: 2 fractional GPU count, rounded up to whole GPUs"
+    )
 
 
 def test_jobs_without_a_vc_count_towards_the_default_vc_they_are_submitted_to(tmp_path: Path) -> None:
