@@ -12,14 +12,15 @@ It runs in numbered phases, one function each (the shape of Kueue's scheduling c
    VC's quota is used up, unless every reason is wanted); a job its dependencies, its array's
    ``max_running`` or its VC's per-user limits hold back takes no part in the pass (``holds.py``);
 2. **quota**: its VC's GPUs in use plus its own must stay within the VC's quota, unless the VC
-   may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``, and is
-   reclaimable). A job that must borrow is considered after the jobs that fit within their VC's
-   quota (``consider_borrowers``): lent GPUs go back to their owner's jobs first. The first job
-   of a VC that its quota stops is that VC's *quota head*, protected as the gang head is: its
-   start is reserved at the earliest time enough of the VC's quota frees up by the expected ends
-   of the VC's running jobs, and a later job of that VC starts only if it ends before then, or
-   uses quota the quota head will not need then. When an end it depends on is unknown, or
-   backfill is off, nothing of its VC overtakes it;
+   may borrow idle GPUs (the borrowed count is recorded in ``JobPlaced.borrowed``; what is
+   reclaimable is the VC's usage beyond its quota now, held by its newest placements:
+   ``SchedulerState.borrowing``). A job that must borrow is considered after the jobs that fit
+   within their VC's quota (``consider_borrowers``): lent GPUs go back to their owner's jobs
+   first. The first job of a VC that its quota stops is that VC's *quota head*, protected as the
+   gang head is: its start is reserved at the earliest time enough of the VC's quota frees up by
+   the expected ends of the VC's running jobs, and a later job of that VC starts only if it ends
+   before then, or uses quota the quota head will not need then. When an end it depends on is
+   unknown, or backfill is off, nothing of its VC overtakes it;
 3. **placement**: its whole gang must fit (``placement.py``); the first job that does not fit
    becomes the *head*, and its start is reserved (EASY backfill) at the earliest time enough GPUs
    free up by the expected ends of running jobs;
@@ -30,13 +31,14 @@ It runs in numbered phases, one function each (the shape of Kueue's scheduling c
 5. **commit**: the placement takes its GPUs from the pass's views, gets a rendezvous, and is
    recorded as ``JobPlaced``;
 6. **preemption**: the first waiting job that does not fit (the head) may take GPUs of running
-   jobs it outranks: a lower priority, a job the policy says it outranks (SRTF, LAS), or a job
-   running on GPUs borrowed from the waiting job's VC quota. Before it, the first job of each VC
-   that its quota stops may take GPUs of its own VC's jobs it outranks, which frees the quota too
-   (a VC run as a partition still preempts within itself). Victims: lowest priority first, then
-   least work lost (shortest time since start), then the youngest; only as many as the gang
-   needs; a job is preempted at most ``max_preemptions_per_hour`` times in an hour, and gets
-   ``preemption_grace_s`` to checkpoint (both cluster parameters of ``PolicyConfigured``; see
+   jobs it outranks: a lower priority, a job the policy says it outranks (SRTF, LAS), or, while
+   the waiting job's VC is within its quota, a job that borrows now (of a VC over its quota).
+   Before it, the first job of each VC that its quota stops may take GPUs of its own VC's jobs it
+   outranks, which frees the quota too (a VC run as a partition still preempts within itself).
+   Victims: lowest priority first, then least work lost (shortest time since start), then the
+   youngest; only as many as the gang needs; a job is preempted at most
+   ``max_preemptions_per_hour`` times in an hour, and gets ``preemption_grace_s`` to checkpoint
+   (both cluster parameters of ``PolicyConfigured``; see
    ``services/scheduler/state.py:CLUSTER_PARAMS``).
 
 A pass that ``explains`` gives every waiting job its reason (``gpuherd why``). The decider's own
@@ -715,9 +717,21 @@ def _record_preemption(
 def _why_outranked(state: SchedulerState, policy: Policy, job: JobState, victim: JobState) -> str:
     if job.spec.priority > victim.spec.priority:
         return f"priority {job.spec.priority} > {victim.spec.priority}"
-    if victim.borrowed and victim.spec.vc != job.spec.vc:
+    if victim.spec.vc != job.spec.vc and _borrows(state, victim, {}):
         return f"reclaiming GPUs {victim.spec.vc} borrowed from {job.spec.vc}'s quota"
     return f"{policy.name} ranks it higher"
+
+
+def _borrows(state: SchedulerState, job: JobState, borrowing: dict[str, set[str]]) -> bool:
+    """Whether a placed or running job holds GPUs beyond its VC's quota, which a VC within its quota
+    may reclaim: by its VC's usage now (rules 9; ``borrowing`` keeps each VC's borrowers worked out
+    so far in the pass), or by the rules before, by what it borrowed when it was placed."""
+    if state.scheduling.rules < 9:
+        return job.borrowed > 0
+    vc = job.spec.vc
+    if vc not in borrowing:
+        borrowing[vc] = state.borrowing(vc)
+    return job.job in borrowing[vc]
 
 
 class VictimMemo:
@@ -772,13 +786,14 @@ def _victims(
     pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {})) if same_vc else state.active_jobs()
     priority = job.spec.priority
     ranks_above = policy.outranked_by(job, state) if policy.preemptive else None
+    borrowing: dict[str, set[str]] = {}  # VC -> its jobs that borrow now, once a job of it is asked about
     any_outranked = False
     for running in pool:
         theirs = running.spec.priority
         outranked = (
             priority > theirs
             or (ranks_above is not None and priority == theirs and ranks_above(running))
-            or (within_quota and running.borrowed > 0 and running.spec.vc != job.spec.vc)
+            or (within_quota and running.spec.vc != job.spec.vc and _borrows(state, running, borrowing))
         )
         if not outranked:
             continue

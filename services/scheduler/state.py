@@ -167,6 +167,26 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         """GPUs held per VC by placed and running jobs (a copy: a pass adds its own placements)."""
         return dict(self.vc_used)
 
+    def borrowing(self, vc_name: str) -> set[str]:
+        """The VC's placed or running jobs that borrow now (rules 9): what a VC borrows is its usage
+        beyond its quota (as Kueue counts it), held by its newest placements first (``active_by_vc``
+        keeps each VC's jobs in the order they were placed). A job's ``borrowed``, frozen when it was
+        placed, outlives the borrowing once the VC's older jobs end. Cheap: an over-quota VC's newest
+        jobs, only as many as hold its excess."""
+        vc = self.vcs.get(vc_name)
+        if vc is None or vc.gpu_quota is None:
+            return set()
+        excess = self.vc_used.get(vc_name, 0) - vc.gpu_quota
+        out: set[str] = set()
+        for job_id in reversed(self.active_by_vc.get(vc_name, {})):
+            if excess <= 0:
+                break
+            held = self.jobs[job_id].held
+            if held:
+                out.add(job_id)
+                excess -= held
+        return out
+
     def changed_since(self, clock: int) -> list[str]:
         """Nodes changed after node clock ``clock``, most recent first."""
         return _changed_after(self.node_changes, clock)

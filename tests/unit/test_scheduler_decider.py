@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from gpuherd import events as ev
 from gpuherd.fold.invariants import violations
 from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
 from gpuherd.runtime.core import DecisionCore, outputs_of
 from gpuherd.runtime.decider import decide_stamped
 from services.scheduler.decide import SchedulerDecider
@@ -513,3 +514,81 @@ def test_a_vc_reclaiming_its_quota_gets_it_and_the_lender_does_not_borrow_it_bac
     assert placed == [("vision-big", 0), ("nlp-job", 0)], "nlp-job starts on its quota; vision-big waits for GPUs"
     before = [(p.job, p.attempt) for p in decisions(run(7), ev.JobPlaced)]
     assert before == [("vision-big", 0), ("vision-big", 1)], "a log of the rules before is re-derived as it was"
+
+
+def _with_priority(submitted: ev.JobSubmitted, priority: int) -> ev.JobSubmitted:
+    return msgspec.structs.replace(submitted, spec=msgspec.structs.replace(submitted.spec, priority=priority))
+
+
+def _lender_back_within_quota(rules: int, *, borrower_after: bool) -> list[Record]:
+    """vision (quota 2) runs vision-a within its quota and vision-b borrowing 2 of nlp's GPUs; then
+    vision-a ends, so vision is back within its quota while vision-b's ``borrowed`` still says 2.
+    Its freed GPUs go to vision-c (``borrower_after``: vision borrows again, by vision-c, of a higher
+    priority than vision-b) or to ml's job within ml's quota. Then nlp's job asks for its quota."""
+    setup: list[ev.Event] = [
+        ev.PolicyConfigured(id="policy", policy="fifo", rules=rules),
+        ev.VcConfigured(id="v1", vc="vision", gpu_quota=2, can_borrow=True),
+        ev.VcConfigured(id="v2", vc="nlp", gpu_quota=2, can_borrow=True),
+        ev.VcConfigured(id="v3", vc="ml", gpu_quota=2, can_borrow=True),
+        node("n1", 4),
+        submit("vision-a", 2, vc="vision", duration=1000.0),
+        submit("vision-b", 2, vc="vision", duration=1000.0),
+    ]
+    log = drive(setup)
+    log = drive([ev.JobStarted(id=f"s-{j}", job=j, attempt=0, node="n1") for j in ("vision-a", "vision-b")], log)
+    assert [p.borrowed for p in decisions(log, ev.JobPlaced)] == [0, 2]
+    log = drive([ended("vision-a", "n1")], log)
+    vision_c = _with_priority(submit("vision-c", 2, vc="vision", duration=1000.0), 1)
+    then = vision_c if borrower_after else submit("ml-a", 2, vc="ml", duration=1000.0)
+    log = drive([then, ev.JobStarted(id="s-then", job=then.job, attempt=0, node="n1")], log)
+    return drive([submit("nlp-job", 2, vc="nlp", duration=1000.0)], log)
+
+
+def test_reclaiming_preempts_the_jobs_beyond_the_lenders_quota_now_not_those_that_borrowed_once() -> None:
+    # vision runs vision-b (placed borrowing) and vision-c (placed later, borrowing): vision uses 4 of
+    # its 2 GPUs, and its newest placement, vision-c, is what it borrows. By the rules before, the
+    # borrowed count frozen at placement made vision-b (the lower priority) the victim: a job within
+    # vision's quota stopped while vision-c, beyond it, ran on.
+    log = _lender_back_within_quota(ev.SCHEDULING_RULES, borrower_after=True)
+    (pre,) = decisions(log, ev.JobPreempted)
+    assert pre.job == "vision-c" and pre.by == "nlp-job" and "reclaiming" in pre.reason
+    old = _lender_back_within_quota(8, borrower_after=True)
+    assert [p.job for p in decisions(old, ev.JobPreempted)] == ["vision-b"], "rules 8 re-derived as decided"
+    for decided in (log, old):
+        assert audit(decided, SchedulerDecider()).ok
+
+
+def test_a_lender_back_within_its_quota_borrows_nothing_to_reclaim() -> None:
+    # vision-a's end leaves vision within its quota; ml's job runs within ml's. No VC uses more than
+    # its quota (nlp's is over-committed): nlp-job waits, and nothing is stopped for it.
+    log = _lender_back_within_quota(ev.SCHEDULING_RULES, borrower_after=False)
+    assert decisions(log, ev.JobPreempted) == []
+    assert [p.job for p in decisions(log, ev.JobPlaced)] == ["vision-a", "vision-b", "ml-a"]
+    old = _lender_back_within_quota(8, borrower_after=False)
+    assert [p.job for p in decisions(old, ev.JobPreempted)] == ["vision-b"], "rules 8 re-derived as decided"
+    for decided in (log, old):
+        assert audit(decided, SchedulerDecider()).ok
+
+
+def test_what_a_vc_borrows_is_its_usage_beyond_quota_held_by_its_newest_placements() -> None:
+    def placed(job: str, gpus: tuple[int, ...]) -> ev.JobPlaced:
+        return ev.JobPlaced(id=f"p-{job}", job=job, attempt=0, allocations=(ev.Allocation("n1", gpus),))
+
+    jobs = [("a", (0,)), ("b", (1, 2)), ("c", (3,))]  # placed in this order
+    history = [
+        ev.VcConfigured(id="v1", vc="vision", gpu_quota=2, can_borrow=True),
+        node("n1", 8),
+        *(submit(job, len(gpus), vc="vision") for job, gpus in jobs),
+        *(placed(job, gpus) for job, gpus in jobs),
+    ]
+    state = folded([Record(seq, e) for seq, e in enumerate(history, 1)])
+    assert state.borrowing("vision") == {"b", "c"}, "4 GPUs of a quota of 2: c (1) and b hold the excess"
+    restored = decider.decode_state(decider.encode_state(state))
+    assert restored.borrowing("vision") == {"b", "c"}, "a snapshot keeps the order the jobs were placed in"
+    state = decider.evolve(state, 20, finish("c"))
+    assert state.borrowing("vision") == {"b"}
+    state = decider.evolve(state, 21, finish("a"))
+    assert state.borrowing("vision") == set(), "b, placed borrowing, is within the quota now"
+    state = decider.evolve(state, 22, ev.VcConfigured(id="v2", vc="vision", gpu_quota=1, can_borrow=True))
+    assert state.borrowing("vision") == {"b"}, "a lowered quota leaves its excess borrowed"
+    assert state.borrowing("nlp") == set(), "a VC without a quota borrows nothing"

@@ -52,7 +52,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # 7: a preemption stops only the victims whose GPUs the placement takes (and those the quota needs).
 # 8: a job that must borrow beyond its VC's quota is considered after the jobs within their quota;
 # a rescale proposed for a job that is stopping by the time it is decided is not committed.
-SCHEDULING_RULES = 8
+# 9: what a VC borrows is its usage beyond its quota now, held by its newest placements first: only
+# those are reclaimed, not the jobs whose ``borrowed`` (frozen at placement) outlived the borrowing.
+SCHEDULING_RULES = 9
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
