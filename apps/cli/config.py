@@ -65,14 +65,19 @@ def cmd_vc(args: argparse.Namespace) -> int:
     state = replay_state(make_decider("scheduler"), read_records(args))
     used = state.vc_used
     if args.json:
-        print_json([msgspec.to_builtins(v) | {"used": used.get(v.vc, 0)} for v in state.vcs.values()])
+        print_json(
+            [
+                msgspec.to_builtins(v) | {"used": used.get(v.vc, 0), "borrowing": v.borrowing(used.get(v.vc, 0))}
+                for v in state.vcs.values()
+            ]
+        )
         return 0
     table = Table(title=f"virtual clusters ({len(state.vcs)})")
     columns = ("vc", "quota", "in use", "borrowing", "may borrow", "weight", "waiting", "past use (GPU-h)")
     for col in (*columns, "time limit (default/max s)", "per user (GPUs/running)"):
         table.add_column(col)
     for vc in sorted(state.vcs.values(), key=lambda v: v.vc):
-        borrowing = sum(j.borrowed for j in state.active_jobs() if j.spec.vc == vc.vc)
+        borrowing = vc.borrowing(used.get(vc.vc, 0))
         table.add_row(
             vc.vc,
             "-" if vc.gpu_quota is None else str(vc.gpu_quota),

@@ -374,10 +374,8 @@ class DashboardView:
         state = self.state
         fair = self.queue_answer().fair_share
         in_use: Counter[str] = Counter()
-        borrowed: Counter[str] = Counter()
         for job in state.active_jobs():
             in_use[job.spec.vc] += job.held or len(job.allocations)
-            borrowed[job.spec.vc] += job.borrowed
         waiting = Counter(state.jobs[j].spec.vc for j in state.queue)
         waiting_gpus: Counter[str] = Counter()
         for j in state.queue:
@@ -390,7 +388,7 @@ class DashboardView:
                 "can_borrow": state.vcs[vc].can_borrow if vc in state.vcs else True,
                 "weight": state.vcs[vc].weight if vc in state.vcs else 1.0,
                 "in_use": in_use[vc],
-                "borrowed": borrowed[vc],
+                "borrowed": state.vcs[vc].borrowing(in_use[vc]) if vc in state.vcs else 0,
                 "waiting_jobs": waiting[vc],
                 "waiting_gpus": waiting_gpus[vc],
                 "fair_share_gpu_s": fair.get(vc, 0.0),

@@ -174,9 +174,7 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
         placed, outlives the borrowing once the VC's older jobs end. Cheap: an over-quota VC's newest
         jobs, only as many as hold its excess."""
         vc = self.vcs.get(vc_name)
-        if vc is None or vc.gpu_quota is None:
-            return set()
-        excess = self.vc_used.get(vc_name, 0) - vc.gpu_quota
+        excess = 0 if vc is None else vc.borrowing(self.vc_used.get(vc_name, 0))
         out: set[str] = set()
         for job_id in reversed(self.active_by_vc.get(vc_name, {})):
             if excess <= 0:

@@ -216,7 +216,7 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
 
     cli(data, "vc", "set", "vision", "--quota", "2", "--no-borrow")
     vision = next(v for v in json.loads(cli(data, "vc", "list", "--json").stdout) if v["vc"] == "vision")
-    assert vision["gpu_quota"] == 2 and vision["can_borrow"] is False
+    assert vision["gpu_quota"] == 2 and vision["can_borrow"] is False and vision["borrowing"] == 0
 
     bad = cli(data, "policy", "set", "sjf", "--param", "bogus=1", check=False)
     assert bad.returncode == 2 and "has no parameter bogus" in bad.stdout

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -284,3 +285,25 @@ async def test_drain_refuses_a_node_name_that_is_a_subject_wildcard() -> None:
             response = await c.post(f"/api/nodes/{name}/drain", headers={"Authorization": f"Bearer {TOKEN}"})
             assert response.status == 400 and "subject token" in (await response.json())["error"], name
     assert drained == []
+
+
+def test_a_vc_s_borrowed_gpus_are_its_use_beyond_its_quota_now() -> None:
+    """A job's ``borrowed`` is frozen when it is placed; once its VC's older job ends the VC is back
+    within its quota and borrows nothing, whatever that job borrowed then."""
+    events: list[ev.Event] = [
+        node("n1", 4),
+        node("n2", 4),
+        ev.VcConfigured(id="quota", at=1.0, source="op", vc="vision", gpu_quota=4),
+        submit("a", 4, at=10.0, vc="vision"),
+        submit("b", 4, at=11.0, vc="vision"),
+    ]
+    events.append(placed("a", "n1", (0, 1, 2, 3), at=12.0, cause=events[3].id))
+    borrowing = msgspec.structs.replace(placed("b", "n2", (0, 1, 2, 3), at=13.0, cause=events[4].id), borrowed=4)
+    view = DashboardView(None)
+    view.fold_all([Record(seq, event) for seq, event in enumerate([*events, borrowing], 1)])
+    (vision,) = (vc for vc in view.vcs() if vc["vc"] == "vision")
+    assert (vision["in_use"], vision["borrowed"]) == (8, 4)
+    ended = ev.JobFinished(id="fin-a", at=20.0, source="scheduler", job="a", attempt=0, outcome="completed")
+    view.fold_all([Record(len(events) + 2, ended)])
+    (vision,) = (vc for vc in view.vcs() if vc["vc"] == "vision")
+    assert (vision["in_use"], vision["borrowed"]) == (4, 0)

@@ -79,7 +79,7 @@ class JobPlaced(Decision, kw_only=True, frozen=True):
     reason: str = ""
     locality: Locality | None = None  # the tightest level the whole gang fits in
     rendezvous: Rendezvous | None = None
-    borrowed: int = 0  # GPUs beyond its VC's quota, taken from idle capacity (reclaimable)
+    borrowed: int = 0  # GPUs beyond its VC's quota when placed (what is reclaimable later: SchedulerState.borrowing)
 
     def subject(self) -> str:
         return f"herd.job.{self.job}"

@@ -229,6 +229,11 @@ class VcState(msgspec.Struct, kw_only=True, gc=False):
     max_gpus_per_user: int | None = None
     max_running_per_user: int | None = None
 
+    def borrowing(self, in_use: int) -> int:
+        """GPUs the VC borrows while it holds ``in_use``: its use beyond its quota (as Kueue counts
+        it), whatever its jobs borrowed when they were placed (their older jobs may have ended)."""
+        return 0 if self.gpu_quota is None else max(0, in_use - self.gpu_quota)
+
 
 def _default_vcs() -> dict[str, VcState]:
     return {"default": VcState(vc="default")}
