@@ -174,7 +174,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         table = result.table
         table.name = f"sim-{policy}"
         capacity = {vc: cluster.vc_gpus(vc) for vc in cluster.vcs}
-        util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket)
+        util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket, log_end=table.log_end)
         figures = {
             "wall_s": round(result.wall_s, 2),
             "jobs_per_s": round(result.submitted / max(result.wall_s, 1e-9), 1),

@@ -5,7 +5,9 @@ Per job: submitted at its ``JobSubmitted``, started at its first ``JobStarted``,
 ``JobFinished``. Run time is the GPU-time it held divided by its GPUs, summed over attempts (an
 attempt runs from its first ``JobStarted`` to the ``JobRequeued``/``JobFinished`` ending it);
 queueing is JCT - run time (all the time it was not running, so a preempted job's second wait
-counts). Jobs still open at the end of the log have no end and count as ``running``/``pending``.
+counts). Jobs still open at the end of the log have no end and count as ``running``/``pending``;
+a running job's run time and GPU-seconds count up to the log's end (its newest event's time), as
+``gpuherd usage`` counts them.
 """
 
 from __future__ import annotations
@@ -82,8 +84,11 @@ class JobTable:
         self.jobs: dict[str, _Job] = {}
         self.rejected = 0
         self.rows_read = 0
+        self.log_end: float | None = None  # the newest event's time, of any event added
 
     def add(self, event: ev.Event) -> None:
+        if self.log_end is None or event.at > self.log_end:
+            self.log_end = event.at
         if isinstance(event, ev.JobSubmitted):
             self.rows_read += 1
             if event.job not in self.jobs:
@@ -129,18 +134,29 @@ class JobTable:
         """The table of every job added so far (plus columns ``jct``, ``run``, ``preemptions``,
         ``attempts``, ``predicted``: the duration predicted when it first started, or the latest if
         it never did; ``elastic``, ``gpu_seconds`` held, ``rescales`` and ``paused_gpu_s``).
-        Rejected submissions count as not used."""
+        A job still running has run, and held its GPUs, up to ``log_end``. Rejected submissions
+        count as not used."""
         # Built column by column: a dict per row costs more than the table itself (a long trace's
         # simulation peaked here).
         jobs = list(self.jobs.values())
         jct = [None if job.end is None else job.end - job.submit for job in jobs]
+        # (Counted here, not folded in: a table asked for again later counts on to its new end.)
+        log_end = self.log_end if self.log_end is not None else 0.0
+        run_s = [
+            job.run_s if job.attempt_start is None else job.run_s + max(0.0, log_end - job.attempt_start)
+            for job in jobs
+        ]
+        gpu_s = [
+            job.gpu_s if job.size_since is None else job.gpu_s + job.size * max(0.0, log_end - job.size_since)
+            for job in jobs
+        ]
         columns = {
             "job_id": [job.job for job in jobs],
             "submit_time": [job.submit for job in jobs],
             "start_time": [job.start for job in jobs],
             "end_time": [job.end for job in jobs],
-            "duration": [job.run_s for job in jobs],
-            "queue": [None if t is None else t - job.run_s for t, job in zip(jct, jobs, strict=True)],
+            "duration": run_s,
+            "queue": [None if t is None else t - run for t, run in zip(jct, run_s, strict=True)],
             "gpus": [job.gpus for job in jobs],
             "gpu_request": [float(job.gpus) for job in jobs],
             "cpus": [None] * len(jobs),
@@ -154,16 +170,18 @@ class JobTable:
             "attempts": [job.attempts for job in jobs],
             "predicted": [job.predicted_s for job in jobs],
             "elastic": [job.elastic for job in jobs],
-            "gpu_seconds": [job.gpu_s for job in jobs],
+            "gpu_seconds": gpu_s,
             "rescales": [job.rescales for job in jobs],
             "paused_gpu_s": [job.paused_gpu_s for job in jobs],
         }
-        del jobs, jct
+        del jobs, jct, run_s, gpu_s
         df = pd.DataFrame(columns, columns=list(TABLE_COLUMNS))
         del columns
         df = df.astype(TABLE_COLUMNS).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
         reasons = {"rejected at intake": self.rejected} if self.rejected else {}
-        return Trace(name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True)
+        return Trace(
+            name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True, log_end=self.log_end
+        )
 
 
 TABLE_COLUMNS = {
@@ -193,7 +211,15 @@ def merge_tables(tables: Sequence[Trace], *, name: str) -> Trace:
     df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
     rejected = sum(t.rejected.get("rejected at intake", 0) for t in tables)
     reasons = {"rejected at intake": rejected} if rejected else {}
-    return Trace(name=name, jobs=df, rows_read=sum(t.rows_read for t in tables), rejected=reasons, absolute_time=True)
+    ends = [t.log_end for t in tables if t.log_end is not None]
+    return Trace(
+        name=name,
+        jobs=df,
+        rows_read=sum(t.rows_read for t in tables),
+        rejected=reasons,
+        absolute_time=True,
+        log_end=max(ends) if ends else None,
+    )
 
 
 # -- summaries ---------------------------------------------------------------------------------------
@@ -228,17 +254,34 @@ def summarize(jobs: pd.DataFrame) -> dict[str, dict[str, float]]:
     return out
 
 
-def utilization(jobs: pd.DataFrame, capacity: dict[str, int] | int, *, bucket_s: float = 3600.0) -> pd.DataFrame:
+def gpu_time(jobs: pd.DataFrame) -> pd.Series:
+    """Each job's GPU-seconds: what it held (``gpu_seconds`` of a table folded from a log: an
+    elastic job at each size it ran at), or its GPUs x run time where the table does not say (a
+    trace's, or a job whose placement the log lacks)."""
+    asked = jobs["gpus"] * jobs["duration"]
+    if "gpu_seconds" not in jobs:
+        return asked
+    return jobs["gpu_seconds"].where(jobs["gpu_seconds"] > 0, asked)
+
+
+def utilization(
+    jobs: pd.DataFrame,
+    capacity: dict[str, int] | int,
+    *,
+    bucket_s: float = 3600.0,
+    log_end: float | None = None,
+) -> pd.DataFrame:
     """GPUs busy per time bucket, overall and per VC, as a share of capacity (capacity per VC,
     or one number for the whole cluster). Busy time is start..end of each job at its GPUs; a table
     folded from a log (``gpu_seconds``: what the job held, at each size, over its attempts) spreads
     those over start..end instead, so an elastic job counts what it held and a preempted one not
-    its waits. Columns: time, <vc>... and ``all``."""
+    its waits. A job that started and has not ended ends at ``log_end`` (the table's, when folded
+    from a log) or else after its run time. Columns: time, <vc>... and ``all``."""
     done = jobs[jobs["start_time"].notna()]
     if done.empty:
         return pd.DataFrame(columns=["time", "all"])
     t0 = float(done["start_time"].min())
-    end = done["end_time"].fillna(done["start_time"] + done["duration"])
+    end = done["end_time"].fillna(done["start_time"] + done["duration"] if log_end is None else log_end)
     t1 = float(end.max())
     edges = np.arange(t0, t1 + bucket_s, bucket_s)
     out = pd.DataFrame({"time": edges[:-1]})

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from services.analytics.jobs import utilization
+from services.analytics.jobs import gpu_time, utilization
 from services.analytics.traces import Trace
 
 SIZE_BINS = [(1, 1, "1"), (2, 4, "2-4"), (5, 8, "5-8"), (9, 32, "9-32"), (33, 10**9, ">32")]
@@ -46,7 +46,7 @@ def _save(fig: plt.Figure, out: Path, name: str) -> str:
 
 def size_share(jobs: pd.DataFrame) -> pd.DataFrame:
     """Jobs and GPU-time by job size (GPUs)."""
-    gpu_time = jobs["gpus"] * jobs["duration"]
+    held = gpu_time(jobs)
     rows = []
     for lo, hi, label in SIZE_BINS:
         mask = (jobs["gpus"] >= lo) & (jobs["gpus"] <= hi)
@@ -55,7 +55,7 @@ def size_share(jobs: pd.DataFrame) -> pd.DataFrame:
                 "gpus": label,
                 "jobs": int(mask.sum()),
                 "job_share": float(mask.mean()) if len(jobs) else 0.0,
-                "gpu_time_share": float(gpu_time[mask].sum() / max(gpu_time.sum(), 1e-9)),
+                "gpu_time_share": float(held[mask].sum() / max(held.sum(), 1e-9)),
             }
         )
     return pd.DataFrame(rows)
@@ -65,8 +65,8 @@ def user_concentration(jobs: pd.DataFrame) -> pd.DataFrame | None:
     """GPU-time share of the top users (None when the table has no users)."""
     if jobs["user"].isna().all():
         return None
-    gpu_time = (jobs["gpus"] * jobs["duration"]).groupby(jobs["user"]).sum().sort_values(ascending=False)
-    share = gpu_time / gpu_time.sum()
+    by_user = gpu_time(jobs).groupby(jobs["user"]).sum().sort_values(ascending=False)
+    share = by_user / by_user.sum()
     return pd.DataFrame({"user": share.index, "gpu_time_share": share.values, "cumulative": share.cumsum().values})
 
 
@@ -94,7 +94,7 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
             {"": "rows read", "value": f"{trace.rows_read:,}"},
             *({"": f"not used: {why}", "value": f"{n:,}"} for why, n in sorted(trace.rejected.items())),
             *({"": f"changed: {how}", "value": f"{n:,}"} for how, n in sorted(trace.changed.items())),
-            {"": "GPU-hours", "value": f"{(jobs['gpus'] * jobs['duration']).sum() / 3600:,.0f}"},
+            {"": "GPU-hours", "value": f"{gpu_time(jobs).sum() / 3600:,.0f}"},
             {"": "VCs", "value": f"{jobs['vc'].nunique():,}"},
             {"": "users", "value": f"{jobs['user'].nunique():,}" if jobs["user"].notna().any() else "not in the data"},
             {"": "single-GPU jobs", "value": f"{(jobs['gpus'] == 1).mean():.1%}"},
@@ -150,7 +150,7 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
         note = ""
     vc_capacity = capacity or {}
     # capacity 1 per VC: the "utilization" is then the number of busy GPUs
-    demand = utilization(started, vc_capacity or {vc: 1 for vc in started["vc"].unique()})
+    demand = utilization(started, vc_capacity or {vc: 1 for vc in started["vc"].unique()}, log_end=trace.log_end)
     if len(demand):
         fig, ax = plt.subplots(figsize=(13, 3.8))
         top = started.groupby("vc")["duration"].sum().sort_values(ascending=False).index[:8]
@@ -210,13 +210,13 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
     # final status
     if jobs["state"].notna().any():
         status = jobs["state"].fillna("unknown").value_counts()
-        gpu_time = (jobs["gpus"] * jobs["duration"]).groupby(jobs["state"].fillna("unknown")).sum()
+        by_state = gpu_time(jobs).groupby(jobs["state"].fillna("unknown")).sum()
         breakdown = pd.DataFrame(
             {
                 "state": status.index,
                 "jobs": status.values,
                 "job_share": status.values / status.sum(),
-                "gpu_time_share": (gpu_time.reindex(status.index) / gpu_time.sum()).values,
+                "gpu_time_share": (by_state.reindex(status.index) / by_state.sum()).values,
             }
         )
         fig, ax = plt.subplots(figsize=(6.5, 3.4))

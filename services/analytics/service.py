@@ -9,50 +9,41 @@ import asyncio
 import json
 from pathlib import Path
 
-from gpuherd import events as ev
-from gpuherd.log import Record
 from gpuherd.obs import get_logger
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 from services.analytics.state import AnalyticsState
 
 log = get_logger("gpuherd.analytics")
 
-JOB_EVENTS = (
-    ev.JobSubmitted,
-    ev.JobRejected,
-    ev.JobStarted,
-    ev.JobPreempted,
-    ev.JobRequeued,
-    ev.JobFinished,
-    ev.JobDurationPredicted,
-)
-
 
 def reporter(out_dir: Path, every_s: float) -> ExtraTask:
-    """Keep the report current: follow the job events of the log and rewrite the report."""
+    """Keep the report current: fold the log into the job table as it grows and rewrite the report
+    (at most every ``every_s``) while it does."""
 
     async def report(runner: DeciderRunner[AnalyticsState]) -> None:
         # pandas and matplotlib load only when a report is asked for: every service's process
         # imports this spec (the registry looks them all up) and would pay for both at its start
         # and at its exit.
-        from services.analytics.jobs import job_table, json_safe, summarize
+        from services.analytics.jobs import JobTable, json_safe, summarize
         from services.analytics.report import write_report
 
-        seen: list[Record] = []
+        # Every event goes to the table, which picks the job events it folds: a list of them here
+        # had drifted from it (no placements or rescales, so no GPUs held), and any event's time
+        # is the log's end, up to which a running job counts.
+        folded = JobTable()
         dirty = asyncio.Event()
 
         async def follow() -> None:
             async for record in runner.log.read(1, follow=True):
-                if isinstance(record.event, JOB_EVENTS):
-                    seen.append(record)
-                    dirty.set()
+                folded.add(record.event)
+                dirty.set()
 
         follower = asyncio.create_task(follow(), name="report-follow")
         try:
             while True:
                 await dirty.wait()
                 dirty.clear()
-                table = job_table(list(seen), name="gpuherd")
+                table = folded.trace("gpuherd")
                 if len(table.jobs):
                     await asyncio.to_thread(write_report, table, out_dir)
                     (out_dir / "summary.json").write_text(json.dumps(json_safe(summarize(table.jobs)), indent=2))

@@ -83,6 +83,7 @@ class Trace:
     rejected: dict[str, int] = field(default_factory=dict)
     absolute_time: bool = False
     changed: dict[str, int] = field(default_factory=dict)  # rows used with a value changed, by how
+    log_end: float | None = None  # folded from a log: its newest event's time (running jobs count up to it)
 
     @property
     def origin(self) -> float:

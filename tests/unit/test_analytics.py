@@ -24,7 +24,7 @@ from gpuherd.log import InProcessLog
 from gpuherd.log.files import read_log_file, write_log_file
 from gpuherd.runtime.audit import audit
 from services.analytics.ces import CesParams, DemandHistory, evaluate_sequence, forecast_peak, plan_power
-from services.analytics.jobs import TABLE_COLUMNS, job_table, summarize
+from services.analytics.jobs import TABLE_COLUMNS, job_table, summarize, utilization
 from services.analytics.predict import DurationModel, Features, evaluate
 from services.analytics.report import write_report
 from services.analytics.service import reporter
@@ -598,6 +598,65 @@ async def test_the_live_report_s_summary_is_json_while_no_job_has_finished(tmp_p
 
     figures = json.loads(summary.read_text(), parse_constant=strict)
     assert figures["all"]["jobs"] == 1 and figures["all"]["finished"] == 0 and figures["all"]["avg_jct_s"] is None
+
+
+def _running_jobs(t0: float) -> list[ev.Event]:
+    """An elastic job on 1 GPU grown to 4 after an hour, a rigid one on 1 GPU from then, both still
+    running when the log ends two hours in (its newest event: a third job's submission)."""
+    from tests.helpers import node, submit
+
+    def started(job: str, at: float, gpus: int) -> list[ev.Event]:
+        allocation = ev.Allocation(node="n1", gpus=tuple(range(gpus)))
+        return [
+            ev.JobPlaced(job=job, at=at, attempt=1, allocations=(allocation,)),
+            ev.JobStarted(job=job, at=at, attempt=1, node="n1"),
+        ]
+
+    elastic = ev.JobSpec(name="e", user="u", gpus=1, elastic=ev.Elastic(min=1, max=4))
+    return [
+        node("n1", 8, at=t0),
+        ev.JobSubmitted(job="e", at=t0, spec=elastic, intake_source="test"),
+        *started("e", t0, 1),
+        submit("r", 1, at=t0 + 3600),
+        *started("r", t0 + 3600, 1),
+        ev.RescaleCompleted(job="e", at=t0 + 3600, attempt=1, generation=1, node="n1", world=4, world_before=1),
+        submit("w", 1, at=t0 + 7200),
+    ]
+
+
+def test_running_jobs_count_what_they_held_up_to_the_log_s_end() -> None:
+    # (A running job counted as ending where it started, so as nothing.)
+    table = job_table(_running_jobs(0.0))
+    jobs = table.jobs.set_index("job_id")
+    assert table.log_end == 7200.0
+    assert (jobs.loc["e", "duration"], jobs.loc["e", "gpu_seconds"]) == (7200.0, 1 * 3600.0 + 4 * 3600.0)
+    assert (jobs.loc["r", "duration"], jobs.loc["r", "gpu_seconds"]) == (3600.0, 3600.0)
+    assert jobs.loc["e", "state"] == "running" and pd.isna(jobs.loc["e", "end_time"])
+    busy = utilization(table.jobs, 8, bucket_s=7200.0, log_end=table.log_end)
+    assert list(busy["all"]) == [(18000.0 + 3600.0) / (8 * 7200.0)]
+
+
+async def test_the_live_report_counts_the_gpus_running_jobs_held_up_to_now(tmp_path: Path) -> None:
+    """``gpuherd serve analytics --report-dir``: the elastic job's GPU-hours are those of the GPUs it
+    held (it followed no placement or rescale, so counted the 1 GPU asked for), up to the log's end."""
+    t0 = 1.7e9
+    log = InProcessLog()
+    await log.append(_running_jobs(t0))
+    task = asyncio.create_task(reporter(tmp_path, 60.0)(SimpleNamespace(log=log)))  # type: ignore[arg-type]
+    page = tmp_path / "index.html"
+    try:
+        for _ in range(1200):  # (the report is drawn in a thread first)
+            if page.exists() or task.done():
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    overview = pd.read_csv(tmp_path / "overview.csv").set_index("Unnamed: 0")["value"]
+    assert overview["GPU-hours"] == "6"  # e: 1 GPU for an hour, then 4 for an hour; r: 1 for an hour
+    busy = pd.read_csv(tmp_path / "vc_usage.csv")  # (busy GPUs per hour)
+    assert busy["default"].sum() == pytest.approx(6.0)
 
 
 def _five_jobs() -> list[Any]:
