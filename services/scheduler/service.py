@@ -4,7 +4,9 @@ Its loops share one ``DeciderRunner`` and run only while this instance leads the
 - the runner (folds the log, decides, appends);
 - intake: raw submissions from HERD_INTAKE are handed to the runner, which decides them in turn
   with the log's events; once a verdict is stored, the submitter gets its reply and the message is
-  acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter);
+  acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter;
+  while a verdict is on its way, its message is kept from being delivered again, and a delivery
+  that came anyway is skipped and not counted: a slow log is no failure of the submission);
 - the timer: a ``ClockTicked`` every ``--tick`` seconds (time-based decisions: fair-share decay,
   starvation, reservations), when a running job reaches its time limit (the decider stops it), and
   at once when a node's heartbeats stop, so the decider can declare it lost;
@@ -18,9 +20,11 @@ subject from the server's index).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 
@@ -62,6 +66,14 @@ def submission_of(delivery: Delivery) -> Submission:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """An intake message handed to the runner, its verdict not stored yet."""
+
+    delivery: Delivery
+    attempt: int  # which of its deliveries that were handled this is (see ``Intake.attempt``)
+
+
 class Intake:
     """Feeds intake messages to the runner and answers them once their verdicts are stored."""
 
@@ -69,11 +81,21 @@ class Intake:
         self.runner = runner
         self.ack_wait_s = ack_wait_s  # unacknowledged this long, a message is delivered again
         self.consumer: DurableConsumer | None = None
-        self._in_flight: set[int] = set()  # intake sequences handed to the runner, not answered yet
+        self._in_flight: dict[int, Handed] = {}  # by intake sequence
+        # Deliveries of a message that came while it was in flight, by intake sequence: they handled
+        # nothing, so they do not count towards MAX_DELIVERIES.
+        self._skipped: collections.Counter[int] = collections.Counter()
+
+    def attempt(self, delivery: Delivery) -> int:
+        """How many deliveries of this message were handled (handed to the runner, or given up on),
+        this one included: the server counts the ones skipped while a verdict was on its way too,
+        and a log slower than ``ack_wait`` must not make a valid submission a dead letter."""
+        return delivery.deliveries - self._skipped[delivery.seq]
 
     async def loop(self, runner: DeciderRunner[SchedulerState]) -> None:
         # A new leadership's runner holds nothing the last one was handed: its redeliveries are new.
         self._in_flight.clear()
+        self._skipped.clear()
         await runner.caught_up.wait()
         consumer = self.consumer = runner.log.intake_consumer(INTAKE_CONSUMER, ack_wait=self.ack_wait_s)
         # The intake stream may be electing its leader, or NATS failing over: wait for it.
@@ -81,28 +103,47 @@ class Intake:
         # Intake listens from here on: a plain NATS request sent from now gets its reply.
         stop_ready = await runner.log.serve_requests("scheduler.ready", self._ready)
         stop_job = await runner.log.serve_requests("scheduler.job", self._job)
+        in_progress = asyncio.create_task(self._keep_in_progress(consumer))
         try:
             while True:
                 for delivery in await consumer.fetch(FETCH, timeout=1.0):
                     if delivery.seq in self._in_flight:
-                        continue  # redelivered while its verdict is on its way: answered once stored
-                    if delivery.deliveries > MAX_DELIVERIES:  # (handling it crashed the service each time)
-                        await self.give_up(delivery, "the scheduler stopped while handling it each time")
+                        # Redelivered while its verdict is on its way (answered once stored): not a
+                        # failure, so not counted; and the server is told it is still being handled.
+                        self._skipped[delivery.seq] += 1
+                        await consumer.in_progress(delivery)
                         continue
-                    self._in_flight.add(delivery.seq)
+                    attempt = self.attempt(delivery)
+                    if attempt > MAX_DELIVERIES:  # (handling it crashed the service each time)
+                        await self.give_up(delivery, attempt, "the scheduler stopped while handling it each time")
+                        continue
+                    self._in_flight[delivery.seq] = Handed(delivery, attempt)
                     runner.offer(submission_of(delivery))
         finally:
+            in_progress.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await in_progress
             with contextlib.suppress(Exception):
                 await stop_ready()
             with contextlib.suppress(Exception):
                 await stop_job()
             await consumer.close()
 
+    async def _keep_in_progress(self, consumer: DurableConsumer) -> None:
+        """Tell the server, well within ``ack_wait``, that the messages whose verdicts are on their
+        way are still being handled: while the log is slow or away, they are not delivered again
+        (each delivery counts in the server's ``deliveries``, which outlive a restart of ours)."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for handed in list(self._in_flight.values()):
+                await consumer.in_progress(handed.delivery)
+
     async def answer(self, decided: Decided) -> None:
         """The verdict is stored (or was, for a duplicate): reply to the submitter, then acknowledge."""
         sub: Submission = decided.cause
         delivery: Delivery = sub.delivery
-        self._in_flight.discard(sub.seq)
+        self._in_flight.pop(sub.seq, None)
+        self._skipped.pop(sub.seq, None)
         accepted = bool(decided.outputs) and isinstance(decided.outputs[0], ev.JobSubmitted)
         duplicate = not decided.outputs
         self.runner.metrics.intake.labels("accepted" if accepted or duplicate else "rejected").inc()
@@ -119,22 +160,24 @@ class Intake:
         """The log refused the verdict: the message stays unacknowledged and comes back, until its
         last delivery, when it becomes a dead letter (its submitter is told why)."""
         sub: Submission = decided.cause
-        self._in_flight.discard(sub.seq)
-        log.error("verdict not stored", intake_seq=sub.seq, deliveries=sub.delivery.deliveries, error=str(error))
-        if sub.delivery.deliveries >= MAX_DELIVERIES:
-            await self.give_up(sub.delivery, f"{type(error).__name__}: {error}")
+        handed = self._in_flight.pop(sub.seq, None)
+        attempt = handed.attempt if handed is not None else self.attempt(sub.delivery)
+        log.error("verdict not stored", intake_seq=sub.seq, deliveries=attempt, error=str(error))
+        if attempt >= MAX_DELIVERIES:
+            await self.give_up(sub.delivery, attempt, f"{type(error).__name__}: {error}")
 
-    async def give_up(self, delivery: Delivery, why: str) -> None:
-        """A submission delivered ``MAX_DELIVERIES`` times without an answer: keep it as a dead
-        letter, tell the submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
-        reason = f"could not be handled after {delivery.deliveries} deliveries: {why}"
+    async def give_up(self, delivery: Delivery, attempts: int, why: str) -> None:
+        """A submission handled ``attempts`` (``MAX_DELIVERIES``) times without an answer: keep it as a
+        dead letter, tell the submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
+        reason = f"could not be handled after {attempts} deliveries: {why}"
+        self._skipped.pop(delivery.seq, None)
         letter = DeadLetter(
             stream=HERD_INTAKE,
             seq=delivery.seq,
             subject=delivery.subject,
             consumer="scheduler",
             reason=reason,
-            deliveries=delivery.deliveries,
+            deliveries=attempts,
             at=time.time(),
             data=delivery.data,
         )

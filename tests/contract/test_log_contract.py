@@ -168,6 +168,37 @@ async def test_durable_consumer_resumes_after_last_ack(log: EventLog) -> None:
     await again.ack(redelivered[0])
 
 
+async def test_a_message_reported_in_progress_is_not_delivered_again(log: EventLog) -> None:
+    """Each delivery counts in ``deliveries`` (the dead letters' measure): one still being handled
+    is kept back for as long as its handler says so within ``ack_wait``, and comes back after."""
+    name, source = f"c-{uid()}", f"s{uid()}"
+    subject = f"herd.intake.{source}"
+    consumer = log.intake_consumer(name, ack_wait=1.0)
+    await consumer.fetch(100, timeout=0.3)  # creates the consumer; skip what other tests left
+    for d in await consumer.fetch(1000, timeout=0.5):
+        await consumer.ack(d)
+    await log.publish_intake(source, b"slow")
+    got: list = []
+    for _ in range(20):
+        got += [d for d in await consumer.fetch(10, timeout=0.5) if d.subject == subject]
+        if got:
+            break
+    [first] = got
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 2.5  # more than twice its ack_wait
+    while loop.time() < until:
+        await consumer.in_progress(first)
+        assert not [d for d in await consumer.fetch(10, timeout=0.3) if d.subject == subject], "delivered again"
+    again: list = []
+    for _ in range(20):  # no longer said to be in progress: delivered again after its ack_wait
+        again += [d for d in await consumer.fetch(10, timeout=0.5) if d.subject == subject]
+        if again:
+            break
+    assert [(d.data, d.deliveries) for d in again] == [(b"slow", 2)]
+    await consumer.ack(again[0])
+    await consumer.close()
+
+
 async def test_kv_snapshots(log: EventLog) -> None:
     key = f"k{uid()}"
     assert await log.kv_get(SNAPSHOT_BUCKET, key) is None

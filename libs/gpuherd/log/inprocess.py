@@ -282,6 +282,11 @@ class _MemoryConsumer(DurableConsumer):
     async def ack(self, delivery: Delivery) -> None:
         self._state.pending.pop(delivery.seq, None)
 
+    async def in_progress(self, delivery: Delivery) -> None:
+        pending = self._state.pending.get(delivery.seq)
+        if pending is not None:
+            self._state.pending[delivery.seq] = (self._log.clock() + self._ack_wait, pending[1])
+
 
 class _InProcessLeadership(Leadership):
     def __init__(self, log: InProcessLog, name: str, holder: str) -> None:

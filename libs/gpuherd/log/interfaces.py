@@ -120,6 +120,11 @@ class DurableConsumer(abc.ABC):
     @abc.abstractmethod
     async def ack(self, delivery: Delivery) -> None: ...
 
+    @abc.abstractmethod
+    async def in_progress(self, delivery: Delivery) -> None:
+        """The message is still being handled: restart its ``ack_wait``, so it is not delivered
+        again meanwhile (a delivery counts towards the message's ``deliveries`` when it is sent)."""
+
     async def open(self) -> None:  # noqa: B027 - optional: implementations that subscribe lazily override it
         """Subscribe now rather than on the first fetch."""
 

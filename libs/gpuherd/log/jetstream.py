@@ -949,6 +949,14 @@ class _JetStreamConsumer(DurableConsumer):
             with contextlib.suppress(nats.errors.Error):
                 await msg.ack()
 
+    async def in_progress(self, delivery: Delivery) -> None:
+        msg = delivery.token
+        if msg is not None:
+            # (+WPI, by stream sequence: any delivery's token of the message restarts its ack wait.
+            # Lost, the message is delivered again, and its handler skips it while it is in flight.)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.in_progress()
+
 
 class _JetStreamLeadership(Leadership):
     def __init__(self, log_: JetStreamLog, name: str, holder: str) -> None:

@@ -1,0 +1,83 @@
+"""The scheduler's intake through an outage of the log, on a real nats-server: a verdict that takes
+long to store does not use up its submission's deliveries, even across a restart of the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.errors import LogUnavailable
+from gpuherd.log import HERD_INTAKE, MAX_DELIVERIES, DeadLetter, EventLog, open_log
+from gpuherd.log.records import AppendResult
+from gpuherd.natsd import NatsServer
+from gpuherd.runtime.runner import DeciderRunner
+from services.scheduler import service
+from services.scheduler.decide import SchedulerDecider
+from tests.helpers import node
+
+ACK_WAIT_S = 0.5
+GOOD = {"name": "slow", "user": "u", "gpus": 1, "duration_s": 1}
+
+
+class HerdOutage:
+    """While ``on``, appending a verdict fails as it does while HERD has no leader (the runner
+    retries it); everything else is stored as usual."""
+
+    def __init__(self, log_: EventLog) -> None:
+        self.on = True
+        self._append = log_.append
+        log_.append = self.append  # type: ignore[method-assign]
+
+    async def append(self, events: Sequence[ev.Event], **kwargs: Any) -> AppendResult:
+        if self.on and any(isinstance(e, ev.JobSubmitted | ev.JobRejected) for e in events):
+            raise LogUnavailable("stream HERD has no leader (the test's outage)")
+        return await self._append(events, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def scheduler(log_: EventLog, instance: str) -> AsyncIterator[DeciderRunner[Any]]:
+    runner = DeciderRunner(log_, SchedulerDecider(), instance=instance)
+    service.setup(runner, ack_wait_s=ACK_WAIT_S)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield runner
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def outcome(log_: EventLog, within_s: float = 30.0) -> tuple[list[ev.JobSubmitted], list[DeadLetter]]:
+    """Wait until the submission is either stored as a job or kept as a dead letter."""
+    async with asyncio.timeout(within_s):
+        while True:
+            submitted = [r.event for r in await log_.read_all() if isinstance(r.event, ev.JobSubmitted)]
+            dead = [d for d in await log_.dead_letters() if d.stream == HERD_INTAKE]
+            if submitted or dead:
+                return submitted, dead
+            await asyncio.sleep(0.1)
+
+
+async def test_a_verdict_stored_late_does_not_use_up_its_submissions_deliveries(local_nats: NatsServer) -> None:
+    """The log is away for longer than ``MAX_DELIVERIES`` acknowledgement waits while a valid
+    submission's verdict is on its way, and the scheduler restarts: the submission is a job, not
+    a dead letter (its redeliveries were kept back, none of them was a failure to handle it)."""
+    log_ = await open_log(local_nats.url, name="intake-outage")
+    try:
+        await log_.append([node("n1", 4)])
+        outage = HerdOutage(log_)
+        async with scheduler(log_, "a"):
+            await log_.publish_intake("teamA", msgspec.json.encode(GOOD))
+            await asyncio.sleep(ACK_WAIT_S * (MAX_DELIVERIES + 3))  # its verdict retried all along
+        outage.on = False  # the log is back, and the scheduler starts again
+        async with scheduler(log_, "b"):
+            submitted, dead = await outcome(log_)
+        assert dead == [], f"a valid submission became a dead letter: {dead[0].reason}"
+        assert [s.spec.name for s in submitted] == ["slow"]
+    finally:
+        await log_.close()
