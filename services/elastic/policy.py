@@ -17,6 +17,10 @@ Its rules are versioned (``ELASTIC_RULES``, recorded in ``ElasticConfigured`` an
    way, what a grow gains over ``min_interval_s`` must outweigh the samples lost in the rescale's
    pause (``grow_pause_s``).
 
+Rules 3 leave a job that is stopping (cancelled, preempted, past its time limit) as it is; rules 4
+also pass over a waiting job the scheduler holds back whatever GPUs are free (a dependency not met
+yet, its array's ``max_running`` reached): nothing is shrunk or kept idle for it.
+
 Rules 1 (logs decided before): only the first waiting job that is not elastic was shrunk for, and
 only when nothing waited were idle GPUs lent, each job jumping to its largest size that kept
 ``grow_efficiency`` of its per-GPU throughput.
@@ -46,7 +50,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd import scaling
-from gpuherd.fold import JobState
+from gpuherd.fold import ACTIVE, JobState
 from services.elastic.state import ElasticState, JobModel
 
 
@@ -172,7 +176,12 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
     ]
     if not jobs:
         return []
-    waiting = (state.jobs[j] for j in state.queue if not state.jobs[j].cancel_requested)  # (read until no help is left)
+    held_back = _HeldBack(state) if rules >= 4 else None
+    waiting = (  # (read until no help is left)
+        job
+        for job in (state.jobs[j] for j in state.queue)
+        if not job.cancel_requested and not (held_back is not None and held_back(job))
+    )
     sizes = {j.job: _size(j) for j in jobs}
     reasons: dict[str, str] = {}
     room = _quota_room(state)
@@ -184,6 +193,47 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
         for job in jobs
         if job.job in reasons
     ]
+
+
+def _not_ended(job: JobState) -> bool:
+    return job.status == "pending" or job.status in ACTIVE
+
+
+class _HeldBack:
+    """Rules 4: whether the scheduler holds a waiting job back whatever GPUs are free: a dependency
+    not met yet, or its array's ``max_running`` reached (it is never the scheduler's head). No shrink
+    helps such a job, and no idle GPU is kept for it. The fold keeps no ended job: a dependency it no
+    longer knows has ended, and the scheduler starts the job or settles it as can never be met."""
+
+    def __init__(self, state: ElasticState) -> None:
+        self.state = state
+        self._arrays: dict[str, list[JobState]] | None = None  # array id -> its elements not ended
+
+    def _elements(self, array: str) -> list[JobState]:
+        if self._arrays is None:  # (built once a waiting job names an array)
+            self._arrays = {}
+            for job in self.state.jobs.values():
+                if job.spec.array_of is not None and _not_ended(job):
+                    self._arrays.setdefault(job.spec.array_of.array, []).append(job)
+        return self._arrays.get(array, [])
+
+    def _unmet(self, kind: str, dep: str) -> bool:
+        """Whether dependency ``kind:dep`` is not met yet (``after``: placed once; the rest: ended)."""
+        found = self.state.jobs.get(dep)
+        jobs = [found] if found is not None and _not_ended(found) else self._elements(dep)
+        if kind == "after":
+            return any(j.first_placed_at is None for j in jobs)
+        return bool(jobs)
+
+    def __call__(self, job: JobState) -> bool:
+        deps = job.spec.depends_on
+        if deps is not None and any(self._unmet(kind, dep) for kind, ids in deps.kinds() for dep in ids):
+            return True
+        member = job.spec.array_of
+        if member is None or member.max_running is None:
+            return False
+        active = self.state.active
+        return sum(1 for j in self._elements(member.array) if j.job in active) >= member.max_running
 
 
 def _kind(job: JobState) -> bool:

@@ -209,3 +209,49 @@ def test_a_job_that_is_stopping_is_neither_grown_nor_shrunk() -> None:
     log = _at(drive([ev.JobSubmitted(id="s2", source="test", job="r", spec=rigid, intake_source="t")], log), 1010)
     assert _state(log).jobs["r"].status == "pending"
     assert _decide(log) == []
+
+
+def test_no_elastic_job_shrinks_for_a_job_its_dependency_or_its_array_s_limit_holds_back() -> None:
+    """Rules 4: the scheduler does not start a job whose dependency is not met yet, nor an array's
+    element beyond its ``max_running``, whatever GPUs are free. Shrinking for it only stood the
+    elastic job still and left the GPUs it gave back idle (kept for the held job) until the hold
+    lifted, possibly hours later."""
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)  # j on 3 of n1's GPUs, 1 free there
+    pre = ev.JobSpec(name="pre", user="bo", gpus=4, command=("python", "x.py"))  # takes n2
+    after_pre = ev.JobSpec(
+        name="post", user="bo", gpus=2, command=("python", "x.py"), depends_on=ev.Dependencies(afterok=("pre",))
+    )
+    log = drive(
+        [
+            ev.JobSubmitted(id="s-pre", source="test", job="pre", spec=pre, intake_source="t"),
+            ev.JobSubmitted(id="s-post", source="test", job="post", spec=after_pre, intake_source="t"),
+        ],
+        log,
+    )
+    log = _at(log, 1100.0)
+    assert _state(log).jobs["post"].status == "pending" and _state(log).jobs["pre"].status in ("placed", "running")
+    assert _decide(log) == [], "post cannot start before pre completes: nothing to shrink for"
+    (old,) = _decide(log, rules=3)
+    assert old.gpus == 2 and "post waits" in old.reason, "a log of the rules before is re-derived as decided"
+
+    # An array element beyond the array's max_running is held the same way.
+    member = ev.ArrayMember(array="sweep", index=1, size=2, max_running=1)
+    running = ev.JobSpec(
+        name="sweep", user="bo", gpus=1, command=("python", "x.py"), array_of=msgspec.structs.replace(member, index=0)
+    )
+    held = msgspec.structs.replace(running, gpus=2, array_of=member)
+    fill = msgspec.structs.replace(pre, gpus=3)  # n2 keeps 1 free GPU, n1 1: sweep_1 lacks one
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)
+    log = drive(
+        [
+            ev.JobSubmitted(id="s-fill", source="test", job="fill", spec=fill, intake_source="t"),
+            ev.JobSubmitted(id="s-0", source="test", job="sweep_0", spec=running, intake_source="t"),
+            ev.JobSubmitted(id="s-1", source="test", job="sweep_1", spec=held, intake_source="t"),
+        ],
+        log,
+    )
+    log = _at(log, 1100.0)
+    state = _state(log)
+    assert state.jobs["sweep_0"].status != "pending" and state.jobs["sweep_1"].status == "pending"
+    assert _decide(log) == []
+    assert [p.gpus for p in _decide(log, rules=3)] == [2]

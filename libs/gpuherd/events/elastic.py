@@ -16,8 +16,10 @@ from gpuherd.events.values import Allocation, Rendezvous, RescaleKind
 # (at once, whatever the minimum interval), lend only GPUs no waiting job can use, one allowed size
 # at a time to the job whose throughput gains most per GPU, and only where the gain over the
 # minimum interval outweighs the rescale's pause. 3: a job that is stopping (cancelled, preempted,
-# past its time limit) is neither grown nor shrunk.
-ELASTIC_RULES = 3
+# past its time limit) is neither grown nor shrunk. 4: a waiting job the scheduler holds back
+# whatever GPUs are free (a dependency not met yet, its array's max_running reached) is not shrunk
+# for, and no idle GPU is kept for it.
+ELASTIC_RULES = 4
 
 
 class RescaleProposed(Decision, kw_only=True, frozen=True):
