@@ -21,6 +21,11 @@ TRIGGERS: frozenset[type[ev.Event]] = frozenset(
 )
 
 
+def rules_in_force(state: ElasticState) -> int:
+    """The policy's rules in force: the log's, else this service's own."""
+    return state.rules if state.rules is not None else ev.ELASTIC_RULES
+
+
 class ElasticDecider(ConfiguredDecider[ElasticState, ElasticParams]):
     name = "elastic"
     STATE, FOLD = ElasticState, staticmethod(evolve)
@@ -30,8 +35,7 @@ class ElasticDecider(ConfiguredDecider[ElasticState, ElasticParams]):
     EMITS = frozenset({ev.RescaleProposed, ev.CommandRefused, ev.ElasticTicked})
 
     def rules_for(self, state: ElasticState) -> int:
-        """The policy's rules in force: the log's, else this service's own."""
-        return state.rules if state.rules is not None else ev.ELASTIC_RULES
+        return rules_in_force(state)
 
     def decide(self, state: ElasticState, event: ev.Event) -> list[ev.Event]:
         if not self.triggered(event):

@@ -140,17 +140,18 @@ def resizable(state: ElasticState, rules: int = ev.ELASTIC_RULES) -> list[JobSta
     ]
 
 
-def next_due(state: ElasticState, params: ElasticParams) -> float | None:
+def next_due(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_RULES) -> float | None:
     """When time alone next changes what the policy may decide (None: nothing waits on time): a
-    proposal the scheduler did not act on may be made again, and, while nothing waits, a job below
-    its largest size may grow once its minimum interval, its hold after a shrink and its start's
-    grace have passed. Between these moments a decision on the same state decides the same."""
+    proposal the scheduler did not act on may be made again, and a job below its largest size may
+    grow once its minimum interval, its hold after a shrink and its start's grace have passed (rules
+    1: only while nothing waits; from rules 2 idle GPUs no waiting job can use are lent while jobs
+    wait). Between these moments a decision on the same state decides the same."""
     now, due = state.now, math.inf
-    for job in resizable(state):
+    for job in resizable(state, rules):
         proposal = state.proposed.get(job.job)
         if proposal is not None and proposal[0] == job.generation:
             due = min(due, proposal[1] + params.retry_s)
-        if state.queue or _size(job) >= max(job.spec.elastic.sizes()):  # type: ignore[union-attr]
+        if (rules < 2 and state.queue) or _size(job) >= max(job.spec.elastic.sizes()):  # type: ignore[union-attr]
             continue
         ready = max(
             job.rescaled_at + params.min_interval_s if job.rescaled_at is not None else -math.inf,

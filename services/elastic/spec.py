@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 from gpuherd import events as ev
 from gpuherd.runtime.runner import DeciderRunner
 from gpuherd.runtime.spec import BACKGROUND_NICE, TimerSpec, switched_decider
-from services.elastic.decide import ElasticDecider
+from services.elastic.decide import ElasticDecider, rules_in_force
 from services.elastic.policy import ElasticParams, next_due, params_from
 from services.elastic.state import ElasticState
 
@@ -24,7 +24,7 @@ READ_LINGER_S = 0.02
 def _next_due(state: ElasticState) -> float | None:
     """When time alone next makes a decision due (a grow's minimum interval or hold ends, a
     proposal may be retried): the timer ticks then, and only then."""
-    return next_due(state, _params(state.params))
+    return next_due(state, _params(state.params), rules_in_force(state))
 
 
 @functools.lru_cache(maxsize=64)

@@ -255,3 +255,30 @@ def test_no_elastic_job_shrinks_for_a_job_its_dependency_or_its_array_s_limit_ho
     assert state.jobs["sweep_0"].status != "pending" and state.jobs["sweep_1"].status == "pending"
     assert _decide(log) == []
     assert [p.gpus for p in _decide(log, rules=3)] == [2]
+
+
+def test_the_timer_is_due_when_a_hold_ends_while_a_job_waits_that_idle_gpus_cannot_help() -> None:
+    """Rules 2 lend GPUs no waiting job can use even while jobs wait: the timer must still tick when
+    a job's hold ends, or the job stayed small beside idle GPUs until some unrelated event came."""
+    from services.elastic import spec as elastic_spec
+    from services.elastic.policy import next_due
+
+    log = _completed(_propose(_at(started(), 1000.0), 3), 1, 3, 2)  # grew to 3 GPUs at t=1000
+    log = _completed(_propose(_at(log, 1010.0), 2, generation=1), 2, 2, 3, rate=150.0)  # shrunk to 2: 3 was faster
+    team = _e(ev.VcConfigured, vc="team", gpu_quota=1, can_borrow=False)
+    small = ev.JobSpec(name="small", user="bo", gpus=1, command=("python", "x.py"), vc="team")
+    log = drive(
+        [
+            team,
+            ev.JobSubmitted(id="s-a", source="test", job="a", spec=small, intake_source="t"),
+            ev.JobSubmitted(id="s-b", source="test", job="b", spec=small, intake_source="t"),
+        ],
+        log,
+    )
+    state = _state(log)
+    assert state.queue == ["b"], "b waits for its VC's quota, which a's GPU fills"
+    ends = 1010.0 + max(PARAMS.min_interval_s, PARAMS.hold_after_shrink_s)
+    assert next_due(state, PARAMS) == ends
+    assert elastic_spec.SPEC.timer.due(state) == ends, "the service's timer, by the rules in force"  # type: ignore[union-attr]
+    (grow,) = decide(_state(_at(log, ends)), PARAMS)
+    assert grow.gpus == 3 and "idle" in grow.reason
