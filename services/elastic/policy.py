@@ -66,6 +66,17 @@ class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # at its old size until the new workers are ready): a grow must gain more than this costs.
     grow_pause_s: float = 0.5
 
+    def __post_init__(self) -> None:
+        # What the throughput model divides by or adds per hop must be physical: a bandwidth of 0
+        # crashed every decision on a job with gradients (and the service at each restart).
+        for name in self.__struct_fields__:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be positive (bytes/s), got {self.bandwidth_bytes_per_s}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be at least 0 (seconds per ring hop), got {self.latency_s}")
+
 
 def params_from(values: dict[str, float]) -> ElasticParams:
     """ElasticParams from ``ElasticConfigured.params`` (or ``--params``): unknown names are refused."""

@@ -3,6 +3,8 @@ throughput per GPU, hysteresis."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -282,3 +284,19 @@ def test_the_timer_is_due_when_a_hold_ends_while_a_job_waits_that_idle_gpus_cann
     assert elastic_spec.SPEC.timer.due(state) == ends, "the service's timer, by the rules in force"  # type: ignore[union-attr]
     (grow,) = decide(_state(_at(log, ends)), PARAMS)
     assert grow.gpus == 3 and "idle" in grow.reason
+
+
+def test_an_all_reduce_bandwidth_that_is_not_positive_is_refused_instead_of_crashing_the_service() -> None:
+    """``gpuherd elastic set --param bandwidth_bytes_per_s=0`` was applied, and the first decision
+    on a job with gradients divided by it: the service crashed on it at every restart."""
+    decider = ElasticDecider()
+    state = _state(started())
+    state.models = {"j": JobModel(compute_per_sample_s=0.002, grad_bytes=int(1e8))}
+    for bad in ({"bandwidth_bytes_per_s": 0.0}, {"bandwidth_bytes_per_s": -1e9}, {"latency_s": -1.0}):
+        command = _e(ev.ElasticConfigured, params=bad, at=state.now)
+        decider.evolve(state, state.seq + 1, command)
+        (refusal,) = decider.decide(state, command)
+        assert isinstance(refusal, ev.CommandRefused) and next(iter(bad)) in refusal.reason, refusal.reason
+        assert state.params is None
+    with pytest.raises(ValueError, match="finite"):
+        params_from({"min_interval_s": math.inf})  # (the log's JSON cannot even hold it)
