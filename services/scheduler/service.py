@@ -4,9 +4,10 @@ Its loops share one ``DeciderRunner`` and run only while this instance leads the
 - the runner (folds the log, decides, appends);
 - intake: raw submissions from HERD_INTAKE are handed to the runner, which decides them in turn
   with the log's events; once a verdict is stored, the submitter gets its reply and the message is
-  acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter;
-  while a verdict is on its way, its message is kept from being delivered again, and a delivery
-  that came anyway is skipped and not counted: a slow log is no failure of the submission);
+  acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter, and
+  is acknowledged only once that is stored; while a verdict or a dead letter is on its way, its
+  message is kept from being delivered again, and a delivery that came anyway is skipped and not
+  counted: a slow log is no failure of the submission);
 - the timer: a ``ClockTicked`` every ``--tick`` seconds (time-based decisions: fair-share decay,
   starvation, reservations), when a running job reaches its time limit (the decider stops it), and
   at once when a node's heartbeats stop, so the decider can declare it lost;
@@ -68,7 +69,8 @@ def submission_of(delivery: Delivery) -> Submission:
 
 @dataclass(frozen=True, slots=True)
 class Handed:
-    """An intake message handed to the runner, its verdict not stored yet."""
+    """An intake message being handled: handed to the runner, or given up on, and its verdict (or
+    its dead letter) not stored yet."""
 
     delivery: Delivery
     attempt: int  # which of its deliveries that were handled this is (see ``Intake.attempt``)
@@ -77,10 +79,18 @@ class Handed:
 class Intake:
     """Feeds intake messages to the runner and answers them once their verdicts are stored."""
 
-    def __init__(self, runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        runner: DeciderRunner[SchedulerState],
+        *,
+        ack_wait_s: float = 10.0,
+        dead_letter_patience_s: float = 3600.0,
+    ) -> None:
         self.runner = runner
         self.ack_wait_s = ack_wait_s  # unacknowledged this long, a message is delivered again
-        self.consumer: DurableConsumer | None = None
+        self.dead_letter_patience_s = dead_letter_patience_s  # one try at storing a dead letter, at most
+        self.consumer: DurableConsumer | None = None  # None while intake does not listen
+        self._giving_up: set[asyncio.Task[None]] = set()  # dead letters being stored
         self._in_flight: dict[int, Handed] = {}  # by intake sequence
         # Deliveries of a message that came while it was in flight, by intake sequence: they handled
         # nothing, so they do not count towards MAX_DELIVERIES.
@@ -115,14 +125,17 @@ class Intake:
                         continue
                     attempt = self.attempt(delivery)
                     if attempt > MAX_DELIVERIES:  # (handling it crashed the service each time)
-                        await self.give_up(delivery, attempt, "the scheduler stopped while handling it each time")
+                        self.give_up(delivery, attempt, "the scheduler stopped while handling it each time")
                         continue
                     self._in_flight[delivery.seq] = Handed(delivery, attempt)
                     runner.offer(submission_of(delivery))
         finally:
-            in_progress.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await in_progress
+            # What is being handled stays unacknowledged: delivered again, to whoever leads next.
+            self.consumer = None
+            for task in [in_progress, *self._giving_up]:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             with contextlib.suppress(Exception):
                 await stop_ready()
             with contextlib.suppress(Exception):
@@ -164,13 +177,23 @@ class Intake:
         attempt = handed.attempt if handed is not None else self.attempt(sub.delivery)
         log.error("verdict not stored", intake_seq=sub.seq, deliveries=attempt, error=str(error))
         if attempt >= MAX_DELIVERIES:
-            await self.give_up(sub.delivery, attempt, f"{type(error).__name__}: {error}")
+            self.give_up(sub.delivery, attempt, f"{type(error).__name__}: {error}")
 
-    async def give_up(self, delivery: Delivery, attempts: int, why: str) -> None:
+    def give_up(self, delivery: Delivery, attempts: int, why: str) -> None:
         """A submission handled ``attempts`` (``MAX_DELIVERIES``) times without an answer: keep it as a
-        dead letter, tell the submitter why, and acknowledge it, so it neither retries forever nor vanishes."""
+        dead letter, so it neither retries forever nor vanishes. That is done beside intake and the
+        runner, which go on meanwhile (the dead letters' stream may be away for long); the message
+        is in flight until then, as one whose verdict is on its way."""
+        if self.consumer is None:
+            return  # intake stopped: left unacknowledged, it comes back to whoever leads next
+        self._in_flight[delivery.seq] = Handed(delivery, attempts)
+        task = asyncio.create_task(self._keep_dead_letter(delivery, attempts, why))
+        self._giving_up.add(task)
+        task.add_done_callback(self._giving_up.discard)
+
+    async def _keep_dead_letter(self, delivery: Delivery, attempts: int, why: str) -> None:
+        """Store the dead letter, then tell the submitter why and acknowledge the message."""
         reason = f"could not be handled after {attempts} deliveries: {why}"
-        self._skipped.pop(delivery.seq, None)
         letter = DeadLetter(
             stream=HERD_INTAKE,
             seq=delivery.seq,
@@ -181,7 +204,17 @@ class Intake:
             at=time.time(),
             data=delivery.data,
         )
-        await keep_dead_letter(self.runner.log, letter)
+        try:
+            stored = await keep_dead_letter(self.runner.log, letter, give_up_after=self.dead_letter_patience_s)
+        finally:
+            self._in_flight.pop(delivery.seq, None)
+        if not stored:
+            # Acknowledged now, bad input would be kept nowhere but the intake stream (until its
+            # max_age) and the error log. Left unacknowledged, it comes back after ack_wait and is
+            # given up on again, until the dead letters' stream takes it; its submitter hears then.
+            log.error("dead letter not stored; the intake message is left for redelivery", intake_seq=delivery.seq)
+            return
+        self._skipped.pop(delivery.seq, None)
         self.runner.metrics.dead_letters.inc()
         reply_to = delivery.headers.get(REPLY_HEADER)
         if reply_to:
@@ -305,9 +338,11 @@ def policy_recorder(policy: str | None) -> ExtraTask:
     return record
 
 
-def setup(runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0) -> None:
+def setup(
+    runner: DeciderRunner[SchedulerState], *, ack_wait_s: float = 10.0, dead_letter_patience_s: float = 3600.0
+) -> None:
     """Give a scheduler's runner its intake and its cluster metrics."""
-    intake = Intake(runner, ack_wait_s=ack_wait_s)
+    intake = Intake(runner, ack_wait_s=ack_wait_s, dead_letter_patience_s=dead_letter_patience_s)
     runner.on_external = intake.answer
     runner.on_refused = intake.refused
     runner.extra_tasks.append(intake.loop)

@@ -1,5 +1,6 @@
 """The scheduler's intake through an outage of the log, on a real nats-server: a verdict that takes
-long to store does not use up its submission's deliveries, even across a restart of the scheduler."""
+long to store does not use up its submission's deliveries, even across a restart of the scheduler,
+and a dead letter that cannot be stored leaves its message unacknowledged until it is."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.errors import LogUnavailable
-from gpuherd.log import HERD_INTAKE, MAX_DELIVERIES, DeadLetter, EventLog, open_log
+from gpuherd.log import HERD_DEAD, HERD_INTAKE, MAX_DELIVERIES, DeadLetter, EventLog, open_log
+from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.log.records import AppendResult
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.runner import DeciderRunner
@@ -40,9 +42,9 @@ class HerdOutage:
 
 
 @contextlib.asynccontextmanager
-async def scheduler(log_: EventLog, instance: str) -> AsyncIterator[DeciderRunner[Any]]:
+async def scheduler(log_: EventLog, instance: str, **options: float) -> AsyncIterator[DeciderRunner[Any]]:
     runner = DeciderRunner(log_, SchedulerDecider(), instance=instance)
-    service.setup(runner, ack_wait_s=ACK_WAIT_S)
+    service.setup(runner, ack_wait_s=ACK_WAIT_S, **options)
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
     try:
@@ -79,5 +81,42 @@ async def test_a_verdict_stored_late_does_not_use_up_its_submissions_deliveries(
             submitted, dead = await outcome(log_)
         assert dead == [], f"a valid submission became a dead letter: {dead[0].reason}"
         assert [s.spec.name for s in submitted] == ["slow"]
+    finally:
+        await log_.close()
+
+
+async def acknowledged_up_to(log_: JetStreamLog) -> int:
+    """The intake sequence up to which the scheduler's consumer has acknowledged everything."""
+    info = await log_.js.consumer_info(HERD_INTAKE, service.INTAKE_CONSUMER)
+    return int(info.ack_floor.stream_seq)
+
+
+async def test_a_dead_letter_not_stored_leaves_its_message_for_redelivery_until_it_is(local_nats: NatsServer) -> None:
+    """A submission delivered ``MAX_DELIVERIES`` times without an answer, while the dead letters'
+    stream is away for longer than the scheduler's patience: it is not acknowledged (that would
+    lose it), and it is kept as a dead letter once the stream is back."""
+    log_ = await open_log(local_nats.url, name="dead-letter-outage")
+    assert isinstance(log_, JetStreamLog)
+    try:
+        # Its handling "crashed the scheduler" MAX_DELIVERIES times: delivered, never acknowledged.
+        crashing = log_.intake_consumer(service.INTAKE_CONSUMER, ack_wait=ACK_WAIT_S)
+        await log_.publish_intake("teamA", b"poison")
+        deliveries = 0
+        async with asyncio.timeout(30):
+            while deliveries < MAX_DELIVERIES:
+                deliveries = max([d.deliveries for d in await crashing.fetch(1, timeout=ACK_WAIT_S)] or [deliveries])
+        await crashing.close()
+        dead_config = next(c for c in log_.stream_configs() if c.name == HERD_DEAD)
+        await log_.js.delete_stream(HERD_DEAD)  # the dead letters' stream is away
+        async with scheduler(log_, "a", dead_letter_patience_s=ACK_WAIT_S):
+            await asyncio.sleep(ACK_WAIT_S * 6)  # it gave up on storing the dead letter, more than once
+            assert await acknowledged_up_to(log_) == 0, "acknowledged, though kept nowhere"
+            await log_.js.add_stream(dead_config)  # back
+            async with asyncio.timeout(30):
+                while not (dead := await log_.dead_letters()) or await acknowledged_up_to(log_) < 1:
+                    await asyncio.sleep(0.1)
+        [letter] = dead
+        assert (letter.stream, letter.seq, letter.data) == (HERD_INTAKE, 1, b"poison")
+        assert letter.deliveries > MAX_DELIVERIES and "stopped while handling it each time" in letter.reason
     finally:
         await log_.close()
