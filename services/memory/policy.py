@@ -23,6 +23,7 @@ released by then is reclaimed and its task stopped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import msgspec
@@ -31,6 +32,8 @@ from gpuherd import events as ev
 from gpuherd.fold import ACTIVE, GpuSlot, NodeState
 from gpuherd.fold.leases import LeaseState
 from services.memory.state import MemoryState
+
+MAX_OWNER_HEADROOM = 10.0  # (a forecast of 11 times the owner's peak); more only overflows the arithmetic
 
 
 class BrokerParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,6 +46,29 @@ class BrokerParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host_fraction: float = 0.5  # of a node's RAM that leases may pin
     lease_term_s: float = 600.0  # a lease its agent does not renew within this is revoked
     revoke_deadline_s: float = 30.0  # time the borrower has to move its blocks off a revoked share
+
+    def __post_init__(self) -> None:
+        # Values the broker cannot lend by: a huge margin or headroom overflowed its arithmetic (a
+        # crash at every pass), a margin over the GPU revoked every share, a zero piece granted empty
+        # shares at every pass, a term or deadline below zero revoked or reclaimed at once.
+        for name in self.__struct_fields__:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("margin_frac", "host_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} is a fraction of memory: within 0..1, got {getattr(self, name)}")
+        if not 0 <= self.owner_headroom <= MAX_OWNER_HEADROOM:
+            raise ValueError(
+                f"owner_headroom is a share of the owner's peak: within 0..{MAX_OWNER_HEADROOM:g}, "
+                f"got {self.owner_headroom}"
+            )
+        for name in ("margin_min_mb", "max_neighbors", "owner_warmup_s", "revoke_deadline_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.min_share_mb < 1:
+            raise ValueError(f"min_share_mb must be at least 1 MiB, got {self.min_share_mb}")
+        if self.lease_term_s <= 0:
+            raise ValueError(f"lease_term_s must be positive (seconds), got {self.lease_term_s}")
 
 
 def params_from(values: dict[str, float]) -> BrokerParams:

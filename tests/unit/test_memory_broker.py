@@ -322,3 +322,31 @@ def test_an_elastic_grow_onto_a_lender_revokes_the_shares_on_it() -> None:
     log = run([grow], log)
     (revoked,) = of(log, ev.MemoryLeaseRevoked)
     assert (revoked.lease, revoked.gpus) == ("L", (2,)) and "need is not known" in revoked.reason
+
+
+# -- parameters ----------------------------------------------------------------------------------------
+
+
+def test_parameters_the_broker_cannot_lend_by_are_refused_and_the_ones_in_force_stay() -> None:
+    """A huge margin or headroom overflowed the broker's arithmetic (it crashed on every pass, again
+    at each restart); a margin over the whole GPU revoked every share as "own use rose"; a zero
+    piece granted empty host shares at every pass; a term or deadline below zero revoked or
+    reclaimed (stopping the task) as soon as granted."""
+    bad_values: list[dict[str, float]] = [
+        {"margin_frac": 1e308},
+        {"owner_headroom": 1e308},
+        {"host_fraction": 1e308},
+        {"margin_frac": 5.0},
+        {"min_share_mb": 0},
+        {"lease_term_s": 0.0},
+        {"revoke_deadline_s": -1.0},
+        {"max_neighbors": -1},
+    ]
+    for bad in bad_values:
+        configured = _e(ev.MemoryBrokerConfigured, at=100.0, params=bad)
+        log = run([configured, request(30 * GB)], cluster())
+        (refusal,) = of(log, ev.CommandRefused)
+        assert next(iter(bad)) in refusal.reason, refusal.reason
+        assert _fold(log).params is None
+        (grant,) = of(log, ev.MemoryLeaseGranted)
+        assert shares(grant) == [("nvlink", 1, 30 * GB)], "granted by the parameters in force"
