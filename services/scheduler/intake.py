@@ -186,7 +186,7 @@ def _spec_problem(
             f"asks for {spec.gpus} GPUs but VC {vc.vc} has a quota of {vc.gpu_quota} and may not borrow, "
             "so it could never start; ask for fewer GPUs or use another VC"
         )
-    if rules >= 3 and (problem := _limits_problem(spec, vc, made=made)):
+    if rules >= 3 and (problem := _limits_problem(spec, vc, rules, made=made)):
         return problem
     if not state.nodes:
         return "no GPU nodes have registered yet, so no job can be placed; submit again once agents are up"
@@ -248,7 +248,7 @@ def _path_of_big_int(value: Any, path: str = "") -> str | None:
     return None
 
 
-def _limits_problem(spec: ev.JobSpec, vc: VcState, *, made: bool) -> str | None:
+def _limits_problem(spec: ev.JobSpec, vc: VcState, rules: int, *, made: bool) -> str | None:
     """Intake rules 3: what only intake may set, time limits within the VC's maximum, per-user
     limits a job could ever fit, and the shape of an array."""
     if not made and (spec.array_of is not None or spec.workflow_of is not None):
@@ -272,15 +272,19 @@ def _limits_problem(spec: ev.JobSpec, vc: VcState, *, made: bool) -> str | None:
     if spec.depends_on is not None and len(spec.depends_on.ids()) > MAX_DEPENDENCIES:
         return f"depends on {len(spec.depends_on.ids())} jobs; at most {MAX_DEPENDENCIES}"
     if spec.array is not None:
-        return _array_problem(spec.array)
+        return _array_problem(spec.array, rules)
     return None
 
 
-def _array_problem(array: ev.ArraySpec) -> str | None:
+def _array_problem(array: ev.ArraySpec, rules: int) -> str | None:
     if (array.count is None) == (array.values is None):
         return "an `array` gives either `count` (elements 0..count-1) or `values` (one element per value)"
     size = array.count if array.count is not None else len(array.values or ())
-    if not 1 <= size <= MAX_JOBS_PER_SUBMISSION:
+    if size < 1 and rules >= 6:
+        if array.count is not None:
+            return f"`array.count` must be at least 1, got {array.count}"
+        return "`array.values` must hold at least one value"
+    if not 1 <= size <= MAX_JOBS_PER_SUBMISSION:  # (rules 3 to 5 said "too large" of an empty array too)
         return f"an array has 1 to {MAX_JOBS_PER_SUBMISSION} elements; this one has {size} (too large)"
     if array.values is not None and any(len(str(v)) > 1024 for v in array.values):
         return "an array's `values` are limited to 1024 characters each"

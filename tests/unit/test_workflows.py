@@ -119,6 +119,9 @@ REFUSED = [
     (pipeline(steps=[]), "a non-empty list"),
     (pipeline(depends_on={"afterok": ["x"]}), "`depends_on` is given per step"),
     (job("big", array={"count": 1001}), "this one has 1001 (too large)"),
+    (job("none", array={"count": 0}), "`array.count` must be at least 1, got 0"),
+    (job("negative", array={"count": -3}), "`array.count` must be at least 1, got -3"),
+    (job("no-values", array={"values": []}), "`array.values` must hold at least one value"),
     (job("both", array={"count": 2, "values": [1]}), "either `count`"),
     (job("x", array={"count": 2, "max_running": 0}), "`array.max_running` must be at least 1"),
     (job("x", depends_on={"afterok": ["j-unknown"]}), "'j-unknown', which is no job"),
@@ -139,6 +142,15 @@ def test_bad_input_is_refused_with_a_clear_reason_and_recorded(data: dict[str, A
     (rejected,) = verdict.events()
     assert isinstance(rejected, ev.JobRejected) and reason in rejected.reason, rejected
     assert rejected.payload_excerpt and recheck(state, rejected) is None, "the audit re-judges it the same"
+
+
+def test_an_empty_array_refused_by_the_rules_before_keeps_its_reason_in_the_audit() -> None:
+    state = cluster()
+    rejected = judge(state, submission(job("x", array={"count": 0}))).event
+    assert isinstance(rejected, ev.JobRejected) and rejected.intake_rules == ev.INTAKE_RULES
+    before = "an array has 1 to 1000 elements; this one has 0 (too large)"
+    assert recheck(state, msgspec.structs.replace(rejected, intake_rules=5, reason=before)) is None
+    assert "another reason" in (recheck(state, msgspec.structs.replace(rejected, intake_rules=5)) or "")
 
 
 def test_a_resubmitted_workflow_is_the_same_workflow_and_appends_nothing() -> None:

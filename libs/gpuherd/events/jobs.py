@@ -16,8 +16,9 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # time limits (a VC's default filled in, its maximum checked) and per-user limits. 4: an elastic
 # job's ``max`` is at most ``MAX_ELASTIC_WORLD`` GPUs. 5: a gang needs as many nodes as it asks for
 # that hold its share of GPUs (a mixed cluster may have fewer), and no integer of a spec lies beyond
-# what a snapshot holds (64 bits).
-INTAKE_RULES = 5
+# what a snapshot holds (64 bits). 6: an empty array is refused for what it is (`array.count` below
+# 1, or no `array.values`), not as "too large" (the audit compares a rejection's reason).
+INTAKE_RULES = 6
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
