@@ -44,10 +44,18 @@ def job_model(profile: dict) -> JobModel | None:
     return JobModel(compute_per_sample_s=step_s / batch, grad_bytes=grad_bytes)
 
 
+def _placed_or_running(state: ElasticState, job_id: str) -> bool:
+    """Whether a job's proposal or profile is worth keeping: a profile relayed late, or a proposal
+    decided before its job's end and appended after it, would leave an entry for an ended job
+    forever (nothing else removes it)."""
+    job = state.jobs.get(job_id)
+    return job is not None and job.status in ACTIVE
+
+
 def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -> ElasticState:
     """Fold ``event``; ``params_ok``: an ElasticConfigured in it can be applied."""
     apply(state, seq, event)
-    if isinstance(event, ev.ProfileReported) and event.rank == 0:
+    if isinstance(event, ev.ProfileReported) and event.rank == 0 and _placed_or_running(state, event.job):
         model = job_model(event.profile)
         if model is not None:
             state.models[event.job] = model
@@ -57,7 +65,8 @@ def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -
         if measured and job is not None and job.status in ACTIVE and job.attempt == event.attempt:
             state.throughput.setdefault(event.job, {})[event.world_before] = event.samples_per_s_before  # type: ignore[assignment]
     elif isinstance(event, ev.RescaleProposed):
-        state.proposed[event.job] = (event.generation, event.at)
+        if _placed_or_running(state, event.job):
+            state.proposed[event.job] = (event.generation, event.at)
         if state.recorded_rules is None:
             state.rules = event.rules
     elif isinstance(event, ev.JobResized) and event.kind == "shrink":

@@ -300,3 +300,28 @@ def test_an_all_reduce_bandwidth_that_is_not_positive_is_refused_instead_of_cras
         assert state.params is None
     with pytest.raises(ValueError, match="finite"):
         params_from({"min_interval_s": math.inf})  # (the log's JSON cannot even hold it)
+
+
+def test_a_proposal_or_a_profile_folded_after_its_job_ended_leaves_nothing_behind() -> None:
+    """A proposal decided before the job's end can be appended after it (the scheduler appended
+    the end meanwhile), and a profile can be relayed late: the service kept an entry for the
+    ended job forever, in its state and every snapshot."""
+    decider = ElasticDecider()
+    log = drive([_e(ev.JobFinished, job="j", attempt=0, outcome="completed", at=50.0)], started())
+    state = _state(log)
+    assert "j" not in state.jobs
+    late = [
+        _e(ev.RescaleProposed, job="j", attempt=0, generation=0, gpus=3, at=50.0),
+        _e(
+            ev.ProfileReported,
+            job="j",
+            attempt=0,
+            node="n1",
+            rank=0,
+            profile={"batch_size": 32, "step_s": 0.064, "layers": [{"grad_bytes": 1024}]},
+            at=50.0,
+        ),
+    ]
+    for event in late:
+        decider.evolve(state, state.seq + 1, event)
+    assert state.proposed == {} and state.models == {}
