@@ -1,18 +1,27 @@
 """A leader's fence on JetStream: once a newer leader appended its ``LeadershipTaken``, the log
 itself (``Nats-Expected-Last-Subject-Sequence-Subject``) refuses the former leader's appends,
-single events and atomic batches alike."""
+single events and atomic batches alike; and only the leader records its ``--params``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpuherd import events as ev
 from gpuherd.errors import LeadershipLost
-from gpuherd.log import LEADERSHIP_BUCKET, open_log
+from gpuherd.log import LEADERSHIP_BUCKET, STATUS_BUCKET, EventLog, open_log
+from gpuherd.metrics import ServiceStatus
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler.decide import SchedulerDecider
+from tests.integration.procs import FAST_ENV
 
 
 def tick(n: int) -> ev.ClockTicked:
@@ -45,3 +54,75 @@ async def test_jetstream_refuses_a_fenced_out_leader(local_nats) -> None:
         ]
     finally:
         await log.close()
+
+
+def elastic(url: str, instance: str, min_interval_s: float, log_file: Path) -> subprocess.Popen[bytes]:
+    """``gpuherd serve elastic --params ...`` as its own process (its output in ``log_file``)."""
+    params = json.dumps({"min_interval_s": min_interval_s})
+    argv = [sys.executable, "-m", "services.elastic", "--nats-url", url, "--instance", instance, "--params", params]
+    with log_file.open("ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **FAST_ENV})
+
+
+async def until(what: str, check: Callable[[], Awaitable[bool]], timeout: float = 60.0) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not await check():
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what}") from None
+
+
+async def leaderships_and_parameters(log_: EventLog) -> list[tuple[str, object]]:
+    """In log order: ("leader", instance) for each elastic leadership taken, ("params", interval)
+    for each ``--params`` recorded."""
+    out: list[tuple[str, object]] = []
+    for record in await log_.read_all():
+        event = record.event
+        if isinstance(event, ev.LeadershipTaken) and event.service == "elastic":
+            out.append(("leader", event.instance))
+        elif isinstance(event, ev.ElasticConfigured) and event.id.startswith("elastic:config:"):
+            out.append(("params", event.params["min_interval_s"]))
+    return out
+
+
+async def _has(log_: EventLog, entry: tuple[str, object]) -> bool:
+    return entry in await leaderships_and_parameters(log_)
+
+
+async def test_only_the_leader_records_its_parameters_fenced(local_nats, tmp_path: Path) -> None:
+    """A standby started with other ``--params`` records nothing while the leader leads (every
+    instance used to append its own at start, unfenced), and records its own once it leads, after
+    its fence."""
+    log_ = await open_log(local_nats.url, name="params-fencing")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(elastic(local_nats.url, "a", 11.0, tmp_path / "a.log"))
+        await until("a leads with its parameters", lambda: _has(log_, ("params", 11.0)))
+        procs.append(elastic(local_nats.url, "b", 22.0, tmp_path / "b.log"))
+
+        async def b_waits() -> bool:
+            entry = (await log_.kv_entries(STATUS_BUCKET)).get("elastic.b")
+            return entry is not None and msgspec.json.decode(entry, type=ServiceStatus).role == "standby"
+
+        await until("b runs as a standby", b_waits)
+        assert await leaderships_and_parameters(log_) == [("leader", "a"), ("params", 11.0)], "b is no leader"
+        procs[0].terminate()  # a stops and releases the leadership: b takes over
+        await until("b leads with its parameters", lambda: _has(log_, ("params", 22.0)))
+        assert await leaderships_and_parameters(log_) == [
+            ("leader", "a"),
+            ("params", 11.0),
+            ("leader", "b"),
+            ("params", 22.0),
+        ]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        await log_.close()

@@ -16,6 +16,9 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
   there. The lease alone cannot stop a leader that froze past it (a paused process, a partition
   healed) from appending what it decided on stale state; the fence makes the log refuse it, and
   the refusal turns it into a standby.
+* **Parameters.** The operator's parameters an instance was started with (``--params``) are
+  recorded by it, fenced, the first time it leads, before it reads the log: a standby's never
+  overwrite the leader's.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class DeciderRunner(Generic[S]):
         on_external: OnDecided | None = None,
         on_refused: OnRefused | None = None,
         read_linger_s: float = 0.0,
+        parameters: Callable[[], ev.Event] | None = None,
     ) -> None:
         self.log = log_
         self.decider = decider
@@ -124,6 +128,9 @@ class DeciderRunner(Generic[S]):
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
         self.read_linger_s = read_linger_s  # (see EventStore.read) for a decider nothing waits on at once
+        # Makes the operator's parameters command (``--params``), recorded when this instance first
+        # leads; None once recorded, or when it was given none.
+        self.parameters = parameters
         self._leadership: Leadership | None = None
         self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
         self._wake = asyncio.Event()  # an external input arrived
@@ -209,6 +216,17 @@ class DeciderRunner(Generic[S]):
         except ConcurrencyError as exc:
             raise LeadershipLost(f"{self.name}: a newer leader fenced this one ({exc})") from exc
 
+    async def _record_parameters(self) -> None:
+        """Record the operator's parameters this instance was started with, once, as the leader: fenced,
+        and before it reads the log, so that they are in force for its first decision (as they were
+        when every instance appended them at its start, a standby's over the leader's)."""
+        if self.parameters is None:
+            return
+        event = self.parameters()
+        await self.append_input([event])
+        self.parameters = None
+        log.info("parameters recorded", decider=self.name, instance=self.instance, event=type(event).__name__)
+
     async def _keep_leadership(self) -> None:
         assert self._leadership is not None
         while True:
@@ -258,8 +276,10 @@ class DeciderRunner(Generic[S]):
                 try:
                     if not await self.acquire_leadership(stop):
                         return
+                    await self._record_parameters()
                 except LeadershipLost as exc:
-                    log.warning("could not fence the leadership; standby again", error=str(exc))
+                    log.warning("fenced out as it began to lead; standby again", error=str(exc))
+                    self.is_leader = False
                     self._reset()
                     continue
                 self.metrics.leader.set(1)

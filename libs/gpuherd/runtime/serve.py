@@ -1,5 +1,5 @@
-"""Serving a decider as a process: open the log, record the service's start-up parameters, run the
-runner with its tasks until SIGTERM (metrics and health on HTTP), close."""
+"""Serving a decider as a process: open the log, run the runner with its tasks (and the service's
+start-up parameters, which it records when it leads) until SIGTERM (metrics and health on HTTP), close."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gpuherd import events as ev
 from gpuherd.log import open_log
 from gpuherd.metrics import serve_until_signal_with_http
 from gpuherd.runtime.decider import Decider
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask, append_reliably
+from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 
 
 def default_instance() -> str:
@@ -32,20 +32,26 @@ async def serve_decider(
     decider: Decider[Any],
     *,
     extra_tasks: Sequence[ExtraTask] = (),
-    configured: ev.Event | None = None,
+    configured: Callable[[], ev.Event] | None = None,
     instance: str | None = None,
     metrics_port: int | None = None,
     setup: Callable[[DeciderRunner[Any]], None] | None = None,
     read_linger_s: float = 0.0,
 ) -> None:
-    """Run ``decider`` on the log at ``url`` until SIGTERM; append ``configured`` first when given.
-    ``setup`` adjusts the runner before it starts (a scheduler's intake, its cluster metrics)."""
+    """Run ``decider`` on the log at ``url`` until SIGTERM. ``configured`` makes its parameters
+    command, recorded when this instance first leads (see ``DeciderRunner``). ``setup`` adjusts the
+    runner before it starts (a scheduler's intake, its cluster metrics)."""
     instance = instance or default_instance()
     log_ = await open_log(url, name=f"{decider.name}-{instance}")
     try:
-        if configured is not None:
-            await append_reliably(log_, [configured])
-        runner = DeciderRunner(log_, decider, instance=instance, extra_tasks=extra_tasks, read_linger_s=read_linger_s)
+        runner = DeciderRunner(
+            log_,
+            decider,
+            instance=instance,
+            extra_tasks=extra_tasks,
+            read_linger_s=read_linger_s,
+            parameters=configured,
+        )
         if setup is not None:
             setup(runner)
         await serve_until_signal_with_http(runner, metrics_port)

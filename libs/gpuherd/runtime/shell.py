@@ -3,14 +3,15 @@
 ``gpuherd serve NAME ARGS`` runs ``main(spec, ARGS)``: the command line (``--nats-url``,
 ``--instance``, ``--metrics-port``, and, from the spec, ``--params``, ``--tick`` and its own
 flags), logging, the decider, its timer, its ``--params`` recorded as its ``...Configured``
-command, its own loops and runner set-up, then the runner (leadership, snapshots, catch-up,
-decide, append) until SIGTERM.
+command (by the runner, when this instance leads), its own loops and runner set-up, then the
+runner (leadership, snapshots, catch-up, decide, append) until SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +85,7 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
         except ValueError as exc:
             parser.error(f"--params: {exc}")
         if params is not None:
-            configured = configured_event(spec.params.event, decider.name, params)
+            configured = functools.partial(configured_event, spec.params.event, decider.name, params)
 
     def setup(runner: DeciderRunner[Any]) -> None:
         if spec.setup is not None:
