@@ -4,7 +4,10 @@ against the whole step, and no trace left on the model."""
 from __future__ import annotations
 
 import copy
+import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +80,73 @@ def test_layer_times_add_up_to_the_step() -> None:
     assert profile.step_s > 0
     matmuls = sum(layer.time_s for layer in model_rows if layer.kind == "Linear")
     assert matmuls > 0.5 * profile.layer_sum_s  # the time is where the FLOPs are
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return grad
+
+
+class _SlowLayer(nn.Module):
+    """A layer whose time is known whatever else the machine runs: 5 ms forward, 20 ms backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x) * self.scale
+
+
+class _TokenModel(nn.Module):
+    """A language model's shape: token ids in, so no input of the model needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.first = _SlowLayer()
+        self.second = _SlowLayer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(self.embed(tokens)))
+
+
+class _DictModel(nn.Module):
+    """Returns a dict (as Hugging Face models do): a backward hook on it cannot fire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _SlowLayer()
+        self.second = _SlowLayer()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.second(self.first(x))}
+
+
+@pytest.mark.parametrize(
+    ("model", "batch"),
+    [(_TokenModel, torch.randint(0, 100, (4, 8))), (_DictModel, torch.randn(4, 16))],
+    ids=["token-ids", "dict-output"],
+)
+def test_rows_add_up_to_the_step_when_the_model_backward_hook_brackets_nothing(
+    model: type[nn.Module], batch: torch.Tensor
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that a dict output gets no backward hook
+        profile = profile_layers(model(), batch, warmup=1, repeats=3, peaks=None)
+    layers = rows(profile)
+    assert layers["first"].backward_s >= 0.018 and layers["second"].backward_s >= 0.018
+    # The layers' 40 ms of backward are theirs: the step outside the model (the loss, autograd)
+    # must not count them again (it did, and the rows came to 1.8x the step).
+    assert layers[OUTSIDE].backward_s < 0.015
+    assert profile.layer_sum_s == pytest.approx(profile.profiled_step_s, rel=0.2)
 
 
 def test_profiling_changes_no_output_gradient_buffer_or_random_stream() -> None:

@@ -338,7 +338,7 @@ def _profiling_mode(model: nn.Module) -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             # A module none of whose inputs needs a gradient fires its backward hook early: its
-            # time is then what is left of it, which the rows' sum still accounts for.
+            # time is then what is left of it, and at least its children's (``_Timer.collect``).
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             yield
     finally:
@@ -354,6 +354,8 @@ class _Timer:
 
     def __init__(self, modules: list[tuple[str, nn.Module]], device: torch.device) -> None:
         self.modules = modules
+        index_of = {id(m): i for i, (_, m) in enumerate(modules)}
+        self.children = [[index_of[id(c)] for c in m.children() if id(c) in index_of] for _, m in modules]
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[int, str, Any]] = []  # (module index, "f0"/"f1"/"b0"/"b1", time or event)
         self.samples: dict[tuple[int, Phase], list[float]] = defaultdict(list)
@@ -399,6 +401,13 @@ class _Timer:
                 totals[(index, phase)] += (
                     start.elapsed_time(stamp) / 1000.0 if self.cuda else stamp - start  # type: ignore[union-attr]
                 )
+        # A module's backward hooks bracket nothing when none of its inputs needs a gradient (token
+        # ids) or its output is not a tensor (a dict): it then looks shorter than its children. It
+        # took at least their time, else the step outside the model would count their backward again.
+        for index in reversed(range(len(self.modules))):  # (named_modules lists parents first)
+            inner = sum(totals.get((child, "backward"), 0.0) for child in self.children[index])
+            if inner > totals.get((index, "backward"), 0.0):
+                totals[(index, "backward")] = inner
         for index in range(len(self.modules)):
             for phase in ("forward", "backward"):
                 self.samples[(index, phase)].append(totals.get((index, phase), 0.0))
