@@ -57,6 +57,34 @@ def test_conv2d_flops_match_the_closed_form(stride: int, padding: int, groups: i
     assert layer.uncounted_ops == ()
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = _ScaledDotProduct()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attention(q, k, v)
+
+
+class _ScaledDotProduct(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_attention_flops_match_the_closed_form_on_this_device() -> None:
+    batch, heads, queries, keys, dim = 2, 4, 16, 24, 8
+    q = torch.randn(batch, heads, queries, dim)
+    k, v = torch.randn(batch, heads, keys, dim), torch.randn(batch, heads, keys, dim)
+    profile = profile_layers(_Attention(), (q, k, v), warmup=0, repeats=1, peaks=None)
+    layer = rows(profile)["attention"]
+    # Q K^T and the weights times V: two matmuls of 2 * B * H * Lq * Lk * d FLOPs each
+    forward = 2 * (2 * batch * heads * queries * keys * dim)
+    assert layer.forward_flops == forward
+    # Q K^T again (the flash kernel keeps no weights), then the gradients of the weights, V, Q and K
+    assert layer.backward_flops == 5 * forward // 2
+    assert not any("attention" in op for op in layer.uncounted_ops)
+
+
 def test_elementwise_layers_count_no_flops_and_are_memory_bound() -> None:
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.LayerNorm(256))
     profile = profile_layers(model, torch.randn(128, 256), warmup=1, repeats=3, peaks=PEAKS)

@@ -80,7 +80,17 @@ def _conv_backward_flops(
     return forward * (int(mask[0]) + int(mask[1]))
 
 
-_FLOP_FORMULAS = {**flop_registry, torch.ops.aten.convolution_backward: _conv_backward_flops}
+_aten = torch.ops.aten
+_FLOP_FORMULAS = {
+    **flop_registry,
+    _aten.convolution_backward: _conv_backward_flops,
+    # torch has formulas for the GPU kernels of scaled_dot_product_attention only; the CPU kernel
+    # takes the same arguments and does the same matmuls.
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[
+        _aten._scaled_dot_product_flash_attention_backward
+    ],
+}
 
 
 class ProfileError(GpuherdError, ValueError):
