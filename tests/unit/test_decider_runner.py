@@ -15,10 +15,11 @@ import pytest
 from gpuherd import events as ev
 from gpuherd.errors import LeadershipLost
 from gpuherd.fold.invariants import violations
-from gpuherd.log import InProcessLog
+from gpuherd.log import SNAPSHOT_BUCKET, InProcessLog
 from gpuherd.runtime.audit import audit
 from gpuherd.runtime.decider import cause_seq_of
 from gpuherd.runtime.runner import DeciderRunner
+from gpuherd.runtime.snapshots import load_snapshot
 from services.scheduler.decide import SchedulerDecider
 from tests.helpers import ended, finish, node, submit
 
@@ -270,6 +271,48 @@ async def test_a_former_leader_that_wakes_up_is_fenced_out_of_the_log() -> None:
     stop_b.set()
     await task_b
     assert audit(log._records, SchedulerDecider()).ok
+
+
+async def test_a_former_leader_that_wakes_up_does_not_write_over_the_new_leaders_snapshot() -> None:
+    """A snapshot says everything it folded is decided: a former leader's (frozen past its lease,
+    awake again) is refused like its decisions, and the new leader's stays."""
+    log = InProcessLog(duplicate_window=0, leadership_ttl=0.3)
+    zombie = DeciderRunner(log, SchedulerDecider(), instance="a")
+    assert await zombie.acquire_leadership(asyncio.Event())
+    await log.append([node("n1", 1), submit("x", 1)])
+    del log._leaderships["decider.scheduler"]  # a froze; its leadership expired
+    _, stop_b, task_b = await start(log, "b", snapshot_interval_s=0.0)
+    await until(lambda: len(placements(log)) == 1)  # b leads, fenced, placed x
+    for _ in range(500):
+        snap = await load_snapshot(log, "scheduler", SchedulerDecider.STATE_FORMAT)
+        if snap is not None and snap.seq >= len(log._records):
+            break
+        await asyncio.sleep(0.01)
+    stop_b.set()
+    await task_b
+    newer = await log.kv_get(SNAPSHOT_BUCKET, "scheduler")
+    assert newer is not None, "b snapshotted its state"
+    with pytest.raises(LeadershipLost):
+        await zombie.save_snapshot()
+    assert await log.kv_get(SNAPSHOT_BUCKET, "scheduler") == newer, "the new leader's snapshot stays"
+
+
+async def test_a_leader_that_reads_a_newer_leaders_fence_steps_down_at_once() -> None:
+    """Reading a newer ``LeadershipTaken`` is news enough: it steps down before folding it (its
+    lease's renewal would tell it a third of a TTL later, or its next append), so it decides and
+    snapshots nothing on a state that holds the newer fence."""
+    log = InProcessLog(duplicate_window=0, leadership_ttl=60.0)
+    a, stop, task = await start(log, "a", snapshot_interval_s=0.0)
+    await log.append([node("n1", 1)])
+    await until(lambda: a.is_leader and a.caught_up.is_set())
+    log._leaderships["decider.scheduler"] = ("b", log.clock() + 60.0)  # b took over while a was away
+    taken = ev.LeadershipTaken(id="scheduler:leader:b:1", source="scheduler", service="scheduler", instance="b")
+    fence = (await log.append([taken])).seqs[0]
+    await until(lambda: not a.is_leader, timeout=3.0)
+    stop.set()
+    await task
+    snap = await load_snapshot(log, "scheduler", SchedulerDecider.STATE_FORMAT)
+    assert snap is None or snap.seq < fence, "no snapshot of a state holding the newer fence"
 
 
 async def test_the_audit_reports_a_decision_stored_after_a_newer_leader_took_over() -> None:

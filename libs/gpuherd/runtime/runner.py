@@ -15,7 +15,10 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
   own (decisions, its timer's ticks, recorded parameters) expects its own to still be the last
   there. The lease alone cannot stop a leader that froze past it (a paused process, a partition
   healed) from appending what it decided on stale state; the fence makes the log refuse it, and
-  the refusal turns it into a standby.
+  the refusal turns it into a standby. So does reading a newer leader's ``LeadershipTaken``.
+* **Fenced snapshots.** A snapshot says its state's inputs are all decided, a promise only the
+  leader can make: a runner snapshots only while its fence is the subject's last, and never a
+  state holding a newer leader's fence (see ``save_snapshot``).
 * **Parameters.** The operator's parameters an instance was started with (``--params``) are
   recorded by it, fenced, the first time it leads, before it reads the log: a standby's never
   overwrite the leader's.
@@ -35,8 +38,8 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.aio import run_until_stopped
-from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError
-from gpuherd.log import AppendResult, EventLog, EventStore, Leadership
+from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError, LogUnavailable
+from gpuherd.log import AppendResult, EventLog, EventStore, Leadership, Record
 from gpuherd.log.interfaces import Traces, trace_of
 from gpuherd.metrics import ServiceMetrics, status_reporter
 from gpuherd.obs import child_traceparent, get_logger
@@ -133,6 +136,7 @@ class DeciderRunner(Generic[S]):
         self.parameters = parameters
         self._leadership: Leadership | None = None
         self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
+        self._fence_id = ""  # and its event id
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
         self.stages = StageTracer.from_env(decider.name)  # where decisions' time goes (benchmarks)
@@ -162,7 +166,24 @@ class DeciderRunner(Generic[S]):
         self.snapshots.seq = snap.seq
 
     async def save_snapshot(self) -> None:
+        """Store the state as this decider's snapshot, unless a newer leader fenced this one out
+        (LeadershipLost: a former leader that wakes from a freeze must not write over the new
+        leader's snapshot). The check precedes the write, as the snapshot bucket cannot check the
+        fence itself (another stream): a leader frozen between the two can still store one, but
+        only of a state it folded before the newer fence (it steps down on reading that, see
+        ``_consume``), which is a true, older snapshot: it costs a longer catch-up, never a decision."""
         state = self.core.state
+        if self._fence is not None:
+            subject, fence = self._fence
+            try:
+                last = await self.log.subject_last_seq(subject)
+            except LogUnavailable as exc:  # only a cache: taken at the next chance
+                log.warning("snapshot put off: the fence could not be checked", decider=self.name, error=str(exc))
+                return
+            if last != fence:
+                raise LeadershipLost(
+                    f"{self.name}: a newer leader fenced this one (its snapshot not written over the newer's)"
+                )
         size = await save_snapshot(
             self.log, self.name, self.decider.STATE_FORMAT, state.seq, self.decider.encode_state(state)
         )
@@ -200,6 +221,7 @@ class DeciderRunner(Generic[S]):
             except ConcurrencyError:
                 continue  # read a stale last sequence, or another instance fenced in between: read again
             self._fence = (subject, result.seqs[0])
+            self._fence_id = taken.id
             log.info("leadership fenced", decider=self.name, instance=self.instance, fence_seq=result.seqs[0])
             return
         raise LeadershipLost(f"{self.name}: could not append the leadership's fence in {tries} tries")
@@ -315,6 +337,7 @@ class DeciderRunner(Generic[S]):
         self.snapshots.seq = self.snapshots.since = 0
         self._coalesced_seen = 0
         self._fence = None
+        self._fence_id = ""
 
     def offer(self, external: Any) -> None:
         """An input from outside the log (intake), decided in its turn."""
@@ -328,6 +351,7 @@ class DeciderRunner(Generic[S]):
             self.caught_up.set()
         log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
         async for record in self.log.read(self.state.seq + 1, follow=True, linger_s=self.read_linger_s):
+            self._check_fence(record)
             if isinstance(record.event, ev.Unreadable):
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.core.fold(record, time.perf_counter())
@@ -342,6 +366,19 @@ class DeciderRunner(Generic[S]):
                 self.caught_up.set()
             if self.core.ready() or self.core.quiescent():
                 self._wake.set()  # decide; or, idle, see whether a snapshot is due
+
+    def _check_fence(self, record: Record) -> None:
+        """A newer leader's ``LeadershipTaken`` in the log: this instance leads no more. It stops
+        before folding it, so nothing it decides or snapshots is of a state after the newer fence."""
+        event = record.event
+        if (
+            isinstance(event, ev.LeadershipTaken)
+            and event.service == self.name
+            and self._fence is not None
+            and record.seq > self._fence[1]
+            and event.id != self._fence_id
+        ):
+            raise LeadershipLost(f"{self.name}: {event.instance} took the lead at position {record.seq}")
 
     async def _decide(self) -> None:
         """Decide whenever the core is ready; append; wait for the outputs to come back folded."""
