@@ -120,7 +120,7 @@ class Shim:
                         process_group=self._group(),
                     )
                 except OSError as exc:
-                    reason = f"cannot start {proc.argv[0]!r}: {exc.strerror or exc}"
+                    reason = launch_failure(proc.argv[0], self.cwd, exc)
                     log.write(f"gpuherd: {reason}\n".encode())
                     return f"local rank {rank}: {reason}"
             if self.pgid is None:
@@ -428,6 +428,15 @@ class Attached:
             time.sleep(POLL_S)
         assert self.returncode is not None
         return self.returncode
+
+
+def launch_failure(program: str, cwd: str | None, exc: OSError) -> str:
+    """Why a process could not start. A working directory it cannot enter fails the start with the
+    program's error and the directory as the file name: name the directory, not the program."""
+    if cwd is not None and exc.filename == cwd:
+        problem = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be entered ({exc.strerror})"
+        return f"cannot start {program!r}: its working directory {cwd!r} {problem} on this node"
+    return f"cannot start {program!r}: {exc.strerror or exc}"
 
 
 def describe_exit(code: int | None) -> str:

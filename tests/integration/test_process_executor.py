@@ -111,6 +111,17 @@ async def test_a_command_that_does_not_exist_fails_with_a_reason(tmp_path: Path)
     assert done.outcome == "failed" and "cannot start '/no/such/binary'" in done.reason
 
 
+async def test_a_working_directory_that_does_not_exist_is_named_as_the_reason(tmp_path: Path) -> None:
+    ex = executor(tmp_path)
+    missing = str(tmp_path / "no-such-dir")
+    spec = ev.JobSpec(name="x", user="u", gpus=1, command=(sys.executable, "-c", "print(1)"), workdir=missing)
+    await ex.start(TaskLaunch(key=TaskKey("nowd", 0), spec=spec, gpus=(0,)))
+    done = await exit_of(ex)
+    # Not "cannot start '.../python': No such file or directory", which sends users after the interpreter.
+    assert done.outcome == "failed" and f"working directory {missing!r} does not exist" in done.reason
+    assert f"working directory {missing!r}" in done.output_tail
+
+
 async def test_stop_terminates_the_whole_process_group_including_grandchildren(tmp_path: Path) -> None:
     ex = executor(tmp_path, kill_grace_s=1.0)
     # The rank ignores SIGTERM and leaves a grandchild behind: only SIGKILL of the group ends both.
