@@ -177,6 +177,28 @@ def test_rows_add_up_to_the_step_when_the_model_backward_hook_brackets_nothing(
     assert profile.layer_sum_s == pytest.approx(profile.profiled_step_s, rel=0.2)
 
 
+class _TiedModel(nn.Module):
+    """Input embedding and output head share one matrix (as GPT-2's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def test_a_parameter_two_layers_share_is_counted_once() -> None:
+    model = _TiedModel()
+    profile = profile_layers(model, torch.randint(0, 50, (4, 8)), warmup=0, repeats=1, peaks=None)
+    weight = model.embed.weight
+    # DDP all-reduces the shared matrix once: its gradient bytes must not be counted per layer.
+    assert sum(layer.params for layer in profile.layers) == weight.numel()
+    assert sum(layer.grad_bytes for layer in profile.layers) == weight.numel() * weight.element_size()
+
+
 def test_profiling_changes_no_output_gradient_buffer_or_random_stream() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Dropout(0.3), nn.Flatten())

@@ -527,6 +527,7 @@ def _rows(modules: list[tuple[str, nn.Module]], timer: _Timer, counter: _Counter
     index_of = {id(m): i for i, (_, m) in enumerate(modules)}
     rows: list[LayerProfile] = []
     glue_s = 0.0
+    counted: set[int] = set()  # a parameter layers share (tied embeddings) is counted with the first
     for index, (name, module) in enumerate(modules):
         children = [index_of[id(c)] for c in module.children() if id(c) in index_of]
         leaf = not children
@@ -536,7 +537,8 @@ def _rows(modules: list[tuple[str, nn.Module]], timer: _Timer, counter: _Counter
             own = total - sum(timer.median(c, phase) for c in children)
             times[phase] = max(0.0, own)
         counts = counter.counts.get(index, _Counts())
-        params = list(module.parameters(recurse=False))
+        params = [p for p in module.parameters(recurse=False) if id(p) not in counted]
+        counted.update(id(p) for p in params)
         row = LayerProfile(
             name=name if leaf else f"{name or '(model)'} (own ops)",
             kind=type(module).__name__ if leaf else "own ops",
