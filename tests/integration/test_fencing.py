@@ -107,6 +107,7 @@ async def test_only_the_leader_records_its_parameters_fenced(local_nats, tmp_pat
 
         await until("b runs as a standby", b_waits)
         assert await leaderships_and_parameters(log_) == [("leader", "a"), ("params", 11.0)], "b is no leader"
+        assert procs[0].poll() is None, "a serves on after recording them: " + (tmp_path / "a.log").read_text()
         procs[0].terminate()  # a stops and releases the leadership: b takes over
         await until("b leads with its parameters", lambda: _has(log_, ("params", 22.0)))
         assert await leaderships_and_parameters(log_) == [
@@ -115,6 +116,7 @@ async def test_only_the_leader_records_its_parameters_fenced(local_nats, tmp_pat
             ("leader", "b"),
             ("params", 22.0),
         ]
+        assert procs[1].poll() is None, "b serves on after recording them: " + (tmp_path / "b.log").read_text()
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -247,7 +247,7 @@ class DeciderRunner(Generic[S]):
         event = self.parameters()
         await self.append_input([event])
         self.parameters = None
-        log.info("parameters recorded", decider=self.name, instance=self.instance, event=type(event).__name__)
+        log.info("parameters recorded", decider=self.name, instance=self.instance, command=type(event).__name__)
 
     async def _keep_leadership(self) -> None:
         assert self._leadership is not None
