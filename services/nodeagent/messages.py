@@ -97,7 +97,7 @@ class JobMessages:
                 step=message.step,
             )
         else:
-            log.info("elastic worker", job=key.job, event=message.event, generation=generation, reason=message.reason)
+            log.info("elastic worker", job=key.job, message=message.event, generation=generation, reason=message.reason)
             return
         self.writer.append_soon(event)
 

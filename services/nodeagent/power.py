@@ -43,7 +43,7 @@ class PowerSwitch:
         ok = await self._run_hook(move.action)
         kind = ev.NodePoweredUp if move.action == "up" or not ok else ev.NodePoweredDown
         await self.writer.append(kind(**self.writer.stamp(f"power-{kind.__name__}", str(state.seq)), node=self.node))
-        log.info("power state changed", event=kind.__name__)
+        log.info("power state changed", recorded=kind.__name__)
 
     async def _run_hook(self, action: str) -> bool:
         if not self.hook:

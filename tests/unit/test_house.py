@@ -4,6 +4,7 @@ it emits."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -143,3 +144,21 @@ def test_agents_and_operators_write_only_inputs_never_decisions() -> None:
     agents = [s for s in registry.specs() if s.role == "agent"]
     for kind in {k for s in agents for k in s.emits} | registry.operator_commands():
         assert not issubclass(kind, ev.Decision) or kind is ev.JobStarted, kind.__name__
+
+
+def test_no_log_call_passes_event_as_a_keyword() -> None:
+    """structlog takes a call's message as ``event``: ``log.info("msg", event=...)`` raises
+    TypeError where it runs (a leader recording its --params, a node's power change, an elastic
+    worker's message crashed so), however rarely that line is reached."""
+    offenders = []
+    for folder in ("libs", "services", "apps"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for call in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr in {"debug", "info", "warning", "error", "exception", "critical"}
+                    and any(keyword.arg == "event" for keyword in call.keywords)
+                ):
+                    offenders.append(f"{path.relative_to(ROOT)}:{call.lineno}")
+    assert offenders == []
