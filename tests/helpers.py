@@ -1,11 +1,15 @@
-"""Small builders for hand-made histories."""
+"""Small builders for hand-made histories, and a scheduler run on a log for the tests of its shell."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
+from typing import Any
 
 from gpuherd import events as ev
-from gpuherd.log import Record
+from gpuherd.log import EventLog, Record
 
 _ids = itertools.count(1)
 
@@ -104,3 +108,24 @@ def tick(at: float, lost_after: float = 10.0, **last_heard: float) -> ev.ClockTi
 
 def records(*events: ev.Event, start: int = 1) -> list[Record]:
     return [Record(start + i, e) for i, e in enumerate(events)]
+
+
+@contextlib.asynccontextmanager
+async def running_scheduler(
+    log: EventLog, instance: str = "test", *, stop_within_s: float = 10.0, **setup: Any
+) -> AsyncIterator[Any]:
+    """The scheduler's runner with its intake (``service.setup(runner, **setup)``) on ``log``, running
+    until the block ends. (Imported here: the builders above are used where no service is.)"""
+    from gpuherd.runtime.runner import DeciderRunner
+    from services.scheduler import service
+    from services.scheduler.decide import SchedulerDecider
+
+    runner = DeciderRunner(log, SchedulerDecider(), instance=instance)
+    service.setup(runner, **setup)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runner.run(stop))
+    try:
+        yield runner
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, stop_within_s)

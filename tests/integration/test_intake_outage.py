@@ -5,8 +5,7 @@ and a dead letter that cannot be stored leaves its message unacknowledged until 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -17,10 +16,8 @@ from gpuherd.log import HERD_DEAD, HERD_INTAKE, MAX_DELIVERIES, DeadLetter, Even
 from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.log.records import AppendResult
 from gpuherd.natsd import NatsServer
-from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler import service
-from services.scheduler.decide import SchedulerDecider
-from tests.helpers import node
+from tests.helpers import node, running_scheduler
 
 ACK_WAIT_S = 0.5
 GOOD = {"name": "slow", "user": "u", "gpus": 1, "duration_s": 1}
@@ -39,19 +36,6 @@ class HerdOutage:
         if self.on and any(isinstance(e, ev.JobSubmitted | ev.JobRejected) for e in events):
             raise LogUnavailable("stream HERD has no leader (the test's outage)")
         return await self._append(events, **kwargs)
-
-
-@contextlib.asynccontextmanager
-async def scheduler(log_: EventLog, instance: str, **options: float) -> AsyncIterator[DeciderRunner[Any]]:
-    runner = DeciderRunner(log_, SchedulerDecider(), instance=instance)
-    service.setup(runner, ack_wait_s=ACK_WAIT_S, **options)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-        yield runner
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 async def outcome(log_: EventLog, within_s: float = 30.0) -> tuple[list[ev.JobSubmitted], list[DeadLetter]]:
@@ -73,11 +57,11 @@ async def test_a_verdict_stored_late_does_not_use_up_its_submissions_deliveries(
     try:
         await log_.append([node("n1", 4)])
         outage = HerdOutage(log_)
-        async with scheduler(log_, "a"):
+        async with running_scheduler(log_, "a", ack_wait_s=ACK_WAIT_S):
             await log_.publish_intake("teamA", msgspec.json.encode(GOOD))
             await asyncio.sleep(ACK_WAIT_S * (MAX_DELIVERIES + 3))  # its verdict retried all along
         outage.on = False  # the log is back, and the scheduler starts again
-        async with scheduler(log_, "b"):
+        async with running_scheduler(log_, "b", ack_wait_s=ACK_WAIT_S):
             submitted, dead = await outcome(log_)
         assert dead == [], f"a valid submission became a dead letter: {dead[0].reason}"
         assert [s.spec.name for s in submitted] == ["slow"]
@@ -108,7 +92,7 @@ async def test_a_dead_letter_not_stored_leaves_its_message_for_redelivery_until_
         await crashing.close()
         dead_config = next(c for c in log_.stream_configs() if c.name == HERD_DEAD)
         await log_.js.delete_stream(HERD_DEAD)  # the dead letters' stream is away
-        async with scheduler(log_, "a", dead_letter_patience_s=ACK_WAIT_S):
+        async with running_scheduler(log_, "a", ack_wait_s=ACK_WAIT_S, dead_letter_patience_s=ACK_WAIT_S):
             await asyncio.sleep(ACK_WAIT_S * 6)  # it gave up on storing the dead letter, more than once
             assert await acknowledged_up_to(log_) == 0, "acknowledged, though kept nowhere"
             await log_.js.add_stream(dead_config)  # back

@@ -575,23 +575,28 @@ def test_a_submission_is_forecast_even_when_decided_after_its_placement_but_not_
     assert analytics.decide(state, submitted) == []
 
 
-async def test_the_live_report_s_summary_is_json_while_no_job_has_finished(tmp_path: Path) -> None:
-    """``gpuherd serve analytics --report-dir`` (``gpuherd up``) writes summary.json: JSON has no NaN,
-    and a summary of no finished job has them (as ``gpuherd sim``'s, they are null)."""
-    log = InProcessLog()
-    spec = ev.JobSpec(name="j", user="u", gpus=1, duration_s=10)
-    await log.append([ev.JobSubmitted(id="s1", at=1.7e9, job="j1", spec=spec, intake_source="test")])
-    task = asyncio.create_task(reporter(tmp_path, 60.0)(SimpleNamespace(log=log)))  # type: ignore[arg-type]
-    summary = tmp_path / "summary.json"
+async def _report_until_written(log: InProcessLog, out_dir: Path, written: Path) -> None:
+    """Run the live reporter (``--report-dir``) on ``log`` until it has written ``written``."""
+    task = asyncio.create_task(reporter(out_dir, 60.0)(SimpleNamespace(log=log)))  # type: ignore[arg-type]
     try:
         for _ in range(1200):  # (the report is drawn in a thread first)
-            if summary.exists() or task.done():
+            if written.exists() or task.done():
                 break
             await asyncio.sleep(0.05)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_the_live_report_s_summary_is_json_while_no_job_has_finished(tmp_path: Path) -> None:
+    """``gpuherd serve analytics --report-dir`` (``gpuherd up``) writes summary.json: JSON has no NaN,
+    and a summary of no finished job has them (as ``gpuherd sim``'s, they are null)."""
+    log = InProcessLog()
+    spec = ev.JobSpec(name="j", user="u", gpus=1, duration_s=10)
+    await log.append([ev.JobSubmitted(id="s1", at=1.7e9, job="j1", spec=spec, intake_source="test")])
+    summary = tmp_path / "summary.json"
+    await _report_until_written(log, tmp_path, summary)
 
     def strict(constant: str) -> None:
         raise ValueError(f"not JSON: {constant}")
@@ -642,17 +647,7 @@ async def test_the_live_report_counts_the_gpus_running_jobs_held_up_to_now(tmp_p
     t0 = 1.7e9
     log = InProcessLog()
     await log.append(_running_jobs(t0))
-    task = asyncio.create_task(reporter(tmp_path, 60.0)(SimpleNamespace(log=log)))  # type: ignore[arg-type]
-    page = tmp_path / "index.html"
-    try:
-        for _ in range(1200):  # (the report is drawn in a thread first)
-            if page.exists() or task.done():
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await _report_until_written(log, tmp_path, tmp_path / "index.html")
     overview = pd.read_csv(tmp_path / "overview.csv").set_index("Unnamed: 0")["value"]
     assert overview["GPU-hours"] == "6"  # e: 1 GPU for an hour, then 4 for an hour; r: 1 for an hour
     busy = pd.read_csv(tmp_path / "vc_usage.csv")  # (busy GPUs per hour)

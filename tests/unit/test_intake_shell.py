@@ -2,8 +2,6 @@
 recorded, answered once stored, and a judging failure recorded as a rejection."""
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -15,20 +13,7 @@ from gpuherd.log.jetstream import _refusal
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler import intake, service
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import node
-
-
-@contextlib.asynccontextmanager
-async def scheduler(log: InProcessLog) -> AsyncIterator[DeciderRunner]:
-    runner = DeciderRunner(log, SchedulerDecider(), instance="test")
-    service.setup(runner)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runner.run(stop))
-    try:
-        yield runner
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
+from tests.helpers import node, running_scheduler
 
 
 async def submit(log: InProcessLog, data: bytes, inbox: str) -> dict:
@@ -46,7 +31,7 @@ async def test_a_valid_submission_is_recorded_then_answered_and_its_twin_is_the_
     log = InProcessLog()
     await log.append([node("n1", 4)])
     spec = {"name": "a", "user": "u", "gpus": 2, "duration_s": 1, "intake_id": "x"}
-    async with scheduler(log):
+    async with running_scheduler(log, stop_within_s=5.0):
         first = await submit(log, msgspec.json.encode(spec), "inbox.1")
         again = await submit(log, msgspec.json.encode(spec | {"name": "changed"}), "inbox.2")
     submitted = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobSubmitted)]
@@ -62,7 +47,7 @@ async def test_a_judging_bug_becomes_a_recorded_rejection(monkeypatch: pytest.Mo
     monkeypatch.setattr(intake, "judge", broken)
     log = InProcessLog()
     await log.append([node("n1", 4)])
-    async with scheduler(log):
+    async with running_scheduler(log, stop_within_s=5.0):
         answer = await submit(log, b'{"name": "a"}', "inbox.1")
     [rejected] = [r.event for r in await log.read_all() if isinstance(r.event, ev.JobRejected)]
     assert "failed to judge this submission (KeyError" in rejected.reason
