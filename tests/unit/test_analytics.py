@@ -678,17 +678,18 @@ def test_jobs_limit_shows_the_latest_and_refuses_a_negative_count(monkeypatch: A
         args.func(args)
 
 
+async def _five_jobs_log(args: Any) -> InProcessLog:
+    """What ``gpuherd events`` opens in these tests: a log of five jobs, in memory."""
+    log_ = InProcessLog()
+    await log_.append([r.event for r in _five_jobs()])
+    return log_
+
+
 def test_events_last_refuses_a_negative_count(monkeypatch: Any) -> None:
     from apps.cli import build_parser, history
     from gpuherd.errors import GpuherdError
-    from gpuherd.log import InProcessLog
 
-    async def in_process_log(args: Any) -> InProcessLog:
-        log_ = InProcessLog()
-        await log_.append([r.event for r in _five_jobs()])
-        return log_
-
-    monkeypatch.setattr(history, "open_cli_log", in_process_log)
+    monkeypatch.setattr(history, "open_cli_log", _five_jobs_log)
     args = build_parser().parse_args(["events", "--last", "-5"])
     with pytest.raises(GpuherdError, match="--last"):
         args.func(args)
@@ -700,12 +701,7 @@ def test_events_type_refuses_a_name_no_event_type_has(monkeypatch: Any, capsys: 
     from apps.cli import build_parser, history
     from gpuherd.errors import GpuherdError
 
-    async def in_process_log(args: Any) -> InProcessLog:
-        log_ = InProcessLog()
-        await log_.append([r.event for r in _five_jobs()])
-        return log_
-
-    monkeypatch.setattr(history, "open_cli_log", in_process_log)
+    monkeypatch.setattr(history, "open_cli_log", _five_jobs_log)
     args = build_parser().parse_args(["events", "--type", "JobSubmitted"])
     assert args.func(args) in (0, None) and capsys.readouterr().out.count("JobSubmitted") == 5
     args = build_parser().parse_args(["events", "--type", "JobPlaced,jobsubmitted,Bogus"])
