@@ -5,6 +5,7 @@ single events and atomic batches alike; and only the leader records its ``--para
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from gpuherd.errors import LeadershipLost
 from gpuherd.log import LEADERSHIP_BUCKET, STATUS_BUCKET, EventLog, open_log
 from gpuherd.metrics import ServiceStatus
 from gpuherd.runtime.runner import DeciderRunner
+from gpuherd.runtime.serve import configured_event
+from services.elastic.decide import ElasticDecider
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import FAST_ENV
 
@@ -88,6 +91,38 @@ async def leaderships_and_parameters(log_: EventLog) -> list[tuple[str, object]]
 
 async def _has(log_: EventLog, entry: tuple[str, object]) -> bool:
     return entry in await leaderships_and_parameters(log_)
+
+
+async def test_an_instance_leading_again_records_its_parameters_only_after_another_led(local_nats) -> None:
+    """a's parameters are in force when it leads again after b led (b's were not a's); leading
+    again with no other leader in between records nothing (an operator's newer command stands)."""
+    log_ = await open_log(local_nats.url, name="params-relead")
+
+    def runner(instance: str, min_interval_s: float) -> DeciderRunner:
+        made = functools.partial(configured_event, ev.ElasticConfigured, "elastic", {"min_interval_s": min_interval_s})
+        return DeciderRunner(log_, ElasticDecider(), instance=instance, parameters=made)
+
+    async def lead(runner_: DeciderRunner) -> None:
+        await log_._kv[LEADERSHIP_BUCKET].delete("decider.elastic")  # the last leader's lease expired
+        runner_._reset()  # (as run() does when an instance steps down)
+        assert await runner_.acquire_leadership(asyncio.Event())
+        await runner_._record_parameters()
+
+    try:
+        a, b = runner("a", 11.0), runner("b", 22.0)
+        await lead(a)
+        await lead(a)  # its lease lapsed and it took it again: no one else led
+        assert await leaderships_and_parameters(log_) == [("leader", "a"), ("params", 11.0), ("leader", "a")]
+        await lead(b)
+        await lead(a)
+        assert (await leaderships_and_parameters(log_))[3:] == [
+            ("leader", "b"),
+            ("params", 22.0),
+            ("leader", "a"),
+            ("params", 11.0),
+        ], "a leads again with its own parameters"
+    finally:
+        await log_.close()
 
 
 async def test_only_the_leader_records_its_parameters_fenced(local_nats, tmp_path: Path) -> None:

@@ -20,8 +20,10 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
   leader can make: a runner snapshots only while its fence is the subject's last, and never a
   state holding a newer leader's fence (see ``save_snapshot``).
 * **Parameters.** The operator's parameters an instance was started with (``--params``) are
-  recorded by it, fenced, the first time it leads, before it reads the log: a standby's never
-  overwrite the leader's.
+  recorded by it, fenced, when it leads, before it reads the log: a standby's never overwrite the
+  leader's, and an instance that leads again after another one did records its own again (the
+  other's are not its). Leading again with no other leader in between records nothing: what is in
+  force is still its own, or an operator's newer command, which it must not undo.
 """
 
 from __future__ import annotations
@@ -131,11 +133,13 @@ class DeciderRunner(Generic[S]):
         self.on_external = on_external  # answers an external input once its verdict is stored
         self.on_refused = on_refused  # an external input whose verdict the log refused
         self.read_linger_s = read_linger_s  # (see EventStore.read) for a decider nothing waits on at once
-        # Makes the operator's parameters command (``--params``), recorded when this instance first
-        # leads; None once recorded, or when it was given none.
+        # Makes the operator's parameters command (``--params``, None: given none), recorded when this
+        # instance leads unless it led last (``_parameters_fence``: the fence they were recorded under).
         self.parameters = parameters
+        self._parameters_fence: int | None = None
         self._leadership: Leadership | None = None
         self._fence: tuple[str, int] | None = None  # (subject, sequence) of this leadership's LeadershipTaken
+        self._fence_after: int | None = None  # the subject's last sequence before it: the previous leader's
         self._fence_id = ""  # and its event id
         self._wake = asyncio.Event()  # an external input arrived
         self.snapshot_bytes = 0  # the size of the last snapshot saved
@@ -222,6 +226,7 @@ class DeciderRunner(Generic[S]):
                 continue  # read a stale last sequence, or another instance fenced in between: read again
             self._fence = (subject, result.seqs[0])
             self._fence_id = taken.id
+            self._fence_after = last
             log.info("leadership fenced", decider=self.name, instance=self.instance, fence_seq=result.seqs[0])
             return
         raise LeadershipLost(f"{self.name}: could not append the leadership's fence in {tries} tries")
@@ -239,14 +244,17 @@ class DeciderRunner(Generic[S]):
             raise LeadershipLost(f"{self.name}: a newer leader fenced this one ({exc})") from exc
 
     async def _record_parameters(self) -> None:
-        """Record the operator's parameters this instance was started with, once, as the leader: fenced,
-        and before it reads the log, so that they are in force for its first decision (as they were
-        when every instance appended them at its start, a standby's over the leader's)."""
-        if self.parameters is None:
+        """Record the operator's parameters this instance was started with, as the leader: fenced, and
+        before it reads the log, so that they are in force for its first decision. Not again when the
+        fence before this leadership's is the one they were recorded under (no one led in between)."""
+        if self.parameters is None or self._fence is None:
+            return
+        if self._parameters_fence is not None and self._parameters_fence == self._fence_after:
+            self._parameters_fence = self._fence[1]  # (still in force: this instance led last)
             return
         event = self.parameters()
         await self.append_input([event])
-        self.parameters = None
+        self._parameters_fence = self._fence[1]
         log.info("parameters recorded", decider=self.name, instance=self.instance, command=type(event).__name__)
 
     async def _keep_leadership(self) -> None:
@@ -337,6 +345,7 @@ class DeciderRunner(Generic[S]):
         self.snapshots.seq = self.snapshots.since = 0
         self._coalesced_seen = 0
         self._fence = None
+        self._fence_after = None
         self._fence_id = ""
 
     def offer(self, external: Any) -> None:
