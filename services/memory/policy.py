@@ -14,6 +14,9 @@ more lenders, more copy bandwidth, less taken from each), then pinned host memor
 ``host_fraction`` of the node's RAM over all its leases). A request that cannot get ``min_mb`` now
 waits; a lease below its size is topped up when memory frees.
 
+A request for less than ``min_share_mb`` is denied (no share is that small), as is a waiting one
+that a raised ``min_share_mb`` outgrew.
+
 **Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
 its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
 only gates new grants), when a job is placed on it (its need is unknown), or when a lease expired
@@ -219,11 +222,26 @@ def request_problem(state: MemoryState, e: ev.MemoryLeaseRequested, params: Brok
     gone = borrower_gone(state, state.leases.get(e.lease))
     if gone is not None:
         return gone
+    too_small = below_min_share(e.mb, params)
+    if too_small is not None:
+        return too_small
     lease = state.leases[e.lease]
     best = most_a_node_lends(state, lease, params)
     if max(e.min_mb, params.min_share_mb) > best:
         return f"node {e.node} can lend at most {best} MiB over tiers {', '.join(e.tiers)}; asked for {e.min_mb} MiB"
     return None
+
+
+def below_min_share(mb: int, params: BrokerParams) -> str | None:
+    """Why a lease of ``mb`` MiB can never be granted by these parameters, or None. No share is
+    smaller than ``min_share_mb`` (not worth a lender), and one bigger than asked would hold
+    memory its lender's owner may need for nothing: such a request is denied, not left waiting."""
+    if mb >= params.min_share_mb:
+        return None
+    return (
+        f"asks for {mb} MiB, below the broker's min_share_mb of {params.min_share_mb} MiB "
+        f"(smaller pieces are not worth a lender): ask for at least {params.min_share_mb} MiB"
+    )
 
 
 def borrower_gone(state: MemoryState, lease: LeaseState | None) -> str | None:
@@ -255,6 +273,11 @@ def decide(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
         gone = borrower_gone(state, lease)
         if gone is not None:
             yield ev.MemoryLeaseReclaimed(lease=lease.lease, job=lease.job, reason=gone)
+            continue
+        # A waiting request that min_share_mb (raised since it was asked) outgrew is never granted.
+        too_small = below_min_share(lease.mb, params) if lease.status == "pending" else None
+        if too_small is not None:
+            yield ev.MemoryLeaseDenied(lease=lease.lease, job=lease.job, reason=too_small)
             continue
         missed = [g for g, d in lease.revoking.items() if d <= now]
         if missed or (lease.ending_by is not None and lease.ending_by <= now):

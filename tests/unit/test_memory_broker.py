@@ -180,6 +180,32 @@ def test_requests_that_can_never_be_granted_are_denied_with_the_reason() -> None
         assert "L" not in _fold(run([bad], log)).leases
 
 
+def test_a_request_below_the_smallest_share_is_denied_with_the_size_to_ask_for() -> None:
+    """A request for less than ``min_share_mb`` can never be cut into a share (smaller pieces are not
+    worth a lender): it stayed pending for the job's whole life, neither granted nor denied."""
+    log = run([request(PARAMS.min_share_mb - 1)], cluster())
+    (denied,) = of(log, ev.MemoryLeaseDenied)
+    assert f"below the broker's min_share_mb of {PARAMS.min_share_mb} MiB" in denied.reason, denied.reason
+    assert f"ask for at least {PARAMS.min_share_mb} MiB" in denied.reason, denied.reason
+    assert of(log, ev.MemoryLeaseGranted) == [] and "L" not in _fold(log).leases
+    (grant,) = of(run([request(PARAMS.min_share_mb)], cluster()), ev.MemoryLeaseGranted)
+    assert shares(grant) == [("nvlink", 1, PARAMS.min_share_mb)]
+
+
+def test_a_pending_request_that_a_raised_min_share_outgrows_is_denied() -> None:
+    """A request waiting for memory when ``min_share_mb`` is raised above its size could no longer
+    be granted at all: it is denied then, not left pending."""
+    log = cluster(island=4, host_mb=0)
+    busy = [_e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=(78 * GB, 79 * GB, 79 * GB, 79 * GB))]
+    log = run(busy + job("a", 2) + job("b", 3), log)
+    log = run([request(300, at=200.0)], log)
+    assert of(log, ev.MemoryLeaseGranted) == [] and of(log, ev.MemoryLeaseDenied) == []
+    log = run([_e(ev.MemoryBrokerConfigured, at=210.0, params={"min_share_mb": 512})], log)
+    (denied,) = of(log, ev.MemoryLeaseDenied)
+    assert "asks for 300 MiB, below the broker's min_share_mb of 512 MiB" in denied.reason, denied.reason
+    assert _fold(log).leases == {}
+
+
 # -- revocation and top-up ------------------------------------------------------------------------------------
 
 
