@@ -433,9 +433,14 @@ class Agent:
             await self.executor.start(launch)
         except Exception as exc:  # cannot even launch: the gang must not wait for this part
             log.exception("task could not start", job=key.job, attempt=key.attempt)
-            await self._report(
-                TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
-            )
+            failed = TaskExit(key=key, outcome="failed", exit_code=None, reason=f"agent could not start it: {exc}")
+            # Over at once, as a task that ended by itself: a reconcile before this end is read back
+            # (its JobStarted may be read first) must not launch it again, and if the append below
+            # fails, the next reconcile records the end.
+            self._exited.add(key)
+            self._unrecorded[key] = failed
+            await self._report(failed)
+            self._unrecorded.pop(key, None)
             return False
         log.info("task started", job=key.job, attempt=key.attempt, resumed=launch.resume)
         return True
