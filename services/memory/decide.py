@@ -14,11 +14,12 @@ from services.memory.policy import BrokerParams, decide, params_from, request_pr
 from services.memory.state import MemoryState, evolve
 
 # What can change spare memory or a lease: the leases' own life, memory use reported, a borrower's
-# or a lender's job starting, resizing or ending, a node lost or back, a GPU's health, time (its
-# own tick), and its parameters.
+# or a lender's job starting, resizing (a rescale completed: its leaving workers' GPUs are released,
+# their leases reclaimed) or ending, a node lost or back, a GPU's health, time (its own tick), and
+# its parameters.
 TRIGGERS: frozenset[type[ev.Event]] = frozenset(
     {ev.MemoryLeaseRequested, ev.MemoryLeaseReleased, ev.MemoryLeaseRenewed, ev.GpuMemoryReported}
-    | {ev.JobPlaced, ev.JobStarted, ev.JobResized, ev.JobFinished, ev.JobRequeued}
+    | {ev.JobPlaced, ev.JobStarted, ev.JobResized, ev.RescaleCompleted, ev.JobFinished, ev.JobRequeued}
     | {ev.NodeLost, ev.NodeRegistered, ev.GpuHealthChanged, ev.MemoryTicked, ev.MemoryBrokerConfigured}
 )
 

@@ -15,7 +15,8 @@ more lenders, more copy bandwidth, less taken from each), then pinned host memor
 waits; a lease below its size is topped up when memory frees.
 
 A request for less than ``min_share_mb`` is denied (no share is that small), as is a waiting one
-that a raised ``min_share_mb`` outgrew.
+that a raised ``min_share_mb`` outgrew. A worker leaving its elastic job at a rescale keeps its
+lease (it gets no more) until the switch completes; then the lease is reclaimed.
 
 **Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
 its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
@@ -246,7 +247,7 @@ def below_min_share(mb: int, params: BrokerParams) -> str | None:
 
 def borrower_gone(state: MemoryState, lease: LeaseState | None) -> str | None:
     """Why a lease's borrower no longer holds its GPU (its attempt ended, it moved, its node was
-    lost), or None while it does."""
+    lost, it left its elastic job once the switch completed), or None while it does."""
     if lease is None:
         return "no such lease"
     job = state.jobs.get(lease.job)
@@ -254,7 +255,9 @@ def borrower_gone(state: MemoryState, lease: LeaseState | None) -> str | None:
         return f"job {lease.job} has ended (or never existed)"
     if job.attempt != lease.attempt or job.status not in ACTIVE:
         return f"attempt {lease.attempt} of job {lease.job} has ended"
-    if not any(a.node == lease.node and lease.gpu in a.gpus for a in job.allocations):
+    # A worker leaving at the rescale in flight still runs: it takes part in the switch (its state
+    # may be the one handed over) and exits once the rescale completed, when its GPU is released.
+    if not any(a.node == lease.node and lease.gpu in a.gpus for a in (*job.allocations, *job.releasing)):
         return f"job {lease.job} no longer runs on GPU {lease.gpu} of {lease.node}"
     node = state.nodes.get(lease.node)
     if node is None or node.status == "lost":
@@ -302,6 +305,13 @@ def decide(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
 
 def _live(state: MemoryState, lease: LeaseState) -> bool:
     return lease.ending_by is None and borrower_gone(state, lease) is None
+
+
+def leaving(state: MemoryState, lease: LeaseState) -> bool:
+    """The lease's worker leaves its elastic job at the rescale in flight (its GPU is released
+    when the switch completes)."""
+    job = state.jobs.get(lease.job)  # (the core fold keeps releasing apart from allocations)
+    return job is not None and any(a.node == lease.node and lease.gpu in a.gpus for a in job.releasing)
 
 
 def _revocations(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
@@ -352,6 +362,8 @@ def _grants(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
     for lease in sorted(state.leases.values(), key=lambda x: x.requested_at):
         if not _live(state, lease) or lease.revoking:
             continue  # a top-up waits until revoked shares are given back
+        if leaving(state, lease):
+            continue  # keeps what it holds through the switch, gets no more: it is reclaimed after
         want = lease.mb - lease.granted_mb
         shares = plan_shares(state, lease, want, params, granting)
         got = sum(s.mb for s in shares)

@@ -350,6 +350,65 @@ def test_an_elastic_grow_onto_a_lender_revokes_the_shares_on_it() -> None:
     assert (revoked.lease, revoked.gpus) == ("L", (2,)) and "need is not known" in revoked.reason
 
 
+def _elastic_pair_with_a_lease_on_gpu_1() -> list[Record]:
+    """n1: elastic ``el`` runs a worker on GPUs 0 and 1 since t=0, GPUs 2 and 3 are free; the
+    worker on GPU 1 holds lease L1 of 10 GiB over PCIe."""
+    spec = ev.JobSpec(
+        name="el",
+        user="ana",
+        gpus=2,
+        command=("python", "t.py"),
+        elastic=ev.Elastic(min=1, max=2),
+        memory=ev.MemoryNeeds(extra_mb=10 * GB),
+    )
+    n1 = _e(ev.NodeRegistered, node="n1", gpus=gpus(2), executor="cpu", host_memory_mb=512 * GB)
+    log = run(
+        [
+            n1,
+            _e(ev.JobSubmitted, job="el", spec=spec, intake_source="t"),
+            _e(ev.JobPlaced, job="el", attempt=0, allocations=(ev.Allocation("n1", (0, 1)),)),
+            _e(ev.JobStarted, job="el", attempt=0, node="n1"),
+            _e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=(70 * GB, 70 * GB, 0, 0)),
+        ]
+    )
+    log = run([request(10 * GB, lease="L1", gpu=1, job_="el", tiers=("pcie",))], log)
+    assert len(of(log, ev.MemoryLeaseGranted)) == 1
+    return log
+
+
+def _shrink_off_gpu_1(at: float) -> ev.Event:
+    return _e(
+        ev.JobResized,
+        at=at,
+        job="el",
+        attempt=0,
+        generation=1,
+        allocations=(ev.Allocation("n1", (0,)),),
+        state_from="n1/0",
+        releasing=(ev.Allocation("n1", (1,)),),
+        kind="shrink",
+    )
+
+
+def test_a_leaving_workers_lease_is_kept_until_its_switch_completes() -> None:
+    """At a shrink the leaving worker takes part in the switch (its state may be the one handed
+    over) before it exits: its lease was reclaimed at the JobResized, under it. It is reclaimed once
+    the rescale completed, and is not lent more in between."""
+    log = run([_shrink_off_gpu_1(200.0)], _elastic_pair_with_a_lease_on_gpu_1())
+    assert of(log, ev.MemoryLeaseReclaimed) == []
+    assert _fold(log).leases["L1"].granted_mb == 10 * GB
+    # Within the switch: a request from the leaving worker waits, and so does a top-up.
+    log = run([request(10 * GB, lease="L2", gpu=1, job_="el", at=210.0)], log)
+    log = run([_e(ev.MemoryLeaseReleased, at=211.0, lease="L1", job="el", gpus=(2,), reason="moved")], log)
+    assert len(of(log, ev.MemoryLeaseGranted)) == 1 and of(log, ev.MemoryLeaseDenied) == []
+    done = _e(ev.RescaleCompleted, at=230.0, job="el", attempt=0, generation=1, node="n1", world=1, world_before=2)
+    log = run([done], log)
+    reclaimed = of(log, ev.MemoryLeaseReclaimed)
+    assert sorted(r.lease for r in reclaimed) == ["L1", "L2"]
+    assert all("no longer runs on GPU 1" in r.reason and not r.deadline_missed for r in reclaimed)
+    assert _fold(log).leases == {}
+
+
 # -- parameters ----------------------------------------------------------------------------------------
 
 
