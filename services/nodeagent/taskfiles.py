@@ -9,7 +9,8 @@ shim (and a worker from the warm pool) writes back. Both sides encode and decode
 - ``stop.json`` (``StopRequest``, by the agent, before it signals the shim): why, and the grace;
 - ``shim.json`` (``ShimInfo``, by the shim): its pid, process group and the processes it watches;
 - ``dead-workers.json`` (a list of ``WorkerDeath``, by the shim): an elastic task's dead workers;
-- ``exit.json`` (``ExitRecord``, by the shim): how the task ended;
+- ``exit.json`` (``ExitRecord``, by the shim; by the next agent for a shim that died without one): how
+  the task ended;
 - ``worker-N.exit`` (``WorkerExitRecord``, by a worker from the pool or the agent that reaped it).
 
 A running task outlives its agent: an agent of a newer version adopts shims an older one started,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ from services.nodeagent.agent import Agent
 from services.nodeagent.executors import TaskKey
 from services.nodeagent.executors.cpu import CpuExecutor
 from tests.helpers import node
-from tests.integration.test_process_executor import pids_of_job, wait_until
+from tests.integration.test_process_executor import kill_processes_of_job, pids_of_job, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -194,3 +197,25 @@ async def test_an_elastic_part_back_on_its_node_reports_its_stop_on_a_cancel(tmp
         await agent.settled()
     ends = [e for e in events_of(log, ev.TaskEnded) if e.node == "n2"]
     assert [e.outcome for e in ends] == ["completed", "stopped"], "the stop after the grow was recorded too"
+
+
+async def test_a_restarted_agent_stops_the_ranks_of_a_cancelled_job_whose_shim_was_killed(tmp_path: Path) -> None:
+    """The shim was SIGKILLed while no agent ran (the OOM killer, `kill -9`), and the job cancelled
+    meanwhile: nothing supervises its rank any more, so the next agent must end it."""
+    log = InProcessLog(leadership_ttl=0.5)
+    try:
+        async with running(make_agent(log, tmp_path)):
+            await place(log, "orphan", "import time; time.sleep(60)")
+            await wait_until(lambda: bool(pids_of_job("orphan")))
+        info = json.loads((tmp_path / "jobs/orphan/attempt-0/shim.json").read_text())
+        os.kill(info["pid"], signal.SIGKILL)
+        await log.append([ev.JobCancelRequested(id="cancel-orphan", job="orphan")])
+        await asyncio.sleep(0.6)  # the old agent's lease expires
+        assert pids_of_job("orphan"), "its rank outlived the shim"
+        async with running(make_agent(log, tmp_path)):
+            await wait_until(lambda: not pids_of_job("orphan"), timeout=10)
+            await wait_until(lambda: bool(events_of(log, ev.TaskEnded)))
+        (ended,) = events_of(log, ev.TaskEnded)
+        assert ended.outcome == "stopped"
+    finally:
+        kill_processes_of_job("orphan")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,13 @@ def pids_of_job(job: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def kill_processes_of_job(job: str) -> None:
+    """A test's cleanup, also when it failed: nothing of the job may outlive it."""
+    for pid in pids_of_job(job):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def wait_until(predicate, timeout: float = 15.0) -> None:
@@ -201,3 +210,29 @@ async def test_an_upgraded_agent_adopts_a_task_whose_shim_the_previous_version_s
     finally:
         shim.kill()
         shim.wait()
+
+
+async def test_recover_kills_the_processes_of_a_task_whose_shim_was_killed_while_no_agent_ran(tmp_path: Path) -> None:
+    """Nothing supervises them any more (no shim to stop or fence them): whatever the log says of
+    the task, the next agent's recover ends them, and the task reads as ended if it is resumed."""
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    try:
+        first = executor(tmp_path)
+        await first.start(launch("orphan1", code))
+        await wait_until(lambda: len(pids_of_job("orphan1")) == 2)  # the rank and its child
+        await first.shutdown()
+        shim = json.loads((tmp_path / "jobs/orphan1/attempt-0/shim.json").read_text())["pid"]
+        os.kill(shim, signal.SIGKILL)
+        await wait_until(lambda: not Path(f"/proc/{shim}").exists())  # (reaped)
+        second = executor(tmp_path)
+        assert await second.recover() == set(), "a dead shim is not adopted"
+        assert pids_of_job("orphan1") == [], "its rank and the rank's child were killed"
+        await second.start(launch("orphan1", "raise SystemExit(9)", resume=True))  # the log still places it here
+        done = await exit_of(second)
+        assert done.outcome == "stopped" and "shim died" in done.reason
+    finally:
+        kill_processes_of_job("orphan1")

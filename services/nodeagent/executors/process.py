@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ from services.nodeagent.taskfiles import (
 log = get_logger("gpuherd.nodeagent.executor")
 
 TAIL_LINES = 30
+SHIM_DIED = "the task's shim died without an exit record"
 _PROFILE_FILE = re.compile(r"profile-rank\d+\.json")
 
 
@@ -216,7 +218,10 @@ class ProcessExecutor(Executor):
     async def recover(self) -> set[TaskKey]:
         """Adopt the live shims a previous agent left (of this version or the one before).
         Reconciliation then stops those the log no longer places here; a shim no agent adopts
-        fences itself."""
+        fences itself. A task whose shim died without an exit record (SIGKILL, the OOM killer) has
+        nobody left to stop or fence its processes: they are killed here, whatever the log says of
+        the task, and an exit record written for it (so a later restart leaves it be, and a task
+        the log still places here reads as ended when it is resumed)."""
         adopted: set[TaskKey] = set()
         for shim_file in sorted(self.data_dir.glob(f"jobs/*/attempt-*/{taskfiles.SHIM_FILE}")):
             task_dir = shim_file.parent
@@ -224,7 +229,10 @@ class ProcessExecutor(Executor):
                 continue
             key = TaskKey(task_dir.parent.name, int(task_dir.name.removeprefix("attempt-")))
             info = _read(shim_file, ShimInfo)
-            if info is None or not _is_shim(info.pid, task_dir):
+            if info is None:
+                continue  # no pid to judge the shim by: if it lives, it fences itself
+            if not _is_shim(info.pid, task_dir):
+                self._end_orphans(key, task_dir, info)
                 continue
             self._adopt(key, task_dir)
             adopted.add(key)
@@ -425,22 +433,30 @@ class ProcessExecutor(Executor):
             self.exits.put_nowait(task.exit)
 
     def _kill_everything(self, task: _Task) -> None:
-        info = _read(task.dir / taskfiles.SHIM_FILE, ShimInfo)
-        for pgid in {info.pgid if info is not None else None, task.pid if _is_shim(task.pid, task.dir) else None}:
-            if pgid is not None and pgid > 1:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
-        # Workers from the warm pool lead groups of their own (the task's folder names them even if
-        # the shim died before it wrote them down).
-        for proc in _launched_procs(task.dir):
-            if proc.pid is not None:
-                _kill_group(proc.pid, proc.pid_start)
+        if _is_shim(task.pid, task.dir):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(task.pid, signal.SIGKILL)  # type: ignore[arg-type] - the shim leads a group of its own
+        _kill_leftovers(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
+
+    def _end_orphans(self, key: TaskKey, task_dir: Path, info: ShimInfo) -> None:
+        """The shim of a task from before the restart died without an exit record: kill what it
+        left running, and record the task's end for it."""
+        if (task_dir / taskfiles.EXIT_FILE).exists():
+            return  # it wrote its record just before it ended
+        killed = _kill_leftovers(task_dir, info)
+        taskfiles.write(task_dir / taskfiles.EXIT_FILE, ExitRecord(stopped=SHIM_DIED, ended_at=time.time()))
+        log.warning(
+            "the task's shim died while no agent ran; its processes were killed",
+            job=key.job,
+            attempt=key.attempt,
+            killed=killed,
+        )
 
 
 def exit_from_record(key: TaskKey, record: ExitRecord | None, task_dir: Path, *, stopping: str | None) -> TaskExit:
     """How a task ended, from its shim's exit record (None: the shim died without one)."""
     if record is None:
-        reason = stopping or "the task's shim died without an exit record"
+        reason = stopping or SHIM_DIED
         return TaskExit(key=key, outcome="stopped", reason=reason, output_tail=_task_tail(task_dir, None))
     codes, failed_rank = record.codes, record.failed_rank
     tail = _task_tail(task_dir, failed_rank)
@@ -513,6 +529,51 @@ def _is_shim(pid: object, task_dir: Path) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
     return str(task_dir).encode() in cmdline and b"services.nodeagent.shim" in cmdline
+
+
+def _task_processes(task_dir: Path) -> dict[int, int]:
+    """The live processes whose environment names ``task_dir`` (the executor gives every rank
+    ``GPUHERD_TASK_DIR``; what a rank starts inherits it): pid -> process group. It names the
+    task's processes however long ago the pids in its files were written (they may be reused)."""
+    needle = f"{jobenv.TASK_DIR}={task_dir}".encode()
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if fields[0] != "Z":
+            found[int(entry.name)] = int(fields[2])
+    return found
+
+
+def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
+    """SIGKILL what the task's shim started: its ranks' process group (while a process of the task
+    is in it: a group whose processes are all gone may be another's by now), every process whose
+    environment names the task, and the warm pool's workers it took. Returns how many processes
+    were found."""
+    found: set[int] = set()
+    for _ in range(3):  # (one being forked while its parent was killed shows up in the next pass)
+        processes = _task_processes(task_dir)
+        if not processes:
+            break
+        found |= processes.keys()
+        if info is not None and info.pgid is not None and info.pgid > 1 and info.pgid in processes.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(info.pgid, signal.SIGKILL)  # with it, the grandchildren that cleared their environment
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    # Workers from the warm pool lead groups of their own (the task's folder names them even if
+    # the shim died before it wrote them down).
+    for proc in _launched_procs(task_dir):
+        if proc.pid is not None:
+            _kill_group(proc.pid, proc.pid_start)
+    return len(found)
 
 
 def _kill_group(pid: int, start_ticks: int) -> None:
