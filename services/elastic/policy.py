@@ -19,7 +19,10 @@ Its rules are versioned (``ELASTIC_RULES``, recorded in ``ElasticConfigured`` an
 
 Rules 3 leave a job that is stopping (cancelled, preempted, past its time limit) as it is; rules 4
 also pass over a waiting job the scheduler holds back whatever GPUs are free (a dependency not met
-yet, its array's ``max_running`` reached): nothing is shrunk or kept idle for it.
+yet, its array's ``max_running`` reached): nothing is shrunk or kept idle for it. Rules 5 do the same
+for a job its VC's per-user limits hold back (``max_running_per_user``, ``max_gpus_per_user``),
+unless shrinking its user's own elastic jobs in that VC lifts the hold (those shrink, no other job);
+and no job is grown past its user's GPU limit (the scheduler refuses such a grow).
 
 Rules 1 (logs decided before): only the first waiting job that is not elastic was shrunk for, and
 only when nothing waited were idle GPUs lent, each job jumping to its largest size that kept
@@ -195,11 +198,12 @@ def decide(state: ElasticState, params: ElasticParams, rules: int = ev.ELASTIC_R
         if not job.cancel_requested and not (held_back is not None and held_back(job))
     )
     sizes = {j.job: _size(j) for j in jobs}
+    limits = UserLimits(state, jobs, sizes) if rules >= 5 else None
     reasons: dict[str, str] = {}
     room = _quota_room(state)
-    idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, room, params)
+    idle = _shrink_for_waiting(state, waiting, jobs, sizes, reasons, room, params, limits)
     growable = [j for j in jobs if j.job not in reasons and _may_rescale(j, now, params)]
-    expected = _lend(state, growable, idle, room, sizes, reasons, params)
+    expected = _lend(state, growable, idle, room, sizes, reasons, params, limits)
     return [
         _proposal(job, sizes[job.job], reasons[job.job], expected=expected.get(job.job), rules=rules)
         for job in jobs
@@ -248,6 +252,69 @@ class _HeldBack:
         return sum(1 for j in self._elements(member.array) if j.job in active) >= member.max_running
 
 
+class UserLimits:
+    """Rules 5: a VC's per-user limits as the scheduler holds a waiting job back by them
+    (``services/scheduler/holds.py``): a user may have at most ``max_running_per_user`` jobs placed
+    or running in the VC, holding at most ``max_gpus_per_user`` GPUs. Counted from the log alone
+    (the fold's placed and running jobs and the GPUs each holds), plus what this round decides: the
+    sizes it gives the resizable jobs (``sizes``, shrinks and grows alike) and the waiting jobs it
+    lets start (``started``), as the scheduler's pass counts its own placements."""
+
+    def __init__(self, state: ElasticState, resizable: list[JobState], sizes: dict[str, int]) -> None:
+        self.state, self.resizable, self.sizes = state, resizable, sizes
+        self.limited = {
+            name
+            for name, vc in state.vcs.items()
+            if vc.max_gpus_per_user is not None or vc.max_running_per_user is not None
+        }
+        # (VC, user) -> [jobs placed or running, GPUs they hold], and the resizable jobs of each:
+        # counted once a limited VC's job asks (most clusters have no per-user limit: nothing is counted)
+        self._counts: dict[tuple[str, str], list[int]] | None = None
+        self._own: dict[tuple[str, str], list[JobState]] = {}
+
+    def _count(self, job: JobState) -> list[int]:
+        if self._counts is None:
+            self._counts = {}
+            for active in self.state.active_jobs():
+                if active.spec.vc in self.limited:
+                    count = self._counts.setdefault((active.spec.vc, active.spec.user), [0, 0])
+                    count[0] += 1
+                    count[1] += active.held  # (the scheduler's count: what is released counts until freed)
+            for resizable in self.resizable:
+                if resizable.spec.vc in self.limited:
+                    self._own.setdefault((resizable.spec.vc, resizable.spec.user), []).append(resizable)
+        return self._counts.setdefault((job.spec.vc, job.spec.user), [0, 0])
+
+    def own_jobs(self, job: JobState) -> list[JobState]:
+        """The resizable elastic jobs of ``job``'s user in its VC: only their shrinks give back what
+        its user's GPU limit counts."""
+        self._count(job)
+        return self._own.get((job.spec.vc, job.spec.user), [])
+
+    def running_limit_reached(self, job: JobState) -> bool:
+        """``job``'s user already has as many jobs placed or running in its VC as it allows: no
+        shrink lets it start."""
+        vc = self.state.vcs.get(job.spec.vc)
+        if vc is None or vc.max_running_per_user is None:
+            return False
+        return self._count(job)[0] >= vc.max_running_per_user
+
+    def gpu_room(self, job: JobState) -> int | None:
+        """GPUs ``job``'s user may still take in its VC after this round's resizes (None: no limit)."""
+        vc = self.state.vcs.get(job.spec.vc)
+        if vc is None or vc.max_gpus_per_user is None:
+            return None
+        resized = sum(self.sizes[j.job] - _size(j) for j in self.own_jobs(job))
+        return vc.max_gpus_per_user - self._count(job)[1] - resized
+
+    def started(self, job: JobState) -> None:
+        """This round lets waiting ``job`` start: it counts against its user's limits from now on."""
+        if job.spec.vc in self.limited:
+            count = self._count(job)
+            count[0] += 1
+            count[1] += job.spec.gpus  # (what the scheduler's pass counts for a placement)
+
+
 def _kind(job: JobState) -> bool:
     """The executor kind a job runs on: processes (a command) or not (a sim job)."""
     return job.spec.command is not None
@@ -283,9 +350,11 @@ def _shrink_for_waiting(
     reasons: dict[str, str],
     room: dict[str, int | None],
     params: ElasticParams,
+    limits: UserLimits | None = None,
 ) -> dict[bool, int]:
     """Rule 1: the shrinks that let waiting jobs start (into ``sizes`` and ``reasons``; the quota they
-    take from ``room``); the free GPUs left idle after them, by kind."""
+    take from ``room``; with ``limits``, rules 5, what they take of their users' limits); the free
+    GPUs left idle after them, by kind."""
     free = {kind: 0 for kind in (True, False)}
     for node in state.nodes.values():
         if node.accepts_work():
@@ -308,6 +377,24 @@ def _shrink_for_waiting(
         kind = _kind(head)
         need = head.spec.elastic.min if head.spec.elastic is not None else head.spec.gpus
         vc_room = room.get(head.spec.vc)
+        if limits is not None and head.spec.vc in limits.limited:
+            if limits.running_limit_reached(head):
+                continue  # its user runs all the jobs the VC allows: no shrink lets it start, none is kept
+            user_room = limits.gpu_room(head)
+            if user_room is not None and user_room < head.spec.gpus:
+                # Its user's GPU limit stops it: only that user's own elastic jobs in its VC give back
+                # what the limit counts (another user's shrink only leaves GPUs idle).
+                own = [j for j in limits.own_jobs(head) if _kind(j) == kind]
+                own_spare = sum(sizes[j.job] - lowest[j.job] for j in own)
+                quota_stops = vc_room is not None and vc_room + spare_vc.get((kind, head.spec.vc), 0) < need
+                if quota_stops or user_room + own_spare < head.spec.gpus:
+                    continue  # it waits for its user's (or its VC's) jobs to end: nothing shrinks or is kept
+                taken = _give_back(state, own, sizes, reasons, head.spec.gpus - user_room, head, params)
+                free[kind] += taken
+                spare[kind] -= taken
+                spare_vc[kind, head.spec.vc] -= taken
+                if vc_room is not None:
+                    vc_room += taken  # (they give its VC's quota back too)
         if vc_room is not None and vc_room < need:
             # Its VC's quota stops it: only its own VC's elastic jobs give back quota with their GPUs.
             if vc_room + spare_vc.get((kind, head.spec.vc), 0) < need:
@@ -334,6 +421,8 @@ def _shrink_for_waiting(
             spare[kind] -= given
             spare_vc = by_vc()  # (its shrinks may be of any VC's jobs)
         free[kind] -= need
+        if limits is not None:
+            limits.started(head)  # (a later job of its user counts it, as the scheduler's pass does)
     return free
 
 
@@ -380,11 +469,13 @@ def _lend(
     sizes: dict[str, int],
     reasons: dict[str, str],
     params: ElasticParams,
+    limits: UserLimits | None = None,
 ) -> dict[str, float]:
     """Rule 2: idle GPUs first give jobs shrunk below the GPUs they asked for their GPUs back (what
     they gain most per GPU first, whatever the efficiency: those GPUs are theirs), then go to the
     jobs that gain most per GPU beyond it, one allowed size at a time (into ``sizes`` and
-    ``reasons``); the predicted throughput of each job grown."""
+    ``reasons``), within their VC's quota and (``limits``, rules 5) their user's GPU limit; the
+    predicted throughput of each job grown."""
     now = state.now
     candidates = [
         j
@@ -399,6 +490,9 @@ def _lend(
             size = sizes[job.job]
             quota = room.get(job.spec.vc)
             spare = idle[_kind(job)] if quota is None else min(idle[_kind(job)], quota)  # (within its VC's quota)
+            user_room = limits.gpu_room(job) if limits is not None else None
+            if user_room is not None:
+                spare = min(spare, user_room)  # (the scheduler refuses a grow past its user's GPU limit)
             larger = [s for s in job.spec.elastic.sizes() if size < s <= size + spare]  # type: ignore[union-attr]
             if not larger:
                 continue

@@ -18,8 +18,10 @@ from gpuherd.events.values import Allocation, Rendezvous, RescaleKind
 # minimum interval outweighs the rescale's pause. 3: a job that is stopping (cancelled, preempted,
 # past its time limit) is neither grown nor shrunk. 4: a waiting job the scheduler holds back
 # whatever GPUs are free (a dependency not met yet, its array's max_running reached) is not shrunk
-# for, and no idle GPU is kept for it.
-ELASTIC_RULES = 4
+# for, and no idle GPU is kept for it. 5: the same for a waiting job its VC's per-user limits hold
+# back (max_running_per_user, max_gpus_per_user), unless shrinking its user's own elastic jobs in the
+# VC lifts the hold (only those shrink for it); no job is grown past its user's GPU limit.
+ELASTIC_RULES = 5
 
 
 class RescaleProposed(Decision, kw_only=True, frozen=True):
