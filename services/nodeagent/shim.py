@@ -84,6 +84,8 @@ class Shim:
         self.standby_cuda: str | None = None
         self.attached: list[Attached] = []  # elastic: workers from the agent's warm pool
         self.standby_due: float | None = None  # monotonic: when to start the next standby
+        self.started_at = 0.0
+        self.start_ticks = 0  # when this process started (clock ticks since boot), written in shim.json
 
     def on_signal(self, signum: int, frame: object) -> None:
         if self.stop_reason is not None:
@@ -256,6 +258,7 @@ class Shim:
             pgid=self.pgid,
             pids=[p.pid for p in self.procs],
             started_at=self.started_at,
+            start_ticks=self.start_ticks,
             standby=self.standby.pid if self.standby is not None and self.standby.poll() is None else None,
             attached=[(w.pid, w.start_ticks) for w in self.attached],  # each leads a group of its own
             launched_at=time.time(),
@@ -311,7 +314,10 @@ class Shim:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         self.started_at = started_at = time.time()
-        taskfiles.write(self.dir / taskfiles.SHIM_FILE, ShimInfo(pid=os.getpid(), started_at=started_at))
+        # With the pid, names this process: an agent never signals a process its pid was given to later.
+        self.start_ticks = process_start_ticks(os.getpid()) or 0
+        info = ShimInfo(pid=os.getpid(), started_at=started_at, start_ticks=self.start_ticks)
+        taskfiles.write(self.dir / taskfiles.SHIM_FILE, info)
         failure = self.launch() if self.stop_reason is None else None
         if self.elastic and failure is None:
             # Its standby imports torch once the workers have started, not while they do.

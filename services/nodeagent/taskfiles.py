@@ -79,6 +79,7 @@ class ShimInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     pid: int
     started_at: float = 0.0
+    start_ticks: int = 0  # when the shim started (clock ticks since boot): with ``pid`` it names it (0: not written)
     pgid: int | None = None
     pids: list[int] = msgspec.field(default_factory=list)  # per local rank (or worker), in launch order
     standby: int | None = None  # an elastic task's warm interpreter for its next worker

@@ -236,3 +236,59 @@ async def test_recover_kills_the_processes_of_a_task_whose_shim_was_killed_while
         assert done.outcome == "stopped" and "shim died" in done.reason
     finally:
         kill_processes_of_job("orphan1")
+
+
+def spawn_at_pid(pid: int, argv: list[str]) -> subprocess.Popen[bytes] | None:
+    """A new process given ``pid``, as the kernel gives a freed pid once pids wrap around: the pid
+    namespace's last pid is set just below it before the fork (root only). None if it cannot be."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    for _ in range(50):  # another fork on the machine may take the pid between the write and ours
+        try:
+            last_pid.write_text(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(argv, start_new_session=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+@pytest.mark.parametrize("stranger", ["an unrelated program", "the shim of attempt 10"])
+async def test_stopping_an_adopted_task_never_signals_a_process_that_reused_its_shim_s_pid(
+    tmp_path: Path, stranger: str
+) -> None:
+    """The adopted shim died and the kernel gave its pid to another process before the executor's
+    watcher looked again: the stop must not send that process the shim's SIGTERM."""
+    folder = tmp_path / "jobs" / "reuse1" / "attempt-1"
+    folder.mkdir(parents=True)
+    proc = {"argv": [sys.executable, "-c", "pass"], "env": {}, "log": str(folder / "rank-0.log")}
+    task = {"job": "reuse1", "attempt": 1, "procs": [proc], "alive_file": str(tmp_path / "alive"),
+            "fence_after_s": 30.0, "kill_grace_s": 2.0}  # fmt: skip
+    (folder / "task.json").write_text(json.dumps(task))
+    # The shim a previous agent started, played by a process with a shim's command line.
+    shim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", SHIM, str(folder)])
+    other: subprocess.Popen[bytes] | None = None
+    try:
+        await wait_until(lambda: SHIM.encode() in Path(f"/proc/{shim.pid}/cmdline").read_bytes())  # (exec'd)
+        (folder / "shim.json").write_text(json.dumps({"pid": shim.pid, "started_at": time.time()}))
+        ex = executor(tmp_path)
+        assert await ex.recover() == {TaskKey("reuse1", 1)}
+        # From here to the stop nothing awaits: the executor's watcher cannot see the shim go.
+        shim.kill()
+        shim.wait()
+        argv = ["sleep", "30"]
+        if stranger == "the shim of attempt 10":  # its folder's name begins with this task's folder's
+            argv = [sys.executable, "-c", "import time; time.sleep(30)", SHIM, str(folder.parent / "attempt-10")]
+        other = spawn_at_pid(shim.pid, argv)
+        if other is None:
+            pytest.skip("this machine does not let a test choose the next pid (ns_last_pid)")
+        stopped = await ex.stop(TaskKey("reuse1", 1), "cancelled on request")
+        assert stopped is not None and stopped.outcome == "stopped"
+        assert other.poll() is None, f"{stranger} that reused the shim's pid was signalled"
+    finally:
+        for process in (shim, other):
+            if process is not None:
+                process.kill()
+                process.wait()

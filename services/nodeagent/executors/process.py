@@ -36,7 +36,7 @@ from gpuherd.obs import get_logger
 from services.nodeagent import taskfiles
 from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
-from services.nodeagent.shim import process_alive
+from services.nodeagent.shim import process_alive, process_start_ticks
 from services.nodeagent.taskfiles import (
     ExitRecord,
     GrowRequest,
@@ -60,11 +60,16 @@ class _Task:
     key: TaskKey
     dir: Path
     gpus: tuple[int, ...] = ()
-    pid: int | None = None
+    pid: int | None = None  # its shim's
+    pid_start: int = 0  # when that shim started (clock ticks since boot; 0: not known)
     stopping: str | None = None
     watcher: asyncio.Task[None] | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     exit: TaskExit | None = None
+
+    def shim_running(self) -> bool:
+        """Whether the task's shim still runs: the very process, not one its pid was given to since."""
+        return _is_shim(self.pid, self.dir, self.pid_start)
 
 
 class ProcessExecutor(Executor):
@@ -189,7 +194,8 @@ class ProcessExecutor(Executor):
             raise
         finally:
             shim_log.close()
-        task = _Task(key=key, dir=task_dir, gpus=launch.gpus, pid=proc.pid)
+        # Our child, not reaped yet: its pid is still its own to read the start time of.
+        task = _Task(key=key, dir=task_dir, gpus=launch.gpus, pid=proc.pid, pid_start=_start_ticks(proc.pid))
         task.watcher = asyncio.create_task(self._watch_child(task, proc), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
         log.info(
@@ -204,8 +210,11 @@ class ProcessExecutor(Executor):
         if task.pid is not None and not task.ended.is_set():
             request = StopRequest(reason=reason, checkpoint_grace_s=checkpoint_grace_s)
             taskfiles.write(task.dir / taskfiles.STOP_FILE, request)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: [SIGUSR1,] SIGTERM, grace, SIGKILL
+            # A shim that is gone is never signalled (its pid may be another process's now): its
+            # watcher sees it gone and kills what it left.
+            if task.shim_running():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(task.pid, signal.SIGTERM)  # the shim stops its ranks: [SIGUSR1,] SIGTERM, grace, SIGKILL
             try:
                 await asyncio.wait_for(task.ended.wait(), checkpoint_grace_s + self.kill_grace_s + 5.0)
             except TimeoutError:
@@ -231,7 +240,7 @@ class ProcessExecutor(Executor):
             info = _read(shim_file, ShimInfo)
             if info is None:
                 continue  # no pid to judge the shim by: if it lives, it fences itself
-            if not _is_shim(info.pid, task_dir):
+            if not _is_shim(info.pid, task_dir, info.start_ticks):
                 self._end_orphans(key, task_dir, info)
                 continue
             self._adopt(key, task_dir)
@@ -402,8 +411,10 @@ class ProcessExecutor(Executor):
             self._tasks[key].gpus = gpus or self._tasks[key].gpus
             return
         info = _read(task_dir / taskfiles.SHIM_FILE, ShimInfo)
-        pid = info.pid if info is not None else None
-        task = _Task(key=key, dir=task_dir, gpus=gpus, pid=pid if _is_shim(pid, task_dir) else None)
+        task = _Task(key=key, dir=task_dir, gpus=gpus)
+        if info is not None and _is_shim(info.pid, task_dir, info.start_ticks):
+            # A shim of a version that did not write its start time: the one running now is it.
+            task.pid, task.pid_start = info.pid, info.start_ticks or _start_ticks(info.pid)
         task.watcher = asyncio.create_task(self._watch_adopted(task), name=f"task-{key.job}-{key.attempt}")
         self._tasks[key] = task
 
@@ -412,11 +423,11 @@ class ProcessExecutor(Executor):
         await self._ended(task)
 
     async def _watch_adopted(self, task: _Task) -> None:
-        while task.pid is not None and _is_shim(task.pid, task.dir) and not (task.dir / taskfiles.EXIT_FILE).exists():
+        while task.shim_running() and not (task.dir / taskfiles.EXIT_FILE).exists():
             await asyncio.sleep(0.25)
         # The shim exits right after writing exit.json; give it that moment before judging it.
         for _ in range(20):
-            if task.pid is None or not _is_shim(task.pid, task.dir):
+            if not task.shim_running():
                 break
             await asyncio.sleep(0.05)
         await self._ended(task)
@@ -433,7 +444,7 @@ class ProcessExecutor(Executor):
             self.exits.put_nowait(task.exit)
 
     def _kill_everything(self, task: _Task) -> None:
-        if _is_shim(task.pid, task.dir):
+        if task.shim_running():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(task.pid, signal.SIGKILL)  # type: ignore[arg-type] - the shim leads a group of its own
         _kill_leftovers(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
@@ -517,18 +528,28 @@ def _launched_procs(task_dir: Path) -> list[ProcLaunch]:
     return [proc for request in requests if request is not None for proc in request.procs]
 
 
-def _is_shim(pid: object, task_dir: Path) -> bool:
-    """Whether ``pid`` is still the shim of ``task_dir`` (not a recycled pid, not a zombie)."""
+def _is_shim(pid: object, task_dir: Path, start_ticks: int = 0) -> bool:
+    """Whether ``pid`` is still the shim of ``task_dir``: its command line ends with the shim's
+    module and this very folder (not one whose name only begins with it, ``attempt-1`` of
+    ``attempt-10``), it is no zombie, and it started at ``start_ticks`` (when known): a pid the
+    kernel gave to another process since is not it."""
     if not isinstance(pid, int) or pid <= 1:
         return False
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+    if fields[0] == "Z" or (start_ticks and fields[19] != str(start_ticks)):
         return False
-    return str(task_dir).encode() in cmdline and b"services.nodeagent.shim" in cmdline
+    if argv and argv[-1] == b"":
+        argv.pop()  # (cmdline ends with a NUL)
+    return argv[-2:] == [b"services.nodeagent.shim", str(task_dir).encode()]
+
+
+def _start_ticks(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot), or 0 if it is gone."""
+    return process_start_ticks(pid) or 0
 
 
 def _task_processes(task_dir: Path) -> dict[int, int]:
