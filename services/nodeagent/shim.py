@@ -324,7 +324,9 @@ class Shim:
             self.standby_due = time.monotonic() + STANDBY_REFILL_DELAY_S
         self.write_info()
         first_failure: tuple[int, int] | None = None  # (local rank, exit code)
+        not_started: int | None = None  # the process that could not start (its log says why)
         if failure is not None:
+            not_started = len(self.procs)
             self.stop_all(self.kill_grace_s)
         else:
             while True:
@@ -368,9 +370,10 @@ class Shim:
         record = ExitRecord(
             codes=codes,
             failure=failure,
-            failed_rank=None if first_failure is None else first_failure[0],
+            failed_rank=not_started if first_failure is None else first_failure[0],
             stopped=self.stop_reason,
             ended_at=time.time(),
+            logs=[spec.log for spec in self.procs_spec],  # (aligned with ``self.procs``: each started in that order)
         )
         taskfiles.write(self.dir / taskfiles.EXIT_FILE, record)
         return 0

@@ -103,6 +103,10 @@ class ExitRecord(msgspec.Struct, frozen=True, kw_only=True):
     failed_rank: int | None = None
     stopped: str | None = None
     ended_at: float = 0.0
+    # Each process's log, in the order of ``codes`` (the order the shim started them in, grown workers
+    # included): ``failed_rank`` indexes it, so the output tail is the failed process's (empty: a
+    # shim of a version before it).
+    logs: list[str] = msgspec.field(default_factory=list)
 
 
 class WorkerExitRecord(msgspec.Struct, frozen=True, kw_only=True):

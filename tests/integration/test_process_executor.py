@@ -292,3 +292,35 @@ async def test_stopping_an_adopted_task_never_signals_a_process_that_reused_its_
             if process is not None:
                 process.kill()
                 process.wait()
+
+
+async def test_an_elastic_task_s_output_tail_is_the_failed_worker_s_after_a_grow(tmp_path: Path) -> None:
+    """The task started with the worker of GPU 2 and grew onto GPU 0: the worker the reason names
+    (the first to die, in launch order) is the one whose output the tail shows, not the log that
+    sorts first by GPU."""
+    code = (
+        "import os, pathlib, sys, time\n"
+        "gpu = os.environ['GPUHERD_GPU']\n"
+        "print(f'worker of gpu {gpu} is up', flush=True)\n"
+        "go = pathlib.Path(os.environ['GPUHERD_TASK_DIR']) / 'go'\n"
+        "while not go.exists(): time.sleep(0.05)\n"
+        "if gpu == '0': time.sleep(0.5)  # dies second\n"
+        "print(f'worker of gpu {gpu} gives up', flush=True)\n"
+        "sys.exit(3 if gpu == '2' else 4)\n"
+    )
+    spec = ev.JobSpec(name="el1", user="u", gpus=1, command=(sys.executable, "-c", code))
+    key = TaskKey("el1", 0)
+    folder = tmp_path / "jobs" / "el1" / "attempt-0"
+    ex = executor(tmp_path)
+    try:
+        await ex.start(TaskLaunch(key=key, spec=spec, gpus=(2,), procs=1, elastic=True))
+        await wait_until(lambda: "is up" in ex.output(key).get("worker-2.log", ""))
+        assert ex.grow(key, TaskLaunch(key=key, spec=spec, gpus=(0,), procs=1, elastic=True))
+        await wait_until(lambda: "is up" in ex.output(key).get("worker-0.log", ""))
+        (folder / "go").touch()
+        done = await exit_of(ex)
+        assert done.outcome == "failed" and done.exit_code == 3 and "local rank 0 exited with code 3" in done.reason
+        assert "worker of gpu 2 gives up" in done.output_tail
+        assert "gpu 0" not in done.output_tail, "the tail is the failed worker's, not the grown one's"
+    finally:
+        kill_processes_of_job("el1")

@@ -470,7 +470,7 @@ def exit_from_record(key: TaskKey, record: ExitRecord | None, task_dir: Path, *,
         reason = stopping or SHIM_DIED
         return TaskExit(key=key, outcome="stopped", reason=reason, output_tail=_task_tail(task_dir, None))
     codes, failed_rank = record.codes, record.failed_rank
-    tail = _task_tail(task_dir, failed_rank)
+    tail = _task_tail(task_dir, record)
     if record.failure:
         code = codes[failed_rank] if failed_rank is not None and failed_rank < len(codes) else 127
         return TaskExit(key=key, outcome="failed", exit_code=shell_code(code), reason=record.failure, output_tail=tail)
@@ -484,17 +484,28 @@ def shell_code(code: int | None) -> int | None:
     return 128 - code if code is not None and code < 0 else code
 
 
-def _task_tail(task_dir: Path, local_rank: int | None) -> str:
-    logs = sorted(
-        [*task_dir.glob("rank-*.log"), *task_dir.glob("worker-*.log")],
-        key=lambda p: (p.stem.startswith("worker-"), int(p.stem.rpartition("-")[2])),
-    )
-    if not logs:
+def _task_tail(task_dir: Path, record: ExitRecord | None) -> str:
+    """The last lines of the task's output: its failed process's log, else its first process's."""
+    path = _tail_log(task_dir, record)
+    if path is None:
         return ""
-    path = logs[local_rank] if local_rank is not None and local_rank < len(logs) else logs[0]
     text = _tail_bytes(path, 64 * 1024)
     lines = "\n".join(text.splitlines()[-TAIL_LINES:])
     return lines.encode()[-MAX_OUTPUT_TAIL:].decode("utf-8", errors="replace")
+
+
+def _tail_log(task_dir: Path, record: ExitRecord | None) -> Path | None:
+    """The log the output tail comes from. ``failed_rank`` counts the shim's processes in the order
+    it started them, grown workers included: the shim names their logs in that order (``logs``).
+    A shim of a version before it did: the order the agent asked for them, the shim's but within a
+    grow that took pooled workers (rather than the logs sorted by GPU, which a grow onto a lower
+    GPU reorders). Only a log of the task's own folder is read, whatever the files say."""
+    logs = record.logs if record is not None and record.logs else [p.log for p in _launched_procs(task_dir)]
+    if not logs:
+        return None
+    index = record.failed_rank if record is not None and record.failed_rank is not None else 0
+    name = Path(logs[index] if index < len(logs) else logs[0]).name
+    return task_dir / name if name.endswith(".log") else None
 
 
 def _tail_bytes(path: Path, max_bytes: int) -> str:
