@@ -299,6 +299,8 @@ def _simulate(
     setup = [
         *cluster.setup_events(),
         ev.PolicyConfigured(policy=policy, backfill=model.backfill, params=dict(policy_params)),
+        # The broker's rules, as a live broker records them at start (a log with none reads as the first).
+        *([ev.MemoryBrokerConfigured()] if memory else []),
     ]
     sim.setup(setup, at=start)
     sim.run(as_submissions(jobs), on_submit=on_submit)

@@ -3,7 +3,8 @@
 Every event that can change spare memory, a lease or a borrower's life runs one pass of
 ``policy.decide``; its own timer (``MemoryTicked``, while leases exist) makes expiries and
 deadlines fire when due, so a replay decides the same. Its parameters are the log's latest
-``MemoryBrokerConfigured``; one it cannot apply is refused (``CommandRefused``).
+``MemoryBrokerConfigured``, and so are the rules of its policy (``MEMORY_RULES``; the first in a log
+that recorded none); one it cannot apply is refused (``CommandRefused``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class MemoryDecider(ConfiguredDecider[MemoryState, BrokerParams]):
     name = "memory"
     STATE, FOLD = MemoryState, staticmethod(evolve)
     PARAMS, CONVERT = BrokerParams, staticmethod(params_from)
-    STATE_FORMAT = 2
+    STATE_FORMAT = 3  # 3: the rules in force
     TRIGGERS, CONFIGURED, PARAMS_EXAMPLE = TRIGGERS, ev.MemoryBrokerConfigured, '{"lease_term_s": 300}'
     EMITS = frozenset(
         {

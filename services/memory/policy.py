@@ -18,6 +18,12 @@ A request for less than ``min_share_mb`` is denied (no share is that small), as 
 that a raised ``min_share_mb`` outgrew. A worker leaving its elastic job at a rescale keeps its
 lease (it gets no more) until the switch completes; then the lease is reclaimed.
 
+**Rules** are versioned (``MEMORY_RULES``, recorded in ``MemoryBrokerConfigured``; a log that recorded
+none was decided by the first), so a log is audited by the rules it was decided by. Under rules 1
+(each change since is a predicate below) a request below ``min_share_mb`` stayed pending
+(``denies_requests_below_min_share``), and a leaving worker's lease was reclaimed at the
+``JobResized`` (``keeps_leaving_workers_leases``).
+
 **Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
 its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
 only gates new grants), when a job is placed on it (its need is unknown), or when a lease expired
@@ -82,6 +88,22 @@ def params_from(values: dict[str, float]) -> BrokerParams:
     except msgspec.ValidationError as exc:
         known = ", ".join(BrokerParams.__struct_fields__)
         raise ValueError(f"{exc}; known parameters: {known}") from None
+
+
+# -- the rules in force: one predicate per change since rules 1 ------------------------------------
+
+
+def denies_requests_below_min_share(state: MemoryState) -> bool:
+    """Rules 2: a request for less than ``min_share_mb`` is denied; rules 1 left it pending (never
+    granted, never denied)."""
+    return state.rules >= 2
+
+
+def keeps_leaving_workers_leases(state: MemoryState) -> bool:
+    """Rules 2: a worker leaving its elastic job at a rescale keeps its lease until the switch
+    completes; rules 1 reclaimed it at the ``JobResized``. (A pass at ``RescaleCompleted``, which
+    rules 1 did not make, decides there only what a pass at their next trigger decided.)"""
+    return state.rules >= 2
 
 
 # -- the view of spare memory -----------------------------------------------------------------------
@@ -223,7 +245,7 @@ def request_problem(state: MemoryState, e: ev.MemoryLeaseRequested, params: Brok
     gone = borrower_gone(state, state.leases.get(e.lease))
     if gone is not None:
         return gone
-    too_small = below_min_share(e.mb, params)
+    too_small = below_min_share(state, e.mb, params)
     if too_small is not None:
         return too_small
     lease = state.leases[e.lease]
@@ -233,11 +255,11 @@ def request_problem(state: MemoryState, e: ev.MemoryLeaseRequested, params: Brok
     return None
 
 
-def below_min_share(mb: int, params: BrokerParams) -> str | None:
+def below_min_share(state: MemoryState, mb: int, params: BrokerParams) -> str | None:
     """Why a lease of ``mb`` MiB can never be granted by these parameters, or None. No share is
     smaller than ``min_share_mb`` (not worth a lender), and one bigger than asked would hold
     memory its lender's owner may need for nothing: such a request is denied, not left waiting."""
-    if mb >= params.min_share_mb:
+    if mb >= params.min_share_mb or not denies_requests_below_min_share(state):
         return None
     return (
         f"asks for {mb} MiB, below the broker's min_share_mb of {params.min_share_mb} MiB "
@@ -257,7 +279,8 @@ def borrower_gone(state: MemoryState, lease: LeaseState | None) -> str | None:
         return f"attempt {lease.attempt} of job {lease.job} has ended"
     # A worker leaving at the rescale in flight still runs: it takes part in the switch (its state
     # may be the one handed over) and exits once the rescale completed, when its GPU is released.
-    if not any(a.node == lease.node and lease.gpu in a.gpus for a in (*job.allocations, *job.releasing)):
+    held = (*job.allocations, *job.releasing) if keeps_leaving_workers_leases(state) else job.allocations
+    if not any(a.node == lease.node and lease.gpu in a.gpus for a in held):
         return f"job {lease.job} no longer runs on GPU {lease.gpu} of {lease.node}"
     node = state.nodes.get(lease.node)
     if node is None or node.status == "lost":
@@ -278,7 +301,7 @@ def decide(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]:
             yield ev.MemoryLeaseReclaimed(lease=lease.lease, job=lease.job, reason=gone)
             continue
         # A waiting request that min_share_mb (raised since it was asked) outgrew is never granted.
-        too_small = below_min_share(lease.mb, params) if lease.status == "pending" else None
+        too_small = below_min_share(state, lease.mb, params) if lease.status == "pending" else None
         if too_small is not None:
             yield ev.MemoryLeaseDenied(lease=lease.lease, job=lease.job, reason=too_small)
             continue

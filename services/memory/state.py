@@ -1,6 +1,6 @@
 """The memory broker's own state: the core fold plus the leases (``gpuherd.fold.leases``), each
 GPU's memory in use as its agent last reported it, each running job's peak use, and the broker's
-parameters as the log last recorded them."""
+parameters and rules as the log last recorded them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ class MemoryState(ClusterState, kw_only=True, gc=False):
     # over every report while it ran: the broker's forecast of what the job needs.
     peak_mb: dict[str, int] = msgspec.field(default_factory=dict)
     params: dict[str, float] | None = None  # the latest applied MemoryBrokerConfigured (None: the default)
+    # The policy's rules in force (``events.MEMORY_RULES``): the latest applied MemoryBrokerConfigured's.
+    # 1 until one is: brokers before the rules were versioned recorded none (a broker records its own
+    # at start), so an old log is re-derived by the rules it was decided by.
+    rules: int = 1
 
     def lent_mb(self, node: str) -> dict[int, int]:
         """MiB lent out of each GPU of ``node`` by the leases that hold shares on it."""
@@ -49,6 +53,7 @@ def evolve(state: MemoryState, seq: int, event: ev.Event, *, params_ok: bool) ->
                     state.peak_mb[job.job] = max(state.peak_mb.get(job.job, 0), mine)
     elif isinstance(event, ev.MemoryBrokerConfigured) and params_ok:
         state.params = dict(event.params)
+        state.rules = event.rules
     elif isinstance(event, ev.JobFinished):
         state.peak_mb.pop(event.job, None)
     return state

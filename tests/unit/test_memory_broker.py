@@ -3,17 +3,23 @@ pressure, top up, reclaim when the borrower is gone, expiry and deadlines, denia
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import collections
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
-from gpuherd.log import Record
+from gpuherd.log import InProcessLog, Record
+from gpuherd.runtime.audit import audit
 from gpuherd.runtime.decider import decide_stamped
+from gpuherd.runtime.runner import DeciderRunner
 from services.memory.decide import MemoryDecider
 from services.memory.policy import BrokerParams, reserve_mb, spare_mb, water_fill
+from services.memory.spec import SPEC
 from services.memory.state import MemoryState
 
 GB = 1024
@@ -30,14 +36,21 @@ def gpus(island: int) -> tuple[ev.GpuInfo, ...]:
     return tuple(ev.declared_gpus("n1", 4, island=island, model="H100", memory_mb=TOTAL))
 
 
+def started() -> ev.Event:
+    """What a broker records when it starts on a log without its rules (``spec.rules_recorder``)."""
+    return ev.MemoryBrokerConfigured(id="memory:rules:0", source="memory")
+
+
 def run(events: list[ev.Event], log: list[Record] | None = None, params: BrokerParams = PARAMS) -> list[Record]:
-    """Append ``events`` the way the runner does: fold, decide, append and fold the decisions first."""
+    """Append ``events`` the way the runner does: fold, decide, append and fold the decisions first.
+    A new log (``log`` None) begins as a broker starting on it writes it, with its rules; a given log
+    goes on as it is (``[]``: a log begun by a broker from before the rules were recorded)."""
     decider = MemoryDecider(params)
-    log = list(log or [])
     state = decider.initial_state()
-    for r in log:
+    for r in log or []:
         decider.evolve(state, r.seq, r.event)
-    inbox = collections.deque(events)
+    inbox = collections.deque([started(), *events] if log is None else events)
+    log = list(log or [])
     pending: collections.deque[Record] = collections.deque()
     while inbox or pending:
         record = pending.popleft() if pending else None
@@ -350,9 +363,9 @@ def test_an_elastic_grow_onto_a_lender_revokes_the_shares_on_it() -> None:
     assert (revoked.lease, revoked.gpus) == ("L", (2,)) and "need is not known" in revoked.reason
 
 
-def _elastic_pair_with_a_lease_on_gpu_1() -> list[Record]:
+def _elastic_pair_with_a_lease_on_gpu_1(log: list[Record] | None = None) -> list[Record]:
     """n1: elastic ``el`` runs a worker on GPUs 0 and 1 since t=0, GPUs 2 and 3 are free; the
-    worker on GPU 1 holds lease L1 of 10 GiB over PCIe."""
+    worker on GPU 1 holds lease L1 of 10 GiB over PCIe. (``log``: the log it goes on from.)"""
     spec = ev.JobSpec(
         name="el",
         user="ana",
@@ -369,7 +382,8 @@ def _elastic_pair_with_a_lease_on_gpu_1() -> list[Record]:
             _e(ev.JobPlaced, job="el", attempt=0, allocations=(ev.Allocation("n1", (0, 1)),)),
             _e(ev.JobStarted, job="el", attempt=0, node="n1"),
             _e(ev.GpuMemoryReported, at=100.0, node="n1", used_mb=(70 * GB, 70 * GB, 0, 0)),
-        ]
+        ],
+        log,
     )
     log = run([request(10 * GB, lease="L1", gpu=1, job_="el", tiers=("pcie",))], log)
     assert len(of(log, ev.MemoryLeaseGranted)) == 1
@@ -432,6 +446,143 @@ def test_parameters_the_broker_cannot_lend_by_are_refused_and_the_ones_in_force_
         log = run([configured, request(30 * GB)], cluster())
         (refusal,) = of(log, ev.CommandRefused)
         assert next(iter(bad)) in refusal.reason, refusal.reason
-        assert _fold(log).params is None
+        assert _fold(log).params == {}, "the defaults the broker recorded at start"
         (grant,) = of(log, ev.MemoryLeaseGranted)
         assert shares(grant) == [("nvlink", 1, 30 * GB)], "granted by the parameters in force"
+
+
+# -- rules ---------------------------------------------------------------------------------------------
+
+# Parameters a broker recorded before its rules were versioned (MemoryBrokerConfigured v2), as stored.
+PARAMS_OF_AN_OLD_BROKER = (
+    b'{"type":"MemoryBrokerConfigured","id":"memory:config:1","at":0.0,"source":"memory","v":2,'
+    b'"unchecked":false,"params":{"lease_term_s":900.0}}'
+)
+
+
+def _as_they_are(log: list[Record], events: list[ev.Event]) -> list[Record]:
+    """``log`` with ``events`` appended as they are: nothing decided on them."""
+    return [*log, *(Record(len(log) + n, e) for n, e in enumerate(events, 1))]
+
+
+def _a_log_of_the_first_rules(log: list[Record]) -> list[Record]:
+    """What a broker of the first rules wrote on ``log``, by hand where the rules since differ: el's
+    worker on GPU 0 asks for 100 MiB, below min_share_mb (it stayed pending: nothing decided); el
+    shrinks off GPU 1, and L1, its leaving worker's lease, is reclaimed at the JobResized; the
+    switch completes (no trigger then)."""
+    log = _elastic_pair_with_a_lease_on_gpu_1(log)
+    shrink = _shrink_off_gpu_1(200.0)
+    log = _as_they_are(log, [request(100, lease="S", gpu=0, job_="el", at=150.0), shrink])
+    reclaimed = ev.MemoryLeaseReclaimed(
+        id=f"memory:{log[-1].seq}:0",
+        at=200.0,
+        source="memory",
+        based_on=log[-1].seq,
+        cause=shrink.id,
+        lease="L1",
+        job="el",
+        reason="job el no longer runs on GPU 1 of n1",
+    )
+    done = _e(ev.RescaleCompleted, at=230.0, job="el", attempt=0, generation=1, node="n1", world=1, world_before=2)
+    return _as_they_are(log, [reclaimed, done])
+
+
+@pytest.mark.parametrize("begun", ["with nothing recorded", "with parameters recorded before the rules"])
+def test_a_log_of_the_first_rules_audits_clean(begun: str) -> None:
+    """A broker from before the rules were versioned recorded none (or parameters without them):
+    the audit replayed its log by the rules since, and reported its decisions where they differ as
+    wrong (here the reclaim at the shrink, where a pass of the rules since denies the small request
+    left pending and keeps the leaving worker's lease). It replays by the first rules."""
+    start = [] if begun == "with nothing recorded" else [Record(1, ev.decode(PARAMS_OF_AN_OLD_BROKER))]
+    log = _a_log_of_the_first_rules(start)
+    report = audit(log, MemoryDecider())
+    assert report.ok, report.mismatches
+    assert report.decisions_checked == 2  # L1's grant, and its reclaim at the shrink
+    assert _fold(log).rules == 1
+    # The same decisions after a broker recorded the rules since are wrong by them, and reported.
+    newer = audit(_a_log_of_the_first_rules(run([])), MemoryDecider())
+    assert [m.kind for m in newer.mismatches] == ["differs"], newer.mismatches
+
+
+def test_parameters_recorded_before_the_rules_were_versioned_keep_the_first_rules() -> None:
+    old = ev.decode(PARAMS_OF_AN_OLD_BROKER)
+    assert isinstance(old, ev.MemoryBrokerConfigured) and old.rules == 1 and old.v == 3
+    assert old.params == {"lease_term_s": 900.0}
+    assert ev.MemoryBrokerConfigured().rules == ev.MEMORY_RULES == 2
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _serve(log: InProcessLog, instance: str) -> tuple[DeciderRunner[MemoryState], asyncio.Event, asyncio.Task]:
+    """A broker on ``log`` with its spec's tasks, as ``gpuherd up`` starts one."""
+    runner = DeciderRunner(log, MemoryDecider(), instance=instance, extra_tasks=SPEC.tasks(argparse.Namespace()))
+    stop = asyncio.Event()
+    return runner, stop, asyncio.create_task(runner.run(stop))
+
+
+async def test_a_fresh_broker_records_its_rules_and_decides_by_them() -> None:
+    """A broker records the rules it decides by when it starts (a log with none reads as the first
+    rules): a request below min_share_mb is then denied, not left pending."""
+    log = InProcessLog(duplicate_window=0)
+    _, stop, task = await _serve(log, "a")
+    try:
+        await _until(lambda: of(list(log.records), ev.MemoryBrokerConfigured))
+        inputs = [r.event for r in cluster() if r.event.source == "test"]
+        await log.append([*inputs, request(PARAMS.min_share_mb - 1)])
+        await _until(lambda: of(list(log.records), ev.MemoryLeaseDenied))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    records = list(log.records)
+    (recorded,) = of(records, ev.MemoryBrokerConfigured)
+    assert recorded.rules == ev.MEMORY_RULES and recorded.params == {} and recorded.id.startswith("memory:rules:")
+    (denied,) = of(records, ev.MemoryLeaseDenied)
+    assert "below the broker's min_share_mb" in denied.reason, denied.reason
+    assert audit(records, MemoryDecider()).ok
+
+
+async def test_a_broker_started_on_a_log_of_the_first_rules_records_its_own_with_the_parameters_in_force() -> None:
+    """On an older broker's log, a broker records its rules with the parameters in force: it decides
+    by them from there (the request left pending is denied), the log before is audited by the first
+    rules, and the whole log audits clean. Started again, it records nothing more."""
+    log = InProcessLog(duplicate_window=0)
+    await log.append([r.event for r in _a_log_of_the_first_rules([Record(1, ev.decode(PARAMS_OF_AN_OLD_BROKER))])])
+    for instance in ("a", "b"):
+        runner, stop, task = await _serve(log, instance)
+        try:
+            await _until(
+                lambda runner=runner: runner.caught_up.is_set() and of(list(log.records), ev.MemoryLeaseDenied)
+            )
+            await asyncio.sleep(0.05)  # (anything still to come would come now)
+            await _until(lambda runner=runner: runner.core.quiescent() and runner.state.seq == len(log.records))
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+    records = list(log.records)
+    old, recorded = of(records, ev.MemoryBrokerConfigured)
+    assert (old.rules, recorded.rules) == (1, ev.MEMORY_RULES)
+    assert recorded.params == old.params and recorded.id.startswith("memory:rules:")
+    (denied,) = of(records, ev.MemoryLeaseDenied)
+    assert denied.lease == "S" and "below the broker's min_share_mb" in denied.reason, denied.reason
+    report = audit(records, MemoryDecider())
+    assert report.ok and report.decisions_checked == 3, report.mismatches
+
+
+def test_a_simulated_broker_records_its_rules_and_decides_by_them_as_a_live_one() -> None:
+    """A simulation's log begins as a live one: the broker's rules recorded (without them it would
+    read as the first rules, and a simulated request below min_share_mb would wait forever)."""
+    from apps.sim.cluster import ClusterSpec, VcSpec
+    from apps.sim.run import simulate
+
+    spec = ev.JobSpec(name="b", user="ana", gpus=1, duration_s=600.0, vc="a", memory=ev.MemoryNeeds(extra_mb=100))
+    jobs = [ev.JobSubmitted(job="b", spec=spec, at=50.0, intake_source="t")]
+    records = simulate(jobs, ClusterSpec(vcs={"a": VcSpec(nodes=1)}, gpus_per_node=4), "fifo", memory=True).records
+    assert [c.rules for c in of(records, ev.MemoryBrokerConfigured)] == [ev.MEMORY_RULES]
+    (denied,) = of(records, ev.MemoryLeaseDenied)
+    assert "below the broker's min_share_mb" in denied.reason, denied.reason
+    assert audit(records, MemoryDecider()).ok

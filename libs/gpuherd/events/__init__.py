@@ -28,6 +28,7 @@ from gpuherd.events.cluster import SCHEDULING_RULES, TICK_ONLY_TIMEOUT_S, Tick, 
 from gpuherd.events.codec import Unreadable, any_event, decode, encode, upcast
 from gpuherd.events.elastic import ELASTIC_RULES, RESCALE_PHASES, complete_phase_times
 from gpuherd.events.jobs import INTAKE_RULES
+from gpuherd.events.leases import MEMORY_RULES
 from gpuherd.events.values import (
     DEPENDENCY_KINDS,
     MAX_ELASTIC_WORLD,
@@ -66,6 +67,7 @@ __all__ = [
     "INTAKE_RULES",
     "MAX_ELASTIC_WORLD",
     "MAX_OUTPUT_TAIL",
+    "MEMORY_RULES",
     "MEMORY_TIERS",
     "OUTCOMES",
     "RESCALE_PHASES",

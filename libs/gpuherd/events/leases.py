@@ -3,10 +3,20 @@ host memory, lent by the memory broker (``services/memory``)."""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import msgspec
 
-from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by
+from gpuherd.events.base import Command, Decision, Event, command_upcaster, reported_by, upcaster
 from gpuherd.events.values import MEMORY_TIERS, MemoryShare, MemoryTier
+
+# The rules of the memory broker's policy (``services/memory/policy.py``). The broker records the ones
+# it decides by in ``MemoryBrokerConfigured``, so every lease decision is re-derived by the rules it was
+# made by; a log that recorded none was decided by the first. 2: a request for less than
+# ``min_share_mb`` is denied (it stayed pending), as is a waiting one a raised ``min_share_mb``
+# outgrew; a worker leaving its elastic job at a rescale keeps its lease until the switch completes
+# (it was reclaimed at the ``JobResized``), and ``RescaleCompleted`` runs a pass that reclaims it.
+MEMORY_RULES = 2
 
 
 class MemoryLeaseRequested(Event, kw_only=True, frozen=True):
@@ -109,13 +119,24 @@ class MemoryLeaseReclaimed(Decision, kw_only=True, frozen=True):
 
 
 class MemoryBrokerConfigured(Command, kw_only=True, frozen=True):
-    """The memory broker's parameters (``services/memory/policy.BrokerParams``) from here on;
-    recorded in the log so that a replay lends and revokes as the live broker did."""
+    """The memory broker's parameters (``services/memory/policy.BrokerParams``) from here on and the
+    rules of its policy (``MEMORY_RULES``; a broker of newer rules records its own when it starts on
+    a log of older ones); recorded in the log so that a replay lends and revokes as the live broker did.
 
+    v3: ``rules`` (v2 and older were decided by the first rules)."""
+
+    VERSION: ClassVar[int] = 3
+    v: int = 3
     params: dict[str, float] = msgspec.field(default_factory=dict)
+    rules: int = MEMORY_RULES
 
     def subject(self) -> str:
         return "herd.cluster.memory"
 
 
 command_upcaster("MemoryBrokerConfigured")
+
+
+@upcaster("MemoryBrokerConfigured", 2)
+def _memory_broker_configured_v2_to_v3(raw: dict[str, Any]) -> dict[str, Any]:
+    return {**raw, "rules": 1, "v": 3}  # recorded before the broker's rules were versioned

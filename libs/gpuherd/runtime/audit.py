@@ -31,7 +31,7 @@ _RECORDED_INPUTS: dict[str, tuple[type[ev.Event], ...]] = {
     "policy": (ev.PolicyConfigured,),  # the scheduler's --policy at start
     "config": (ev.ElasticConfigured, ev.MemoryBrokerConfigured),  # a service's --params at start
     "leader": (ev.LeadershipTaken,),  # an instance took the lead (its fence)
-    "rules": (ev.ElasticConfigured,),  # the rules a service runs by, recorded when they changed
+    "rules": (ev.ElasticConfigured, ev.MemoryBrokerConfigured),  # the rules a service runs by, when they changed
 }
 _DECISION_ID = re.compile(r"^[^:]+:\d+:\d+$")
 
