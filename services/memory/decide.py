@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gpuherd import events as ev
 from gpuherd.runtime.decider import ConfiguredDecider
-from services.memory.policy import BrokerParams, decide, params_from, request_problem
+from services.memory.policy import BrokerParams, decide, keeps_leaving_workers_leases, params_from, request_problem
 from services.memory.state import MemoryState, evolve
 
 # What can change spare memory or a lease: the leases' own life, memory use reported, a borrower's
@@ -45,6 +45,8 @@ class MemoryDecider(ConfiguredDecider[MemoryState, BrokerParams]):
     def decide(self, state: MemoryState, event: ev.Event) -> list[ev.Event]:
         if not self.triggered(event):
             return []
+        if isinstance(event, ev.RescaleCompleted) and not keeps_leaving_workers_leases(state):
+            return []  # (rules 1 made no pass there: a replay of their log decides where they did)
         refusal = self.refusal(event)
         if refusal:
             return refusal

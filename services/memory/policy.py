@@ -101,8 +101,8 @@ def denies_requests_below_min_share(state: MemoryState) -> bool:
 
 def keeps_leaving_workers_leases(state: MemoryState) -> bool:
     """Rules 2: a worker leaving its elastic job at a rescale keeps its lease until the switch
-    completes; rules 1 reclaimed it at the ``JobResized``. (A pass at ``RescaleCompleted``, which
-    rules 1 did not make, decides there only what a pass at their next trigger decided.)"""
+    completes, reclaimed by a pass at its ``RescaleCompleted``; rules 1 reclaimed it at the
+    ``JobResized`` and made no pass at ``RescaleCompleted``."""
     return state.rules >= 2
 
 
