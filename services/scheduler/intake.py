@@ -448,7 +448,12 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         try:
             shape = _shape_decoder.decode(data)
             workflow = shape.workflow is not None or shape.steps is not None
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except msgspec.ValidationError as exc:
+            # (Rules 3 to 6 let the spec's decoder judge a workflow whose `workflow` or `steps` held
+            # an out-of-range number: it said "unknown field `workflow`".)
+            if rules >= 7 and (problem := _workflow_number_problem(data, exc)) is not None:
+                return reject(*problem)
+        except msgspec.DecodeError:
             pass  # (the spec's own decoder says what is wrong with it)
     if workflow:
         planned = _plan_workflow(state, sub, sizes, rules)
@@ -499,6 +504,55 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         workflow=planned.workflow,
         steps=planned.steps,
     )
+
+
+class _OutOfRange:
+    """Where a workflow held a number no float can (``1e999``): what msgspec refuses untyped."""
+
+
+_OUT_OF_RANGE = _OutOfRange()
+
+
+def _float_or_out_of_range(text: str) -> float | _OutOfRange:
+    value = float(text)
+    return value if math.isfinite(value) else _OUT_OF_RANGE
+
+
+_marking_decoder = msgspec.json.Decoder(float_hook=_float_or_out_of_range)
+
+
+def _workflow_number_problem(data: bytes, error: msgspec.ValidationError) -> tuple[str, str | None] | None:
+    """Intake rules 7: why a workflow whose number msgspec refused is invalid, with the number's path
+    (``$.steps[0].duration_s``; msgspec's untyped decoder says only ``$.steps[0][...]``), and its
+    intake id; None if ``data`` is no workflow (a job spec's decoder then says what is wrong)."""
+    try:
+        raw = _marking_decoder.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or ("workflow" not in raw and "steps" not in raw):
+        return None
+    message, _, _ = str(error).partition(" - at ")
+    path = _path_of_out_of_range(raw, "$")
+    intake_id = raw.get("intake_id")
+    reason = f"invalid workflow: {message} - at `{path}`" if path else f"invalid workflow: {error}"
+    return reason, intake_id if isinstance(intake_id, str) else None
+
+
+def _path_of_out_of_range(value: Any, path: str) -> str | None:
+    """The JSON path of the first out-of-range number in ``value``, in the order the payload gave them."""
+    if value is _OUT_OF_RANGE:
+        return path
+    items = (
+        ((f"{path}.{key}", item) for key, item in value.items())
+        if isinstance(value, dict)
+        else ((f"{path}[{index}]", item) for index, item in enumerate(value))
+        if isinstance(value, list)
+        else ()
+    )
+    for where, item in items:
+        if (found := _path_of_out_of_range(item, where)) is not None:
+            return found
+    return None
 
 
 def _intake_id_of(data: bytes) -> str | None:
@@ -562,6 +616,10 @@ def _plan_workflow(state: SchedulerState, sub: Submission, sizes: NodeSizes | No
     """A workflow's steps, each a job (or an array), checked one by one: the first problem refuses all."""
     try:
         raw = msgspec.json.decode(sub.data)
+    except msgspec.ValidationError as exc:
+        if rules >= 7 and (problem := _workflow_number_problem(sub.data, exc)) is not None:
+            return problem[0]
+        return f"submission is not valid JSON: {exc}"  # (rules 3 to 6: a number out of range, without its path)
     except msgspec.DecodeError as exc:
         return f"submission is not valid JSON: {exc}"
     if not isinstance(raw, dict):

@@ -17,8 +17,10 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # job's ``max`` is at most ``MAX_ELASTIC_WORLD`` GPUs. 5: a gang needs as many nodes as it asks for
 # that hold its share of GPUs (a mixed cluster may have fewer), and no integer of a spec lies beyond
 # what a snapshot holds (64 bits). 6: an empty array is refused for what it is (`array.count` below
-# 1, or no `array.values`), not as "too large" (the audit compares a rejection's reason).
-INTAKE_RULES = 6
+# 1, or no `array.values`), not as "too large" (the audit compares a rejection's reason). 7: a
+# workflow with an out-of-range number (``1e999``) is refused for it, with its path, not as a job
+# spec with an unknown field `workflow`.
+INTAKE_RULES = 7
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
