@@ -23,13 +23,17 @@ class Waiting(msgspec.Struct, frozen=True):
     position: int  # in the policy's order, 1 = next
     kind: str  # why it waits, one word (quota, capacity, gang, ...)
     why: str  # the scheduler's words
-    estimated_start: float | None = None  # None: it waits for a job of unknown duration
+    # None: no forecast (its start depends on a job of unknown duration, or lies too far ahead)
+    estimated_start: float | None = None
 
 
 class QueueAnswer(msgspec.Struct, frozen=True):
     policy: str
     waiting: list[Waiting]
     fair_share: dict[str, float] = {}  # VC -> decayed GPU-seconds of past use
+    # The log position the answer is for (the oldest of what it is made of); an explainer may answer
+    # with an older one while the log moves fast, and a reader asks again later. None: not said (current).
+    seq: int | None = None
 
 
 class QueueExplainer(Protocol):
@@ -54,4 +58,4 @@ class SubmissionOrder:
             Waiting(job=job, position=n, kind="unknown", why="no scheduler policy is loaded in this dashboard")
             for n, job in enumerate(self._state.queue, 1)
         ]
-        return QueueAnswer(policy="submission order", waiting=rows)
+        return QueueAnswer(policy="submission order", waiting=rows, seq=self._state.seq)

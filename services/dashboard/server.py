@@ -208,6 +208,7 @@ class Routes:
         view, sent, quiet = self.view, -1, 0.0
         try:
             while True:
+                view.settle_queue()  # (a reused answer replaced by a current one is a change too)
                 if view.version != sent:
                     sent = view.version
                     data = json.dumps({"version": sent, "seq": view.state.seq, "ready": self.backend.ready()})

@@ -125,7 +125,10 @@ class DashboardView:
         self.progress: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         self.version = 0  # goes up at every change a page may show
         self.last_audit: dict[str, Any] | None = None
-        self._queue_cache: tuple[int, QueueAnswer] | None = None
+        self._queue_answer: QueueAnswer | None = None  # the explainer's last answer
+        # The version pages were at when they were given an answer older than the log (None: the answer
+        # is current): pages ask again only at the next change, so a quiet log must make one.
+        self._stale_answer_version: int | None = None
         # GPU-hours, ends and queueing per VC and user and hour of log time (the usage page).
         self.usage = Accounting(by=("vc", "user"), per="hour")
         # Workflows: id -> (name, its steps in order: step -> its jobs), from their submissions.
@@ -248,10 +251,32 @@ class DashboardView:
     # -- answers ---------------------------------------------------------------------------------
 
     def queue_answer(self) -> QueueAnswer:
-        """The scheduler's explanation of the queue, worked out again only after the log moved on."""
-        if self._queue_cache is None or self._queue_cache[0] != self.state.seq:
-            self._queue_cache = (self.state.seq, self.queue.explain())
-        return self._queue_cache[1]
+        """The scheduler's explanation of the queue, asked again only while the last one is not for
+        the log's position (the log moved on, or the explainer reused an older answer)."""
+        answer = self._queue_answer
+        if answer is None or not self._current(answer):
+            answer = self._queue_answer = self.queue.explain()
+            self._stale_answer_version = None if self._current(answer) else self.version
+        return answer
+
+    def _current(self, answer: QueueAnswer) -> bool:
+        return answer.seq is None or answer.seq == self.state.seq
+
+    def settle_queue(self) -> bool:
+        """Pages were given an answer older than the log and nothing changed since (a quiet log: the
+        scheduler is idle or down): ask the explainer again and, once it answers for the log as it
+        is, count a change so that open pages fetch it. True if it did. Cheap while nothing is stale
+        (an open page's stream calls it every tenth of a second)."""
+        if self._stale_answer_version is None:
+            return False
+        if self._stale_answer_version != self.version:  # the log moved: pages ask again anyway
+            self._stale_answer_version = None
+            return False
+        self.queue_answer()
+        if self._stale_answer_version is not None:
+            return False
+        self.version += 1
+        return True
 
     def overview(self) -> dict[str, Any]:
         state = self.state
@@ -292,7 +317,7 @@ class DashboardView:
         rows = []
         for w in answer.waiting:
             job = state.jobs.get(w.job)
-            if job is None:
+            if job is None or job.status != "pending":  # (placed since an answer older than the log)
                 continue
             row = msgspec.to_builtins(w)
             spec = job.spec
@@ -344,7 +369,9 @@ class DashboardView:
         if job is None:
             return None
         row = self.job_row(job)
-        waiting = next((w for w in self.queue_answer().waiting if w.job == job_id), None)
+        waiting = None
+        if job.status == "pending":
+            waiting = next((w for w in self.queue_answer().waiting if w.job == job_id), None)
         if waiting is not None:
             row["why"] = waiting.why
             row["position"] = waiting.position

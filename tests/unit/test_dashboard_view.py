@@ -307,3 +307,128 @@ def test_a_vc_s_borrowed_gpus_are_its_use_beyond_its_quota_now() -> None:
     view.fold_all([Record(len(events) + 2, ended)])
     (vision,) = (vc for vc in view.vcs() if vc["vc"] == "vision")
     assert (vision["in_use"], vision["borrowed"]) == (4, 0)
+
+
+# -- the queue as the scheduler explains it, kept current -------------------------------------------
+
+
+class FakeClock:
+    """The explainer's clock (``time.monotonic``), moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def explainer_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    import types
+
+    from services.scheduler import explain
+
+    clock = FakeClock()
+    monkeypatch.setattr(explain, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    return clock
+
+
+class Log:
+    """A view over a growing log, one event at a time."""
+
+    def __init__(self, view: DashboardView) -> None:
+        self.view = view
+        self.seq = 0
+
+    def add(self, *events: ev.Event) -> None:
+        for event in events:
+            self.seq += 1
+            self.view.fold(self.seq, event)
+
+
+def _running(job: str, node_name: str, gpus: tuple[int, ...], at: float, cause: str) -> list[ev.Event]:
+    start = ev.JobStarted(id=f"start-{job}", at=at, source=f"agent.{node_name}", job=job, attempt=0, node=node_name)
+    return [placed(job, node_name, gpus, at=at, cause=cause), start]
+
+
+def _waiting(view: DashboardView) -> dict[str, dict[str, Any]]:
+    return {row["job"]: row for row in view.queue_view()["waiting"]}
+
+
+def test_a_job_placed_since_the_last_answer_is_not_shown_waiting_once_the_log_stops(
+    explainer_clock: FakeClock,
+) -> None:
+    """The explainer reuses its answer for a moment while the log moves; the view must not keep that
+    answer as the one for the log's new position (nothing asks again until the log moves)."""
+    view = DashboardView(SchedulerQueue())
+    log = Log(view)
+    log.add(node("n1", 4), submit("x", 4, at=1.0, duration=100.0), *_running("x", "n1", (0, 1, 2, 3), 1.0, "s-x"))
+    log.add(submit("a", 4, at=2.0))
+    waits = _waiting(view)["a"]["why"]
+    explainer_clock.now = 0.1  # x ends and a is placed: moments after the answer above
+    log.add(ev.JobFinished(id="fin-x", at=50.0, source="scheduler", job="x", attempt=0, outcome="completed"))
+    log.add(placed("a", "n1", (0, 1, 2, 3), at=50.0, cause="fin-x"))
+    view.queue_view()
+    explainer_clock.now = 10.0  # the log has not moved since
+    assert _waiting(view) == {}
+    assert view.queue_answer().seq == view.state.seq, "the answer for the log as it is"
+    assert view.job("a")["why"] != waits
+
+
+def test_a_job_submitted_just_after_another_gets_an_estimate_that_does_not_stay_unknown(
+    explainer_clock: FakeClock,
+) -> None:
+    view = DashboardView(SchedulerQueue())
+    log = Log(view)
+    log.add(node("n1", 4), submit("x", 4, at=0.0, duration=100.0), *_running("x", "n1", (0, 1, 2, 3), 0.0, "s-x"))
+    log.add(submit("a", 4, at=1.0, duration=10.0))
+    assert _waiting(view)["a"]["estimated_start"] == 100.0
+    explainer_clock.now = 0.6  # b comes within the forecast's reuse, after the pass's
+    log.add(submit("b", 4, at=2.0, duration=10.0))
+    assert _waiting(view)["b"]["estimated_start"] == 110.0
+    explainer_clock.now = 10.0
+    assert _waiting(view)["b"]["estimated_start"] == 110.0
+    assert view.job("b")["estimated_start"] == 110.0
+
+
+def test_pages_are_told_when_a_reused_answer_was_replaced_by_a_current_one(explainer_clock: FakeClock) -> None:
+    """A page that was given an answer older than the log asks again only at the next change: the
+    view counts a change once the explainer answers for the log as it is."""
+    view = DashboardView(SchedulerQueue())
+    log = Log(view)
+    log.add(node("n1", 4), submit("x", 4, at=1.0, duration=100.0), *_running("x", "n1", (0, 1, 2, 3), 1.0, "s-x"))
+    log.add(submit("a", 4, at=2.0))
+    view.queue_view()
+    assert not view.settle_queue(), "a current answer: nothing to tell"
+    explainer_clock.now = 0.1
+    log.add(submit("b", 1, at=3.0))
+    view.queue_view()  # (reused: the explainer answered a moment ago)
+    version = view.version
+    assert not view.settle_queue() and view.version == version, "still the reused answer"
+    explainer_clock.now = 10.0
+    assert view.settle_queue() and view.version == version + 1
+    assert not view.settle_queue() and view.version == version + 1, "told once"
+    assert set(_waiting(view)) == {"a", "b"}
+
+
+async def test_an_open_page_s_stream_says_when_a_reused_answer_was_replaced(explainer_clock: FakeClock) -> None:
+    view = DashboardView(SchedulerQueue())
+    log = Log(view)
+    log.add(node("n1", 4), submit("x", 4, at=1.0, duration=100.0), *_running("x", "n1", (0, 1, 2, 3), 1.0, "s-x"))
+
+    async def nothing(*args: Any) -> Any:
+        return {}
+
+    backend = Backend(view, lambda: True, nothing, None, Actions(nothing, nothing), lambda: b"", nothing)
+    async with TestClient(TestServer(make_app(backend))) as c:
+        response = await c.get("/api/stream")
+        await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
+        view.queue_view()
+        explainer_clock.now = 0.1
+        log.add(submit("a", 4, at=2.0))
+        await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)  # (the log moved)
+        assert "a" not in _waiting(view), "the explainer's answer of a moment ago, reused"
+        explainer_clock.now = 10.0
+        await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)  # (the current answer: a change)
+        assert "a" in _waiting(view)
+        response.close()
