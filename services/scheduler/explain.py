@@ -4,6 +4,7 @@ services never import each other)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import msgspec
@@ -17,6 +18,8 @@ from services.scheduler.state import SchedulerState
 
 FORECAST_EVERY_S = 2.0  # a forecast runs the policy forward: at most this often while the log moves
 PLAN_EVERY_S = 0.5  # the pass that explains the queue: at most this often (pages follow within a second)
+NEXT_PASS = "next pass"  # the kind of a waiting job the next pass places (``gpuherd why``'s words below)
+NEXT_PASS_WHY = "nothing holds it back: it is placed on the scheduler's next pass"
 
 
 class Forecast(msgspec.Struct):
@@ -63,17 +66,23 @@ class SchedulerQueue:
         if not state.queue:
             return QueueAnswer(policy=policy.name, waiting=[], fair_share=fair, seq=state.seq)
         if self._rows is None or self._rows[0] != state.seq:  # (only the forecast may be older: not again)
-            self._rows = (state.seq, self._pass_rows(state))
+            self._rows = (state.seq, self._pass_rows(state, policy))
         forecast = self._forecast_for(state, policy, now)
         starts = forecast.starts
         rows = [msgspec.structs.replace(w, estimated_start=starts.get(w.job)) for w in self._rows[1]]
         return QueueAnswer(policy=policy.name, waiting=rows, fair_share=fair, seq=forecast.seq)
 
-    def _pass_rows(self, state: SchedulerState) -> list[Waiting]:
-        pending = self.decider.plan(state).pending
-        return sorted(
-            (Waiting(job, p.position, p.kind, p.detail) for job, p in pending.items()), key=lambda w: w.position
-        )
+    def _pass_rows(self, state: SchedulerState, policy: Policy) -> list[Waiting]:
+        """Every waiting job in the policy's order: why it waits, or that the next pass places it
+        (the scheduler is down, or has not made that pass yet)."""
+        result = self.decider.plan(state)
+        rows = [Waiting(job, p.position, p.kind, p.detail) for job, p in result.pending.items()]
+        # The pass numbers every waiting job; those it places take the positions the others left.
+        taken = {w.position for w in rows}
+        free = (n for n in itertools.count(1) if n not in taken)
+        placed = list(policy.order(state, [p.job for p in result.placed])) if result.placed else []
+        rows += [Waiting(job.job, next(free), NEXT_PASS, NEXT_PASS_WHY) for job in placed]
+        return sorted(rows, key=lambda w: w.position)
 
     def _forecast_for(self, state: SchedulerState, policy: Policy, now: float) -> Forecast:
         """The forecast, made again once FORECAST_EVERY_S passed since the last one (if the log moved

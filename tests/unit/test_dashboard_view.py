@@ -432,3 +432,30 @@ async def test_an_open_page_s_stream_says_when_a_reused_answer_was_replaced(expl
         await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)  # (the current answer: a change)
         assert "a" in _waiting(view)
         response.close()
+
+
+def test_the_queue_lists_every_waiting_job_including_those_the_next_pass_places() -> None:
+    """The scheduler is down or behind: a job that fits is still waiting, and the next pass places
+    it. The queue lists it, and its page says so, as ``gpuherd why`` does."""
+    view = DashboardView(SchedulerQueue())
+    Log(view).add(node("n1", 8), submit("a", 2, at=1.0), submit("b", 16, at=2.0))
+    assert view.overview()["jobs"]["waiting"] == 2
+    rows = view.queue_view()["waiting"]
+    assert [(r["job"], r["position"]) for r in rows] == [("a", 1), ("b", 2)]
+    assert rows[0]["kind"] == "next pass"
+    assert rows[0]["why"] == "nothing holds it back: it is placed on the scheduler's next pass"
+    assert rows[0]["estimated_start"] == 2.0  # now
+    page = view.job("a")
+    assert page["why"] == rows[0]["why"] and page["position"] == 1
+
+
+def test_jobs_the_next_pass_places_take_the_positions_the_waiting_ones_leave() -> None:
+    view = DashboardView(SchedulerQueue())
+    log = Log(view)
+    log.add(node("n1", 8), ev.PolicyConfigured(id="p", policy="fifo", backfill=True))
+    log.add(submit("a", 2, at=1.0), submit("big", 16, nodes=2, at=2.0), submit("c", 2, at=3.0), submit("d", 8, at=4.0))
+    rows = view.queue_view()["waiting"]
+    assert sorted(r["position"] for r in rows) == [1, 2, 3, 4]
+    kinds = {r["job"]: (r["position"], r["kind"]) for r in rows}
+    assert kinds["a"] == (1, "next pass") and kinds["c"] == (3, "next pass")
+    assert kinds["big"][0] == 2 and kinds["d"][0] == 4 and "next pass" not in (kinds["big"][1], kinds["d"][1])
