@@ -1,9 +1,10 @@
 """When will a waiting job start? The scheduler's own passes, run forward on a copy of its state.
 
 From the folded state, forward in time: the pass places what it would place now; then the running
-job expected to end first (declared duration, else the latest prediction) ends, and the pass runs
-again; until every job asked about has a start, or nothing expected to end is left (a job of
-unknown duration holds its GPUs for ever, as far as a forecast can tell). The passes are the live
+job expected to end first (declared duration, else the latest prediction; a job placed but not
+started yet starts now) ends, and the pass runs again; until every job asked about has a start, or
+nothing expected to end is left (a job of unknown duration holds its GPUs for ever, as far as a
+forecast can tell). The passes are the live
 ones (``schedule.plan``, the policy in force, its backfill), folded by the scheduler's own fold, so
 a forecast changes exactly when a decision would. It assumes what the state does not say: no
 new submissions (they may overtake under SJF, QSSF or priorities), jobs end when expected, and
@@ -42,6 +43,13 @@ def forecast_starts(
         nonlocal seq
         seq += 1
         decider.evolve(sim, seq, event)
+
+    # A placed job not started yet (its agent is starting it) has no expected end: as far as a forecast
+    # can tell it starts now, and ends its duration later (not a job of unknown duration).
+    for job_id in list(sim.unstarted):
+        job = sim.jobs[job_id]
+        for node in dict.fromkeys(a.node for a in job.allocations):
+            fold(ev.JobStarted(at=now, job=job_id, attempt=job.attempt, node=node))
 
     for _ in range(max_passes):
         if not wanted - starts.keys():

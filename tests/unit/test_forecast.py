@@ -77,3 +77,17 @@ def test_backfill_as_the_policy_records_it(backfill: bool) -> None:
     starts = forecast_starts(c.state, make_policy("fifo"))
     assert starts["big"] == 100.0
     assert starts["small"] == (2.0 if backfill else 110.0)
+
+
+def test_a_job_placed_but_not_started_yet_is_expected_to_end_its_duration_from_now() -> None:
+    """A placed job has no start yet (its node agent is starting it): as far as a forecast can tell it
+    starts now, and ends its declared duration later; it is not a job of unknown duration."""
+    c = Cluster(2)
+    c.submit("big", 2, 100.0, at=0.0)
+    for placed in c.decider.plan(c.state).placed:
+        c.fold(placed)
+    assert c.state.jobs["big"].status == "placed"
+    c.submit("small", 1, 10.0, at=3.0)
+    assert forecast_starts(c.state, make_policy("fifo")) == {"small": 103.0}
+    c.fold(ev.JobStarted(id="st-big", at=3.0, job="big", attempt=0, node="n1"))
+    assert forecast_starts(c.state, make_policy("fifo")) == {"small": 103.0}

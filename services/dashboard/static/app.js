@@ -172,7 +172,7 @@ views.queue = async () => {
     h("h1", {}, `Queue: ${q.waiting.length} waiting, in ${q.policy} order`),
     q.waiting.length === 0 ? h("p", { class: "dim" }, "No job waits.") :
       table(cols, q.waiting, (w) => [w.position, jobLink(w.job), w.name, w.user, w.vc, w.gpus, fmtDur(w.waiting_s),
-        w.estimated_start === null ? h("span", { class: "dim" }, "unknown") : `${fmtTime(w.estimated_start)} (in ${fmtDur(Math.max(0, w.estimated_start - q.now))})`,
+        w.estimated_start == null ? h("span", { class: "dim" }, "no forecast") : `${fmtTime(w.estimated_start)} (in ${fmtDur(Math.max(0, w.estimated_start - q.now))})`,
         h("span", {}, h("b", {}, w.kind), `: ${w.why}`)], { "data-testid": "queue-table" }));
 };
 
@@ -208,7 +208,7 @@ views.job = async (id) => {
     ["GPUs", j.spec.gpus], ["attempt", j.attempt], ["submitted", fmtTime(j.submitted_at)], ["why", j.why]];
   if (j.status === "pending") {
     facts.push(["position", j.position ?? ""]);
-    facts.push(["expected start", j.estimated_start ? fmtTime(j.estimated_start) : "unknown"]);
+    facts.push(["expected start", j.estimated_start != null ? fmtTime(j.estimated_start) : "no forecast"]);
   }
   if (j.spec.command && j.spec.command.length) facts.push(["command", j.spec.command.join(" ")]);
   if (j.spec.workflow_of) facts.push(["workflow", h("a", { href: `#/workflow/${encodeURIComponent(j.spec.workflow_of.workflow)}` }, `${j.spec.workflow_of.name} (${j.spec.workflow_of.workflow}), step ${j.spec.workflow_of.step}`)]);
