@@ -241,12 +241,24 @@ class DashboardView:
             self.version += 1
         elif len(parts) >= 3 and parts[1] == "job":
             job = str(data.get("job", parts[2]))
+            if not self._first_rank_reports(job, data.get("rank")):
+                return
             ring = self.progress.pop(job, None) or deque(maxlen=PROGRESS_POINTS)
             ring.append({"at": data.get("at"), "step": data.get("step"), **(data.get("values") or {})})
             self.progress[job] = ring  # most recent last
             while len(self.progress) > PROGRESS_JOBS:
                 self.progress.popitem(last=False)
             self.version += 1
+
+    def _first_rank_reports(self, job_id: str, rank: Any) -> bool:
+        """Whether a progress report is the job's first rank's, the one its charts follow (every rank
+        may report: mixed, the charts zig-zag between ranks and disagree with the final metrics). The
+        agents' rule: rank 0, but any rank of an elastic job (its rank 0 is whoever holds it after a
+        rescale, whatever its launch rank; it alone reports). A report without a rank: an older agent's."""
+        if rank is None or rank == 0:
+            return True
+        job = self.state.jobs.get(job_id)
+        return job is not None and job.spec.elastic is not None
 
     # -- answers ---------------------------------------------------------------------------------
 

@@ -459,3 +459,27 @@ def test_jobs_the_next_pass_places_take_the_positions_the_waiting_ones_leave() -
     kinds = {r["job"]: (r["position"], r["kind"]) for r in rows}
     assert kinds["a"] == (1, "next pass") and kinds["c"] == (3, "next pass")
     assert kinds["big"][0] == 2 and kinds["d"][0] == 4 and "next pass" not in (kinds["big"][1], kinds["d"][1])
+
+
+def test_a_job_s_progress_is_its_first_rank_s_reports() -> None:
+    """Every rank of a job may report its step: the charts follow the first rank (what ends up in
+    the job's final metrics), as the agents keep it."""
+    view = folded()
+    for step in range(1, 401):
+        for rank in range(4):
+            values = {"loss": 1.0 / step + rank}
+            view.telemetry("n1.job.a", {"job": "a", "rank": rank, "at": step, "step": step, "values": values})
+    progress = view.job("a")["progress"]
+    assert [p["step"] for p in progress] == list(range(101, 401))  # the last 300 steps, once each
+    assert progress[-1]["loss"] == pytest.approx(1 / 400)
+
+
+def test_an_elastic_job_s_progress_is_whichever_rank_reports() -> None:
+    """An elastic job's rank 0 is whoever holds it after a rescale: it alone reports, whatever its
+    launch rank (as the agents keep it)."""
+    view = DashboardView(None)
+    elastic = ev.JobSpec(name="e", user="u", gpus=2, elastic=ev.Elastic(min=1, max=4))
+    view.fold(1, ev.JobSubmitted(id="s-e", at=0.0, source="t", job="e", spec=elastic, intake_source="t"))
+    for step, rank in ((1, 0), (2, 3)):
+        view.telemetry("n1.job.e", {"job": "e", "rank": rank, "at": step, "step": step, "values": {"loss": 1.0}})
+    assert [p["step"] for p in view.job("e")["progress"]] == [1, 2]
