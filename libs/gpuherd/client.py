@@ -66,6 +66,15 @@ class Verdict(msgspec.Struct, frozen=True):
     steps: dict[str, list[str]] | None = None
 
 
+def _checked_job_id(job_id: str) -> str:
+    """A job id goes into a subject (``herd.job.<id>``): a '*' or '>' there is a wildcard that
+    matches every job's subject, and a '.' names another subject."""
+    try:
+        return check_token("job", job_id)
+    except ValueError as exc:
+        raise SubmissionError(f"{exc} (a job's id, as `gpuherd jobs` lists it)") from None
+
+
 def load_data_file(path: str | Path) -> Any:
     """Read JSON, or YAML when the name ends in .yaml/.yml."""
     text = Path(path).read_text()
@@ -210,6 +219,7 @@ class Client:
 
     async def cancel(self, job_id: str, reason: str = "") -> None:
         """Ask for a job to be cancelled (recorded as JobCancelRequested)."""
+        _checked_job_id(job_id)
         log_ = await self._log()
         if not await self._job_known(log_, job_id):
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
@@ -217,6 +227,10 @@ class Client:
 
     async def job_exists(self, job_id: str) -> bool:
         """Whether the log holds a job of this id (an array's or a workflow's id is no job)."""
+        try:
+            check_token("job", job_id)
+        except ValueError:
+            return False  # no job's id (and as a subject, a wildcard would match every job's)
         return await self._job_known(await self._log(), job_id)
 
     @staticmethod
@@ -236,6 +250,8 @@ class Client:
     async def cancel_jobs(self, job_ids: list[str], reason: str = "") -> None:
         """Ask for several jobs to be cancelled at once (an array's, a workflow's unfinished jobs):
         one JobCancelRequested each, appended together (all of them or none)."""
+        for job in job_ids:
+            _checked_job_id(job)
         log_ = await self._log()
         events = [ev.JobCancelRequested(**self._stamp("cancel"), job=job, reason=reason) for job in job_ids]
         for start in range(0, len(events), log_.max_batch):
@@ -246,6 +262,7 @@ class Client:
         (its ``ProfileReported`` names it)."""
         if steps < 1:
             raise SubmissionError(f"a profile needs at least one step, got {steps}")
+        _checked_job_id(job_id)
         log_ = await self._log()
         if not await self._job_known(log_, job_id):
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
