@@ -104,19 +104,23 @@ class Client:
         self._reply_prefix = nc.new_inbox()
         self._replies: dict[str, asyncio.Future[bytes]] = {}
         self._reply_sub: Any = None
+        # Subscribing may wait (a connection whose write buffer is full): submissions started
+        # meanwhile must wait for that one subscription, not make another (every reply handled twice).
+        self._subscribing = asyncio.Lock()
 
     async def _reply_inbox(self) -> tuple[str, asyncio.Future[bytes]]:
         if self._reply_sub is None:
-
-            async def on_reply(msg: Any) -> None:
-                waiting = self._replies.get(msg.subject)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(msg.data)
-
-            self._reply_sub = await self.nc.subscribe(f"{self._reply_prefix}.*", cb=on_reply)
+            async with self._subscribing:
+                if self._reply_sub is None:
+                    self._reply_sub = await self.nc.subscribe(f"{self._reply_prefix}.*", cb=self._on_reply)
         inbox = f"{self._reply_prefix}.{uuid.uuid4().hex}"
         self._replies[inbox] = asyncio.get_running_loop().create_future()
         return inbox, self._replies[inbox]
+
+    async def _on_reply(self, msg: Any) -> None:
+        waiting = self._replies.get(msg.subject)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(msg.data)
 
     @classmethod
     async def connect(cls, url: str, *, source: str = "cli", persistent: bool = False) -> Client:

@@ -1,18 +1,60 @@
-"""The submitters' client against a real nats-server: the job ids it lets into subjects."""
+"""The submitters' client against a real nats-server: its reply subscription, and the job ids it
+lets into subjects."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+import urllib.request
+from typing import Any
 
+import msgspec
+import nats
 import pytest
 
 from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.errors import SubmissionError
+from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.natsd import NatsServer
 
 GOOD = {"name": "t", "user": "u", "gpus": 1, "duration_s": 1}
+
+
+def _subscriptions_of(server: NatsServer, connection_name: str) -> list[str]:
+    """The subjects the server holds subscriptions on for a connection (its monitoring endpoint)."""
+    with urllib.request.urlopen(f"{server.monitor_url}/connz?subs=1", timeout=5) as answer:
+        connections = json.load(answer)["connections"]
+    return [s for c in connections if c.get("name") == connection_name for s in c.get("subscriptions_list", [])]
+
+
+async def test_two_submissions_at_once_on_a_new_client_share_one_reply_subscription(local_nats: NatsServer) -> None:
+    """Both submissions find no reply subscription yet; if subscribing waits (a connection whose
+    write buffer is full: ``pending_size=1`` makes every command wait for the flusher), the second
+    must not subscribe again, or every verdict is handled twice and one subscription leaks."""
+    scheduler = await nats.connect(local_nats.url)
+
+    async def judge(msg: Any) -> None:  # a scheduler's reply, without its stream
+        job_id = "j" + msgspec.json.decode(msg.data)["intake_id"][:11]
+        await scheduler.publish(msg.headers[REPLY_HEADER], msgspec.json.encode({"ok": True, "job_id": job_id}))
+
+    await scheduler.subscribe(f"{INTAKE_PREFIX}.racing", cb=judge)
+    await scheduler.flush()
+    submitter = await nats.connect(local_nats.url, name="racing-submitter", pending_size=1)
+    client = Client(submitter, source="racing")
+    try:
+        jobs = await asyncio.gather(*(client.submit(GOOD, timeout=10) for _ in range(2)))
+        assert len(set(jobs)) == 2
+        await submitter.flush()
+        reply_subscriptions = [
+            s for s in _subscriptions_of(local_nats, "racing-submitter") if s.startswith(client._reply_prefix)
+        ]
+        assert reply_subscriptions == [f"{client._reply_prefix}.*"]
+    finally:
+        await client.close()
+        await scheduler.close()
 
 
 @pytest.mark.parametrize("job_id", ["*", ">", "jreal.x", "j real"])
