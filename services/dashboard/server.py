@@ -26,6 +26,9 @@ from services.dashboard.view import DashboardView
 
 STATIC = Path(__file__).parent / "static"
 PUSH_EVERY_S = 0.1  # how often an open page's stream looks for a change
+# An action's reason is recorded in the log, read by every reader and shown on pages: a body of up to
+# aiohttp's 1 MiB would otherwise put a 1 MB reason there (with a smaller NATS max_payload, a 500).
+MAX_REASON_CHARS = 2048
 KEEPALIVE_S = 15.0
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
@@ -241,7 +244,12 @@ class Routes:
         refused = self._refusal(request)
         if refused is not None:
             return refused
-        call, done = action(await _reason_of(request) or default)
+        reason = await _reason_of(request)
+        if len(reason) > MAX_REASON_CHARS:
+            return _error(
+                400, f"a reason is at most {MAX_REASON_CHARS} characters (it goes in the log); got {len(reason)}"
+            )
+        call, done = action(reason or default)
         try:
             await call()
         except GpuherdError as exc:
@@ -252,8 +260,12 @@ class Routes:
         job = request.match_info["job"]
         cancel = self.backend.actions.cancel
 
+        async def checked(reason: str) -> None:
+            _check_subject_token("job", job)  # a wildcard ('*', '>') would name every job's subject
+            await cancel(job, reason)
+
         def action(reason: str) -> tuple[Call, str]:
-            return (lambda: cancel(job, reason)), f"cancel requested for {job}"
+            return (lambda: checked(reason)), f"cancel requested for {job}"
 
         return await self._act(request, action, "cancelled from the dashboard")
 
@@ -270,13 +282,18 @@ class Routes:
         default = "" if undrain else "drained from the dashboard"
 
         async def checked(reason: str) -> None:
-            try:
-                check_token("node", node)  # a wildcard ('*', '>') matched every node's subject: "drained *"
-            except ValueError as exc:
-                raise GpuherdError(str(exc)) from None
+            _check_subject_token("node", node)  # a wildcard ('*', '>') matched every node's subject: "drained *"
             await drain(node, reason, undrain)
 
         return await self._act(request, lambda reason: ((lambda: checked(reason)), done), default)
+
+
+def _check_subject_token(what: str, value: str) -> None:
+    """A name that goes in a NATS subject is one token (an error the client's checks give: 400)."""
+    try:
+        check_token(what, value)
+    except ValueError as exc:
+        raise GpuherdError(str(exc)) from None
 
 
 async def _reason_of(request: web.Request) -> str:

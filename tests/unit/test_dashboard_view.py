@@ -483,3 +483,42 @@ def test_an_elastic_job_s_progress_is_whichever_rank_reports() -> None:
     for step, rank in ((1, 0), (2, 3)):
         view.telemetry("n1.job.e", {"job": "e", "rank": rank, "at": step, "step": step, "values": {"loss": 1.0}})
     assert [p["step"] for p in view.job("e")["progress"]] == [1, 2]
+
+
+# -- the operator actions' checks and the services page ---------------------------------------------
+
+
+async def test_an_action_refuses_a_reason_too_long_for_the_log() -> None:
+    cancelled: list[str] = []
+
+    async def cancel(job: str, reason: str) -> None:
+        cancelled.append(job)
+
+    async def drain(node: str, reason: str, undrain: bool) -> None:
+        cancelled.append(node)
+
+    async with TestClient(TestServer(make_app(_acting(Actions(cancel=cancel, drain=drain))))) as c:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for path in ("/api/jobs/b/cancel", "/api/nodes/n1/drain"):
+            response = await c.post(path, json={"reason": "x" * 1_000_000}, headers=auth)
+            assert response.status == 400, path
+            assert "reason" in (await response.json())["error"]
+        ok = await c.post("/api/jobs/b/cancel", json={"reason": "x" * 500}, headers=auth)
+        assert ok.status == 200, await ok.text()
+    assert cancelled == ["b"]
+
+
+async def test_cancel_refuses_a_job_id_that_is_a_subject_wildcard() -> None:
+    cancelled: list[str] = []
+
+    async def cancel(job: str, reason: str) -> None:
+        cancelled.append(job)
+
+    async def nothing(*args: Any) -> None:
+        return None
+
+    async with TestClient(TestServer(make_app(_acting(Actions(cancel=cancel, drain=nothing))))) as c:
+        for job in ("*", ">", "%2A", "a.b"):
+            response = await c.post(f"/api/jobs/{job}/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert response.status == 400 and "subject token" in (await response.json())["error"], job
+    assert cancelled == []
