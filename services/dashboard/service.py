@@ -172,15 +172,20 @@ class Dashboard:
 
     async def services(self) -> dict[str, Any]:
         entries = await self.log.kv_entries(STATUS_BUCKET)
-        statuses = sorted(
-            (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
-            key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
-        )
+        statuses: list[ServiceStatus] = []
+        unreadable: list[dict[str, str]] = []  # an entry of another version, or garbled: said, not a 500
+        for key, value in sorted(entries.items()):
+            try:
+                statuses.append(msgspec.json.decode(value, type=ServiceStatus))
+            except msgspec.DecodeError as exc:  # (a ValidationError is one)
+                unreadable.append({"key": key, "error": str(exc)})
+        statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
         dead = await self.log.dead_letters()
         nats = await nats_overview(self.log) if hasattr(self.log, "js") else {"streams": []}
         return {
             "now": time.time(),
             "services": [msgspec.to_builtins(s) for s in statuses],
+            "unreadable": unreadable,
             "nats": nats,
             "dead_letters": [msgspec.to_builtins(d) for d in dead[-50:]],
             "dead_letter_count": len(dead),

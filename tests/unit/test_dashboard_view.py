@@ -522,3 +522,23 @@ async def test_cancel_refuses_a_job_id_that_is_a_subject_wildcard() -> None:
             response = await c.post(f"/api/jobs/{job}/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
             assert response.status == 400 and "subject token" in (await response.json())["error"], job
     assert cancelled == []
+
+
+async def test_the_services_page_skips_a_malformed_status_entry_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuherd.log import STATUS_BUCKET
+    from gpuherd.log.inprocess import InProcessLog
+    from gpuherd.metrics import ServiceStatus
+    from services.dashboard import service
+    from services.dashboard.service import Dashboard, Tools
+
+    monkeypatch.setattr(service, "Client", lambda *args, **kwargs: None)  # (no NATS: no action is taken here)
+
+    log_ = InProcessLog()
+    good = ServiceStatus(service="scheduler", instance="h-1", role="leader", seq=7)
+    await log_.kv_put(STATUS_BUCKET, "scheduler.h-1", msgspec.json.encode(good))
+    await log_.kv_put(STATUS_BUCKET, "elastic.h-2", b"{not json")
+    await log_.kv_put(STATUS_BUCKET, "memory.h-3", b'{"service": "memory", "role": 3}')
+    answer = await Dashboard(log_, tools=Tools()).services()
+    assert [s["service"] for s in answer["services"]] == ["scheduler"]
+    assert sorted(u["key"] for u in answer["unreadable"]) == ["elastic.h-2", "memory.h-3"]
+    assert all(u["error"] for u in answer["unreadable"])

@@ -382,6 +382,7 @@ views.services = async () => {
     h("h1", {}, "Services"),
     table(["service", "instance", "role", { label: "folded", num: true }, { label: "lag", num: true }, { label: "decisions", num: true }, { label: "dead letters", num: true }, "seen"],
       s.services, (x) => [x.service, x.instance, x.role, num(x.seq), num(x.lag), num(x.decisions), num(x.dead_letters), `${fmtDur(Math.max(0, s.now - x.updated_at))} ago`], { "data-testid": "services-table" }),
+    (s.unreadable || []).length ? h("p", { class: "error" }, `Unreadable status entries: ${s.unreadable.map((u) => `${u.key} (${u.error})`).join("; ")}`) : null,
     h("h2", {}, `NATS: ${s.nats.server || "?"} ${s.nats.version || ""} ${s.nats.cluster ? `(cluster ${s.nats.cluster})` : "(a single server)"}`),
     table(["stream", { label: "messages", num: true }, { label: "bytes", num: true }, { label: "replicas", num: true }, "leader", "peers"], s.nats.streams,
       (st) => [st.name, num(st.messages), num(st.bytes), st.replicas, st.leader, st.peers.map((p) => `${p.name} (${p.current && !p.offline ? "current" : "behind"}, lag ${p.lag})`).join(", ")]),
