@@ -6,6 +6,8 @@ An array or a workflow is judged as a whole: every job of it is accepted (one ``
 each, appended together) or none is, with one answer that lists the ids. Dependencies must name
 jobs the scheduler knows (waiting, running, or ended within ``state.OUTCOMES_KEPT_S``) or steps
 of the same workflow; a job may not depend on itself, and a workflow's steps may not form a cycle.
+One intake id (of a source) is one submission: sent again with the same jobs and specs, it is a
+duplicate, answered from the jobs it made; of another shape or spec, it is refused.
 
 ``judge`` is pure: it reads the submission and the scheduler's state, nothing else. The scheduler
 decides submissions in the log's order like any other input (``SchedulerDecider.take``), so a
@@ -456,8 +458,17 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         except msgspec.DecodeError:
             pass  # (the spec's own decoder says what is wrong with it)
     if workflow:
-        planned = _plan_workflow(state, sub, sizes, rules)
         intake_id = _intake_id_of(data)
+        raw = _workflow_payload(sub, rules)
+        if isinstance(raw, str):
+            return reject(raw, intake_id)
+        # Rules 8: a used intake id is judged against the jobs it made, before anything of today's
+        # state (a VC's limits, the nodes) is; rules 3 to 7 judged the payload anew.
+        if rules >= 8 and _any_taken(state, source, _workflow_keys(sub, raw)):
+            again = _plan_workflow(state, sub, raw, sizes, rules, checked=False)
+            used = _intake_id_or_default(sub, raw.get("intake_id"))
+            return _resubmitted(state, sub, again, used, service=service, rules=rules)
+        planned = _plan_workflow(state, sub, raw, sizes, rules)
     else:
         try:
             spec = _spec_decoder.decode(data)
@@ -465,6 +476,9 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
             return reject(f"invalid job spec: {exc}")
         except msgspec.DecodeError as exc:
             return reject(f"submission is not valid JSON: {exc}")
+        if rules >= 8 and _any_taken(state, source, keys := _job_keys(sub, spec)):
+            again = _plan_job(state, sub, spec, rules, checked=False)
+            return _resubmitted(state, sub, again, keys[0], service=service, rules=rules)
         problem = _spec_problem(spec, state, sizes, rules)
         if problem is not None:
             return reject(problem, spec.intake_id)
@@ -478,18 +492,32 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         if isinstance(problem, str):
             return reject(problem, intake_id)
         jobs = problem
+    # (Rules 8 looked up every intake id above; the rules before only the first job's.)
     first = jobs[0].spec
-    existing = state.intake_index.get(intake_key(source, first.intake_id or ""))
+    existing = None if rules >= 8 else state.intake_index.get(intake_key(source, first.intake_id or ""))
+    return _verdict(state, sub, planned, jobs, service=service, rules=rules, duplicate=existing is not None)
+
+
+def _verdict(
+    state: SchedulerState,
+    sub: Submission,
+    planned: _Planned,
+    jobs: list[_Job],
+    *,
+    service: str,
+    rules: int,
+    duplicate: bool,
+) -> Verdict:
     events = [
         ev.JobSubmitted(
-            id=f"{service}:intake:{source}:{job.spec.intake_id}",
+            id=f"{service}:intake:{sub.source}:{job.spec.intake_id}",
             at=sub.at,
             source=service,
             based_on=state.seq,
             cause=sub.cause,
             job=job.job,
             spec=job.spec,
-            intake_source=source,
+            intake_source=sub.source,
             intake_seq=sub.seq,
             intake_rules=rules,
         )
@@ -498,12 +526,155 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
     return Verdict(
         events[0],
         job_id=planned.job_id,
-        duplicate=existing is not None,
+        duplicate=duplicate,
         more=tuple(events[1:]),
         array=planned.array,
         workflow=planned.workflow,
         steps=planned.steps,
     )
+
+
+# -- a used intake id (rules 8) ------------------------------------------------------------------------
+
+
+def _intake_id_or_default(sub: Submission, given: Any) -> Any:
+    """A submission's intake id: the one it gives, else its message id, else its sequence."""
+    return given or sub.msg_id or f"seq-{sub.seq}"
+
+
+def _job_keys(sub: Submission, spec: ev.JobSpec) -> tuple[str, str]:
+    """The intake ids that tell whether a job's or an array's intake id was used: its own (a single
+    job's) and its first element's (an array's; a user's id never holds ``[``)."""
+    intake_id = _intake_id_or_default(sub, spec.intake_id)
+    return intake_id, f"{intake_id}[0]"
+
+
+def _workflow_keys(sub: Submission, raw: dict[str, Any]) -> list[str]:
+    """The same for each step of a workflow (``<id>#<step>``); none where the workflow is malformed
+    (planning it says why)."""
+    intake_id = _intake_id_or_default(sub, raw.get("intake_id"))
+    steps = raw.get("steps")
+    if not isinstance(intake_id, str) or not isinstance(steps, list) or len(steps) > MAX_JOBS_PER_SUBMISSION:
+        return []
+    keys = []
+    for step in steps:
+        name = step.get("name") if isinstance(step, dict) else None
+        if isinstance(name, str):
+            keys += [f"{intake_id}#{name}", f"{intake_id}#{name}[0]"]
+    return keys
+
+
+def _any_taken(state: SchedulerState, source: str, intake_ids: Iterable[str]) -> bool:
+    index = state.intake_index
+    return any(intake_key(source, intake_id) in index for intake_id in intake_ids)
+
+
+def _resubmitted(
+    state: SchedulerState, sub: Submission, planned: _Planned | str, used_id: str, *, service: str, rules: int
+) -> Verdict:
+    """A submission under an intake id that made jobs already. Exactly those jobs, each with the spec
+    it was accepted with: a duplicate, answered from the recorded jobs (nothing is judged again, so a
+    retry after a VC's limits changed is still the job it was). Anything else is refused: taking it
+    for a duplicate would drop what changed unseen, and accepting the new jobs would make a second
+    submission under one id (the fold ignores a job id it holds already). The rejection records the
+    id it was judged under, given or not (a message id), for the audit to judge it under the same."""
+
+    def reject(reason: str) -> Verdict:
+        return rejection(state, sub, reason, intake_id=used_id, service=service)
+
+    if isinstance(planned, str):
+        return reject(planned)  # (malformed whatever the state: it is not the submission that was accepted)
+    jobs = _named_dependencies(planned)
+    index = state.intake_index
+    taken = [index.get(intake_key(sub.source, job.spec.intake_id or "")) for job in jobs]
+    others = _other_earlier_jobs(state, sub.source, planned)
+    if None in taken or others:
+        earlier = [job_id for job_id in taken if job_id is not None] + others
+        return reject(
+            f"intake id {used_id!r} was used by an earlier submission of another shape "
+            f"(jobs {_listing(earlier)}); use a new intake id"
+        )
+    recorded_jobs = []
+    for job in jobs:
+        recorded = state.jobs.get(job.job)
+        if recorded is None:  # ended and forgotten but for its id: nothing left to compare
+            recorded_jobs.append(job)
+            continue
+        if fields := _differing_fields(job.spec, recorded.spec):
+            where = f"step {job.step}: " if job.step is not None else ""
+            named = ", ".join(f"`{field}`" for field in fields)
+            return reject(
+                f"intake id {used_id!r} was used by an earlier submission with another spec ({where}{named} "
+                f"{'differs' if len(fields) == 1 else 'differ'} from job {job.job}); use a new intake id"
+            )
+        recorded_jobs.append(job._replace(spec=recorded.spec))
+    return _verdict(state, sub, planned, recorded_jobs, service=service, rules=rules, duplicate=True)
+
+
+def _other_earlier_jobs(state: SchedulerState, source: str, planned: _Planned) -> list[str]:
+    """Jobs the earlier submission made that this one would not: an array's elements beyond this
+    one's, a single job where this one is an array (or the reverse), a workflow's other steps."""
+    index = state.intake_index
+    probes = []
+    for job in planned.jobs:
+        member, intake_id = job.spec.array_of, job.spec.intake_id or ""
+        if member is None:
+            probes.append(f"{intake_id}[0]")
+        elif member.index == 0:
+            base = intake_id.rpartition("[")[0]
+            probes += [base, f"{base}[{member.size}]"]
+    found = [job_id for probe in probes if (job_id := index.get(intake_key(source, probe))) is not None]
+    if planned.workflow is not None:
+        # (No index holds a workflow's steps: look among the jobs known, only for a used intake id.)
+        prefix, ours = f"{planned.workflow}-", {job.job for job in planned.jobs} | set((planned.by_name or {}).values())
+        found += [job_id for job_id in state.jobs if job_id.startswith(prefix) and job_id not in ours]
+        found += [job_id for job_id in state.outcomes if job_id.startswith(prefix) and job_id not in ours]
+    return list(dict.fromkeys(found))
+
+
+def _listing(job_ids: list[str], most: int = 10) -> str:
+    job_ids = list(dict.fromkeys(job_ids))
+    shown = ", ".join(job_ids[:most])
+    return shown if len(job_ids) <= most else f"{shown} and {len(job_ids) - most} more"
+
+
+_ARRAY_ENV = frozenset({jobenv.ARRAY_INDEX, jobenv.ARRAY_ID, jobenv.ARRAY_VALUE})
+_FIELD_NAMES = {"array_of": "array", "workflow_of": "workflow"}  # what the submitter gave for them
+
+
+def _differing_fields(asked: ev.JobSpec, recorded: ev.JobSpec) -> list[str]:
+    """The fields a resubmitted job asks for otherwise than the recorded one. A time limit it leaves
+    out is its VC's default, whatever that is now; an element's own environment follows its array."""
+    if asked.time_limit_s is None:
+        asked = msgspec.structs.replace(asked, time_limit_s=recorded.time_limit_s)
+    if asked == recorded:
+        return []
+    fields = []
+    for name in asked.__struct_fields__:
+        mine, theirs = getattr(asked, name), getattr(recorded, name)
+        if mine == theirs or (name == "env" and _user_env(mine) == _user_env(theirs)):
+            continue
+        fields.append(_FIELD_NAMES.get(name, name))
+    return fields
+
+
+def _user_env(env: dict[str, str] | None) -> dict[str, str]:
+    return {name: value for name, value in (env or {}).items() if name not in _ARRAY_ENV}
+
+
+def _named_dependencies(planned: _Planned) -> list[_Job]:
+    """The jobs with their dependencies named by job id, as ``_resolve_all`` names them, unchecked."""
+    by_name = planned.by_name or {}
+    out = []
+    for job in planned.jobs:
+        deps = job.spec.depends_on
+        if deps is not None:
+            named = {
+                kind: tuple(dict.fromkeys(by_name.get(name, name) for name in names)) for kind, names in deps.kinds()
+            }
+            job = job._replace(spec=msgspec.structs.replace(job.spec, depends_on=ev.Dependencies(**named)))
+        out.append(job)
+    return out
 
 
 class _OutOfRange:
@@ -563,15 +734,20 @@ def _intake_id_of(data: bytes) -> str | None:
     return intake_id if isinstance(intake_id, str) else None
 
 
-def _plan_job(state: SchedulerState, sub: Submission, spec: ev.JobSpec, rules: int) -> _Planned | str:
-    """One job, or an array of them."""
+def _plan_job(
+    state: SchedulerState, sub: Submission, spec: ev.JobSpec, rules: int, *, checked: bool = True
+) -> _Planned | str:
+    """One job, or an array of them; ``checked`` False: a spec not judged (the jobs as asked for, to
+    compare with those a used intake id made)."""
     intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
     job_id = job_id_for(sub.source, intake_id)
     spec = msgspec.structs.replace(spec, intake_id=intake_id)
-    if rules >= 3:
+    if rules >= 3 and checked:
         spec = _with_default_limit(state, spec)
     if spec.array is None:
         return _Planned([_Job(job_id, spec)], job_id)
+    if not checked and (problem := _array_problem(spec.array, rules)) is not None:
+        return problem  # (never make the elements of an array intake refuses)
     jobs = _elements(job_id, spec, intake_id)
     return _Planned(jobs, job_id, array=job_id)
 
@@ -612,8 +788,8 @@ def workflow_id_for(source: str, intake_id: str) -> str:
     return "w" + ev.stable_id(source, intake_id, length=11)
 
 
-def _plan_workflow(state: SchedulerState, sub: Submission, sizes: NodeSizes | None, rules: int) -> _Planned | str:
-    """A workflow's steps, each a job (or an array), checked one by one: the first problem refuses all."""
+def _workflow_payload(sub: Submission, rules: int) -> dict[str, Any] | str:
+    """A workflow's payload decoded, or why it cannot be."""
     try:
         raw = msgspec.json.decode(sub.data)
     except msgspec.ValidationError as exc:
@@ -624,6 +800,20 @@ def _plan_workflow(state: SchedulerState, sub: Submission, sizes: NodeSizes | No
         return f"submission is not valid JSON: {exc}"
     if not isinstance(raw, dict):
         return 'a workflow is a mapping: {"workflow": name, "steps": [job spec, ...]}'
+    return raw
+
+
+def _plan_workflow(
+    state: SchedulerState,
+    sub: Submission,
+    raw: dict[str, Any],
+    sizes: NodeSizes | None,
+    rules: int,
+    *,
+    checked: bool = True,
+) -> _Planned | str:
+    """A workflow's steps, each a job (or an array), checked one by one: the first problem refuses all
+    (``checked`` False: the steps' specs not judged, as in ``_plan_job``)."""
     name, steps, intake_id = raw.get("workflow"), raw.get("steps"), raw.get("intake_id")
     if not isinstance(name, str) or not name.strip() or len(name) > 256:
         return "a workflow needs `workflow`: its name (1-256 characters)"
@@ -655,13 +845,18 @@ def _plan_workflow(state: SchedulerState, sub: Submission, sizes: NodeSizes | No
             spec = msgspec.convert({**shared, **step}, ev.JobSpec)
         except msgspec.ValidationError as exc:
             return f"step {step_name}: invalid job spec: {exc}"
-        problem = _spec_problem(spec, state, sizes, rules)
+        problem: str | None = None
+        if checked:
+            problem = _spec_problem(spec, state, sizes, rules)
+        elif spec.array is not None:
+            problem = _array_problem(spec.array, rules)  # (never make the elements of an array intake refuses)
         if problem is not None:
             return f"step {step_name}: {problem}"
         step_id = f"{workflow}-{step_name}"
         member = ev.WorkflowMember(workflow=workflow, name=name, step=step_name)
         spec = msgspec.structs.replace(spec, intake_id=f"{intake_id}#{step_name}", workflow_of=member)
-        spec = _with_default_limit(state, spec)
+        if checked:
+            spec = _with_default_limit(state, spec)
         made = (
             [_Job(step_id, spec, step_name)]
             if spec.array is None
@@ -772,7 +967,10 @@ def recheck(
     )
     if not complete:
         return None  # the log kept only the start of it: nothing to judge again
-    sub = Submission(source=verdict.intake_source, seq=verdict.intake_seq, data=payload, at=verdict.at)
+    # (A rejection records the intake id it was judged under; one not in the payload was its message id.)
+    sub = Submission(
+        source=verdict.intake_source, seq=verdict.intake_seq, data=payload, at=verdict.at, msg_id=verdict.intake_id
+    )
     again = _judge(state, sub, service=service, sizes=None, rules=verdict.intake_rules)
     if isinstance(again.event, ev.JobSubmitted):
         return "would now be accepted"

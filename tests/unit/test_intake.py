@@ -51,8 +51,10 @@ def test_same_intake_id_twice_is_one_job() -> None:
     state = cluster()
     first = verdict(GOOD | {"intake_id": "x"}, state)
     apply(state, 4, first.event)
-    again = verdict(GOOD | {"intake_id": "x", "name": "changed"}, state, seq=8)
+    again = verdict(GOOD | {"intake_id": "x"}, state, seq=8)
     assert again.duplicate and again.job_id == first.job_id
+    changed = verdict(GOOD | {"intake_id": "x", "name": "changed"}, state, seq=9).event
+    assert isinstance(changed, ev.JobRejected) and "used by an earlier submission with another spec" in changed.reason
     other_source = verdict(GOOD | {"intake_id": "x"}, state, source="teamB")
     assert not other_source.duplicate and other_source.job_id != first.job_id
 

@@ -19,8 +19,12 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # what a snapshot holds (64 bits). 6: an empty array is refused for what it is (`array.count` below
 # 1, or no `array.values`), not as "too large" (the audit compares a rejection's reason). 7: a
 # workflow with an out-of-range number (``1e999``) is refused for it, with its path, not as a job
-# spec with an unknown field `workflow`.
-INTAKE_RULES = 7
+# spec with an unknown field `workflow`. 8: a submission under an intake id that made jobs already is
+# judged against them, before anything of the state: the same jobs with the same specs are a
+# duplicate (answered with the recorded ids, whatever the VC's limits are now); another shape (an
+# array's count, a workflow's steps) or spec is refused. Before, only the first job's intake id was
+# looked up, and a duplicate was judged on its new payload.
+INTAKE_RULES = 8
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
