@@ -95,14 +95,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.json:
         print_json({k: v for k, v in msgspec.to_builtins(verdict).items() if v is not None})
         return 0
+    # A duplicate is the submission made earlier under this intake id, not this one: say so.
+    done = "already submitted as" if verdict.duplicate else "submitted"
     if verdict.workflow is not None:
         steps = ", ".join(f"{name} {' '.join(ids)}" for name, ids in (verdict.steps or {}).items())
-        console.print(f"submitted workflow [bold]{verdict.workflow}[/bold]: {steps}", highlight=False)
+        console.print(f"{done} workflow [bold]{verdict.workflow}[/bold]: {steps}", highlight=False)
     elif verdict.array is not None:
         ids = verdict.job_ids or []
-        console.print(f"submitted array [bold]{verdict.array}[/bold]: {len(ids)} jobs {ids[0]} .. {ids[-1]}")
+        console.print(f"{done} array [bold]{verdict.array}[/bold]: {len(ids)} jobs {ids[0]} .. {ids[-1]}")
     else:
-        console.print(f"submitted [bold]{verdict.job_id}[/bold]")
+        console.print(f"{done} [bold]{verdict.job_id}[/bold]")
     return 0
 
 

@@ -1,18 +1,24 @@
 """A submission that reuses an intake id: a true duplicate (a retry of the same bytes) is answered
 from the jobs the log holds, whatever changed in the cluster since; a submission of another shape or
 spec under a used id is refused, and the audit re-judges every such verdict the same. Also: a
-workflow with an out-of-range number is refused for that number, with its path."""
+workflow with an out-of-range number is refused for that number, with its path; `gpuherd submit` says
+when a submission was already submitted."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
+from gpuherd.client import Verdict as ClientVerdict
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.intake import Submission, Verdict, job_id_for, judge, recheck, workflow_id_for
 from services.scheduler.state import SchedulerState
@@ -287,3 +293,35 @@ def test_an_out_of_range_workflow_refused_by_the_rules_before_keeps_its_reason_i
     assert isinstance(rejected, ev.JobRejected)
     before = "submission is not valid JSON: Number out of range - at `$[...]`"
     assert recheck(state, msgspec.structs.replace(rejected, intake_rules=6, reason=before)) is None
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("verdict", "printed"),
+    [
+        (ClientVerdict(ok=True, job_id="jabc", duplicate=True), "already submitted as jabc"),
+        (ClientVerdict(ok=True, job_id="jabc"), "submitted jabc"),
+        (
+            ClientVerdict(ok=True, job_id="jarr", duplicate=True, job_ids=["jarr_0", "jarr_1"], array="jarr"),
+            "already submitted as array jarr: 2 jobs jarr_0 .. jarr_1",
+        ),
+        (
+            ClientVerdict(ok=True, job_id="wf", duplicate=True, job_ids=["wf-a"], workflow="wf", steps={"a": ["wf-a"]}),
+            "already submitted as workflow wf: a wf-a",
+        ),
+    ],
+)
+def test_submit_says_when_a_submission_was_already_submitted(
+    verdict: ClientVerdict, printed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from apps.cli import jobs
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps(GOOD))
+    monkeypatch.setattr(jobs, "client_call", lambda *args, **kwargs: verdict)
+    options = {"depends": None, "time_limit": None, "keep_on_invalid_dep": False, "array": None}
+    options |= {"array_values": None, "max_running": None, "json": False, "timeout": 1.0, "source": "cli"}
+    assert jobs.cmd_submit(argparse.Namespace(file=str(spec), **options)) == 0
+    assert capsys.readouterr().out.strip() == printed
