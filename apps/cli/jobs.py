@@ -46,8 +46,8 @@ def _in(at: float | None, now: float) -> str:
 
 
 def _starts_in(at: float | None, now: float) -> str:
-    if at is None:
-        return "unknown (it waits for a job of unknown duration)"
+    if at is None:  # (a job of unknown duration ahead of it, or more passes away than the forecast looks)
+        return "no forecast"
     return f"{fmt_time(at)} (in {max(0.0, at - now):,.0f}s)"
 
 
