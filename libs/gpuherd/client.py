@@ -6,6 +6,10 @@ in a header; the scheduler answers with ``{"ok": true, "job_id": ...}`` or
 ``{"ok": false, "error": ...}``. Every submission carries an ``intake_id``
 (one is generated if the spec has none), so retrying after a timeout never
 creates a second job.
+
+The intake stream does not acknowledge what it stores (``no_ack``: a plain NATS request must get
+the scheduler's verdict as its reply, not the stream's receipt), so only a verdict proves a
+submission was stored. Without one the client says so, and never claims the submission is stored.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import yaml
 from gpuherd import events as ev
 from gpuherd.errors import LogUnavailable, SubmissionError
 from gpuherd.fold import vc_problem
-from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
+from gpuherd.log import HERD_INTAKE, INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import call_span
 from gpuherd.security import check_token
 
@@ -36,6 +40,8 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # scheduler answers the new copy as a duplicate, with the same job id. Far above a busy
 # scheduler's verdict time, so the copies do not add to its load.
 RESEND_AFTER_S = 10.0
+# The status a NATS server answers a publish's reply subject with when nothing takes its subject.
+_NO_RESPONDERS = "503"
 
 
 class _IntakeIdOnly(msgspec.Struct):
@@ -103,6 +109,8 @@ class Client:
         # rather than a subscribe/unsubscribe pair per submission.
         self._reply_prefix = nc.new_inbox()
         self._replies: dict[str, asyncio.Future[bytes]] = {}
+        # Per waiting inbox: how many of its publishes the server said nothing took (none stored them).
+        self._unrouted: dict[str, int] = {}
         self._reply_sub: Any = None
         # Subscribing may wait (a connection whose write buffer is full): submissions started
         # meanwhile must wait for that one subscription, not make another (every reply handled twice).
@@ -119,7 +127,13 @@ class Client:
 
     async def _on_reply(self, msg: Any) -> None:
         waiting = self._replies.get(msg.subject)
-        if waiting is not None and not waiting.done():
+        if waiting is None or waiting.done():
+            return
+        if (msg.headers or {}).get("Status") == _NO_RESPONDERS:
+            # The server's answer to a publish of the submission (its reply subject is this inbox):
+            # nothing took the subject, so no stream stored that copy and no scheduler saw it.
+            self._unrouted[msg.subject] = self._unrouted.get(msg.subject, 0) + 1
+        else:
             waiting.set_result(msg.data)
 
     @classmethod
@@ -187,11 +201,18 @@ class Client:
         retries (a busy scheduler is not handed the same submission again and again), and a spec
         without an ``intake_id`` gets that id, so a retry never makes a second job. A spec that
         names its ``intake_id`` gets a new message id every ``resend_after_s`` without a verdict
-        (``RESEND_AFTER_S``): its reply may have been lost, and only a new copy brings another."""
+        (``RESEND_AFTER_S``): its reply may have been lost, and only a new copy brings another.
+
+        Without a verdict by ``timeout``: SubmissionError("not stored: ...") when the server said of
+        every attempt that nothing took it (each attempt's reply subject is the verdict's inbox, where
+        the server says so at once; the stream, which does not acknowledge, never answers there), else
+        SubmissionError("no verdict ...") saying storage is not confirmed. Attempts go on to the end:
+        a client started with gpuherd may publish before the scheduler has created the stream."""
         inbox, reply = await self._reply_inbox()
         deadline = time.monotonic() + timeout
         may_resend = _names_its_intake_id(data)
         stamped = time.monotonic()
+        published = 0
         try:
             with call_span("client.submit", source=self.source) as trace:
                 headers = {REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex}
@@ -200,19 +221,32 @@ class Client:
                 while True:
                     if may_resend and time.monotonic() - stamped >= resend_after_s:
                         headers["Nats-Msg-Id"], stamped = uuid.uuid4().hex, time.monotonic()
-                    await self.nc.publish(f"{INTAKE_PREFIX}.{self.source}", data, headers=headers)
+                    await self.nc.publish(f"{INTAKE_PREFIX}.{self.source}", data, reply=inbox, headers=headers)
+                    published += 1
                     try:
                         wait = min(attempt_timeout, max(0.1, deadline - time.monotonic()))
                         answer = await asyncio.wait_for(asyncio.shield(reply), wait)
                         return msgspec.json.decode(answer, type=Verdict)
                     except TimeoutError:
                         if time.monotonic() >= deadline:
-                            raise SubmissionError(
-                                f"no verdict within {timeout:.0f}s: is the scheduler running? The submission is "
-                                "stored and will be judged when it runs; resubmitting the same intake_id is safe"
-                            ) from None
+                            raise SubmissionError(self._no_verdict(timeout, published, inbox)) from None
         finally:
             self._replies.pop(inbox, None)
+            self._unrouted.pop(inbox, None)
+
+    def _no_verdict(self, timeout: float, published: int, inbox: str) -> str:
+        if self._unrouted.get(inbox, 0) >= published:
+            return (
+                f"not stored: nothing took any of the {published} publishes of this submission to "
+                f"{INTAKE_PREFIX}.{self.source} within {timeout:.0f}s: the intake stream {HERD_INTAKE} does not "
+                "exist (is gpuherd set up? the scheduler creates it, or `gpuherd log init`) or this NATS server "
+                "cannot reach the servers that hold it"
+            )
+        return (
+            f"no verdict within {timeout:.0f}s: is the scheduler running? Storage is not confirmed "
+            f"({HERD_INTAKE} does not acknowledge; only a verdict proves it was stored, and a stored submission "
+            "is judged once the scheduler runs): resubmitting the same intake_id is safe, it makes one job at most"
+        )
 
     async def _log(self) -> Any:
         from gpuherd.log.jetstream import JetStreamLog

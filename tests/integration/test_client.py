@@ -1,5 +1,5 @@
-"""The submitters' client against a real nats-server: its reply subscription, and the job ids it
-lets into subjects."""
+"""The submitters' client against a real nats-server: what it says about storage, its reply
+subscription, and the job ids it lets into subjects."""
 
 from __future__ import annotations
 
@@ -23,11 +23,74 @@ from gpuherd.natsd import NatsServer
 GOOD = {"name": "t", "user": "u", "gpus": 1, "duration_s": 1}
 
 
+async def _stream_names(url: str) -> list[str]:
+    nc = await nats.connect(url)
+    try:
+        return [info.config.name for info in await nc.jetstream().streams_info()]
+    finally:
+        await nc.close()
+
+
 def _subscriptions_of(server: NatsServer, connection_name: str) -> list[str]:
     """The subjects the server holds subscriptions on for a connection (its monitoring endpoint)."""
     with urllib.request.urlopen(f"{server.monitor_url}/connz?subs=1", timeout=5) as answer:
         connections = json.load(answer)["connections"]
     return [s for c in connections if c.get("name") == connection_name for s in c.get("subscriptions_list", [])]
+
+
+async def test_a_submission_nothing_can_store_is_reported_as_not_stored(local_nats: NatsServer) -> None:
+    """A fresh server with no streams and no scheduler: nothing takes the submission, and the
+    client says it was not stored instead of calling it stored."""
+    client = await Client.connect(local_nats.url, source="nostream")
+    try:
+        with pytest.raises(SubmissionError) as refused:
+            await client.submit(GOOD, timeout=2, attempt_timeout=0.5)
+    finally:
+        await client.close()
+    message = str(refused.value)
+    assert message.startswith("not stored") and "HERD_INTAKE does not exist" in message, message
+    assert "is stored" not in message, message
+    assert await _stream_names(local_nats.url) == [], "the test needs a server without streams"
+
+
+async def test_a_submission_published_before_anything_takes_it_is_judged_once_something_does(
+    local_nats: NatsServer,
+) -> None:
+    """``gpuherd up`` returns before the scheduler has made the intake stream: the first publishes
+    are refused (nothing takes them), and the attempts go on until one is taken and answered."""
+    client = await Client.connect(local_nats.url, source="early")
+    scheduler = await nats.connect(local_nats.url)
+
+    async def judge(msg: Any) -> None:  # a scheduler's reply, without its stream
+        await scheduler.publish(msg.headers[REPLY_HEADER], msgspec.json.encode({"ok": True, "job_id": "jearly"}))
+
+    async def start_late() -> None:
+        await asyncio.sleep(1.0)
+        await scheduler.subscribe(f"{INTAKE_PREFIX}.early", cb=judge)
+
+    try:
+        late = asyncio.create_task(start_late())
+        assert await client.submit(GOOD, timeout=10, attempt_timeout=0.3) == "jearly"
+        await late
+    finally:
+        await client.close()
+        await scheduler.close()
+
+
+async def test_without_a_verdict_the_client_does_not_claim_the_submission_is_stored(local_nats: NatsServer) -> None:
+    """The intake stream exists but no scheduler runs: the stream does not acknowledge what it
+    stores, so the client cannot know whether it did, and must not say it did."""
+    log_ = await JetStreamLog.open(local_nats.url, persistent=False)
+    client = await Client.connect(local_nats.url, source="noscheduler")
+    try:
+        with pytest.raises(SubmissionError, match="no verdict within") as unanswered:
+            await client.submit(GOOD, timeout=1, attempt_timeout=0.3)
+    finally:
+        await client.close()
+        await log_.close()
+    message = str(unanswered.value)
+    assert "is stored" not in message and "not confirmed" in message, message
+    assert "same intake_id" in message, message
 
 
 async def test_two_submissions_at_once_on_a_new_client_share_one_reply_subscription(local_nats: NatsServer) -> None:
