@@ -72,6 +72,19 @@ class Verdict(msgspec.Struct, frozen=True):
     steps: dict[str, list[str]] | None = None
 
 
+# An operator's reason is recorded in the log, read by every reader and shown on every page: a few
+# lines, not a document (one near NATS's max_payload would fail the append after the checks passed).
+MAX_REASON_CHARS = 2048
+
+
+def _checked_reason(reason: str) -> str:
+    if len(reason) > MAX_REASON_CHARS:
+        raise SubmissionError(
+            f"a reason is at most {MAX_REASON_CHARS} characters (it goes in the log); got {len(reason)}"
+        )
+    return reason
+
+
 def _checked_job_id(job_id: str) -> str:
     """A job id goes into a subject (``herd.job.<id>``): a '*' or '>' there is a wildcard that
     matches every job's subject, and a '.' names another subject."""
@@ -258,6 +271,7 @@ class Client:
     async def cancel(self, job_id: str, reason: str = "") -> None:
         """Ask for a job to be cancelled (recorded as JobCancelRequested)."""
         _checked_job_id(job_id)
+        _checked_reason(reason)
         log_ = await self._log()
         if not await self._job_known(log_, job_id):
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
@@ -290,6 +304,7 @@ class Client:
         one JobCancelRequested each, appended together (all of them or none)."""
         for job in job_ids:
             _checked_job_id(job)
+        _checked_reason(reason)
         log_ = await self._log()
         events = [ev.JobCancelRequested(**self._stamp("cancel"), job=job, reason=reason) for job in job_ids]
         for start in range(0, len(events), log_.max_batch):
@@ -365,6 +380,7 @@ class Client:
             check_token("node", node)  # (a wildcard such as '*' would match every node's subject)
         except ValueError as exc:
             raise SubmissionError(str(exc)) from None
+        _checked_reason(reason)
         log_ = await self._log()
         if not await log_.subject_seen(f"herd.node.{node}"):
             raise SubmissionError(f"no node {node!r}: see `gpuherd nodes` for the names")

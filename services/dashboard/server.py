@@ -20,15 +20,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gpuherd.client import MAX_REASON_CHARS  # (checked here too: a 400 before any client call)
 from gpuherd.errors import GpuherdError
 from gpuherd.security import check_token
 from services.dashboard.view import DashboardView
 
 STATIC = Path(__file__).parent / "static"
 PUSH_EVERY_S = 0.1  # how often an open page's stream looks for a change
-# An action's reason is recorded in the log, read by every reader and shown on pages: a body of up to
-# aiohttp's 1 MiB would otherwise put a 1 MB reason there (with a smaller NATS max_payload, a 500).
-MAX_REASON_CHARS = 2048
 KEEPALIVE_S = 15.0
 SECURITY_HEADERS = {
     "Content-Security-Policy": (

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.client import Client
+from gpuherd.client import MAX_REASON_CHARS, Client
 from gpuherd.errors import SubmissionError
 from gpuherd.log import INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.log.jetstream import JetStreamLog
@@ -120,21 +120,46 @@ async def test_two_submissions_at_once_on_a_new_client_share_one_reply_subscript
         await scheduler.close()
 
 
+async def test_a_reason_too_long_for_the_log_is_refused_before_anything_is_appended(local_nats: NatsServer) -> None:
+    """``gpuherd cancel`` and ``drain`` took a reason of any length into the log (the dashboard's
+    edge bounds its own; the CLI's went through unbounded)."""
+    log_ = await JetStreamLog.open(local_nats.url, persistent=False)
+    await log_.append([_submitted("jlong")])
+    client = await Client.connect(local_nats.url, source="long-reason")
+    too_long = "x" * (MAX_REASON_CHARS + 1)
+    try:
+        with pytest.raises(SubmissionError, match=f"at most {MAX_REASON_CHARS} characters"):
+            await client.cancel("jlong", too_long)
+        with pytest.raises(SubmissionError, match=f"at most {MAX_REASON_CHARS} characters"):
+            await client.cancel_jobs(["jlong"], too_long)
+        with pytest.raises(SubmissionError, match=f"at most {MAX_REASON_CHARS} characters"):
+            await client.drain("n1", too_long)
+        await client.cancel("jlong", "x" * MAX_REASON_CHARS)  # (the longest it takes)
+    finally:
+        await client.close()
+    commands = [r.event for r in await log_.read_all() if not isinstance(r.event, ev.JobSubmitted)]
+    await log_.close()
+    assert [(type(c).__name__, len(c.reason)) for c in commands] == [("JobCancelRequested", MAX_REASON_CHARS)]
+
+
+def _submitted(job: str) -> ev.JobSubmitted:
+    return ev.JobSubmitted(
+        id=f"s-{job}",
+        at=time.time(),
+        source="test",
+        job=job,
+        spec=ev.JobSpec(**GOOD),
+        intake_source="test",
+        intake_seq=1,
+    )
+
+
 @pytest.mark.parametrize("job_id", ["*", ">", "jreal.x", "j real"])
 async def test_a_job_id_that_is_no_subject_token_is_refused(local_nats: NatsServer, job_id: str) -> None:
     """``herd.job.*`` matches every job's subject: a wildcard passed the existence check and a
     JobCancelRequested for job '*' was stored on the subject ``herd.job.*``."""
     log_ = await JetStreamLog.open(local_nats.url, persistent=False)
-    submitted = ev.JobSubmitted(
-        id="s1",
-        at=time.time(),
-        source="test",
-        job="jreal",
-        spec=ev.JobSpec(**GOOD),
-        intake_source="test",
-        intake_seq=1,
-    )
-    await log_.append([submitted])
+    await log_.append([_submitted("jreal")])
     client = await Client.connect(local_nats.url, source="wild")
     try:
         with pytest.raises(SubmissionError, match="not a NATS subject token"):
