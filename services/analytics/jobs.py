@@ -3,7 +3,8 @@ people ask of it: JCT and queueing per VC, utilization over time.
 
 Per job: submitted at its ``JobSubmitted``, started at its first ``JobStarted``, ended at its
 ``JobFinished``. Run time is the GPU-time it held divided by its GPUs, summed over attempts (an
-attempt runs from its first ``JobStarted`` to the ``JobRequeued``/``JobFinished`` ending it);
+attempt runs from its first ``JobStarted`` to the ``JobRequeued``/``JobFinished`` ending it; as in
+the core fold, a report of any other attempt than the one in force is stale and changes nothing);
 queueing is JCT - run time (all the time it was not running, so a preempted job's second wait
 counts). Jobs still open at the end of the log have no end and count as ``running``/``pending``;
 a running job's run time and GPU-seconds count up to the log's end (its newest event's time), as
@@ -51,6 +52,9 @@ class _Job:
     gpu_s: float = 0.0  # GPU-seconds held while running, at each size held
     rescales: int = 0
     paused_gpu_s: float = 0.0  # GPU-seconds held while a rescale stood the job still
+    # The attempt in force: the placed one, the next after a requeue, none once the job ended. A
+    # node's late report of an attempt already requeued (or of a job ended) must not restart it.
+    attempt: int = 0
 
     @classmethod
     def submitted(cls, event: ev.JobSubmitted) -> _Job:
@@ -74,6 +78,9 @@ def _charge(job: _Job, at: float) -> None:
     if job.size_since is not None:
         job.gpu_s += job.size * max(0.0, at - job.size_since)
         job.size_since = at
+
+
+_NO_ATTEMPT = -1  # an ended job's: no report matches it
 
 
 class JobTable:
@@ -101,10 +108,13 @@ class JobTable:
         job = self.jobs.get(getattr(event, "job", ""))
         if job is None:
             return
+        # (An int compare per event carrying an attempt: this runs for every event of a simulation.)
         if isinstance(event, ev.JobPlaced):
-            job.size = sum(len(a.gpus) for a in event.allocations)
+            if job.end is None:  # (a job that ended is never placed again: the core fold ignores it)
+                job.attempt = event.attempt
+                job.size = sum(len(a.gpus) for a in event.allocations)
         elif isinstance(event, ev.JobStarted):
-            if job.attempt_start is None and job.state != "running":
+            if event.attempt == job.attempt and job.attempt_start is None and job.state != "running":
                 job.attempt_start = event.at
                 job.size_since = event.at
                 job.attempts += 1
@@ -112,6 +122,8 @@ class JobTable:
                 if job.start is None:
                     job.start = event.at
         elif isinstance(event, ev.RescaleCompleted):
+            if event.attempt != job.attempt:
+                return
             times = event.times
             _charge(job, event.at)
             job.size = event.world
@@ -119,14 +131,19 @@ class JobTable:
             still = max(0.0, times.get("first_step", event.at) - times.get("quiesced", event.at))
             job.paused_gpu_s += still * max(event.world, event.world_before)
         elif isinstance(event, ev.JobPreempted):
-            job.preemptions += 1
+            if event.attempt == job.attempt:
+                job.preemptions += 1
         elif isinstance(event, ev.JobRequeued):
-            _close_attempt(job, event.at)
-            job.state = "pending"
+            if event.attempt == job.attempt:
+                _close_attempt(job, event.at)
+                job.state = "pending"
+                job.attempt = event.attempt + 1
         elif isinstance(event, ev.JobFinished):
-            _close_attempt(job, event.at)
-            job.end = event.at
-            job.state = event.outcome
+            if event.attempt == job.attempt:  # (the scheduler decides it for the attempt in force)
+                _close_attempt(job, event.at)
+                job.end = event.at
+                job.state = event.outcome
+                job.attempt = _NO_ATTEMPT
         elif isinstance(event, ev.JobDurationPredicted) and job.start is None:
             job.predicted_s = event.seconds  # (the one in force when it first started)
 

@@ -1,0 +1,83 @@
+"""The analytics job table (``services.analytics.jobs``) against stale reports."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from gpuherd import events as ev
+from gpuherd.fold.core import fold
+from gpuherd.fold.state import ClusterState
+from services.analytics.jobs import job_table
+from tests.helpers import node
+
+GANG = (ev.Allocation(node="n1", gpus=(0,)), ev.Allocation(node="n2", gpus=(0,)))
+
+
+def _two_node_job_requeued_then_a_late_start() -> list[ev.Event]:
+    """A 2-node job (1 GPU per node) runs 0-100 and is requeued at 100; node n2's report that it
+    started attempt 0 arrives at 101, after the requeue; attempt 1 runs 500-600."""
+    spec = ev.JobSpec(name="train", user="ann", gpus=2, nodes=2, duration_s=200.0)
+    return [
+        node("n1", 1),
+        node("n2", 1),
+        ev.JobSubmitted(job="j", at=0.0, spec=spec, intake_source="t"),
+        ev.JobPlaced(job="j", at=0.0, attempt=0, allocations=GANG),
+        ev.JobStarted(job="j", at=0.0, attempt=0, node="n1"),
+        ev.JobRequeued(job="j", at=100.0, attempt=0, reason="node lost"),
+        ev.JobStarted(job="j", at=101.0, attempt=0, node="n2"),  # late: attempt 0 already ended
+        ev.JobPlaced(job="j", at=500.0, attempt=1, allocations=GANG),
+        ev.JobStarted(job="j", at=500.0, attempt=1, node="n1"),
+        ev.JobStarted(job="j", at=500.0, attempt=1, node="n2"),
+        ev.JobFinished(job="j", at=600.0, attempt=1, outcome="completed"),
+    ]
+
+
+def _row(log: list[ev.Event], job: str) -> pd.Series:
+    return job_table(log).jobs.set_index("job_id").loc[job]
+
+
+def test_a_report_of_an_attempt_already_requeued_does_not_count_as_running() -> None:
+    # (The table took n2's late JobStarted for a new attempt: duration 599, queue 1, gpu_seconds
+    # 1,198, where the job ran 2 x 100 s on 2 GPUs.)
+    log = _two_node_job_requeued_then_a_late_start()
+    row = _row(log, "j")
+    assert (row["start_time"], row["end_time"], row["jct"]) == (0.0, 600.0, 600.0)
+    assert (row["duration"], row["queue"], row["gpu_seconds"]) == (200.0, 400.0, 400.0)
+    assert (row["attempts"], row["state"]) == (2, "completed")
+    state = ClusterState(retain_finished=True)
+    fold(enumerate(log, 1), state)
+    assert state.jobs["j"].service_gpu_s == row["gpu_seconds"]  # what the core fold counts
+
+
+def test_reports_of_an_ended_attempt_or_an_ended_job_change_nothing() -> None:
+    log = _two_node_job_requeued_then_a_late_start()
+    preempted = ev.JobPreempted(job="j", at=90.0, attempt=0, reason="srtf")
+    stale = [
+        ev.JobPreempted(job="j", at=102.0, attempt=0, reason="srtf"),
+        ev.JobRequeued(job="j", at=103.0, attempt=0, reason="preempted"),
+    ]
+    after_the_end = [
+        ev.JobStarted(job="j", at=601.0, attempt=1, node="n2"),
+        ev.JobFinished(job="j", at=602.0, attempt=1, outcome="failed"),  # (the first word stands)
+    ]
+    row = _row([*log[:5], preempted, *log[5:7], *stale, *log[7:], *after_the_end], "j")
+    assert (row["end_time"], row["duration"], row["gpu_seconds"]) == (600.0, 200.0, 400.0)
+    assert (row["attempts"], row["preemptions"], row["state"]) == (2, 1, "completed")
+
+
+def test_a_stale_rescale_report_does_not_change_the_size_held() -> None:
+    spec = ev.JobSpec(name="e", user="ann", gpus=1, elastic=ev.Elastic(min=1, max=4))
+    one = (ev.Allocation(node="n1", gpus=(0,)),)
+    log: list[ev.Event] = [
+        ev.JobSubmitted(job="e", at=0.0, spec=spec, intake_source="t"),
+        ev.JobPlaced(job="e", at=0.0, attempt=0, allocations=one),
+        ev.JobStarted(job="e", at=0.0, attempt=0, node="n1"),
+        ev.JobRequeued(job="e", at=100.0, attempt=0, reason="preempted"),
+        ev.JobPlaced(job="e", at=200.0, attempt=1, allocations=one),
+        ev.JobStarted(job="e", at=200.0, attempt=1, node="n1"),
+        # attempt 0's rescale to 4, reported after it was requeued: attempt 1 still holds 1 GPU
+        ev.RescaleCompleted(job="e", at=250.0, attempt=0, generation=1, node="n1", world=4, world_before=1),
+        ev.JobFinished(job="e", at=300.0, attempt=1, outcome="completed"),
+    ]
+    row = _row(log, "e")
+    assert (row["duration"], row["gpu_seconds"], row["rescales"]) == (200.0, 200.0, 0)
