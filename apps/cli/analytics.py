@@ -23,14 +23,18 @@ from gpuherd.errors import GpuherdError
 console = Console(width=None if sys.stdout.isatty() else 160)  # tables of many columns stay readable in logs
 
 
-def load_history(source: str, kind: str | None = None) -> Any:
-    """A trace file, or a gpuherd log file (``.jsonl``), as a normalized ``Trace``."""
+def load_history(source: str, kind: str | None = None, *, completed_runs_only: bool = False) -> Any:
+    """A trace file, or a gpuherd log file (``.jsonl``), as a normalized ``Trace``.
+    ``completed_runs_only``: of a log, only the jobs that ran to completion (``finished_runs``; the
+    rest are counted as not used): a log also holds jobs that never ran or are still running."""
     path = Path(source)
     if path.suffix == ".jsonl":
         from gpuherd.log.files import read_log_file
         from services.analytics.jobs import job_table
+        from services.analytics.traces import finished_runs
 
-        return job_table(read_log_file(path), name=path.stem)
+        table = job_table(read_log_file(path), name=path.stem)
+        return finished_runs(table) if completed_runs_only else table
     from services.analytics.traces import load_trace
 
     return load_trace(path, kind)
@@ -260,11 +264,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     rows = []
     out: dict[str, Any] = {}
-    for source in args.traces:
-        trace = load_history(source, args.kind)
+    # A log's jobs that never ran, or have not finished, have no duration to learn or to score.
+    histories = [load_history(source, args.kind, completed_runs_only=True) for source in args.traces]
+    for trace in histories:
+        if not args.json:
+            console.print(trace.describe())
         acc, _ = predict.evaluate(trace.jobs)
         base = predict.constant_baseline(trace.jobs)
-        out[trace.name] = {"model": acc.row(), "trace_median": base.row(), "basis": acc.by_basis}
+        out[trace.name] = {
+            "model": acc.row(),
+            "trace_median": base.row(),
+            "basis": acc.by_basis,
+            "rows": {"read": trace.rows_read, "used": len(trace.jobs), "not_used": trace.rejected},
+        }
         for label, a in (("model", acc), ("trace median", base)):
             r = a.row()
             rows.append(

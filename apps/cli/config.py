@@ -126,7 +126,7 @@ def cmd_policy_advise(args: argparse.Namespace) -> int:
     from apps.sim.cluster import ClusterSpec
     from apps.sim.policies import compare, recent, recommend
     from services.analytics.jobs import job_table
-    from services.analytics.traces import load_trace, vc_peak_demand
+    from services.analytics.traces import finished_runs, load_trace, vc_peak_demand
 
     if args.source and not args.source.endswith(".jsonl"):
         history = load_trace(args.source, args.kind)
@@ -137,9 +137,7 @@ def cmd_policy_advise(args: argparse.Namespace) -> int:
             records = read_log_file(args.source)
         else:
             records = read_records(args)
-        history = job_table(records, name="gpuherd")
-        done = history.jobs
-        history.jobs = done[(done["state"] == "completed") & (done["duration"] > 0)].reset_index(drop=True)
+        history = finished_runs(job_table(records, name="gpuherd"))
     history = recent(history, args.days or None)
     if history.jobs.empty:
         raise GpuherdError("no finished job with a run time in that history: nothing to replay")

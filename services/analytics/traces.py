@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +97,24 @@ class Trace:
         if self.changed:
             text += "; changed: " + ", ".join(f"{n:,} {how}" for how, n in sorted(self.changed.items()))
         return text
+
+
+def finished_runs(trace: Trace) -> Trace:
+    """Only the jobs that ran to completion (state ``completed``, a run time > 0): what a duration
+    is learned from and scored against. A log's table also holds jobs cancelled before they started
+    and jobs still waiting or running at its end, whose run times are 0 or partial; each row left
+    out is counted under its reason in ``rejected``, so ``describe()`` says how many and why."""
+    jobs = trace.jobs
+    completed = jobs["state"].eq("completed").fillna(False).astype(bool)  # (a trace's state may be unknown)
+    ran = jobs["duration"] > 0
+    rejected = dict(trace.rejected)
+    for state, count in jobs.loc[~completed, "state"].fillna("unknown").value_counts(sort=False).items():
+        why = f"not completed ({state})"
+        rejected[why] = rejected.get(why, 0) + int(count)
+    without_run = int((completed & ~ran).sum())
+    if without_run:
+        rejected["completed without a run time"] = rejected.get("completed without a run time", 0) + without_run
+    return replace(trace, jobs=jobs[completed & ran].reset_index(drop=True), rejected=rejected)
 
 
 def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rejected: dict[str, int]) -> Trace:

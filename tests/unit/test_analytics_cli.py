@@ -1,0 +1,60 @@
+"""The analytics commands (``gpuherd predict``, ``ces``, ``sim``) on inputs that are not what they
+expect: logs with jobs that never ran, empty files, zero durations, negative options.
+
+The command functions are called directly (``build_parser().parse_args`` then ``args.func``): the
+CLI's ``main`` configures logging onto the captured stderr, which later tests then write to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from apps.cli import build_parser
+from gpuherd import events as ev
+from gpuherd.log import Record
+from gpuherd.log.files import write_log_file
+
+START = 1.7e9  # a log's times are epoch seconds
+
+
+def _run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def _ran_and_cancelled_log(path: Path, jobs: int = 40) -> Path:
+    """A log of ``jobs`` jobs that ran 100 s each and as many cancelled before they started."""
+    spec = ev.JobSpec(name="train", user="ann", gpus=1, duration_s=100.0)
+    on_n1 = (ev.Allocation(node="n1", gpus=(0,)),)
+    events: list[ev.Event] = []
+    for i in range(jobs):
+        at = START + i * 300.0
+        events += [
+            ev.JobSubmitted(job=f"ran{i}", at=at, spec=spec, intake_source="t"),
+            ev.JobPlaced(job=f"ran{i}", at=at + 1, attempt=1, allocations=on_n1),
+            ev.JobStarted(job=f"ran{i}", at=at + 1, attempt=1, node="n1"),
+            ev.JobSubmitted(job=f"cancelled{i}", at=at + 2, spec=spec, intake_source="t"),
+            ev.JobFinished(job=f"cancelled{i}", at=at + 3, attempt=0, outcome="cancelled"),
+            ev.JobFinished(job=f"ran{i}", at=at + 101, attempt=1, outcome="completed"),
+        ]
+    write_log_file([Record(seq, event) for seq, event in enumerate(events, 1)], path)
+    return path
+
+
+# -- predict ------------------------------------------------------------------------------------------
+
+
+def test_predict_on_a_log_scores_only_jobs_that_ran_to_completion_and_says_what_it_left_out(
+    tmp_path: Path, capsys: Any
+) -> None:
+    log = _ran_and_cancelled_log(tmp_path / "mixed.jsonl")
+    assert _run(["predict", str(log), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["mixed"]
+    # Scored against the cancelled jobs' run time of 0, the median (50 s) "beat" the model.
+    assert result["model"]["jobs"] == 40 and result["trace_median"]["jobs"] == 40
+    assert result["trace_median"]["MAE (s)"] == 0, "every job that ran took 100 s"
+    assert result["model"]["within 2x"] >= 0.9, "learned from 100 s runs, not from cancelled zeros"
+    assert result["rows"] == {"read": 80, "used": 40, "not_used": {"not completed (cancelled)": 40}}
+    assert _run(["predict", str(log)]) == 0
+    assert "mixed: 40 of 80 rows used; not used: 40 not completed (cancelled)" in capsys.readouterr().out
