@@ -8,10 +8,14 @@ the scheduler as intake submissions (source ``trace``), judged by the real intak
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import functools
 import hashlib
 import multiprocessing
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
@@ -207,7 +211,7 @@ _LOG = msgspec.msgpack.Decoder(list[tuple[int, ev.any_event()]])
 def _partitions(
     run: Callable[..., _Part], inputs: dict[str, Inputs], on_submit: Callable[[int], None] | None, workers: int | None
 ) -> Iterator[tuple[str, _Part]]:
-    """Each VC's simulation, in the VCs' order."""
+    """Each VC's simulation, in the VCs' order. One that fails (or Ctrl-C) ends the others at once."""
     workers = min(len(inputs), workers or os.cpu_count() or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         for vc, (jobs, cluster) in inputs.items():
@@ -217,24 +221,68 @@ def _partitions(
     # The inputs go to the workers as forked memory (an initializer's arguments are not pickled under
     # fork): pickling every VC's jobs through the pool's queue cost more than a small VC's run.
     order = sorted(inputs, key=lambda vc: -len(inputs[vc][0]))
-    with ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=_inherit, initargs=(run, inputs)
-    ) as pool:
-        futures = {vc: pool.submit(_simulate_inherited, vc) for vc in order}
-        for vc in inputs:
-            data, part = futures[vc].result()
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("fork"),
+        initializer=_inherit,
+        initargs=(run, inputs, os.getpid()),
+    )
+    try:
+        futures = {pool.submit(_simulate_inherited, vc): vc for vc in order}
+        finished: dict[str, tuple[bytes, _Part]] = {}
+        in_order = iter(inputs)
+        next_vc = next(in_order, None)
+        # As each finishes, not in the VCs' order: a failure is raised as soon as it happens.
+        for future in concurrent.futures.as_completed(futures):
+            vc = futures[future]
+            finished[vc] = future.result()
             if on_submit is not None:
-                on_submit(part.submitted)
-            yield vc, part._replace(log=[Record(seq, event) for seq, event in _LOG.decode(data)] if data else [])
+                on_submit(finished[vc][1].submitted)
+            while next_vc in finished:
+                data, part = finished.pop(next_vc)
+                log = [Record(seq, event) for seq, event in _LOG.decode(data)] if data else []
+                yield next_vc, part._replace(log=log)
+                next_vc = next(in_order, None)
+    except BaseException:  # (a VC failed, Ctrl-C, or the caller stopped early)
+        _stop_workers(pool)
+        raise
+    pool.shutdown()
 
 
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End a pool's workers now: ``shutdown`` would wait for the VCs they run, and for every VC not
+    begun (Python 3.14's ``kill_workers``)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(_STOP_S)
+
+
+_STOP_S = 10.0  # how long a killed worker may take to be gone
 _inherited: tuple[Callable[..., _Part], dict[str, Inputs]] | None = None  # (set in a worker only)
+_PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 
 
-def _inherit(run: Callable[..., _Part], inputs: dict[str, Inputs]) -> None:
-    """A worker's start: keep what its parent had when it forked."""
+def _inherit(run: Callable[..., _Part], inputs: dict[str, Inputs], parent: int) -> None:
+    """A worker's start: keep what its parent had when it forked, and end when its parent ends."""
     global _inherited
+    _die_with_parent(parent)
     _inherited = (run, inputs)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this worker when its parent ends, however it ends (a sweep stops a run
+    with SIGTERM, the kernel kills one for want of memory): else the worker, re-parented, would finish
+    its VC and then wait for more forever. Linux only; elsewhere a run that ends by an exception
+    (a failure, Ctrl-C) still stops its workers (``_partitions``)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # (it ended before the prctl: no signal will come)
+        os._exit(1)
 
 
 def _simulate_inherited(vc: str) -> tuple:

@@ -13,8 +13,10 @@ import collections
 import multiprocessing
 import os
 import queue as queues
+import signal
+import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ R = TypeVar("R")
 Progress = Callable[[int], None]  # a run reports the submissions it has made, n at a time
 PROGRESS_EVERY = 2_000  # submissions a forked run makes between two progress messages
 _POLL_S = 1.0  # how often the sweep looks for a run that died without a word
+_STOP_S = 10.0  # how long a run told to stop may take to end before it is killed
 
 
 def workers_for(runs: int, workers: int | None = None) -> int:
@@ -78,13 +81,25 @@ def sweep(
             else:
                 raise SimulationError(f"the simulation of {name} failed:\n{payload}")
     finally:
-        for process in running.values():
-            if process.is_alive():
-                process.terminate()
-        for process in running.values():
-            process.join()
+        _stop(running.values())
         messages.close()
         messages.join_thread()
+
+
+def _stop(processes: Iterable[BaseProcess]) -> None:
+    """Stop runs still going: SIGTERM, which ends a run at once (``_run_forked``) and with it the
+    workers it runs a partitioned model's VCs on (``run._partitions``); SIGKILL for one that has not
+    ended within ``_STOP_S`` (one stopped by Ctrl-Z, say)."""
+    processes = list(processes)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _STOP_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _check_alive(running: dict[str, BaseProcess]) -> None:
@@ -97,6 +112,10 @@ def _check_alive(running: dict[str, BaseProcess]) -> None:
 
 
 def _run_forked(run: Callable[[str, Progress], Any], name: str, messages: Any) -> None:
+    # The sweep stops a run with SIGTERM, which must end it whatever handler it inherited (one that
+    # only set a flag would leave it running). Ctrl-C reaches it as it reaches the sweep: SIGINT to
+    # the terminal's process group, which the run stays in.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     made = 0
 
     def progress(n: int) -> None:

@@ -8,14 +8,18 @@ import json
 import multiprocessing
 import os
 import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from apps.cli import build_parser
-from apps.sim.cluster import ClusterSpec
+from apps.sim import run as sim_run
+from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.engine import SimulationError
+from apps.sim.model import HELIOS
 from apps.sim.policies import compare
 from apps.sim.run import simulate
 from apps.sim.sweep import sweep, workers_for
@@ -95,6 +99,130 @@ def test_stopping_early_stops_the_runs_still_going() -> None:
     results = sweep(["quick", "slow", "slower"], run, workers=3)
     assert next(results) == ("quick", "quick")
     results.close()  # the caller stops here: the two still running are stopped
+
+
+# -- no worker of a VC's simulation outlives its run ---------------------------------------------------
+# A model that gives each VC its own simulation (Helios) runs the VCs on a pool of forked workers, in
+# the sweep's forked run: stopping that run (another failed, Ctrl-C) must end its workers too.
+
+VC_SLEEP_S = 30.0  # a VC's simulation in these tests: still running when its run is stopped
+GONE_WITHIN_S = 10.0  # how long a stopped process may take to be gone
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: only its reaping is left)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _recorded(folder: Path) -> list[int]:
+    return sorted({int(name.suffix[1:]) for name in folder.iterdir()})
+
+
+def _still_running(folder: Path, within: float = GONE_WITHIN_S) -> list[int]:
+    """The processes recorded in ``folder`` still running after ``within`` seconds (none: at once)."""
+    deadline = time.monotonic() + within
+    while (left := [pid for pid in _recorded(folder) if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _wait_for(folder: Path, count: int, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while len(list(folder.iterdir())) < count:
+        assert time.monotonic() < deadline, f"{count} processes never started: {sorted(folder.iterdir())}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def vc_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each VC's simulation records its process in the folder given (``<vc>.<pid>``) and sleeps, or,
+    of a VC named ``fail...``, fails. Whatever a test's outcome, every process recorded is killed."""
+    folder = tmp_path / "processes"
+    folder.mkdir()
+
+    def one_vc(jobs: Any, cluster: ClusterSpec, **_: Any) -> Any:
+        (vc,) = cluster.vcs
+        (folder / f"{vc}.{os.getpid()}").touch()
+        if vc.startswith("fail"):
+            raise RuntimeError(f"{vc} broken on purpose")
+        time.sleep(VC_SLEEP_S)
+        raise RuntimeError(f"{vc} was never stopped")
+
+    monkeypatch.setattr(sim_run, "_simulate", one_vc)  # (forked processes inherit it)
+    try:
+        yield folder
+    finally:
+        for pid in _recorded(folder):
+            if _running(pid) and pid != os.getpid():
+                os.kill(pid, signal.SIGKILL)
+
+
+def _vcs(*names: str) -> ClusterSpec:
+    return ClusterSpec(vcs={name: VcSpec(nodes=1) for name in names})
+
+
+def test_a_partitioned_simulation_gives_the_same_logs_on_workers_as_alone(
+    workload: tuple[Any, ClusterSpec],
+) -> None:
+    trace, cluster = workload
+
+    def logs(workers: int) -> dict[str, list[Any]]:
+        run = simulate(
+            submissions(trace, start=trace.origin), cluster, "sjf", start=trace.origin, model=HELIOS, workers=workers
+        )
+        return run.logs
+
+    alone = logs(1)
+    assert list(logs(2).items()) == list(alone.items()), "each VC's log, in the VCs' order"
+    assert len(alone) > 1 and all(alone.values())
+
+
+def test_a_failed_run_leaves_no_worker_of_another_runs_vcs_behind(vc_processes: Path) -> None:
+    def run(name: str, progress: Any) -> Any:
+        if name == "bad":
+            _wait_for(vc_processes, 2)  # good's workers run both its VCs
+            raise RuntimeError("broken on purpose")
+        return simulate([], _vcs("a", "b"), "fifo", model=HELIOS, workers=2)
+
+    with pytest.raises(SimulationError, match="simulation of bad failed"):
+        list(sweep(["good", "bad"], run, workers=2))
+    assert len(_recorded(vc_processes)) == 2
+    assert _still_running(vc_processes) == [], "good's workers outlived it"
+
+
+def test_a_failed_vc_ends_the_other_vcs_of_its_simulation_at_once(vc_processes: Path) -> None:
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="fail broken on purpose"):
+        simulate([], _vcs("slow", "fail"), "fifo", model=HELIOS, workers=2)
+    assert time.monotonic() - began < VC_SLEEP_S / 2, "the failure waited for the other VC to finish"
+    assert _still_running(vc_processes, within=0) == [], "the other VC's worker still runs"
+
+
+def test_ctrl_c_ends_a_sweep_its_runs_and_their_workers(vc_processes: Path) -> None:
+    def run(name: str, progress: Any) -> Any:
+        (vc_processes / f"run.{os.getpid()}").touch()
+        return simulate([], _vcs("a", "b", "c"), "fifo", model=HELIOS, workers=2)
+
+    def at_a_terminal() -> None:
+        os.setpgid(0, 0)  # a terminal's foreground process group: what Ctrl-C sends SIGINT to
+        list(sweep(["fifo", "sjf"], run, workers=2))
+
+    driver = multiprocessing.get_context("fork").Process(target=at_a_terminal)
+    driver.start()
+    try:
+        _wait_for(vc_processes, 6)  # each run and the two VCs its workers began (the third one waits)
+        os.killpg(driver.pid, signal.SIGINT)
+        driver.join(GONE_WITHIN_S)
+        assert driver.exitcode is not None, "the sweep went on after Ctrl-C"
+        assert _still_running(vc_processes) == [], "a run or a VC's worker outlived Ctrl-C"
+    finally:
+        if driver.is_alive():
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.join()
 
 
 def test_workers_default_to_one_per_core_and_never_exceed_the_runs() -> None:
