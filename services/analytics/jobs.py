@@ -23,7 +23,13 @@ import pandas as pd
 
 from gpuherd import events as ev
 from gpuherd.log import Record
+from services.analytics.predict import UNKNOWN
 from services.analytics.traces import COLUMNS, Trace
+
+# Submit times above this are seconds since the Unix epoch (1973 on); below it, offsets from a
+# trace's start (ITP, Alibaba: simulated from 0), which have no date or time of day. The same test
+# as ``DurationModel.features`` in predict.py, where it is a bare literal (nothing to import).
+CALENDAR_TIME_FROM_S = 1e8
 
 
 @dataclass(slots=True)
@@ -60,9 +66,21 @@ class _Job:
     def submitted(cls, event: ev.JobSubmitted) -> _Job:
         spec = event.spec
         return cls(
-            job=event.job, submit=event.at, gpus=spec.gpus, nodes=spec.nodes, user=spec.user or None, vc=spec.vc,
-            name=spec.name or None, elastic=spec.elastic is not None,
+            job=event.job, submit=event.at, gpus=spec.gpus, nodes=spec.nodes, user=_known(spec.user), vc=spec.vc,
+            name=_known(spec.name), elastic=spec.elastic is not None,
         )  # fmt: skip
+
+
+def _known(value: str) -> str | None:
+    """A user or job name, or None where there is none: the simulator submits a trace's missing ones
+    as ``UNKNOWN`` (intake needs both), which is no user (a report would count it as one)."""
+    return value if value and value != UNKNOWN else None
+
+
+def _on_calendar_time(jobs: pd.DataFrame) -> bool:
+    """Whether a table's times are dates (a live cluster's log, a simulation of a dated trace) rather
+    than offsets from a trace's start, by its earliest submission."""
+    return bool(len(jobs)) and float(jobs["submit_time"].min()) > CALENDAR_TIME_FROM_S
 
 
 def _close_attempt(job: _Job, at: float) -> None:
@@ -197,7 +215,12 @@ class JobTable:
         df = df.astype(TABLE_COLUMNS).sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
         reasons = {"rejected at intake": self.rejected} if self.rejected else {}
         return Trace(
-            name=name, jobs=df, rows_read=self.rows_read, rejected=reasons, absolute_time=True, log_end=self.log_end
+            name=name,
+            jobs=df,
+            rows_read=self.rows_read,
+            rejected=reasons,
+            absolute_time=_on_calendar_time(df),
+            log_end=self.log_end,
         )
 
 
@@ -234,7 +257,7 @@ def merge_tables(tables: Sequence[Trace], *, name: str) -> Trace:
         jobs=df,
         rows_read=sum(t.rows_read for t in tables),
         rejected=reasons,
-        absolute_time=True,
+        absolute_time=_on_calendar_time(df),
         log_end=max(ends) if ends else None,
     )
 

@@ -1,13 +1,17 @@
-"""The analytics job table (``services.analytics.jobs``) against stale reports."""
+"""The analytics job table (``services.analytics.jobs``) against stale reports, and simulated logs
+without users or calendar times."""
 
 from __future__ import annotations
 
 import pandas as pd
 
+from apps.sim.cluster import ClusterSpec, VcSpec
+from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.fold.core import fold
 from gpuherd.fold.state import ClusterState
 from services.analytics.jobs import job_table
+from services.analytics.traces import COLUMNS, Trace, submissions
 from tests.helpers import node
 
 GANG = (ev.Allocation(node="n1", gpus=(0,)), ev.Allocation(node="n2", gpus=(0,)))
@@ -81,3 +85,44 @@ def test_a_stale_rescale_report_does_not_change_the_size_held() -> None:
     ]
     row = _row(log, "e")
     assert (row["duration"], row["gpu_seconds"], row["rescales"]) == (200.0, 200.0, 0)
+
+
+def _relative_time_trace(jobs: int) -> Trace:
+    """A trace like ITP's: times from its own start, no user, no job name."""
+    df = pd.DataFrame(
+        {
+            "job_id": [f"t{i}" for i in range(jobs)],
+            "submit_time": [60.0 * i for i in range(jobs)],
+            "duration": [600.0] * jobs,
+            "gpus": [1] * jobs,
+            "gpu_request": [1.0] * jobs,
+            "vc": ["a"] * jobs,
+        }
+    )
+    return Trace(name="itp-toy", jobs=df.reindex(columns=list(COLUMNS)).astype(COLUMNS), rows_read=jobs)
+
+
+SMALL = ClusterSpec(vcs={"a": VcSpec(nodes=1)}, gpus_per_node=4)
+
+
+def test_a_simulation_of_a_trace_without_users_or_names_invents_none() -> None:
+    # (The simulator submits a missing user or name as "-": a report counted one user, "-",
+    # holding all of the GPU time.)
+    table = simulate(submissions(_relative_time_trace(6)), SMALL, "fifo").table
+    assert len(table.jobs) == 6 and (table.jobs["state"] == "completed").all()
+    assert table.jobs["user"].isna().all() and table.jobs["name"].isna().all()
+
+
+def test_a_simulation_of_a_relative_time_trace_is_not_on_calendar_time() -> None:
+    # (Every table said it was on calendar time: a report drew the weekdays of January 1970 and
+    # ``gpuherd export`` wrote 1970 timestamps.)
+    table = simulate(submissions(_relative_time_trace(6)), SMALL, "fifo").table
+    assert len(table.jobs) == 6 and not table.absolute_time
+
+
+def test_a_log_on_calendar_time_is_absolute_and_keeps_its_users() -> None:
+    t0 = 1.7e9
+    spec = ev.JobSpec(name="", user="ann", gpus=1)
+    table = job_table([ev.JobSubmitted(job="j", at=t0, spec=spec, intake_source="t")])
+    assert table.absolute_time
+    assert table.jobs.loc[0, "user"] == "ann" and pd.isna(table.jobs.loc[0, "name"])
