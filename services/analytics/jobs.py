@@ -316,7 +316,8 @@ def utilization(
     folded from a log (``gpu_seconds``: what the job held, at each size, over its attempts) spreads
     those over start..end instead, so an elastic job counts what it held and a preempted one not
     its waits. A job that started and has not ended ends at ``log_end`` (the table's, when folded
-    from a log) or else after its run time. Columns: time, <vc>... and ``all``."""
+    from a log) or else after its run time. Each bucket is a share of the time it covers: the last
+    one ends with the data, not a whole bucket later. Columns: time, <vc>... and ``all``."""
     done = jobs[jobs["start_time"].notna()]
     if done.empty:
         return pd.DataFrame(columns=["time", "all"])
@@ -324,6 +325,11 @@ def utilization(
     end = done["end_time"].fillna(done["start_time"] + done["duration"] if log_end is None else log_end)
     t1 = float(end.max())
     edges = np.arange(t0, t1 + bucket_s, bucket_s)
+    # The seconds of [t0, t1] each bucket covers: dividing the last, partial one by a whole bucket
+    # read a job busy to its end as mostly idle there. (A bucket that float rounding put wholly
+    # past t1 holds nothing; any width keeps it at 0.)
+    covered = np.minimum(edges[1:], t1) - edges[:-1]
+    covered = np.where(covered > 0, covered, bucket_s)
     out = pd.DataFrame({"time": edges[:-1]})
     total = np.zeros(len(edges) - 1)
     gpus = done["gpus"].astype("float64")
@@ -337,9 +343,9 @@ def utilization(
         )
         total += busy
         if isinstance(capacity, dict) and capacity.get(str(vc)):
-            out[str(vc)] = busy / (capacity[str(vc)] * bucket_s)
+            out[str(vc)] = busy / (capacity[str(vc)] * covered)
     cluster = sum(capacity.values()) if isinstance(capacity, dict) else capacity
-    out["all"] = total / (max(cluster, 1) * bucket_s)
+    out["all"] = total / (max(cluster, 1) * covered)
     return out
 
 

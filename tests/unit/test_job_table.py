@@ -1,16 +1,17 @@
-"""The analytics job table (``services.analytics.jobs``) against stale reports, and simulated logs
-without users or calendar times."""
+"""The analytics job table (``services.analytics.jobs``) against stale reports, simulated logs
+without users or calendar times, and the partial last bucket of utilization."""
 
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.fold.core import fold
 from gpuherd.fold.state import ClusterState
-from services.analytics.jobs import job_table
+from services.analytics.jobs import job_table, utilization
 from services.analytics.traces import COLUMNS, Trace, submissions
 from tests.helpers import node
 
@@ -126,3 +127,24 @@ def test_a_log_on_calendar_time_is_absolute_and_keeps_its_users() -> None:
     table = job_table([ev.JobSubmitted(job="j", at=t0, spec=spec, intake_source="t")])
     assert table.absolute_time
     assert table.jobs.loc[0, "user"] == "ann" and pd.isna(table.jobs.loc[0, "name"])
+
+
+def test_the_partial_last_bucket_counts_the_time_it_covers() -> None:
+    # (An 8-GPU job of 3601 s on 8 GPUs read as 50% busy: buckets [1.0, 0.000278], the last
+    # second divided by a whole hour.)
+    jobs = pd.DataFrame(
+        {
+            "start_time": [0.0],
+            "end_time": [3601.0],
+            "duration": [3601.0],
+            "gpus": [8],
+            "vc": ["a"],
+            "gpu_seconds": [8 * 3601.0],
+        }
+    )
+    busy = utilization(jobs, {"a": 8}, bucket_s=3600.0)
+    assert list(busy["time"]) == [0.0, 3600.0]
+    assert list(busy["all"]) == pytest.approx([1.0, 1.0])
+    assert list(busy["a"]) == pytest.approx([1.0, 1.0])
+    half = utilization(jobs.assign(end_time=[5400.0], duration=[5400.0], gpu_seconds=[8 * 5400.0]), 16)
+    assert list(half["all"]) == pytest.approx([0.5, 0.5])  # (the last bucket: 1,800 s of 3,600)
