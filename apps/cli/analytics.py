@@ -129,13 +129,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from gpuherd.log.files import write_log_file
     from services.analytics import jobs as jobs_mod
     from services.analytics import traces
+    from services.analytics.traces import require_jobs
 
     if not args.bucket > 0:  # (checked before the run: the utilization is computed after it)
         raise GpuherdError(f"--bucket is seconds > 0, got {args.bucket:g}")
     if args.gpus_per_node < 1:
         raise GpuherdError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     ces = ces_params(args.ces, "--ces") if args.ces is not None else None
-    trace = load_history(args.trace, args.kind)
+    # (Else a trace without rows reads as "a cluster spec needs at least one VC".)
+    trace = require_jobs(load_history(args.trace, args.kind), args.trace, "a simulation needs jobs to submit")
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)
     cluster = _cluster_spec(args, trace)
@@ -261,11 +263,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from services.analytics import predict
+    from services.analytics.traces import require_jobs
 
     rows = []
     out: dict[str, Any] = {}
     # A log's jobs that never ran, or have not finished, have no duration to learn or to score.
-    histories = [load_history(source, args.kind, completed_runs_only=True) for source in args.traces]
+    # (All are loaded and checked first: an empty input is refused before any model is trained.)
+    histories = [
+        require_jobs(
+            load_history(source, args.kind, completed_runs_only=True),
+            source,
+            "duration prediction needs jobs with a run time (of a log: jobs that completed)",
+        )
+        for source in args.traces
+    ]
     for trace in histories:
         if not args.json:
             console.print(trace.describe())

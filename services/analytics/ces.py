@@ -27,11 +27,17 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from gpuherd.errors import GpuherdError
+
 if TYPE_CHECKING:
     import pandas as pd
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
+
+
+class NodeSequenceError(GpuherdError, ValueError):
+    """A node sequence (``time,active,total``) that cannot be replayed: missing, unreadable, empty."""
 
 
 class CesParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,11 +151,26 @@ def load_node_sequence(path: str) -> pd.DataFrame:
     """``time,active,total`` per minute (Helios' CES input)."""
     import pandas as pd  # only offline: the live service (which imports this module) never loads pandas
 
-    df = pd.read_csv(path)
+    try:
+        df = pd.read_csv(path)
+    except FileNotFoundError:
+        raise NodeSequenceError(f"{path}: no such node sequence file") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise NodeSequenceError(f"{path}: not a readable CSV node sequence ({exc})") from None
     missing = {"time", "active", "total"} - set(df.columns)
     if missing:
-        raise ValueError(f"{path}: missing columns {', '.join(sorted(missing))}")
-    df["t"] = (pd.to_datetime(df["time"], utc=True) - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+        raise NodeSequenceError(f"{path}: missing columns {', '.join(sorted(missing))}")
+    if df.empty:
+        raise NodeSequenceError(f"no usable rows in {path}: it has a header and no rows (time,active,total per minute)")
+    when = pd.to_datetime(df["time"], utc=True, errors="coerce")
+    df["t"] = (when - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    counts = df[["active", "total"]].apply(pd.to_numeric, errors="coerce")
+    bad = df["t"].isna() | counts.isna().any(axis=1)
+    if bad.any():  # (line 1 is the header)
+        raise NodeSequenceError(
+            f"{path}: {int(bad.sum()):,} of its rows lack a readable time or a number of active or total "
+            f"nodes (the first on line {int(bad.to_numpy().argmax()) + 2})"
+        )
     return df
 
 
@@ -162,6 +183,8 @@ def evaluate_sequence(
     powering up takes ``boot_s``. Demand above the powered nodes waits (the jobs behind it wait
     for a node to boot): counted as node-minutes and as episodes with their length."""
     params = params or CesParams()
+    if len(seq) == 0:  # (there is no first minute to start from)
+        raise NodeSequenceError("an empty node sequence: no minute to replay")
     times = seq["t"].to_numpy(dtype="float64")
     active = seq["active"].to_numpy(dtype="int64")
     total = seq["total"].to_numpy(dtype="int64")

@@ -652,12 +652,17 @@ class Accuracy:
     fit_s: float = 0.0
     predict_s: float = 0.0
 
-    def row(self) -> dict[str, float | int]:
+    def row(self) -> dict[str, float | int | None]:
+        """The figures as a table row; None where there is no figure (no jobs: each is NaN)."""
+
+        def rounded(value: float, digits: int | None = None) -> float | int | None:
+            return None if math.isnan(value) else round(value, digits)
+
         return {
             "jobs": self.jobs,
-            "MAE (s)": round(self.mae_s),
-            "median rel. error": round(self.median_relative_error, 3),
-            "within 2x": round(self.within_2x, 3),
+            "MAE (s)": rounded(self.mae_s),
+            "median rel. error": rounded(self.median_relative_error, 3),
+            "within 2x": rounded(self.within_2x, 3),
         }
 
 

@@ -73,6 +73,10 @@ class TraceError(GpuherdError):
     """A trace file that cannot be read at all (missing, unknown format, wrong columns)."""
 
 
+class NoUsableJobsError(TraceError):
+    """A trace or log with no job a command can use: no rows at all, or every row left out."""
+
+
 @dataclass
 class Trace:
     """A normalized job table, what could not be used and what was changed to be used."""
@@ -97,6 +101,15 @@ class Trace:
         if self.changed:
             text += "; changed: " + ", ".join(f"{n:,} {how}" for how, n in sorted(self.changed.items()))
         return text
+
+
+def require_jobs(trace: Trace, source: str, needs: str) -> Trace:
+    """``trace``, unless it has no job to use: then an error that says why (no rows, or why each
+    row was left out) and what the command needs."""
+    if len(trace.jobs):
+        return trace
+    found = "it has no rows" if trace.rows_read == 0 else trace.describe()
+    raise NoUsableJobsError(f"no usable jobs in {source}: {found}; {needs}")
 
 
 def finished_runs(trace: Trace) -> Trace:

@@ -10,8 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from apps.cli import build_parser
 from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
 from gpuherd.log.files import write_log_file
 
@@ -58,3 +61,48 @@ def test_predict_on_a_log_scores_only_jobs_that_ran_to_completion_and_says_what_
     assert result["rows"] == {"read": 80, "used": 40, "not_used": {"not completed (cancelled)": 40}}
     assert _run(["predict", str(log)]) == 0
     assert "mixed: 40 of 80 rows used; not used: 40 not completed (cancelled)" in capsys.readouterr().out
+
+
+HELIOS_HEADER = "job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue\n"
+
+
+@pytest.mark.parametrize("command", ["predict", "sim"])
+def test_a_trace_without_rows_is_refused_with_why_rather_than_a_traceback(tmp_path: Path, command: str) -> None:
+    empty = tmp_path / "header_only.csv"
+    empty.write_text(HELIOS_HEADER)
+    with pytest.raises(GpuherdError, match=r"no usable jobs in .*header_only\.csv: it has no rows"):
+        _run([command, str(empty)])
+
+
+def test_an_accuracy_of_no_jobs_is_a_row_without_figures_not_an_error() -> None:
+    import numpy as np
+
+    from services.analytics.predict import accuracy
+
+    assert accuracy(np.array([]), np.array([])).row() == {
+        "jobs": 0,
+        "MAE (s)": None,
+        "median rel. error": None,
+        "within 2x": None,
+    }
+
+
+# -- ces ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("time,active,total\n", r"no usable rows in .*seq\.csv: it has a header and no rows"),
+        ("", r"seq\.csv: not a readable CSV"),
+        ("time,active\n2017-10-03 00:00:00,3\n", r"seq\.csv: missing columns total"),
+        ("time,active,total\n2017-10-03 00:00:00,3,10\nsoon,2,10\n", r"1 of its rows .* line 3"),
+    ],
+)
+def test_ces_on_a_node_sequence_it_cannot_replay_says_why_rather_than_a_traceback(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    path = tmp_path / "seq.csv"
+    path.write_text(text)
+    with pytest.raises(GpuherdError, match=problem):
+        _run(["ces", str(path)])
