@@ -67,6 +67,7 @@ _STATES = {
 
 
 FRACTIONAL_GPUS = "fractional GPU count, rounded up to whole GPUs"
+ZERO_DURATION = "zero duration (never ran)"
 
 
 class TraceError(GpuherdError):
@@ -140,6 +141,8 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
         ("bad or missing submit time", ~np.isfinite(df["submit_time"].astype("float64"))),
         ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
         ("negative duration", df["duration"].astype("float64") < 0),
+        # (Helios traces hold jobs cancelled before they ran, of 0 s: intake refuses a run of 0 s.)
+        (ZERO_DURATION, df["duration"].astype("float64") == 0),
         ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),
         ("bad GPU count", ~np.isfinite(df["gpus"].astype("float64"))),  # (inf: no whole number of GPUs)
         ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),

@@ -106,3 +106,60 @@ def test_ces_on_a_node_sequence_it_cannot_replay_says_why_rather_than_a_tracebac
     path.write_text(text)
     with pytest.raises(GpuherdError, match=problem):
         _run(["ces", str(path)])
+
+
+# -- sim ----------------------------------------------------------------------------------------------
+
+
+def test_a_trace_s_zero_second_jobs_are_not_used_and_counted_under_their_own_reason(
+    tmp_path: Path, capsys: Any
+) -> None:
+    from services.analytics.traces import load_trace
+
+    trace = tmp_path / "cluster_log.csv"
+    trace.write_text(
+        HELIOS_HEADER
+        + "1,u1,vcA,1,6,1,COMPLETED,2020-04-01 00:00:00,2020-04-01 00:00:10,2020-04-01 01:00:10,3600,10\n"
+        # (Helios traces hold jobs cancelled before they ran, of 0 s, which intake would refuse)
+        + "2,u2,vcA,1,6,1,CANCELLED,2020-04-01 00:05:00,2020-04-01 00:05:00,2020-04-01 00:05:00,0,0\n"
+    )
+    assert load_trace(trace).rejected == {"zero duration (never ran)": 1}
+    assert _run(["sim", str(trace), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trace"] == "cluster_log: 1 of 2 rows used; not used: 1 zero duration (never ran)"
+    assert (out["fifo"]["submitted"], out["fifo"]["rejected"]) == (1, 0)
+
+
+def test_sim_says_why_intake_rejected_jobs_by_reason(tmp_path: Path, capsys: Any) -> None:
+    log = _ran_and_cancelled_log(tmp_path / "mixed.jsonl")  # (its cancelled jobs ran 0 s)
+    assert _run(["sim", str(log), "--json"]) == 0
+    fifo = json.loads(capsys.readouterr().out)["fifo"]
+    assert fifo["rejected"] == 40
+    assert fifo["rejected_reasons"] == {"`duration_s` must be positive, got 0.0": 40}
+    assert _run(["sim", str(log)]) == 0
+    shown = capsys.readouterr().out
+    assert "rejected at intake, by reason:\n    40: `duration_s` must be positive, got 0.0\n" in shown
+
+
+def test_sim_s_rejection_reasons_include_a_vc_the_cluster_lacks_and_a_reused_intake_id(
+    tmp_path: Path, capsys: Any
+) -> None:
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("gpus_per_node: 4\nvcs:\n  vcA: {nodes: 1}\n")
+    trace = tmp_path / "cluster_log.csv"
+    row = "u1,{vc},{gpus},6,1,COMPLETED,2020-04-01 00:00:00,2020-04-01 00:00:00,2020-04-01 00:01:00,60,0\n"
+    trace.write_text(
+        HELIOS_HEADER
+        + "1," + row.format(vc="vcA", gpus=1)
+        + "2," + row.format(vc="vcB", gpus=1)
+        + "3," + row.format(vc="vcA", gpus=1)
+        + "3," + row.format(vc="vcA", gpus=2)  # (the same job id, another spec)
+    )  # fmt: skip
+    for model in ("gpuherd", "helios"):  # (helios: each VC simulated alone, the unknown VC apart)
+        assert _run(["sim", str(trace), "--cluster", str(cluster), "--model", model, "--json"]) == 0
+        fifo = json.loads(capsys.readouterr().out)["fifo"]
+        assert fifo["rejected"] == 2
+        reused, unknown = sorted(fifo["rejected_reasons"])
+        assert reused.startswith("intake id '3' was used by an earlier submission with another spec"), model
+        assert unknown.startswith("unknown virtual cluster 'vcB'"), model
+        assert set(fifo["rejected_reasons"].values()) == {1}
