@@ -175,6 +175,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise GpuherdError(f"--bucket is seconds > 0, got {args.bucket:g}")
     if args.gpus_per_node < 1:
         raise GpuherdError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    if args.limit < 0:  # head(-N) would keep all but the last N jobs
+        raise GpuherdError(f"--limit takes the number of first jobs to simulate (0: all), got {args.limit}")
     ces = ces_params(args.ces, "--ces") if args.ces is not None else None
     # (Else a trace without rows reads as "a cluster spec needs at least one VC".)
     trace = require_jobs(load_history(args.trace, args.kind), args.trace, "a simulation needs jobs to submit")
@@ -416,7 +418,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--scale", type=float, default=1.0, help="derived cluster: capacity = scale x VC peak demand")
     s.add_argument("--gpus-per-node", type=int, default=8)
     s.add_argument("--can-borrow", action="store_true", help="VCs may borrow idle GPUs of other VCs")
-    s.add_argument("--limit", type=int, default=0, help="only the first N jobs")
+    s.add_argument("--limit", type=int, default=0, help="only the first N jobs (0: all)")
     s.add_argument("--no-predict", action="store_true", help="no duration predictions (QSSF then ranks by GPUs)")
     s.add_argument("--elastic", action="store_true", help="also run the elastic service (for elastic jobs)")
     s.add_argument(

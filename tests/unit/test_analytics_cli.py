@@ -163,3 +163,9 @@ def test_sim_s_rejection_reasons_include_a_vc_the_cluster_lacks_and_a_reused_int
         assert reused.startswith("intake id '3' was used by an earlier submission with another spec"), model
         assert unknown.startswith("unknown virtual cluster 'vcB'"), model
         assert set(fifo["rejected_reasons"].values()) == {1}
+
+
+def test_sim_refuses_a_negative_limit(tmp_path: Path) -> None:
+    log = _ran_and_cancelled_log(tmp_path / "mixed.jsonl", jobs=2)
+    with pytest.raises(GpuherdError, match="--limit"):  # (it simulated all but the last N jobs)
+        _run(["sim", str(log), "--limit", "-1"])
