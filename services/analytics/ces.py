@@ -40,6 +40,11 @@ class NodeSequenceError(GpuherdError, ValueError):
     """A node sequence (``time,active,total``) that cannot be replayed: missing, unreadable, empty."""
 
 
+class CesParamsError(GpuherdError, ValueError):
+    """CES parameters that would power down nodes the forecast says are needed. (A ValueError, so
+    ``msgspec.convert`` reports it as a ValidationError, as it does a wrong type.)"""
+
+
 class CesParams(msgspec.Struct, frozen=True, kw_only=True):
     horizon_s: float = 3600.0  # the forecast covers this much of the future
     lookback_s: float = 3600.0  # recent peak window
@@ -49,6 +54,22 @@ class CesParams(msgspec.Struct, frozen=True, kw_only=True):
     history_s: float = 8 * DAY_S  # enough for the weekly look-back
     boot_s: float = 300.0  # a node's power-up time (used by the offline evaluation)
     seasonal: bool = False  # also look at the same window a day and a week ago
+
+    def __post_init__(self) -> None:
+        # A negative buffer keeps fewer nodes powered than the forecast; a negative window (or a
+        # look-back shorter than a sample) holds no sample, and forecasts 0 nodes: either powers
+        # down capacity that demand needs.
+        if self.buffer_nodes < 0:
+            raise CesParamsError(f"buffer_nodes is a number of nodes >= 0, got {self.buffer_nodes}")
+        for name in ("horizon_s", "lookback_s", "min_interval_s", "sample_s", "history_s", "boot_s"):
+            seconds = getattr(self, name)
+            if not seconds >= 0:  # (NaN too)
+                raise CesParamsError(f"{name} is seconds >= 0, got {seconds}")
+        if self.lookback_s < self.sample_s:
+            raise CesParamsError(
+                f"lookback_s ({self.lookback_s:g}) must be at least sample_s ({self.sample_s:g}): a shorter "
+                "look-back can hold no sample, and forecast no demand"
+            )
 
 
 class DemandHistory(msgspec.Struct, kw_only=True):

@@ -169,3 +169,38 @@ def test_sim_refuses_a_negative_limit(tmp_path: Path) -> None:
     log = _ran_and_cancelled_log(tmp_path / "mixed.jsonl", jobs=2)
     with pytest.raises(GpuherdError, match="--limit"):  # (it simulated all but the last N jobs)
         _run(["sim", str(log), "--limit", "-1"])
+
+
+# -- CES parameters -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        ('{"buffer_nodes": -4}', "buffer_nodes is a number of nodes >= 0, got -4"),
+        ('{"horizon_s": -600}', "horizon_s is seconds >= 0, got -600"),
+        ('{"history_s": -1}', "history_s is seconds >= 0"),
+        ('{"lookback_s": NaN}', "lookback_s is seconds >= 0, got nan"),
+        ('{"lookback_s": 30}', r"lookback_s \(30\) must be at least sample_s \(60\)"),
+    ],
+)
+def test_ces_parameters_that_would_power_down_needed_nodes_are_refused(
+    tmp_path: Path, params: str, problem: str
+) -> None:
+    from services.analytics.ces import CesParams
+
+    sequence = tmp_path / "seq.csv"
+    sequence.write_text("time,active,total\n2017-10-03 00:00:00,3,10\n2017-10-03 00:01:00,4,10\n")
+    with pytest.raises(GpuherdError, match=problem):
+        _run(["ces", str(sequence), "--params", params])
+    with pytest.raises(GpuherdError, match=problem):  # (as the live service makes them, from --ces)
+        CesParams(**json.loads(params))
+
+
+def test_a_negative_buffer_would_have_powered_down_nodes_the_forecast_needs() -> None:
+    from services.analytics.ces import CesParams, plan_power
+
+    plan = plan_power(powered=100, total=100, forecast=50, now=1e9, last_down_at=0.0, params=CesParams(buffer_nodes=0))
+    assert plan.down == 50, "down to the forecast, not below it"
+    with pytest.raises(GpuherdError, match="buffer_nodes"):  # (-10 planned 60 down: 40 powered for 50)
+        CesParams(buffer_nodes=-10)
