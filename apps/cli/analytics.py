@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,34 +87,6 @@ def ces_params(text: str, option: str) -> dict[str, Any]:
 # -- sim ---------------------------------------------------------------------------------------------
 
 
-def rejection_reasons(
-    jobs: Callable[[], Iterable[Any]], accepted: set[str], resimulate: Callable[[list[Any]], Any]
-) -> dict[str, int]:
-    """Intake's reasons for what a simulation rejected, with how many each, most first.
-
-    A simulation counts its rejections but keeps no log to read them from (unless asked to write
-    one): of the submissions ``jobs()`` gives (``JobSubmitted`` drafts), those it made no job of,
-    and all that share an intake id (intake may refuse a later one), are simulated again by
-    ``resimulate``, alone and with their log kept: intake judges each as it did, and says why in
-    its ``JobRejected``. (Two passes over ``jobs()``, so a long trace is never held as a list.)"""
-    from collections import Counter
-
-    from apps.sim.run import SOURCE
-    from gpuherd import events as ev
-    from services.scheduler.intake import job_id_for
-
-    def job_of(job: Any) -> str:
-        return job_id_for(SOURCE, job.spec.intake_id or "")
-
-    times_asked = Counter(job_of(job) for job in jobs())
-    again = [job for job in jobs() if job_of(job) not in accepted or times_asked[job_of(job)] > 1]
-    if not again:
-        return {}
-    records = resimulate(again).records
-    reasons = Counter(r.event.reason for r in records if isinstance(r.event, ev.JobRejected))
-    return dict(reasons.most_common())
-
-
 REASONS_SHOWN = 10  # a table lists this many reasons, the most frequent (--json lists every one)
 
 
@@ -162,7 +134,7 @@ def checkpoint_cost(text: str) -> str:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from apps.cli.common import policy_names
-    from apps.sim.elastic import ElasticWorkload, make_elastic, parse_range
+    from apps.sim.elastic import ElasticWorkload, parse_range
     from apps.sim.model import load_estimates
     from apps.sim.run import simulate
     from apps.sim.sweep import cores_each, sweep, workers_for
@@ -221,22 +193,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
         )
         table = result.table
         table.name = f"sim-{policy}"
-        reasons: dict[str, int] = {}
-        if result.rejected:
-
-            def submitted() -> Iterable[Any]:
-                jobs = traces.submissions(trace, start=start)
-                # (Drawn over the whole trace as the run drew them: whether a job is elastic depends on its place.)
-                return make_elastic(jobs, elastic_jobs) if elastic_jobs is not None else jobs
-
-            def resimulate(jobs: list[Any]) -> Any:
-                elastic = args.elastic or elastic_jobs is not None
-                return simulate(
-                    jobs, cluster, policy, predict=False, start=start, elastic=elastic, memory=args.memory, model=model,
-                    workers=1,
-                )  # fmt: skip
-
-            reasons = rejection_reasons(submitted, set(table.jobs["job_id"]), resimulate)
         capacity = {vc: cluster.vc_gpus(vc) for vc in cluster.vcs}
         util = jobs_mod.utilization(table.jobs, capacity, bucket_s=args.bucket, log_end=table.log_end)
         figures = {
@@ -245,7 +201,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             "events": result.events,
             "submitted": result.submitted,
             "rejected": result.rejected,
-            "rejected_reasons": reasons,  # intake's reason -> submissions it rejected for it
+            "rejected_reasons": table.intake_rejections,  # intake's reason -> submissions it rejected for it
             "mean_utilization": round(float(util["all"].mean()), 4) if len(util) else None,
             "rescales": int(table.jobs["rescales"].sum()),
             "paused_gpu_s": round(float(table.jobs["paused_gpu_s"].sum()), 1),

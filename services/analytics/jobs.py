@@ -13,6 +13,7 @@ a running job's run time and GPU-seconds count up to the log's end (its newest e
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class JobTable:
     def __init__(self) -> None:
         self.jobs: dict[str, _Job] = {}
         self.rejected = 0
+        self.rejected_for: collections.Counter[str] = collections.Counter()  # intake's reason -> how many
         self.rows_read = 0
         self.log_end: float | None = None  # the newest event's time, of any event added
 
@@ -122,6 +124,7 @@ class JobTable:
         if isinstance(event, ev.JobRejected):
             self.rows_read += 1
             self.rejected += 1
+            self.rejected_for[event.reason] += 1
             return
         job = self.jobs.get(getattr(event, "job", ""))
         if job is None:
@@ -221,6 +224,7 @@ class JobTable:
             rejected=reasons,
             absolute_time=_on_calendar_time(df),
             log_end=self.log_end,
+            intake_rejections=dict(self.rejected_for.most_common()),
         )
 
 
@@ -252,6 +256,7 @@ def merge_tables(tables: Sequence[Trace], *, name: str) -> Trace:
     rejected = sum(t.rejected.get("rejected at intake", 0) for t in tables)
     reasons = {"rejected at intake": rejected} if rejected else {}
     ends = [t.log_end for t in tables if t.log_end is not None]
+    rejected_for = sum((collections.Counter(t.intake_rejections) for t in tables), collections.Counter())
     return Trace(
         name=name,
         jobs=df,
@@ -259,6 +264,7 @@ def merge_tables(tables: Sequence[Trace], *, name: str) -> Trace:
         rejected=reasons,
         absolute_time=_on_calendar_time(df),
         log_end=max(ends) if ends else None,
+        intake_rejections=dict(rejected_for.most_common()),
     )
 
 

@@ -89,6 +89,8 @@ class Trace:
     absolute_time: bool = False
     changed: dict[str, int] = field(default_factory=dict)  # rows used with a value changed, by how
     log_end: float | None = None  # folded from a log: its newest event's time (running jobs count up to it)
+    # Folded from a log: intake's reason for each submission it rejected -> how many, most first.
+    intake_rejections: dict[str, int] = field(default_factory=dict)
 
     @property
     def origin(self) -> float:

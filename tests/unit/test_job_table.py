@@ -11,7 +11,7 @@ from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.fold.core import fold
 from gpuherd.fold.state import ClusterState
-from services.analytics.jobs import job_table, utilization
+from services.analytics.jobs import JobTable, job_table, merge_tables, utilization
 from services.analytics.traces import COLUMNS, Trace, submissions
 from tests.helpers import node
 
@@ -148,3 +148,24 @@ def test_the_partial_last_bucket_counts_the_time_it_covers() -> None:
     assert list(busy["a"]) == pytest.approx([1.0, 1.0])
     half = utilization(jobs.assign(end_time=[5400.0], duration=[5400.0], gpu_seconds=[8 * 5400.0]), 16)
     assert list(half["all"]) == pytest.approx([0.5, 0.5])  # (the last bucket: 1,800 s of 3,600)
+
+
+def test_the_table_keeps_intake_s_reasons_for_what_it_rejected_and_a_merge_adds_them_up() -> None:
+    """``gpuherd sim`` says why intake rejected jobs: the table folded as a simulation runs keeps
+    each reason's count (a simulation keeps no log to read them from), and so does the table of a
+    partitioned run, merged from its VCs'."""
+
+    def rejected(seq: int, reason: str) -> ev.JobRejected:
+        return ev.JobRejected(at=float(seq), intake_source="t", intake_seq=seq, reason=reason)
+
+    first = JobTable()
+    for event in [rejected(1, "too big"), rejected(2, "no such VC"), rejected(3, "too big")]:
+        first.add(event)
+    second = JobTable()
+    second.add(rejected(4, "no such VC"))
+    second.add(rejected(5, "no such VC"))
+    assert first.trace().intake_rejections == {"too big": 2, "no such VC": 1}
+    merged = merge_tables([first.trace(), second.trace()], name="both")
+    assert merged.intake_rejections == {"no such VC": 3, "too big": 2}
+    assert list(merged.intake_rejections) == ["no such VC", "too big"], "most first"
+    assert merged.rejected == {"rejected at intake": 5}
