@@ -202,7 +202,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
             "submitted": result.submitted,
             "rejected": result.rejected,
             "rejected_reasons": table.intake_rejections,  # intake's reason -> submissions it rejected for it
-            "mean_utilization": round(float(util["all"].mean()), 4) if len(util) else None,
+            "mean_utilization": None if (mean := jobs_mod.mean_utilization(util)) is None else round(mean, 4),
             "rescales": int(table.jobs["rescales"].sum()),
             "paused_gpu_s": round(float(table.jobs["paused_gpu_s"].sum()), 1),
             "summary": jobs_mod.summarize(table.jobs),

@@ -323,10 +323,11 @@ def utilization(
     those over start..end instead, so an elastic job counts what it held and a preempted one not
     its waits. A job that started and has not ended ends at ``log_end`` (the table's, when folded
     from a log) or else after its run time. Each bucket is a share of the time it covers: the last
-    one ends with the data, not a whole bucket later. Columns: time, <vc>... and ``all``."""
+    one ends with the data, not a whole bucket later. Columns: time, covered_s (the seconds of the
+    run the bucket covers), <vc>... and ``all``."""
     done = jobs[jobs["start_time"].notna()]
     if done.empty:
-        return pd.DataFrame(columns=["time", "all"])
+        return pd.DataFrame(columns=["time", "covered_s", "all"])
     t0 = float(done["start_time"].min())
     end = done["end_time"].fillna(done["start_time"] + done["duration"] if log_end is None else log_end)
     t1 = float(end.max())
@@ -336,7 +337,7 @@ def utilization(
     # past t1 holds nothing; any width keeps it at 0.)
     covered = np.minimum(edges[1:], t1) - edges[:-1]
     covered = np.where(covered > 0, covered, bucket_s)
-    out = pd.DataFrame({"time": edges[:-1]})
+    out = pd.DataFrame({"time": edges[:-1], "covered_s": np.maximum(np.minimum(edges[1:], t1) - edges[:-1], 0.0)})
     total = np.zeros(len(edges) - 1)
     gpus = done["gpus"].astype("float64")
     if "gpu_seconds" in done:  # a simulated or logged table: the GPU-seconds held, spread over start..end
@@ -353,6 +354,15 @@ def utilization(
     cluster = sum(capacity.values()) if isinstance(capacity, dict) else capacity
     out["all"] = total / (max(cluster, 1) * covered)
     return out
+
+
+def mean_utilization(util: pd.DataFrame, column: str = "all") -> float | None:
+    """The share of capacity busy over the whole run, of a ``utilization`` frame: each bucket
+    weighted by the time it covers (a short last bucket counts for what it covers, not a whole
+    bucket); None where no job ran."""
+    if not len(util) or not util["covered_s"].sum() > 0:
+        return None
+    return float(np.average(util[column], weights=util["covered_s"]))
 
 
 def _busy_gpu_seconds(starts: np.ndarray, ends: np.ndarray, gpus: np.ndarray, edges: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.fold.core import fold
 from gpuherd.fold.state import ClusterState
-from services.analytics.jobs import JobTable, job_table, merge_tables, utilization
+from services.analytics.jobs import JobTable, job_table, mean_utilization, merge_tables, utilization
 from services.analytics.traces import COLUMNS, Trace, submissions
 from tests.helpers import node
 
@@ -148,6 +148,27 @@ def test_the_partial_last_bucket_counts_the_time_it_covers() -> None:
     assert list(busy["a"]) == pytest.approx([1.0, 1.0])
     half = utilization(jobs.assign(end_time=[5400.0], duration=[5400.0], gpu_seconds=[8 * 5400.0]), 16)
     assert list(half["all"]) == pytest.approx([0.5, 0.5])  # (the last bucket: 1,800 s of 3,600)
+
+
+def test_the_mean_utilization_of_a_run_weighs_each_bucket_by_the_time_it_covers() -> None:
+    """``gpuherd sim``'s utilization column was the plain mean of the buckets: a last bucket of 360 s
+    counted as much as a whole hour. 8 GPUs busy for an hour, then 4 for 360 s: 95.5% busy, not 75%."""
+    jobs = pd.DataFrame(
+        {
+            "start_time": [0.0, 0.0],
+            "end_time": [3600.0, 3960.0],
+            "duration": [3600.0, 3960.0],
+            "gpus": [4, 4],
+            "vc": ["a", "a"],
+            "gpu_seconds": [4 * 3600.0, 4 * 3960.0],
+        }
+    )
+    busy = utilization(jobs, {"a": 8}, bucket_s=3600.0)
+    assert list(busy["all"]) == pytest.approx([1.0, 0.5])
+    assert list(busy["covered_s"]) == pytest.approx([3600.0, 360.0])
+    assert mean_utilization(busy) == pytest.approx((3600 * 1.0 + 360 * 0.5) / 3960)
+    assert mean_utilization(busy, "a") == pytest.approx((3600 * 1.0 + 360 * 0.5) / 3960)
+    assert mean_utilization(utilization(jobs.iloc[:0], {"a": 8})) is None, "no job ran"
 
 
 def test_the_table_keeps_intake_s_reasons_for_what_it_rejected_and_a_merge_adds_them_up() -> None:
