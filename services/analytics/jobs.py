@@ -24,13 +24,8 @@ import pandas as pd
 
 from gpuherd import events as ev
 from gpuherd.log import Record
-from services.analytics.predict import UNKNOWN
+from services.analytics.predict import CALENDAR_TIME_FROM_S, UNKNOWN
 from services.analytics.traces import COLUMNS, Trace
-
-# Submit times above this are seconds since the Unix epoch (1973 on); below it, offsets from a
-# trace's start (ITP, Alibaba: simulated from 0), which have no date or time of day. The same test
-# as ``DurationModel.features`` in predict.py, where it is a bare literal (nothing to import).
-CALENDAR_TIME_FROM_S = 1e8
 
 
 @dataclass(slots=True)

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 MODEL_NAME = "history-gbdt"
 # What a trace records for a user or a job name it does not have (intake needs both to be given).
 UNKNOWN = "-"
+# Times above this are seconds since the Unix epoch (1973 on); below it, offsets from a trace's start
+# (ITP, Alibaba: simulated from 0), which have no date or time of day.
+CALENDAR_TIME_FROM_S = 1e8
 
 KEYS = ("user+name", "user+gpus", "user", "vc+gpus", "vc", "gpus", "all")
 _PER_KEY = ("med", "sd", "last", "n")
@@ -321,7 +324,7 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     def features(self, f: Features, burst_id: str | None = None) -> list[float]:
         """The feature vector of a job submitted now (``FEATURES``' order)."""
         x = [math.log2(max(f.gpus, 1)), float(f.nodes or 0)]
-        if f.at > 1e8:  # calendar time (traces that give offsets have no time of day)
+        if f.at > CALENDAR_TIME_FROM_S:  # (traces that give offsets have no time of day)
             day = f.at / 86400.0
             x += [(day % 1.0) * 24.0, float(int(day + 3) % 7)]  # 1970-01-01 was a Thursday
         else:
