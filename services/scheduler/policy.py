@@ -16,9 +16,11 @@ scheduling pass's (``schedule.py``), the same for every policy.
 | fairshare  | decayed GPU use of the job's VC (per weight), then user    | no                       |
 
 Expected duration: the spec's ``duration_s`` if given, else the latest
-``JobDurationPredicted``. QSSF uses the prediction only: the ``quantile`` of its log-normal
-(``fallback_quantile`` for a job whose user has no history the model knew, when that is set), and
-``default_duration_s`` (one hour) before there is one.
+``JobDurationPredicted``. SRTF's remaining time is that less the work done so far, counted as the
+fold's attained service (an elastic job's at each of its sizes; ``work_done_by``). QSSF uses the
+prediction only: the ``quantile`` of its log-normal (``fallback_quantile`` for a job whose user
+has no history the model knew, when that is set), and ``default_duration_s`` (one hour) before
+there is one.
 
 LAS preempts only a job that has run ``min_run_s`` since it last started.
 
@@ -160,11 +162,22 @@ def remaining_s(job: JobState, state: SchedulerState) -> float:
     duration = state.expected_duration(job)
     if duration is None:
         return math.inf
-    return max(0.0, duration - _ran_s(job, state.now))
+    return max(0.0, duration - work_done_by(state.scheduling.rules)(job, state.now))
 
 
-def _ran_s(job: JobState, now: float) -> float:
-    """Seconds of its work the job has done (at its full size), this attempt's included."""
+WorkDone = Callable[[JobState, float], float]  # (job, now) -> seconds of its work done, at the size it asked for
+
+
+def work_done_by(rules: int) -> WorkDone:
+    """How the scheduling ``rules`` in force count a job's work done so far (all attempts and sizes):
+    rules 10, the fold's attained service (GPU-seconds at each size over the GPUs it asked for)."""
+    return JobState.attained_s if rules >= 10 else _ran_s_before_rules_10
+
+
+def _ran_s_before_rules_10(job: JobState, now: float) -> float:
+    """Rules 9 and before: the time since the start at the size asked for, on top of the GPU time of
+    earlier attempts and sizes. A resize puts the attempt's GPU time so far into ``service_gpu_s``,
+    so a resized elastic job's time before its resize counted twice (and its size went uncounted)."""
     ran = job.service_gpu_s / job.spec.gpus
     if job.status == "running" and job.started_at is not None:
         ran += now - job.started_at
@@ -191,13 +204,13 @@ class Srtf(Policy):
         needs = remaining_s(waiting, state)
         if needs == math.inf:
             return _never  # no job has more time left than one of unknown duration
-        expected, now = state.expected_duration, state.now
+        expected, now, done = state.expected_duration, state.now, work_done_by(state.scheduling.rules)
 
         def outranked(running: JobState) -> bool:
             # ``needs < remaining_s(running)``, asked of every running job of a VC at every pass:
             # ``needs`` is never negative, so the remaining time's floor at 0 changes nothing.
             duration = expected(running)
-            return duration is None or needs < duration - _ran_s(running, now)
+            return duration is None or needs < duration - done(running, now)
 
         return outranked
 

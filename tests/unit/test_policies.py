@@ -7,11 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuherd import events as ev
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import POLICIES, Las, check_policy, make_policy, remaining_s
 from services.scheduler.schedule import plan
 from services.scheduler.state import SchedulerState
 from tests.helpers import node, submit
+from tests.unit.test_scheduler_decider import drive, folded
 
 _scheduler = SchedulerDecider()
 
@@ -320,3 +323,61 @@ def test_srtf_outranks_exactly_the_running_jobs_with_more_time_left(
     job.started_at = started_at if status == "running" else None
     srtf, w = POLICIES["srtf"](), state.jobs["w"]
     assert srtf.outranked_by(w, state)(job) == (remaining_s(w, state) < remaining_s(job, state))
+
+
+# -- SRTF and LAS count an elastic job's work at each of its sizes ------------------------------------
+# An elastic job declaring 1000 s on 2 GPUs starts at 0 on 2 GPUs and grows to 4 at t=400: at t=500 it
+# has done 400 s + 100 s x 4/2 = 600 s of its work (1200 GPU-s), 400 s are left. Rules 9 counted the
+# time since its start on top of the GPU time its resize had already counted (900 s done, 100 left).
+
+GROWN_ELASTIC = ev.Elastic(min=1, max=4, global_batch=16, micro_batch=4)  # sizes 1, 2, 4
+
+
+def _grown_at_400(rules: int, policy: str = "srtf") -> list[Record]:
+    """The elastic job "grown" on n1's 4 GPUs, grown at t=400; at t=500 "short" (1 GPU, 200 s) arrives."""
+    spec = ev.JobSpec(name="grown", user="u", gpus=2, duration_s=1000.0, command=("x",), elastic=GROWN_ELASTIC)
+    log = drive(
+        [
+            ev.PolicyConfigured(id="policy", policy=policy, rules=rules),
+            node("n1", 4, executor="cpu", ports=(29500, 29599)),
+            ev.JobSubmitted(id="sub-grown", at=0.0, job="grown", spec=spec, intake_source="t"),
+        ]
+    )
+    log = drive([ev.JobStarted(id="s-grown", at=0.0, job="grown", attempt=0, node="n1")], log)
+    log = drive([ev.RescaleProposed(id="grow", at=400.0, job="grown", attempt=0, generation=0, gpus=4)], log)
+    (resized,) = (r.event for r in log if isinstance(r.event, ev.JobResized))
+    assert len(resized.allocations[0].gpus) == 4
+    completed = ev.RescaleCompleted(
+        id="grown-4", at=400.0, job="grown", attempt=0, generation=1, node="n1", world=4, world_before=2
+    )
+    short = submit("short", 1, at=500.0, duration=200.0, command=("x",))
+    return drive([completed, short], log)
+
+
+def test_srtf_counts_a_resized_elastic_jobs_work_at_each_of_its_sizes() -> None:
+    for rules, done in ((ev.SCHEDULING_RULES, 600.0), (9, 900.0)):
+        state = folded(_grown_at_400(rules))
+        grown = state.jobs["grown"]
+        assert state.now == 500.0 and grown.held == 4 and grown.attained_s(500.0) == 600.0
+        assert remaining_s(grown, state) == 1000.0 - done, f"rules {rules}"
+        short = state.jobs["short"]
+        srtf = make_policy("srtf")
+        assert srtf.outranked_by(short, state)(grown) == (remaining_s(short, state) < remaining_s(grown, state))
+
+
+def test_srtf_preempts_a_grown_elastic_job_with_more_left_and_old_logs_audit_as_decided() -> None:
+    log = _grown_at_400(ev.SCHEDULING_RULES)
+    (preempted,) = (r.event for r in log if isinstance(r.event, ev.JobPreempted))
+    assert (preempted.job, preempted.by) == ("grown", "short"), "400 s left of grown's work, 200 s of short's"
+    old = _grown_at_400(9)
+    assert not any(isinstance(r.event, ev.JobPreempted) for r in old), "rules 9 re-derived as decided"
+    for decided in (log, old):
+        assert audit(decided, SchedulerDecider()).ok
+
+
+def test_las_counts_a_resized_elastic_jobs_service_once() -> None:
+    state = folded(_grown_at_400(ev.SCHEDULING_RULES, policy="las"))
+    grown = state.jobs["grown"]
+    assert grown.service_gpu_s + grown.running_gpu_s(state.now) == 2 * 400.0 + 4 * 100.0
+    # Just past 1200 GPU-s is the second queue: a double count (1600) would make it the third.
+    assert Las(first_queue_gpu_s=1199.0, queue_ratio=1.3).service_queue(grown, state) == 1

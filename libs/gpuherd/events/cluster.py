@@ -54,7 +54,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # a rescale proposed for a job that is stopping by the time it is decided is not committed.
 # 9: what a VC borrows is its usage beyond its quota now, held by its newest placements first: only
 # those are reclaimed, not the jobs whose ``borrowed`` (frozen at placement) outlived the borrowing.
-SCHEDULING_RULES = 9
+# 10: SRTF counts a job's work done as its attained service, an elastic job's at each of its sizes
+# (before, a resized job's GPU time before its resize counted twice, and its current size not at all).
+SCHEDULING_RULES = 10
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
