@@ -72,6 +72,9 @@ class Verdict(msgspec.Struct, frozen=True):
     steps: dict[str, list[str]] | None = None
 
 
+_VERDICT = msgspec.json.Decoder(Verdict)
+
+
 # An operator's reason is recorded in the log, read by every reader and shown on every page: a few
 # lines, not a document (one near NATS's max_payload would fail the append after the checks passed).
 MAX_REASON_CHARS = 2048
@@ -121,15 +124,18 @@ class Client:
         # One subscription answers every submission (a wildcard inbox, futures by subject),
         # rather than a subscribe/unsubscribe pair per submission.
         self._reply_prefix = nc.new_inbox()
-        self._replies: dict[str, asyncio.Future[bytes]] = {}
+        self._replies: dict[str, asyncio.Future[Verdict]] = {}
         # Per waiting inbox: how many of its publishes the server said nothing took (none stored them).
         self._unrouted: dict[str, int] = {}
+        # Per waiting inbox: what else answered there, that was no verdict (JetStream refusing a
+        # copy while its stream has no leader, say): said when no verdict comes.
+        self._not_verdicts: dict[str, str] = {}
         self._reply_sub: Any = None
         # Subscribing may wait (a connection whose write buffer is full): submissions started
         # meanwhile must wait for that one subscription, not make another (every reply handled twice).
         self._subscribing = asyncio.Lock()
 
-    async def _reply_inbox(self) -> tuple[str, asyncio.Future[bytes]]:
+    async def _reply_inbox(self) -> tuple[str, asyncio.Future[Verdict]]:
         if self._reply_sub is None:
             async with self._subscribing:
                 if self._reply_sub is None:
@@ -146,8 +152,13 @@ class Client:
             # The server's answer to a publish of the submission (its reply subject is this inbox):
             # nothing took the subject, so no stream stored that copy and no scheduler saw it.
             self._unrouted[msg.subject] = self._unrouted.get(msg.subject, 0) + 1
-        else:
-            waiting.set_result(msg.data)
+            return
+        try:
+            waiting.set_result(_VERDICT.decode(msg.data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            # Not the scheduler's: JetStream may answer a publish there too (an error while the
+            # stream elects a leader, an acknowledgement). The attempts go on; the verdict is awaited.
+            self._not_verdicts[msg.subject] = msg.data[:300].decode(errors="replace")
 
     @classmethod
     async def connect(cls, url: str, *, source: str = "cli", persistent: bool = False) -> Client:
@@ -238,14 +249,14 @@ class Client:
                     published += 1
                     try:
                         wait = min(attempt_timeout, max(0.1, deadline - time.monotonic()))
-                        answer = await asyncio.wait_for(asyncio.shield(reply), wait)
-                        return msgspec.json.decode(answer, type=Verdict)
+                        return await asyncio.wait_for(asyncio.shield(reply), wait)
                     except TimeoutError:
                         if time.monotonic() >= deadline:
                             raise SubmissionError(self._no_verdict(timeout, published, inbox)) from None
         finally:
             self._replies.pop(inbox, None)
             self._unrouted.pop(inbox, None)
+            self._not_verdicts.pop(inbox, None)
 
     def _no_verdict(self, timeout: float, published: int, inbox: str) -> str:
         if self._unrouted.get(inbox, 0) >= published:
@@ -255,8 +266,10 @@ class Client:
                 "exist (is gpuherd set up? the scheduler creates it, or `gpuherd log init`) or this NATS server "
                 "cannot reach the servers that hold it"
             )
+        answered = self._not_verdicts.get(inbox)
+        also = f" (the last answer that was no verdict: {answered})" if answered else ""
         return (
-            f"no verdict within {timeout:.0f}s: is the scheduler running? Storage is not confirmed "
+            f"no verdict within {timeout:.0f}s{also}: is the scheduler running? Storage is not confirmed "
             f"({HERD_INTAKE} does not acknowledge; only a verdict proves it was stored, and a stored submission "
             "is judged once the scheduler runs): resubmitting the same intake_id is safe, it makes one job at most"
         )

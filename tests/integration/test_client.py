@@ -77,6 +77,43 @@ async def test_a_submission_published_before_anything_takes_it_is_judged_once_so
         await scheduler.close()
 
 
+async def test_an_answer_that_is_no_verdict_is_not_taken_for_one(local_nats: NatsServer) -> None:
+    """A publish's reply subject is the verdict's inbox, so JetStream may answer there too (the chaos
+    suite saw it while the intake stream elected a leader): the client raised ValidationError on
+    it. It now waits on for the verdict, and says what answered if none comes."""
+    client = await Client.connect(local_nats.url, source="jsanswers")
+    stream = await nats.connect(local_nats.url)
+    refusal = {"error": {"code": 503, "err_code": 10008, "description": "JetStream system temporarily unavailable"}}
+    answered: list[int] = []
+
+    async def refuse_then_judge(msg: Any) -> None:  # the stream's refusal, then (the next copy) a verdict
+        answered.append(1)
+        if len(answered) == 1:
+            await stream.publish(msg.reply, msgspec.json.encode(refusal))
+        else:
+            await stream.publish(msg.headers[REPLY_HEADER], msgspec.json.encode({"ok": True, "job_id": "jlater"}))
+
+    try:
+        await stream.subscribe(f"{INTAKE_PREFIX}.jsanswers", cb=refuse_then_judge)
+        assert await client.submit(GOOD, timeout=10, attempt_timeout=0.3) == "jlater"
+        silent = await Client.connect(local_nats.url, source="jsrefuses")
+
+        async def only_refuse(msg: Any) -> None:
+            await stream.publish(msg.reply, msgspec.json.encode(refusal))
+
+        refusing = await stream.subscribe(f"{INTAKE_PREFIX}.jsrefuses", cb=only_refuse)
+        try:
+            with pytest.raises(SubmissionError, match="no verdict within") as unanswered:
+                await silent.submit(GOOD, timeout=1, attempt_timeout=0.3)
+        finally:
+            await refusing.unsubscribe()
+            await silent.close()
+        assert "temporarily unavailable" in str(unanswered.value), unanswered.value
+    finally:
+        await client.close()
+        await stream.close()
+
+
 async def test_without_a_verdict_the_client_does_not_claim_the_submission_is_stored(local_nats: NatsServer) -> None:
     """The intake stream exists but no scheduler runs: the stream does not acknowledge what it
     stores, so the client cannot know whether it did, and must not say it did."""
