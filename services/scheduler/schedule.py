@@ -288,11 +288,15 @@ def candidates(work: Pass) -> Iterable[JobState]:
         work.reading = ranks.order(state, resume=head_found)
         return work.reading
     preempts = policy.preemptive or max(state.queued_priorities) > min(state.active_priorities, default=0)
+    # Rules 11: a job held back (dependency, array or user limit) takes no part in the pass, so it may
+    # not stand for its VC: the VC's first job is the first that is not held (before, a held first job
+    # kept every job of its VC from preempting).
+    unheld = work.state.scheduling.rules >= 11
     if ranks is not None:
-        skip = work.skip
+        skip, holds = work.skip, work.holds
 
         def able(job: JobState) -> bool:
-            return job.job not in skip and not job.cancel_requested
+            return job.job not in skip and not job.cancel_requested and not (unheld and holds.check(job) is not None)
 
         firsts = [first for vc in full if (first := ranks.first(state, vc, able)) is not None] if preempts else []
         work.reading = ranks.order(state, without=full, keep=firsts, resume=head_found)
@@ -304,8 +308,21 @@ def candidates(work: Pass) -> Iterable[JobState]:
         for vc in full:
             ids = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
             if ids:
-                first_ids.append(min(ids, key=lambda j: policy.rank(jobs[j], state)))
+                first_ids.extend(
+                    _first_unheld(work, ids) if unheld else [min(ids, key=lambda j: policy.rank(jobs[j], state))]
+                )
     return policy.order_without(state, full, first_ids)
+
+
+def _first_unheld(work: Pass, ids: list[str]) -> list[str]:
+    """Of a VC's waiting ``ids``, the first in the policy's order that nothing holds back (none: no
+    job). The first by rank is asked first: sorting them all is for a VC whose first is held."""
+    state, policy, jobs = work.state, work.policy, work.state.jobs
+    first = min(ids, key=lambda j: policy.rank(jobs[j], state))
+    if work.holds.check(jobs[first]) is None:
+        return [first]
+    ranked = sorted(ids, key=lambda j: policy.rank(jobs[j], state))
+    return next(([j] for j in ranked if work.holds.check(jobs[j]) is None), [])
 
 
 def _beyond_head(work: Pass, job: JobState, position: int) -> Literal["consider", "skip", "stop"]:

@@ -56,7 +56,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # those are reclaimed, not the jobs whose ``borrowed`` (frozen at placement) outlived the borrowing.
 # 10: SRTF counts a job's work done as its attained service, an elastic job's at each of its sizes
 # (before, a resized job's GPU time before its resize counted twice, and its current size not at all).
-SCHEDULING_RULES = 10
+# 11: a VC's first waiting job, which may preempt within its VC, is its first not held back (dependency,
+# array or user limit): before, a held first job kept every job of its VC from preempting.
+SCHEDULING_RULES = 11
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):

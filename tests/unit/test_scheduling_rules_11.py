@@ -1,0 +1,94 @@
+"""Scheduling rules 11: a VC's held job does not stand in for its VC's first job, and a backfill
+reservation counts only the GPUs its head can use (its per-node share, its executor kind)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpuherd import events as ev
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
+from services.scheduler.decide import SchedulerDecider
+from services.scheduler.placement import ViewCache
+from services.scheduler.policy import Fifo
+from services.scheduler.ranks import RankIndex
+from services.scheduler.schedule import Plan, plan
+from services.scheduler.state import SchedulerState
+from tests.helpers import node, submit
+from tests.unit.test_policies import run, state_of
+from tests.unit.test_scheduler_decider import decisions, drive
+
+
+def _rules(rules: int, *, vc: ev.VcConfigured | None = None) -> list[ev.Event]:
+    return [*([vc] if vc is not None else []), ev.PolicyConfigured(id="policy", policy="fifo", rules=rules)]
+
+
+def _with(event: ev.JobSubmitted, **spec: object) -> ev.JobSubmitted:
+    return msgspec.structs.replace(event, spec=msgspec.structs.replace(event.spec, **spec))
+
+
+def _decided(state: SchedulerState) -> list[Plan]:
+    """The decider's own pass (no explanations), reading the kept order and sorting the queue."""
+    return [
+        plan(state, Fifo(), explain=False, cache=ViewCache(), ranks=RankIndex()),
+        plan(state, Fifo(), explain=False),
+    ]
+
+
+def _started(*jobs: str) -> list[ev.Event]:
+    return [ev.JobStarted(id=f"s-{job}", at=0.0, job=job, attempt=0, node="n1") for job in jobs]
+
+
+def _audits_clean(log: list[Record]) -> bool:
+    return audit(log, SchedulerDecider()).ok
+
+
+# -- a held job is not its VC's first ------------------------------------------------------------------
+
+
+def _vc_with_held_first(rules: int, *, held: bool = True) -> SchedulerState:
+    """VC A (quota 4, no borrowing) runs L (4 GPUs, priority 0); J1 (priority 10) waits for X, J2
+    (priority 5) outranks L."""
+    return state_of(
+        *_rules(rules, vc=ev.VcConfigured(id="vc", vc="A", gpu_quota=4, can_borrow=False)),
+        node("n1", 8),
+        submit("L", 4, vc="A", duration=1000.0),
+        *run("L", "n1", (0, 1, 2, 3)),
+        submit("X", 1, duration=1000.0),
+        *run("X", "n1", (4,)),
+        *([_with(submit("J1", 4, vc="A"), priority=10, depends_on=ev.Dependencies(afterok=("X",)))] if held else []),
+        _with(submit("J2", 4, vc="A"), priority=5),
+    )
+
+
+def test_a_job_its_dependency_holds_does_not_stop_the_next_job_of_its_vc_from_preempting() -> None:
+    for result in _decided(_vc_with_held_first(11)):
+        assert [(p.job, p.by) for p in result.preempted] == [("L", "J2")]
+    assert [(p.job, p.by) for p in _decided(_vc_with_held_first(11, held=False))[0].preempted] == [("L", "J2")]
+
+
+def test_rules_10_let_a_held_job_stand_for_its_vc_as_they_decided() -> None:
+    for result in _decided(_vc_with_held_first(10)):
+        assert result.preempted == []
+
+
+def _held_first_log(rules: int) -> list[Record]:
+    """The same, decided by the scheduler as the events come: L and X placed and started, then J1, J2."""
+    log = drive(
+        [
+            *_rules(rules, vc=ev.VcConfigured(id="vc", vc="A", gpu_quota=4, can_borrow=False)),
+            node("n1", 8),
+            submit("L", 4, vc="A", duration=1000.0),
+            submit("X", 1, duration=1000.0),
+        ]
+    )
+    log = drive(_started("L", "X"), log)
+    held = _with(submit("J1", 4, vc="A"), priority=10, depends_on=ev.Dependencies(afterok=("X",)))
+    return drive([held, _with(submit("J2", 4, vc="A"), priority=5)], log)
+
+
+def test_the_scheduler_preempts_for_the_next_job_and_a_rules_10_log_audits_as_decided() -> None:
+    log, old = _held_first_log(ev.SCHEDULING_RULES), _held_first_log(10)
+    assert [(p.job, p.by) for p in decisions(log, ev.JobPreempted)] == [("L", "J2")]
+    assert decisions(old, ev.JobPreempted) == [], "rules 10 re-derived as decided"
+    assert _audits_clean(log) and _audits_clean(old)
