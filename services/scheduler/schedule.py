@@ -428,7 +428,7 @@ def find_placement(work: Pass, job: JobState, shape: tuple, position: int) -> Pl
     out = work.out
     if kind == "gang" and out.head is None:
         out.head = job.job
-        out.reserved_at, work.extra = _reservation(work.state, job, work.free)
+        out.reserved_at, work.extra = _reservation(work, job)
     return None
 
 
@@ -677,10 +677,23 @@ def _view(node: NodeState, usable: set[int]) -> NodeView:
 # -- backfill reservation ----------------------------------------------------------------------------
 
 
-def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView]) -> tuple[float | None, int]:
-    """When enough GPUs free up for the head (by GPU count, from running jobs' expected ends), and
-    how many GPUs are spare then. None when an end it depends on is unknown."""
-    available = sum(v.free for v in free.values())
+def _reservation(work: Pass, head: JobState) -> tuple[float | None, int]:
+    """When enough GPUs free up for the head (from running jobs' expected ends), and how many GPUs
+    are spare then. None when an end it depends on is unknown. Rules 11 count only the GPUs the head
+    can use: of nodes whose executor can run it."""
+    state, free = work.state, work.free
+    if state.scheduling.rules < 11:
+        return _reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False))
+    kinds = tuple(flag for flag in (True, False) if can_run(head.spec, flag))
+    available = sum(n for flag, n in work.free_total.items() if flag in kinds)
+    return _reservation_by_count(state, head, free, available, kinds)
+
+
+def _reservation_by_count(
+    state: SchedulerState, head: JobState, free: dict[str, NodeView], available: int, kinds: tuple[bool, ...]
+) -> tuple[float | None, int]:
+    """The reservation by GPU count: ``available`` free GPUs now, and those of ending jobs on nodes of
+    the executor ``kinds`` that can run the head."""
     if available >= head.spec.gpus:
         return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
     # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
@@ -688,7 +701,7 @@ def _reservation(state: SchedulerState, head: JobState, free: dict[str, NodeView
     for end, group in itertools.groupby(_by_end(state, state.ends, list(state.unstarted)), key=lambda e: e[0]):
         if math.isinf(end):
             return None, 0
-        for gpus in sorted(_healthy_gpus(state, job, free) for _, job in group):
+        for gpus in sorted(_healthy_gpus(state, job, free, kinds) for _, job in group):
             available += gpus
             if available >= head.spec.gpus:
                 return max(end, state.now), available - head.spec.gpus
@@ -706,8 +719,15 @@ def _by_end(
         yield end, jobs[job_id]
 
 
-def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView]) -> int:
-    return sum(1 for a in job.allocations for i in a.gpus if a.node in free and state.nodes[a.node].gpus[i].healthy)
+def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView], kinds: tuple[bool, ...]) -> int:
+    """The healthy GPUs ``job`` frees on nodes that accept work, of the executor ``kinds`` counted."""
+    count = 0
+    for alloc in job.allocations:
+        view = free.get(alloc.node)
+        if view is not None and view.runs_processes in kinds:
+            gpus = state.nodes[alloc.node].gpus
+            count += sum(1 for i in alloc.gpus if gpus[i].healthy)
+    return count
 
 
 # -- preemption ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from services.scheduler.schedule import Plan, plan
 from services.scheduler.state import SchedulerState
 from tests.helpers import node, submit
 from tests.unit.test_policies import run, state_of
-from tests.unit.test_scheduler_decider import decisions, drive
+from tests.unit.test_scheduler_decider import decisions, drive, folded
 
 
 def _rules(rules: int, *, vc: ev.VcConfigured | None = None) -> list[ev.Event]:
@@ -92,3 +92,41 @@ def test_the_scheduler_preempts_for_the_next_job_and_a_rules_10_log_audits_as_de
     assert [(p.job, p.by) for p in decisions(log, ev.JobPreempted)] == [("L", "J2")]
     assert decisions(old, ev.JobPreempted) == [], "rules 10 re-derived as decided"
     assert _audits_clean(log) and _audits_clean(old)
+
+
+# -- a reservation counts only the GPUs its head can use -----------------------------------------------
+
+
+def _mixed_cluster_log(rules: int) -> list[Record]:
+    """s1 (sim, 8 GPUs) and c1 (cpu, 4): A (2 GPUs, a command, limit 100 s) runs on c1; then H (4 GPUs,
+    limit 100 s) and B (2 GPUs, limit 10,000 s), commands both, are submitted: only c1 can run them."""
+    command = ("python", "train.py")
+    log = drive(
+        [
+            *_rules(rules),
+            node("s1", 8),
+            node("c1", 4, executor="cpu", ports=(29500, 29599)),
+            _with(submit("A", 2, duration=None, command=command), time_limit_s=100.0),
+        ]
+    )
+    return drive(
+        [
+            _with(submit("H", 4, duration=None, command=command), time_limit_s=100.0),
+            _with(submit("B", 2, duration=None, command=command), time_limit_s=10_000.0),
+        ],
+        log,
+    )
+
+
+def test_idle_gpus_of_nodes_that_cannot_run_the_head_do_not_make_its_reservation_now() -> None:
+    log = _mixed_cluster_log(ev.SCHEDULING_RULES)
+    assert [p.job for p in decisions(log, ev.JobPlaced)] == ["A"]
+    result = SchedulerDecider().plan(folded(log))
+    assert (result.head, result.reserved_at) == ("H", 100.0)
+    assert result.pending["B"].kind == "reserved"
+
+
+def test_rules_10_counted_every_idle_gpu_and_their_logs_audit_as_decided() -> None:
+    old = _mixed_cluster_log(10)
+    assert [p.job for p in decisions(old, ev.JobPlaced)] == ["A", "B"], "rules 10 re-derived as decided"
+    assert _audits_clean(old) and _audits_clean(_mixed_cluster_log(ev.SCHEDULING_RULES))

@@ -57,7 +57,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # 10: SRTF counts a job's work done as its attained service, an elastic job's at each of its sizes
 # (before, a resized job's GPU time before its resize counted twice, and its current size not at all).
 # 11: a VC's first waiting job, which may preempt within its VC, is its first not held back (dependency,
-# array or user limit): before, a held first job kept every job of its VC from preempting.
+# array or user limit): before, a held first job kept every job of its VC from preempting. A backfill
+# reservation counts only GPUs of nodes whose executor can run its head.
 SCHEDULING_RULES = 11
 
 
