@@ -680,11 +680,15 @@ def _view(node: NodeState, usable: set[int]) -> NodeView:
 def _reservation(work: Pass, head: JobState) -> tuple[float | None, int]:
     """When enough GPUs free up for the head (from running jobs' expected ends), and how many GPUs
     are spare then. None when an end it depends on is unknown. Rules 11 count only the GPUs the head
-    can use: of nodes whose executor can run it."""
+    can use: of nodes whose executor can run it, and for a gang split over nodes, per node."""
     state, free = work.state, work.free
     if state.scheduling.rules < 11:
         return _reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False))
     kinds = tuple(flag for flag in (True, False) if can_run(head.spec, flag))
+    if head.spec.nodes is not None:
+        # Spare GPUs are not told apart by node, and one the head needs may be on any of them: only
+        # jobs that end before its start overtake it.
+        return _reservation_by_node(state, head, free, kinds), 0
     available = sum(n for flag, n in work.free_total.items() if flag in kinds)
     return _reservation_by_count(state, head, free, available, kinds)
 
@@ -708,6 +712,32 @@ def _reservation_by_count(
     return None, 0
 
 
+def _reservation_by_node(
+    state: SchedulerState, head: JobState, free: dict[str, NodeView], kinds: tuple[bool, ...]
+) -> float | None:
+    """Rules 11, for a gang split over ``head.spec.nodes`` nodes: the first end by which enough nodes
+    (of the executor ``kinds`` that can run it) each have its per-node share free. By count, GPUs
+    freeing up on nodes too small for that share made a start that never came, and what was let
+    overtake it for that start delayed it."""
+    spec = head.spec
+    free_by_node = {name: view.free for name, view in free.items() if view.runs_processes in kinds}
+    if fits_by_count(spec, free_by_node.values()):
+        return state.now  # it fits now; the shape is what waits
+    per_node = spec.gpus // spec.nodes  # type: ignore[operator]  # (nodes is set)
+    for end, group in itertools.groupby(_by_end(state, state.ends, list(state.unstarted)), key=lambda e: e[0]):
+        if math.isinf(end):
+            return None
+        reached = False  # (the fit changes only when a node reaches the per-node share)
+        for _, job in group:
+            for node_name, gpus in _healthy_gpus_by_node(state, job, free_by_node):
+                before = free_by_node[node_name]
+                free_by_node[node_name] = before + gpus
+                reached |= before < per_node <= before + gpus
+        if reached and fits_by_count(spec, free_by_node.values()):
+            return max(end, state.now)
+    return None
+
+
 def _by_end(
     state: SchedulerState, running: Iterable[tuple[float, str]], starting: list[str]
 ) -> Iterator[tuple[float, JobState]]:
@@ -728,6 +758,14 @@ def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView
             gpus = state.nodes[alloc.node].gpus
             count += sum(1 for i in alloc.gpus if gpus[i].healthy)
     return count
+
+
+def _healthy_gpus_by_node(state: SchedulerState, job: JobState, counted: dict[str, int]) -> Iterator[tuple[str, int]]:
+    """(node, healthy GPUs) that ``job`` frees on the ``counted`` nodes."""
+    for alloc in job.allocations:
+        if alloc.node in counted:
+            gpus = state.nodes[alloc.node].gpus
+            yield alloc.node, sum(1 for i in alloc.gpus if gpus[i].healthy)
 
 
 # -- preemption ----------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from services.scheduler.policy import Fifo
 from services.scheduler.ranks import RankIndex
 from services.scheduler.schedule import Plan, plan
 from services.scheduler.state import SchedulerState
-from tests.helpers import node, submit
+from tests.helpers import finish, node, submit
 from tests.unit.test_policies import run, state_of
 from tests.unit.test_scheduler_decider import decisions, drive, folded
 
@@ -95,6 +95,31 @@ def test_the_scheduler_preempts_for_the_next_job_and_a_rules_10_log_audits_as_de
 
 
 # -- a reservation counts only the GPUs its head can use -----------------------------------------------
+
+
+def _per_node_shape_log(rules: int) -> list[Record]:
+    """n1 (4 GPUs) and n2 (3): c (3 GPUs, 50 s) runs on n2 and a (2 GPUs, 100 s) on n1; then H (4 GPUs
+    on one node) and d (1 GPU, 10,000 s) are submitted. Only n1 can hold H: it starts at a's end."""
+    log = drive([*_rules(rules), node("n1", 4), node("n2", 3), submit("c", 3, duration=50.0)])
+    log = drive([submit("a", 2, duration=100.0)], log)
+    assert {p.job: p.allocations[0].node for p in decisions(log, ev.JobPlaced)} == {"c": "n2", "a": "n1"}
+    return drive([submit("H", 4, nodes=1, duration=100.0), submit("d", 1, duration=10_000.0)], log)
+
+
+def test_a_gangs_reservation_counts_the_gpus_that_free_up_per_node() -> None:
+    state = folded(_per_node_shape_log(ev.SCHEDULING_RULES))
+    result = SchedulerDecider().plan(state)
+    assert (result.head, result.reserved_at) == ("H", 100.0), "n2 can never hold H: a's end at t=100 is its start"
+    assert [p.job for p in decisions(_per_node_shape_log(ev.SCHEDULING_RULES), ev.JobPlaced)] == ["c", "a"]
+    assert result.pending["d"].kind == "reserved"
+    ended = drive([finish("c", at=50.0), finish("a", at=100.0)], _per_node_shape_log(ev.SCHEDULING_RULES))
+    assert [(p.job, p.at) for p in decisions(ended, ev.JobPlaced)][2:] == [("H", 100.0), ("d", 100.0)]
+
+
+def test_rules_10_reserved_a_gang_by_count_and_their_logs_audit_as_decided() -> None:
+    old = _per_node_shape_log(10)
+    assert [p.job for p in decisions(old, ev.JobPlaced)] == ["c", "a", "d"], "rules 10 re-derived as decided"
+    assert _audits_clean(old) and _audits_clean(_per_node_shape_log(ev.SCHEDULING_RULES))
 
 
 def _mixed_cluster_log(rules: int) -> list[Record]:

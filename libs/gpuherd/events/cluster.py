@@ -58,7 +58,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # (before, a resized job's GPU time before its resize counted twice, and its current size not at all).
 # 11: a VC's first waiting job, which may preempt within its VC, is its first not held back (dependency,
 # array or user limit): before, a held first job kept every job of its VC from preempting. A backfill
-# reservation counts only GPUs of nodes whose executor can run its head.
+# reservation counts only GPUs its head can use: of nodes whose executor can run it, and per node for a
+# gang split over nodes (then only jobs that end before its start overtake it).
 SCHEDULING_RULES = 11
 
 
