@@ -164,9 +164,7 @@ async def test_a_verdict_whose_reply_was_lost_reaches_the_client_through_a_new_c
         if not lost:
             lost.append(msg.subject)
             return
-        waiting = client._replies.get(msg.subject)
-        if waiting is not None and not waiting.done():
-            waiting.set_result(msg.data)
+        await client._on_reply(msg)
 
     client._reply_sub = await client.nc.subscribe(f"{client._reply_prefix}.*", cb=loses_the_first_reply)
     try:
