@@ -3,12 +3,9 @@ the generic shell runs it. It only proposes; the scheduler commits, the agents a
 workers carry out."""
 
 import functools
-import time
-import uuid
-from collections.abc import Awaitable
 
 from gpuherd import events as ev
-from gpuherd.runtime.runner import DeciderRunner
+from gpuherd.runtime.serve import rules_recorder
 from gpuherd.runtime.spec import BACKGROUND_NICE, TimerSpec, switched_decider
 from services.elastic.decide import ElasticDecider, rules_in_force
 from services.elastic.policy import ElasticParams, next_due, params_from
@@ -36,29 +33,11 @@ def _params(values: dict[str, float] | None) -> ElasticParams:
     return _cached_params(tuple(sorted((values or {}).items())))
 
 
-def rules_recorder(runner: DeciderRunner[ElasticState]) -> Awaitable[None]:
-    """Once caught up, record this service's rules in the log unless it has them (its parameters
-    stay): every later proposal is then audited by the rules it was made by."""
-
-    async def record() -> None:
-        await runner.caught_up.wait()
-        state = runner.state
-        if state.recorded_rules == ev.ELASTIC_RULES:
-            return
-        params = dict(state.params or {})
-        event = ev.ElasticConfigured(
-            id=f"elastic:rules:{uuid.uuid4().hex}", at=time.time(), source="elastic", params=params
-        )
-        await runner.append_input([event])  # fenced, as its decisions
-
-    return record()
-
-
 SPEC = switched_decider(
     ElasticDecider,
     "grows and shrinks running elastic jobs",
     TimerSpec(ev.ElasticTicked, TICK_S, needed=lambda state: False, due=_next_due),
-    tasks=lambda args: [rules_recorder],
+    tasks=lambda args: [rules_recorder(ev.ElasticConfigured, lambda state: state.recorded_rules, ev.ELASTIC_RULES)],
     read_linger_s=READ_LINGER_S,
     nice=BACKGROUND_NICE,
 )

@@ -2,13 +2,8 @@
 the generic shell runs it. It owns memory leases only; GPUs stay the scheduler's, and agents
 carry out what it decides."""
 
-import time
-import uuid
-from collections.abc import Awaitable
-
 from gpuherd import events as ev
-from gpuherd.runtime.decider import params_problem
-from gpuherd.runtime.runner import DeciderRunner
+from gpuherd.runtime.serve import rules_recorder
 from gpuherd.runtime.spec import BACKGROUND_NICE, TimerSpec, switched_decider
 from services.memory.decide import MemoryDecider
 from services.memory.state import MemoryState
@@ -23,35 +18,11 @@ def _lending(state: MemoryState) -> bool:
     return bool(state.leases)
 
 
-def rules_recorder(runner: DeciderRunner[MemoryState]) -> Awaitable[None]:
-    """Once caught up, record this broker's rules in the log unless it has them (its parameters
-    stay): every later lease decision is then audited by the rules it was made by, and a log with
-    none recorded reads as the first rules."""
-
-    async def record() -> None:
-        await runner.caught_up.wait()
-        state = runner.state
-        if state.rules == ev.MEMORY_RULES:
-            return
-        params = dict(state.params or {})
-        # Parameters of a command recorded unchecked that do not convert meant the defaults then;
-        # recorded again they would be refused, and the rules with them.
-        decider: MemoryDecider = runner.decider  # type: ignore[assignment]
-        if params_problem(params, decider.convert_params) is not None:
-            params = {}
-        event = ev.MemoryBrokerConfigured(
-            id=f"memory:rules:{uuid.uuid4().hex}", at=time.time(), source="memory", params=params
-        )
-        await runner.append_input([event])  # fenced, as its decisions
-
-    return record()
-
-
 SPEC = switched_decider(
     MemoryDecider,
     "leases spare neighbor-GPU and host memory",
     TimerSpec(ev.MemoryTicked, TICK_S, needed=_lending),
-    tasks=lambda args: [rules_recorder],
+    tasks=lambda args: [rules_recorder(ev.MemoryBrokerConfigured, lambda state: state.rules, ev.MEMORY_RULES)],
     read_linger_s=READ_LINGER_S,
     nice=BACKGROUND_NICE,
 )

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gpuherd import events as ev
 from gpuherd.log import open_log
 from gpuherd.metrics import serve_until_signal_with_http
-from gpuherd.runtime.decider import Decider
+from gpuherd.runtime.decider import ConfiguredDecider, Decider, params_problem
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
 
 
@@ -25,6 +26,31 @@ def configured_event(kind: type[ev.Event], service: str, params: dict[str, float
     the decider validates it like any other and refuses what it cannot apply)."""
     now = time.time()
     return kind(id=f"{service}:config:{os.getpid()}:{now:.6f}", at=now, source=service, params=params)  # type: ignore[call-arg]
+
+
+def rules_recorder(
+    kind: type[ev.Event], recorded: Callable[[Any], int | None], rules: int
+) -> Callable[[DeciderRunner[Any]], Awaitable[None]]:
+    """A versioned service's task (``ServiceSpec.tasks``): once caught up, record its ``rules`` as
+    a ``kind`` command (a ``...Configured`` whose ``rules`` default to the newest) unless the log's
+    are those (``recorded`` of its state), keeping the parameters in force; every later decision is
+    then audited by the rules it was made by. Parameters of a command recorded unchecked that do not
+    convert meant the defaults then: recorded again they would be refused, and the rules with them."""
+
+    async def record_rules(runner: DeciderRunner[Any]) -> None:
+        await runner.caught_up.wait()
+        state = runner.state
+        if recorded(state) == rules:
+            return
+        params = dict(state.params or {})
+        decider = runner.decider
+        if isinstance(decider, ConfiguredDecider) and params_problem(params, decider.convert_params) is not None:
+            params = {}
+        name = decider.name
+        event = kind(id=f"{name}:rules:{uuid.uuid4().hex}", at=time.time(), source=name, params=params)  # type: ignore[call-arg]
+        await runner.append_input([event])  # fenced, as its decisions
+
+    return record_rules
 
 
 async def serve_decider(
