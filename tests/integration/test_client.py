@@ -38,6 +38,13 @@ def _subscriptions_of(server: NatsServer, connection_name: str) -> list[str]:
     return [s for c in connections if c.get("name") == connection_name for s in c.get("subscriptions_list", [])]
 
 
+async def _unanswered(client: Client) -> str:
+    """What the client says of a submission that gets no verdict within a second."""
+    with pytest.raises(SubmissionError, match="no verdict within") as unanswered:
+        await client.submit(GOOD, timeout=1, attempt_timeout=0.3)
+    return str(unanswered.value)
+
+
 async def test_a_submission_nothing_can_store_is_reported_as_not_stored(local_nats: NatsServer) -> None:
     """A fresh server with no streams and no scheduler: nothing takes the submission, and the
     client says it was not stored instead of calling it stored."""
@@ -103,12 +110,11 @@ async def test_an_answer_that_is_no_verdict_is_not_taken_for_one(local_nats: Nat
 
         refusing = await stream.subscribe(f"{INTAKE_PREFIX}.jsrefuses", cb=only_refuse)
         try:
-            with pytest.raises(SubmissionError, match="no verdict within") as unanswered:
-                await silent.submit(GOOD, timeout=1, attempt_timeout=0.3)
+            message = await _unanswered(silent)
         finally:
             await refusing.unsubscribe()
             await silent.close()
-        assert "temporarily unavailable" in str(unanswered.value), unanswered.value
+        assert "temporarily unavailable" in message, message
     finally:
         await client.close()
         await stream.close()
@@ -120,12 +126,10 @@ async def test_without_a_verdict_the_client_does_not_claim_the_submission_is_sto
     log_ = await JetStreamLog.open(local_nats.url, persistent=False)
     client = await Client.connect(local_nats.url, source="noscheduler")
     try:
-        with pytest.raises(SubmissionError, match="no verdict within") as unanswered:
-            await client.submit(GOOD, timeout=1, attempt_timeout=0.3)
+        message = await _unanswered(client)
     finally:
         await client.close()
         await log_.close()
-    message = str(unanswered.value)
     assert "is stored" not in message and "not confirmed" in message, message
     assert "same intake_id" in message, message
 
