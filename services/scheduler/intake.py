@@ -377,7 +377,7 @@ def submission_key(sub: Submission) -> str | None:
         return None
     if head.workflow is not None or head.steps is not None or head.array is not None:
         return None
-    return intake_key(sub.source, head.intake_id or sub.msg_id or f"seq-{sub.seq}")
+    return intake_key(sub.source, _intake_id_or_default(sub, head.intake_id))
 
 
 def rejection(
@@ -538,7 +538,8 @@ def _verdict(
 
 
 def _intake_id_or_default(sub: Submission, given: Any) -> Any:
-    """A submission's intake id: the one it gives, else its message id, else its sequence."""
+    """A submission's intake id: the one it gives, else its message id, else its sequence (what a
+    retry of it keeps)."""
     return given or sub.msg_id or f"seq-{sub.seq}"
 
 
@@ -739,7 +740,7 @@ def _plan_job(
 ) -> _Planned | str:
     """One job, or an array of them; ``checked`` False: a spec not judged (the jobs as asked for, to
     compare with those a used intake id made)."""
-    intake_id = spec.intake_id or sub.msg_id or f"seq-{sub.seq}"
+    intake_id = _intake_id_or_default(sub, spec.intake_id)
     job_id = job_id_for(sub.source, intake_id)
     spec = msgspec.structs.replace(spec, intake_id=intake_id)
     if rules >= 3 and checked:
@@ -826,7 +827,7 @@ def _plan_workflow(
     shared = {k: v for k, v in raw.items() if k not in ("workflow", "steps", "intake_id")}
     if per_step := sorted(_PER_STEP_ONLY & shared.keys()):
         return f"`{per_step[0]}` is given per step, not for the whole workflow"
-    intake_id = intake_id or sub.msg_id or f"seq-{sub.seq}"
+    intake_id = _intake_id_or_default(sub, intake_id)
     workflow = workflow_id_for(sub.source, intake_id)
     jobs: list[_Job] = []
     ids: dict[str, list[str]] = {}
