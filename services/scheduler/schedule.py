@@ -729,7 +729,9 @@ def _reservation_by_node(
             return None
         reached = False  # (the fit changes only when a node reaches the per-node share)
         for _, job in group:
-            for node_name, gpus in _healthy_gpus_by_node(state, job, free_by_node):
+            for node_name, gpus in _healthy_gpus_by_node(state, job):
+                if node_name not in free_by_node:
+                    continue  # (a node that does not accept work, or cannot run the head)
                 before = free_by_node[node_name]
                 free_by_node[node_name] = before + gpus
                 reached |= before < per_node <= before + gpus
@@ -751,21 +753,19 @@ def _by_end(
 
 def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView], kinds: tuple[bool, ...]) -> int:
     """The healthy GPUs ``job`` frees on nodes that accept work, of the executor ``kinds`` counted."""
-    count = 0
-    for alloc in job.allocations:
-        view = free.get(alloc.node)
-        if view is not None and view.runs_processes in kinds:
-            gpus = state.nodes[alloc.node].gpus
-            count += sum(1 for i in alloc.gpus if gpus[i].healthy)
-    return count
+    return sum(
+        gpus
+        for node, gpus in _healthy_gpus_by_node(state, job)
+        if (view := free.get(node)) is not None and view.runs_processes in kinds
+    )
 
 
-def _healthy_gpus_by_node(state: SchedulerState, job: JobState, counted: dict[str, int]) -> Iterator[tuple[str, int]]:
-    """(node, healthy GPUs) that ``job`` frees on the ``counted`` nodes."""
+def _healthy_gpus_by_node(state: SchedulerState, job: JobState) -> Iterator[tuple[str, int]]:
+    """(node, healthy GPUs) that ``job`` frees, of each of its allocations."""
     for alloc in job.allocations:
-        if alloc.node in counted:
-            gpus = state.nodes[alloc.node].gpus
-            yield alloc.node, sum(1 for i in alloc.gpus if gpus[i].healthy)
+        node = state.nodes.get(alloc.node)
+        if node is not None:
+            yield alloc.node, sum(1 for i in alloc.gpus if node.gpus[i].healthy)
 
 
 # -- preemption ----------------------------------------------------------------------------------------
