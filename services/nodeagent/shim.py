@@ -384,21 +384,25 @@ def is_python_script(argv: list[str]) -> bool:
     return len(argv) >= 2 and argv[1].endswith(".py") and not argv[1].startswith("-")
 
 
+def process_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first; the start time,
+    clock ticks since boot, at 19), or None if the process is gone or not ours to read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot): with the pid, it names one process."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = process_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def process_alive(pid: int, start_ticks: int) -> bool:
     """Whether the process that started at ``start_ticks`` as ``pid`` still runs (not a zombie)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] != "Z" and (not start_ticks or fields[19] == str(start_ticks))
+    fields = process_stat(pid)
+    return fields is not None and fields[0] != "Z" and (not start_ticks or fields[19] == str(start_ticks))
 
 
 EXIT_RECORD_GRACE_S = 2.0  # a pooled worker that is gone: how long its exit record may take to appear

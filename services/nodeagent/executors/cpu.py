@@ -15,6 +15,7 @@ from gpuherd import jobenv
 from gpuherd.events import GpuInfo, declared_gpus
 from services.nodeagent.executors.base import GpuSample
 from services.nodeagent.executors.process import ProcessExecutor
+from services.nodeagent.shim import process_stat
 
 
 class CpuExecutor(ProcessExecutor):
@@ -62,10 +63,12 @@ class CpuExecutor(ProcessExecutor):
         for index in range(self.gpu_count):
             cpu_pct = memory_mb = 0.0
             for pid in by_gpu.get(index, []):
+                fields = process_stat(pid)
                 try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                     rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
                 except (OSError, IndexError, ValueError):
+                    continue
+                if fields is None:
                     continue
                 cpu_s = (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime + stime
                 seen[pid] = (cpu_s, now)

@@ -36,7 +36,7 @@ from gpuherd.obs import get_logger
 from services.nodeagent import taskfiles
 from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
-from services.nodeagent.shim import process_alive, process_start_ticks
+from services.nodeagent.shim import process_alive, process_start_ticks, process_stat
 from services.nodeagent.taskfiles import (
     ExitRecord,
     GrowRequest,
@@ -546,12 +546,11 @@ def _is_shim(pid: object, task_dir: Path, start_ticks: int = 0) -> bool:
     kernel gave to another process since is not it."""
     if not isinstance(pid, int) or pid <= 1:
         return False
+    if not process_alive(pid, start_ticks):
+        return False
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
-    if fields[0] == "Z" or (start_ticks and fields[19] != str(start_ticks)):
         return False
     if argv and argv[-1] == b"":
         argv.pop()  # (cmdline ends with a NUL)
@@ -575,10 +574,10 @@ def _task_processes(task_dir: Path) -> dict[int, int]:
         try:
             if needle not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+        except OSError:
             continue  # gone meanwhile, or not ours to read
-        if fields[0] != "Z":
+        fields = process_stat(entry.name)
+        if fields is not None and fields[0] != "Z":
             found[int(entry.name)] = int(fields[2])
     return found
 
