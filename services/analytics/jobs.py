@@ -330,9 +330,9 @@ def utilization(
     # The seconds of [t0, t1] each bucket covers: dividing the last, partial one by a whole bucket
     # read a job busy to its end as mostly idle there. (A bucket that float rounding put wholly
     # past t1 holds nothing; any width keeps it at 0.)
-    covered = np.minimum(edges[1:], t1) - edges[:-1]
-    covered = np.where(covered > 0, covered, bucket_s)
-    out = pd.DataFrame({"time": edges[:-1], "covered_s": np.maximum(np.minimum(edges[1:], t1) - edges[:-1], 0.0)})
+    seconds = np.minimum(edges[1:], t1) - edges[:-1]
+    covered = np.where(seconds > 0, seconds, bucket_s)
+    out = pd.DataFrame({"time": edges[:-1], "covered_s": np.maximum(seconds, 0.0)})
     total = np.zeros(len(edges) - 1)
     gpus = done["gpus"].astype("float64")
     if "gpu_seconds" in done:  # a simulated or logged table: the GPU-seconds held, spread over start..end
