@@ -27,6 +27,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd import jobenv
+from gpuherd.errors import UNDECODABLE
 from gpuherd.fold import VcState
 from services.scheduler.placement import can_run
 from services.scheduler.state import OUTCOMES_KEPT_S, SchedulerState, intake_key
@@ -373,7 +374,7 @@ def submission_key(sub: Submission) -> str | None:
     atomic append)."""
     try:
         head = _intake_id_decoder.decode(sub.data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except UNDECODABLE:
         return None
     if head.workflow is not None or head.steps is not None or head.array is not None:
         return None
@@ -445,6 +446,8 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         return reject("publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'")
     if len(data) > MAX_SUBMISSION_BYTES:
         return reject(f"submission is {len(data)} bytes; the limit is {MAX_SUBMISSION_BYTES} bytes")
+    if rules >= 9 and (problem := _utf8_problem(data)) is not None:
+        return reject(problem)
     workflow = False
     if rules >= 3:
         try:
@@ -678,6 +681,16 @@ def _named_dependencies(planned: _Planned) -> list[_Job]:
     return out
 
 
+def _utf8_problem(data: bytes) -> str | None:
+    """Intake rules 9: why ``data`` is not UTF-8, or None. (msgspec raises ``UnicodeDecodeError``, no
+    ``msgspec.DecodeError``, for a bad byte inside a string, and only once it reaches it.)"""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"submission is not valid JSON: not UTF-8 at byte {exc.start} ({exc.reason}); send JSON encoded as UTF-8"
+    return None
+
+
 class _OutOfRange:
     """Where a workflow held a number no float can (``1e999``): what msgspec refuses untyped."""
 
@@ -730,7 +743,7 @@ def _path_of_out_of_range(value: Any, path: str) -> str | None:
 def _intake_id_of(data: bytes) -> str | None:
     try:
         intake_id = _intake_id_decoder.decode(data).intake_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except UNDECODABLE:
         return None
     return intake_id if isinstance(intake_id, str) else None
 
@@ -961,13 +974,13 @@ def recheck(
             problem = _made_problem(state, verdict)
         return None if problem is None else f"would now be rejected: {problem}"
     payload = verdict.payload_excerpt.encode()
-    complete = (
-        len(payload) == verdict.payload_size
-        if verdict.payload_size
-        else len(payload) < EXCERPT_BYTES and "\ufffd" not in verdict.payload_excerpt
+    # (U+FFFD in the excerpt: bytes that were not UTF-8 were replaced, so these are not the bytes
+    # that were judged, even where the sizes agree.)
+    complete = "\ufffd" not in verdict.payload_excerpt and (
+        len(payload) == verdict.payload_size if verdict.payload_size else len(payload) < EXCERPT_BYTES
     )
     if not complete:
-        return None  # the log kept only the start of it: nothing to judge again
+        return None  # the log kept only the start of it, or not its bytes: nothing to judge again
     # (A rejection records the intake id it was judged under; one not in the payload was its message id.)
     sub = Submission(
         source=verdict.intake_source, seq=verdict.intake_seq, data=payload, at=verdict.at, msg_id=verdict.intake_id

@@ -17,7 +17,7 @@ with atheris.instrument_imports():
     from gpuherd import events as ev
     from gpuherd.errors import EventDecodeError
     from gpuherd.fold import ClusterState, apply
-    from services.scheduler.intake import Submission, judge, node_sizes
+    from services.scheduler.intake import Submission, judge, node_sizes, submission_key
 
 STATE = apply(
     ClusterState(),
@@ -33,7 +33,9 @@ SIZES = node_sizes(STATE)
 
 
 def one_input(data: bytes) -> None:
-    verdict = judge(STATE, Submission(source="fuzz", seq=1, data=data, at=1.0, msg_id=None), sizes=SIZES)
+    sub = Submission(source="fuzz", seq=1, data=data, at=1.0, msg_id=None)
+    submission_key(sub)  # (the runtime asks for it before judging: it must not raise either)
+    verdict = judge(STATE, sub, sizes=SIZES)
     if not isinstance(verdict.event, ev.JobSubmitted | ev.JobRejected):
         raise AssertionError(f"intake answered {verdict.event!r}")
     if isinstance(verdict.event, ev.JobRejected) and not verdict.event.reason:

@@ -86,7 +86,7 @@ def decode(data: bytes) -> Event:
         event = codecs.json.decode(data)  # type: ignore[union-attr]
     except msgspec.ValidationError:
         event = None  # possibly an older shape: take the slow path
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # (msgspec raises the latter for a bad string)
         raise EventDecodeError(f"not an event: {exc}") from exc
     if event is not None and event.v == type(event).VERSION:
         return event

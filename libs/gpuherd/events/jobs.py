@@ -23,8 +23,10 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # judged against them, before anything of the state: the same jobs with the same specs are a
 # duplicate (answered with the recorded ids, whatever the VC's limits are now); another shape (an
 # array's count, a workflow's steps) or spec is refused. Before, only the first job's intake id was
-# looked up, and a duplicate was judged on its new payload.
-INTAKE_RULES = 8
+# looked up, and a duplicate was judged on its new payload. 9: a submission that is not UTF-8 is
+# refused for that, with the bad byte's offset (before, a bad byte inside a string made the judging
+# fail, and the live decider refused it as "failed to judge").
+INTAKE_RULES = 9
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
