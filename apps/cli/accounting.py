@@ -12,12 +12,11 @@ import csv
 import sys
 from typing import Any
 
-import msgspec
 from rich.table import Table
 
 from apps.cli.common import console, fmt_time, open_cli_log, parse_when, print_json
 from gpuherd import events as ev
-from gpuherd.errors import EventDecodeError, GpuherdError
+from gpuherd.errors import UNDECODABLE, EventDecodeError, GpuherdError
 from gpuherd.fold.accounting import Accounting, FinishedJob
 
 
@@ -29,7 +28,7 @@ def fold_log(args: argparse.Namespace, accounting: Accounting) -> Accounting:
                 for seq, line in enumerate(f, 1):
                     try:
                         accounting.fold_stored(seq, line)
-                    except (msgspec.DecodeError, EventDecodeError) as exc:  # (a damaged line: say which)
+                    except (*UNDECODABLE, EventDecodeError) as exc:  # (a damaged line: say which)
                         why = str(exc).removeprefix("not an event: ")
                         raise GpuherdError(f"{args.log}:{seq}: not an event: {why}") from None
         except OSError as exc:

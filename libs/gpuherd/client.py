@@ -27,7 +27,7 @@ import msgspec
 import yaml
 
 from gpuherd import events as ev
-from gpuherd.errors import LogUnavailable, SubmissionError
+from gpuherd.errors import UNDECODABLE, LogUnavailable, SubmissionError
 from gpuherd.fold import vc_problem
 from gpuherd.log import HERD_INTAKE, INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import call_span
@@ -54,7 +54,7 @@ _intake_id_of = msgspec.json.Decoder(_IntakeIdOnly)
 def _names_its_intake_id(data: bytes) -> bool:
     try:
         return bool(_intake_id_of.decode(data).intake_id)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return False
 
 
@@ -99,10 +99,10 @@ def _checked_job_id(job_id: str) -> str:
 
 def load_data_file(path: str | Path) -> Any:
     """Read JSON, or YAML when the name ends in .yaml/.yml."""
-    text = Path(path).read_text()
     try:
+        text = Path(path).read_text(encoding="utf-8")
         return yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else msgspec.json.decode(text)
-    except (yaml.YAMLError, msgspec.DecodeError) as exc:
+    except (yaml.YAMLError, *UNDECODABLE) as exc:
         kind = "YAML" if str(path).endswith((".yaml", ".yml")) else "JSON"
         raise SubmissionError(f"{path}: not valid {kind}: {exc}") from None
 
@@ -155,7 +155,7 @@ class Client:
             return
         try:
             waiting.set_result(_VERDICT.decode(msg.data))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             # Not the scheduler's: JetStream may answer a publish there too (an error while the
             # stream elects a leader, an acknowledgement). The attempts go on; the verdict is awaited.
             self._not_verdicts[msg.subject] = msg.data[:300].decode(errors="replace")

@@ -12,6 +12,8 @@ from typing import Literal
 
 import msgspec
 
+from gpuherd.errors import UNDECODABLE
+
 
 class Message(msgspec.Struct, kw_only=True, frozen=True, tag_field="kind"):
     job: str
@@ -91,5 +93,5 @@ def decode_message(data: bytes) -> AgentMessage:
         raise MessageError(f"message of {len(data)} bytes; the limit is {MAX_MESSAGE_BYTES}")
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except UNDECODABLE as exc:
         raise MessageError(str(exc)) from None

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
+
+# What decoding bytes from outside (a submission, a stored page, a file, a message) may raise:
+# msgspec raises ``UnicodeDecodeError``, which is no ``msgspec.DecodeError``, for a string that is
+# not UTF-8. (A ``msgspec.ValidationError`` is a ``DecodeError``.)
+UNDECODABLE: tuple[type[ValueError], ...] = (msgspec.DecodeError, UnicodeDecodeError)
+
 
 class GpuherdError(Exception):
     """Base of every gpuherd error."""

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from gpuherd.aio import serve_until_signal
 from gpuherd.client import Client
+from gpuherd.errors import UNDECODABLE
 from gpuherd.explain import QueueExplainer
 from gpuherd.log import STATUS_BUCKET, EventLog, Record, open_log
 from gpuherd.log.health import nats_overview
@@ -177,7 +178,7 @@ class Dashboard:
         for key, value in sorted(entries.items()):
             try:
                 statuses.append(msgspec.json.decode(value, type=ServiceStatus))
-            except msgspec.DecodeError as exc:  # (a ValidationError is one)
+            except UNDECODABLE as exc:
                 unreadable.append({"key": key, "error": str(exc)})
         statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
         dead = await self.log.dead_letters()

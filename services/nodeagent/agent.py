@@ -37,6 +37,7 @@ from prometheus_client import Gauge
 
 from gpuherd import events as ev
 from gpuherd.aio import run_until_stopped
+from gpuherd.errors import UNDECODABLE
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
@@ -266,7 +267,7 @@ class Agent:
             return
         try:
             state = msgspec.msgpack.decode(snap.state, type=AgentState)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             log.warning("snapshot unreadable; folding the log from the start", error=str(exc))
             return
         if state.node == self.node:
@@ -493,7 +494,7 @@ class Agent:
     async def _serve_logs(self, data: bytes) -> bytes:
         try:
             req = msgspec.json.decode(data, type=LogsRequest)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             return msgspec.json.encode({"ok": False, "error": f"bad logs request: {exc}"})
         if not _JOB_ID.match(req.job):
             return msgspec.json.encode({"ok": False, "error": f"not a job id: {req.job!r}"})

@@ -10,6 +10,7 @@ import msgspec
 
 from gpuherd import control
 from gpuherd import events as ev
+from gpuherd.errors import UNDECODABLE
 from gpuherd.fold import ACTIVE
 from gpuherd.log import TelemetryBus
 from gpuherd.obs import get_logger
@@ -140,7 +141,7 @@ class JobMessages:
         data = self.executor.profile_result(key, message.file)
         try:
             profile = msgspec.json.decode(data) if data is not None else None
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             profile = None
         if not isinstance(profile, dict):
             log.warning("ignored a profile report without a readable profile", job=key.job, file=message.file)

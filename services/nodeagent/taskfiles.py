@@ -27,6 +27,8 @@ from typing import TypeVar
 
 import msgspec
 
+from gpuherd.errors import UNDECODABLE
+
 TASK_FILE = "task.json"
 SHIM_FILE = "shim.json"
 EXIT_FILE = "exit.json"
@@ -149,5 +151,5 @@ def read(path: Path, kind: type[T]) -> T | None:
         return None
     try:
         return msgspec.json.decode(data, type=kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except UNDECODABLE as exc:
         raise UnreadableTaskFile(f"{path}: {exc}") from exc

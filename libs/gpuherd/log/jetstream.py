@@ -52,7 +52,7 @@ from nats.js.client import JetStreamContext
 
 from gpuherd import events as ev
 from gpuherd.aio import patiently
-from gpuherd.errors import ConcurrencyError, EventDecodeError, LeadershipLost, LogError, LogUnavailable
+from gpuherd.errors import UNDECODABLE, ConcurrencyError, EventDecodeError, LeadershipLost, LogError, LogUnavailable
 from gpuherd.log.interfaces import DurableConsumer, EventLog, Leadership, RequestHandler, Traces, trace_of
 from gpuherd.log.ordered import ordered_messages, stream_time
 from gpuherd.log.pages import (
@@ -787,7 +787,7 @@ def _unpack(msg: Any, slots: int, seq: int) -> list[tuple[ev.Event, str | None]]
         raise LogError(_LOST_POSITIONS.format(seq=seq))
     try:
         page = decode_page(msg.data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except UNDECODABLE as exc:
         return [(ev.Unreadable(stored_subject=msg.subject, reason=f"not a page of events: {exc}", data=msg.data), None)]
     events: list[tuple[ev.Event, str | None]] = []
     for data, trace in page:

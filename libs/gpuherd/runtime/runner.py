@@ -36,11 +36,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic
 
-import msgspec
-
 from gpuherd import events as ev
 from gpuherd.aio import run_until_stopped
-from gpuherd.errors import ConcurrencyError, LeadershipLost, LogError, LogUnavailable
+from gpuherd.errors import UNDECODABLE, ConcurrencyError, LeadershipLost, LogError, LogUnavailable
 from gpuherd.log import AppendResult, EventLog, EventStore, Leadership, Record
 from gpuherd.log.interfaces import Traces, trace_of
 from gpuherd.metrics import ServiceMetrics, status_reporter
@@ -162,7 +160,7 @@ class DeciderRunner(Generic[S]):
             return
         try:
             self.core.state = self.decider.decode_state(snap.state)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             # A snapshot is only a cache of the log: rebuild from the start.
             log.warning("snapshot unreadable; rebuilding from the log", error=str(exc))
             self.core.state = self.decider.initial_state()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpuherd.aio import patiently
-from gpuherd.errors import LogUnavailable
+from gpuherd.errors import UNDECODABLE, LogUnavailable
 from gpuherd.log import SNAPSHOT_BUCKET
 from gpuherd.log.interfaces import KeyValue
 from gpuherd.obs import get_logger
@@ -38,7 +38,7 @@ async def load_snapshot(store: KeyValue, key: str, state_format: int) -> Snapsho
         return None
     try:
         snap = msgspec.msgpack.decode(zlib.decompress(data), type=Snapshot)
-    except (msgspec.DecodeError, msgspec.ValidationError, zlib.error) as exc:
+    except (*UNDECODABLE, zlib.error) as exc:
         log.warning("snapshot unreadable; rebuilding from the log", key=key, error=str(exc))
         return None
     if snap.v != state_format:
