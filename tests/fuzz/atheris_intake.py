@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing (atheris/libFuzzer) of what comes from outside: intake payloads judged by
 the scheduler, and stored bytes decoded as events. Run directly for as long as you like:
 
-    python tests/fuzz/atheris_intake.py -runs=1000000 [corpus_dir]
+    python tests/fuzz/atheris_intake.py -runs=1000000 -dict=tests/fuzz/intake.dict corpus/ tests/fuzz/seeds/
 
 ``tests/fuzz/test_atheris.py`` runs it briefly in ``make test`` when atheris is installed.
 """
@@ -16,19 +16,28 @@ import atheris
 with atheris.instrument_imports():
     from gpuherd import events as ev
     from gpuherd.errors import EventDecodeError
-    from gpuherd.fold import ClusterState, apply
+    from services.scheduler.decide import SchedulerDecider
     from services.scheduler.intake import Submission, judge, node_sizes, submission_key
 
-STATE = apply(
-    ClusterState(),
+# The scheduler's own state (intake looks up intake ids and VCs in it), of two nodes and a VC.
+_DECIDER = SchedulerDecider()
+STATE = _DECIDER.initial_state()
+for _seq, _event in enumerate(
+    [
+        *(
+            ev.NodeRegistered(
+                id=f"r{name}",
+                node=name,
+                gpus=tuple(ev.GpuInfo(index=i, uuid=f"{name}-u{i}", model="SIM", memory_mb=81920) for i in range(8)),
+                executor="sim",
+            )
+            for name in ("n1", "n2")
+        ),
+        ev.VcConfigured(id="vc", vc="vision"),
+    ],
     1,
-    ev.NodeRegistered(
-        id="r",
-        node="n1",
-        gpus=tuple(ev.GpuInfo(index=i, uuid=f"u{i}", model="SIM", memory_mb=81920) for i in range(8)),
-        executor="sim",
-    ),
-)
+):
+    STATE = _DECIDER.evolve(STATE, _seq, _event)
 SIZES = node_sizes(STATE)
 
 

@@ -11,12 +11,25 @@ import pytest
 pytest.importorskip("atheris")
 
 HARNESS = Path(__file__).with_name("atheris_intake.py")
+SEEDS = Path(__file__).with_name("seeds")  # valid submissions: mutated, they reach past the JSON parser
+DICTIONARY = Path(__file__).with_name("intake.dict")  # the spec's field names and edge numbers
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_atheris_finds_no_crash_in_intake_or_decoding(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
     result = subprocess.run(
-        [sys.executable, str(HARNESS), "-runs=20000", "-max_len=512", f"-artifact_prefix={tmp_path}/"],
+        [
+            sys.executable,
+            str(HARNESS),
+            "-runs=20000",
+            "-max_len=1024",
+            f"-dict={DICTIONARY}",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),  # (new inputs go to the first folder; the seeds stay as they are)
+            str(SEEDS),
+        ],
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
         capture_output=True,
