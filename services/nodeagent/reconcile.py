@@ -172,10 +172,14 @@ class AgentEvents:
         )  # type: ignore[arg-type]
 
     def lease_requested(self, job: JobState, lease: str, gpu: int, at: float) -> ev.MemoryLeaseRequested:
+        """An elastic worker that left this GPU and was grown back onto it in the same attempt asks
+        again under the same lease (its first one was reclaimed when it left): its generation makes
+        the event's id its own, where the log would drop it as a duplicate of the first request."""
         needs = job.spec.memory
         assert needs is not None, "only a job that declares memory leases it"
+        again = (str(job.generation),) if job.generation else ()
         return ev.MemoryLeaseRequested(
-            **self.stamp("lease", lease, at=at),  # type: ignore[arg-type]
+            **self.stamp("lease", lease, *again, at=at),  # type: ignore[arg-type]
             lease=lease,
             job=job.job,
             attempt=job.attempt,
