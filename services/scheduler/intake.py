@@ -45,6 +45,7 @@ _SOURCE_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _spec_decoder = msgspec.json.Decoder(ev.JobSpec)
 EXCERPT_BYTES = 256
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_GRAD_BYTES = 2**64 - 1  # what a snapshot's 64-bit integers hold
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -125,6 +126,17 @@ def _memory_problem(memory: ev.MemoryNeeds) -> str | None:
     return None
 
 
+def _scaling_problem(scaling: ev.Scaling) -> str | None:
+    """Intake rules 10: the elastic service and the simulator divide by a job's declared compute time
+    per sample and add its gradient bytes, so both must be numbers they can use."""
+    per_sample = scaling.compute_per_sample_s
+    if not (per_sample > 0 and math.isfinite(per_sample)):
+        return f"`scaling.compute_per_sample_s` must be a positive, finite number of seconds, got {per_sample}"
+    if not 0 <= scaling.grad_bytes <= MAX_GRAD_BYTES:
+        return f"`scaling.grad_bytes` must lie within 0..2**64-1, got {scaling.grad_bytes}"
+    return None
+
+
 def _spec_problem(
     spec: ev.JobSpec,
     state: SchedulerState,
@@ -149,6 +161,8 @@ def _spec_problem(
         return "`command` must be a non-empty list of non-empty strings"
     if spec.duration_s is not None and not spec.duration_s > 0:
         return f"`duration_s` must be positive, got {spec.duration_s}"
+    if rules >= 10 and spec.duration_s is not None and not math.isfinite(spec.duration_s):
+        return f"`duration_s` must be a finite number of seconds, got {spec.duration_s}"
     if spec.intake_id is not None and not _ID_PATTERN.match(_base_intake_id(spec) if made else spec.intake_id):
         return "`intake_id` must be 1-128 characters of letters, digits and _.:@/+=-"
     if spec.elastic is not None:
@@ -165,6 +179,8 @@ def _spec_problem(
         if problem := _elastic_problem(spec, spec.elastic):
             return problem
     if spec.memory is not None and (problem := _memory_problem(spec.memory)):
+        return problem
+    if rules >= 10 and spec.scaling is not None and (problem := _scaling_problem(spec.scaling)):
         return problem
     if not 0 <= spec.max_retries <= 100:
         return f"`max_retries` must be between 0 and 100, got {spec.max_retries}"

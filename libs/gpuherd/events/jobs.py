@@ -25,8 +25,11 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # array's count, a workflow's steps) or spec is refused. Before, only the first job's intake id was
 # looked up, and a duplicate was judged on its new payload. 9: a submission that is not UTF-8 is
 # refused for that, with the bad byte's offset (before, a bad byte inside a string made the judging
-# fail, and the live decider refused it as "failed to judge").
-INTAKE_RULES = 9
+# fail, and the live decider refused it as "failed to judge"). 10: a spec's ``scaling`` needs a
+# positive, finite ``compute_per_sample_s`` and ``grad_bytes`` within 0..2**64-1, and a
+# ``duration_s`` must be finite (before, a zero compute time was accepted and the elastic service
+# divided by it at every tick).
+INTAKE_RULES = 10
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
