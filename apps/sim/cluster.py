@@ -49,10 +49,21 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def from_file(cls, path: str | Path) -> ClusterSpec:
         path = Path(path)
         try:
-            raw = yaml.safe_load(path.read_text())
+            data = path.read_bytes()
+            text = data.decode("utf-8")
+            raw = yaml.safe_load(text)
             return msgspec.convert(raw, cls)
+        except UnicodeDecodeError as exc:
+            bad = data[exc.start : exc.start + 1].hex()
+            raise ClusterSpecError(
+                f"{path}: not a cluster spec (not UTF-8: byte 0x{bad} at offset {exc.start:,})"
+            ) from None
+        except RecursionError:  # (the YAML parser recurses once per level: "[[[[..." exhausts the stack)
+            raise ClusterSpecError(f"{path}: not a cluster spec (nested too deeply)") from None
         except (OSError, yaml.YAMLError, msgspec.ValidationError) as exc:
             raise ClusterSpecError(f"{path}: not a cluster spec ({exc})") from None
+        except ClusterSpecError as exc:  # (its own checks, which do not know the file)
+            raise ClusterSpecError(f"{path}: {exc}") from None
 
     @classmethod
     def from_peaks(

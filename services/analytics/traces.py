@@ -29,6 +29,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -307,17 +308,19 @@ def load_philly_json(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
+    text = _utf8_text(path, path.read_bytes())
     try:
-        jobs = json.loads(path.read_text())
+        jobs = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}: not JSON ({exc})") from exc
+        raise TraceError(f"{path}: not JSON ({exc})") from None
+    except RecursionError:  # (json's decoder recurses once per bracket: "[[[[..." exhausts the stack)
+        raise TraceError(f"{path}: not a Philly job log (JSON nested too deeply)") from None
     if not isinstance(jobs, list):
         raise TraceError(f"{path}: expected a JSON list of jobs, got {type(jobs).__name__}")
     rows = []
-    for job in jobs:
-        attempts = job.get("attempts") or []
+    for index, entry in enumerate(jobs):
+        job, attempts, detail = _philly_json_job(path, index, len(jobs), entry)
         last = attempts[-1] if attempts else {}
-        detail = last.get("detail") or []
         rows.append(
             {
                 "job_id": str(job.get("jobid", "")),
@@ -340,6 +343,46 @@ def load_philly_json(path: str | Path) -> Trace:
     return _finish(path.stem, df, len(jobs), absolute=True, rejected={})
 
 
+def _utf8_text(path: Path, data: bytes) -> str:
+    """``data`` read from ``path`` as UTF-8, else a TraceError that names the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.start + 1].hex()
+        raise TraceError(f"{path}: not UTF-8 text (byte 0x{bad} at offset {exc.start:,})") from None
+
+
+def _philly_json_job(
+    path: Path, index: int, count: int, job: object
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """A Philly job, its attempts and its last attempt's detail (one object per node), each checked
+    to be what the format says: a job whose parts are of another type is not a Philly job log."""
+
+    def refuse(what: str, value: object) -> TraceError:
+        found = type(value).__name__
+        if isinstance(value, list):
+            odd = next((v for v in value if not isinstance(v, dict)), None)
+            found = f"a list holding {type(odd).__name__}"
+        return TraceError(f"{path}: job {index + 1:,} of {count:,} is not a Philly job: {what}, got {found}")
+
+    if not isinstance(job, dict):
+        raise refuse("each job is a JSON object", job)
+    attempts = job.get("attempts") or []
+    if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
+        raise refuse("attempts is a list of objects", attempts)
+    detail = (attempts[-1].get("detail") if attempts else None) or []
+    if not isinstance(detail, list) or not all(isinstance(d, dict) for d in detail):
+        raise refuse("an attempt's detail is a list of objects", detail)
+    for node in detail:
+        gpus = node.get("gpus") or []
+        if not isinstance(gpus, list):
+            raise TraceError(
+                f"{path}: job {index + 1:,} of {count:,} is not a Philly job: a node's gpus is a list, "
+                f"got {type(gpus).__name__}"
+            )
+    return job, attempts, detail
+
+
 def load_trace(path: str | Path, kind: str | None = None) -> Trace:
     """Load a trace, choosing the loader by ``kind`` or by the file's name and columns."""
     path = Path(path)
@@ -358,8 +401,8 @@ def load_trace(path: str | Path, kind: str | None = None) -> Trace:
         return load_philly_json(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
-    with path.open() as f:
-        header = set(f.readline().strip().split(","))
+    with path.open("rb") as f:
+        header = set(_utf8_text(path, f.readline()).strip().split(","))
     if {"timestamp", "num_gpus", "cluster"} <= header:
         return load_philly_csv(path)
     if {"submission_time", "num_gpu"} <= header:
