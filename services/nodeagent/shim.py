@@ -121,7 +121,7 @@ class Shim:
                         stderr=subprocess.STDOUT,
                         process_group=self._group(),
                     )
-                except OSError as exc:
+                except Exception as exc:  # (ValueError for a NUL byte, TypeError, ...): a failed start, not a dead shim
                     reason = launch_failure(proc.argv[0], self.cwd, exc)
                     log.write(f"gpuherd: {reason}\n".encode())
                     return f"local rank {rank}: {reason}"
@@ -178,7 +178,7 @@ class Shim:
                     stderr=subprocess.STDOUT,
                     process_group=self._group(),
                 )
-            except OSError:
+            except Exception:  # (as in ``launch``: a standby that cannot start is only not there)
                 self.standby = None
                 return
             if self.pgid is None:
@@ -443,9 +443,12 @@ class Attached:
         return self.returncode
 
 
-def launch_failure(program: str, cwd: str | None, exc: OSError) -> str:
+def launch_failure(program: str, cwd: str | None, exc: Exception) -> str:
     """Why a process could not start. A working directory it cannot enter fails the start with the
-    program's error and the directory as the file name: name the directory, not the program."""
+    program's error and the directory as the file name: name the directory, not the program. What
+    is no OSError (``ValueError: embedded null byte``) is named with its type."""
+    if not isinstance(exc, OSError):
+        return f"cannot start {program!r}: {type(exc).__name__}: {exc}"
     if cwd is not None and exc.filename == cwd:
         problem = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be entered ({exc.strerror})"
         return f"cannot start {program!r}: its working directory {cwd!r} {problem} on this node"

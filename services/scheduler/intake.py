@@ -137,6 +137,19 @@ def _scaling_problem(scaling: ev.Scaling) -> str | None:
     return None
 
 
+def _field_with_nul(spec: ev.JobSpec) -> str | None:
+    """Intake rules 10: the path of a string that reaches a process (its arguments, environment, working
+    directory; an array's values become an environment variable) and holds a NUL byte, if any: the
+    process cannot be started with it, and a job whose start fails that way was retried forever."""
+    strings = [(f"command[{n}]", arg) for n, arg in enumerate(spec.command or ())]
+    strings += [(f"env.{name}", value) for name, value in (spec.env or {}).items()]
+    strings += [("workdir", spec.workdir or "")]
+    if spec.array is not None:
+        values = spec.array.values or ()
+        strings += [(f"array.values[{n}]", value) for n, value in enumerate(values) if isinstance(value, str)]
+    return next((field for field, text in strings if "\0" in text), None)
+
+
 def _spec_problem(
     spec: ev.JobSpec,
     state: SchedulerState,
@@ -196,6 +209,8 @@ def _spec_problem(
             return f"`env` names must be identifiers and not set by gpuherd itself ({', '.join(sorted(bad))})"
     if spec.workdir is not None and not spec.workdir.strip():
         return "`workdir` must not be empty when given"
+    if rules >= 10 and (field := _field_with_nul(spec)) is not None:
+        return f"`{field}` holds a NUL byte, which no process's arguments, environment or working directory can hold"
     if spec.vc not in state.vcs:
         known = ", ".join(sorted(state.vcs))
         return f"unknown virtual cluster {spec.vc!r}; known: {known}"

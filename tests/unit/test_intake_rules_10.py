@@ -99,3 +99,50 @@ def test_the_live_decider_answers_an_elastic_job_with_a_zero_compute_time_with_t
     reply = msgspec.json.decode(answer.reply)
     assert reply["ok"] is False and "compute_per_sample_s" in reply["error"]
     assert [type(e) for e in answer.events] == [ev.JobRejected]
+
+
+# -- NUL bytes: no process can be started with one ------------------------------------------------
+
+CMD = {"name": "t", "user": "u", "gpus": 1, "command": ["python", "x.py"]}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (CMD | {"env": {"A": "a\0b"}}, "env.A"),
+        (CMD | {"command": ["python", "x.py", "--flag\0"]}, "command[2]"),
+        (CMD | {"workdir": "/tmp\0x"}, "workdir"),
+        (CMD | {"array": {"values": ["ok", "b\0d"]}}, "array.values[1]"),
+    ],
+)
+def test_a_nul_byte_where_a_process_takes_it_is_refused(spec: dict[str, Any], field: str) -> None:
+    verdict = judged(spec)
+    assert isinstance(verdict, ev.JobRejected)
+    assert verdict.reason.startswith(f"`{field}` holds a NUL byte"), verdict.reason
+    assert recheck(cluster(), verdict) is None
+
+
+def test_a_nul_byte_in_an_env_name_is_refused() -> None:
+    verdict = judged(CMD | {"env": {"A\0B": "x"}})
+    assert isinstance(verdict, ev.JobRejected) and "`env` names must be identifiers" in verdict.reason
+
+
+def test_a_nul_byte_in_a_workflow_step_is_refused_for_that_step() -> None:
+    workflow = {"workflow": "w", "steps": [CMD | {"name": "a"}, CMD | {"name": "b", "env": {"X": "\0"}}]}
+    verdict = judged(workflow)
+    assert isinstance(verdict, ev.JobRejected)
+    assert verdict.reason.startswith("step b: `env.X` holds a NUL byte"), verdict.reason
+
+
+def test_a_job_accepted_with_a_nul_byte_by_rules_9_is_re_judged_by_them() -> None:
+    spec = ev.JobSpec(**(CMD | {"command": ("python", "x.py"), "env": {"A": "a\0b"}}))
+    assert recheck(cluster(), accepted(spec, rules=9)) is None
+    assert "`env.A` holds a NUL byte" in (recheck(cluster(), accepted(spec, rules=10)) or "")
+
+
+def test_the_live_decider_refuses_what_was_requeued_forever() -> None:
+    """What the reviewer saw: accepted, then each attempt's shim died on Popen's ValueError."""
+    data = b'{"name":"t","user":"u","gpus":1,"command":["python","x.py"],"env":{"A":"a\\u0000b"}}'
+    answer = _scheduler.take(cluster(), Submission(source="cli", seq=1, data=data, at=1.0))
+    assert [type(e) for e in answer.events] == [ev.JobRejected]
+    assert "NUL byte" in msgspec.json.decode(answer.reply)["error"]

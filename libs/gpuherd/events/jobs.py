@@ -28,7 +28,9 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # fail, and the live decider refused it as "failed to judge"). 10: a spec's ``scaling`` needs a
 # positive, finite ``compute_per_sample_s`` and ``grad_bytes`` within 0..2**64-1, and a
 # ``duration_s`` must be finite (before, a zero compute time was accepted and the elastic service
-# divided by it at every tick).
+# divided by it at every tick); a NUL byte in ``command``, an ``env`` value, ``workdir`` or an
+# array's ``values`` is refused (no process can be started with one, and such a job was
+# requeued forever).
 INTAKE_RULES = 10
 
 
