@@ -7,6 +7,7 @@ recorded as refused, with the reason); checking here first gives the operator th
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 import msgspec
@@ -35,13 +36,23 @@ def _option(value: str | None, convert: Any, current: Any) -> Any:
     if value.strip().lower() == "none":
         return None
     try:
-        return convert(value)
+        return _finite(convert(value))
     except ValueError:
-        raise GpuherdError(f"not a number: {value!r} (or 'none')") from None
+        raise GpuherdError(f"not a finite number: {value!r} (or 'none')") from None
+
+
+def _finite(value: Any) -> Any:
+    """``value``, unless a number the log cannot hold: JSON has no infinity or NaN (they would be
+    written as null, an event no service could read back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"not a finite number: {value}")
+    return value
 
 
 def cmd_vc(args: argparse.Namespace) -> int:
     if args.vc_command == "set":
+        if args.weight is not None and not math.isfinite(args.weight):
+            raise GpuherdError(f"--weight must be a finite number, got {args.weight}")
         # Options not given keep what the VC has (a VcConfigured is its whole configuration).
         current = replay_state(make_decider("scheduler"), read_records(args)).vcs.get(args.name)
         config = {

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 from gpuherd import events as ev
 from gpuherd.fold import ACTIVE, JobState, vc_problem
+from gpuherd.obs import get_logger
 from gpuherd.runtime.decider import Answer, Decider, refused
 from services.scheduler import intake
 from services.scheduler.placement import ViewCache
@@ -44,6 +45,8 @@ from services.scheduler.ranks import RankIndex
 from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
 from services.scheduler.schedule import Plan, VictimMemo, plan
 from services.scheduler.state import SchedulerState, evolve, new_state
+
+log = get_logger("gpuherd.scheduler")
 
 Reaction = Callable[[SchedulerState, Any], list[ev.Event]]
 
@@ -251,7 +254,8 @@ class SchedulerDecider(Decider[SchedulerState]):
 
     def policy_for(self, state: SchedulerState) -> Policy:
         """The policy in force: the log's latest applied PolicyConfigured, else this decider's default
-        (also for a policy recorded unchecked, before commands were checked, that does not exist)."""
+        (also for one that cannot be built from what the log or a snapshot holds: recorded unchecked,
+        before commands were checked, or applied under looser checks, e.g. LAS with queues=1e12)."""
         config = state.scheduling
         if config.policy is None:
             return self.policy
@@ -259,7 +263,14 @@ class SchedulerDecider(Decider[SchedulerState]):
         if self._policy_cache is None or self._policy_cache[0] != key:
             try:
                 policy = make_policy(config.policy, policy_params(config.policy, config.params))
-            except (ValueError, TypeError):
+            except Exception as exc:  # whatever the log holds, it must not stop the scheduler at every pass
+                log.warning(
+                    "policy in the log cannot be built: the default is in force",
+                    policy=config.policy,
+                    params=config.params,
+                    error=f"{type(exc).__name__}: {exc}",
+                    default=self.policy.name,
+                )
                 policy = self.policy
             self._policy_cache = (key, policy)
         return self._policy_cache[1]

@@ -26,6 +26,16 @@ LAS preempts only a job that has run ``min_run_s`` since it last started.
 
 ``PolicyConfigured`` also carries cluster-wide parameters that every policy takes
 (``services/scheduler/state.py:CLUSTER_PARAMS``); ``check_policy`` says what the scheduler refuses.
+Every parameter is a finite number (the log's JSON has no infinity or NaN), non-negative but for
+``fallback_quantile``, and within its range:
+
+| parameter                  | range                                                         |
+|----------------------------|---------------------------------------------------------------|
+| ``queues`` (las)           | at most ``MAX_LAS_QUEUES`` (a loop count; rounded down, >= 1)  |
+| ``quantile`` (qssf)        | between 0 and 1, exclusive                                    |
+| ``fallback_quantile``      | below 1 (negative: none)                                      |
+| ``half_life_s``            | positive                                                      |
+| ``declared_durations``     | 0 or 1                                                        |
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ from gpuherd.stats import quantile_s
 from services.scheduler.state import CLUSTER_PARAMS, SchedulerState
 
 DEFAULT_DURATION_S = 3600.0
+# LAS works out every queue's bound when it is made (on every restart, every policy change): the
+# number of queues is a loop count. Tiresias uses a few; a thousand is already far beyond use.
+MAX_LAS_QUEUES = 1000
 
 
 class Policy(abc.ABC):
@@ -248,6 +261,8 @@ class Las(Policy):
 
     def __init__(self, **params: float) -> None:
         super().__init__(**params)
+        if self.params["queues"] > MAX_LAS_QUEUES:  # (a command recorded unchecked may hold more)
+            raise ValueError(f"policy las: queues is at most {MAX_LAS_QUEUES}, got {self.params['queues']:g}")
         # Ranking every waiting job at every pass reads these: work them out once.
         bound, self._bounds = self.params["first_queue_gpu_s"], []  # queue i holds service < _bounds[i]
         for _ in range(max(1, int(self.params["queues"])) - 1):
@@ -375,8 +390,9 @@ def policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
 
 
 def check_policy(name: str, params: dict[str, float]) -> str | None:
-    """Why a ``PolicyConfigured`` cannot be applied (None: it can): the policy must exist, and every
-    parameter must be one of its own or a cluster-wide one, with a sensible value."""
+    """Why a ``PolicyConfigured`` cannot be applied (None: it can): the policy must exist, every
+    parameter must be one of its own or a cluster-wide one, with a value in its range (the module's
+    table)."""
     if name not in POLICIES:
         return f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
     own = POLICIES[name].PARAMS
@@ -384,16 +400,19 @@ def check_policy(name: str, params: dict[str, float]) -> str | None:
     if unknown:
         takes = ", ".join(sorted({*own, *CLUSTER_PARAMS}))
         return f"policy {name} has no parameter {', '.join(unknown)}; it takes: {takes}"
+    # Infinity and NaN would be written to the log as null: an event no service could read back.
+    not_finite = sorted(k for k, v in params.items() if not math.isfinite(v))
+    if not_finite:
+        return f"parameters must be finite numbers: {', '.join(not_finite)}"
     negative_ok = {"fallback_quantile"}  # (negative: none)
-    bad = sorted(
-        k
-        for k, v in params.items()
-        if not (v >= 0 or (k in negative_ok and v == v)) or (k == "half_life_s" and not v > 0)
-    )
+    bad = sorted(k for k, v in params.items() if not (v >= 0 or k in negative_ok) or (k == "half_life_s" and not v > 0))
     if bad:
         return f"parameters must be non-negative numbers (half_life_s positive): {', '.join(bad)}"
     if params.get("declared_durations", 1.0) not in (0.0, 1.0):
         return "declared_durations is 1 (jobs run what they declare) or 0 (predictions count instead)"
     if not 0 < params.get("quantile", 0.5) < 1 or params.get("fallback_quantile", -1.0) >= 1:
         return "quantile and fallback_quantile must lie between 0 and 1 (fallback_quantile negative: none)"
+    queues = params.get("queues", 0.0)
+    if queues > MAX_LAS_QUEUES:
+        return f"queues is at most {MAX_LAS_QUEUES} (LAS works out every queue's bound when built), got {queues:g}"
     return None
