@@ -3,8 +3,8 @@
 The elastic service only proposes (``RescaleProposed``); the scheduler, sole owner of GPUs,
 turns a proposal that still holds into a new generation (``JobResized``). It also commits the
 generations nobody proposed: a *rollback* after a failed switch (the workers of the last
-completed generation, less any that died) and a *recovery* after a worker died outside a
-rescale (the survivors, while they are at least the job's minimum).
+completed generation, less any that died or whose GPUs the job gave back since) and a *recovery*
+after a worker died outside a rescale (the survivors, while they are at least the job's minimum).
 
 Rules of a generation, which the runtime relies on:
 - workers keep their order (a node's new GPUs follow its old ones, new nodes come last), so
@@ -72,13 +72,33 @@ def on_failed(state: SchedulerState, failed: ev.RescaleFailed) -> list[ev.Event]
         return []
     if failed.attempt != job.attempt or failed.generation != job.generation or not job.rescale_failed:
         return []
-    alive = [w for w in ev.workers_of(job.committed) if w not in job.lost_workers]
+    reason = f"rescale to generation {failed.generation} failed on {failed.node}: {failed.reason}"
+    rollback = _rollback(state, job, reason)
+    # (too few hold the state: the workers give up and the attempt fails, and is retried)
+    return [rollback] if rollback is not None else []
+
+
+def _rollback(state: SchedulerState, job: JobState, reason: str) -> ev.JobResized | None:
+    """The generation of the committed workers that can still take part, the new workers of the
+    generation in flight leaving; None when they are fewer than the job's minimum."""
+    assert job.spec.elastic is not None
+    alive = _rollback_workers(state, job)
     if len(alive) < job.spec.elastic.min:
-        return []  # too few hold the state: the workers give up and the attempt fails (and is retried)
+        return None
     allocations = _only(job.committed, set(alive))
     joined = set(job.workers) - set(ev.workers_of(job.committed)) - set(job.lost_workers)
-    reason = f"rescale to generation {failed.generation} failed on {failed.node}: {failed.reason}"
-    return [_resized(state, job, allocations, "rollback", reason, releasing=_only(job.allocations, joined), borrowed=0)]
+    return _resized(state, job, allocations, "rollback", reason, releasing=_only(job.allocations, joined), borrowed=0)
+
+
+def _rollback_workers(state: SchedulerState, job: JobState) -> list[str]:
+    """The last completed generation's workers that are alive and, from rules 12, still the job's:
+    a recover since gave a dead worker's GPU back (the fold then forgets that worker was lost),
+    and another job may hold it now."""
+    committed = ev.workers_of(job.committed)
+    if state.scheduling.rules < 12:
+        return [w for w in committed if w not in job.lost_workers]
+    held = {*ev.workers_of(job.allocations), *ev.workers_of(job.releasing)}
+    return [w for w in committed if w in held and w not in job.lost_workers]
 
 
 def on_worker_lost(state: SchedulerState, lost: ev.WorkerLost) -> list[ev.Event]:

@@ -60,7 +60,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # array or user limit): before, a held first job kept every job of its VC from preempting. A backfill
 # reservation counts only GPUs its head can use: of nodes whose executor can run it, and per node for a
 # gang split over nodes (then only jobs that end before its start overtake it).
-SCHEDULING_RULES = 11
+# 12: an elastic job's rollback keeps only the committed workers whose GPUs it still holds (a recover
+# gives a dead worker's GPU back, and another job may hold it by then).
+SCHEDULING_RULES = 12
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):

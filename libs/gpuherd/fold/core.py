@@ -444,8 +444,10 @@ def _job_resized(state: ClusterState, seq: int, e: ev.JobResized) -> None:
     if not _exists(state, e.allocations):
         return  # names GPUs that do not exist: never applied (invariants.violations reports it)
     new = _gpus_of(e.allocations)
-    releasing = (_gpus_of(job.releasing) | _gpus_of(e.releasing)) - new
     held_before = _gpus_of(job.allocations) | _gpus_of(job.releasing)
+    if _held_by_another(state, e.job, new - held_before):
+        return  # takes a GPU another job holds: never applied (invariants.violations reports it)
+    releasing = (_gpus_of(job.releasing) | _gpus_of(e.releasing)) - new
     for node_name, index in sorted((held_before - new - releasing) | (new - held_before)):
         node = state.nodes.get(node_name)
         if node is None or index >= len(node.gpus):
@@ -473,6 +475,15 @@ def _job_resized(state: ClusterState, seq: int, e: ev.JobResized) -> None:
     job.lost_workers = [w for w in job.lost_workers if w in workers]
     job.parts_ended = {n: p for n, p in job.parts_ended.items() if n in job.nodes}
     job.started_nodes = [n for n in job.started_nodes if n in job.nodes]
+
+
+def _held_by_another(state: ClusterState, job_id: str, gpus: set[tuple[str, int]]) -> bool:
+    for node_name, index in gpus:
+        node = state.nodes.get(node_name)
+        holder = node.gpus[index].job if node is not None and index < len(node.gpus) else None
+        if holder not in (None, job_id):
+            return True
+    return False
 
 
 def _as_allocations(gpus: set[tuple[str, int]]) -> tuple[ev.Allocation, ...]:

@@ -1,0 +1,101 @@
+"""Scheduling rules 12: elastic rescales. A rollback keeps only the committed workers whose GPUs
+the job still holds (and the fold never gives a resize a GPU another job holds)."""
+
+from __future__ import annotations
+
+from gpuherd import events as ev
+from gpuherd.fold.invariants import violations
+from gpuherd.log import Record
+from gpuherd.runtime.audit import audit
+from services.scheduler.decide import SchedulerDecider
+from tests.helpers import node
+from tests.unit.test_resize import SPEC, _completed, _e, _propose, _resized, _state
+from tests.unit.test_scheduler_decider import drive
+
+OTHER = ev.JobSpec(name="k", user="bo", gpus=2, command=("python", "t.py"))
+
+
+def _rules(rules: int) -> list[ev.Event]:
+    return [ev.PolicyConfigured(id="policy", policy="fifo", rules=rules)]
+
+
+def _running(rules: int) -> list[Record]:
+    """One 4-GPU cpu node; the elastic job j (sizes 1 to 3) placed on n1/0,1 and running."""
+    log = drive(
+        [
+            *_rules(rules),
+            node("n1", 4, executor="cpu", ports=(29500, 29599)),
+            ev.JobSubmitted(id="s", source="test", job="j", spec=SPEC, intake_source="t"),
+        ]
+    )
+    return drive([_e(ev.JobStarted, job="j", attempt=0, node="n1")], log)
+
+
+def _holders(log: list[Record]) -> list[str | None]:
+    return [g.job for g in _state(log).nodes["n1"].gpus]
+
+
+def _audits_clean(log: list[Record]) -> bool:
+    return audit(log, SchedulerDecider()).ok
+
+
+# -- a rollback takes back no GPU the job gave up -----------------------------------------------------
+
+
+def _recover_then_fail(rules: int, *, grow_committed: bool) -> list[Record]:
+    """j grows to n1/0,1,2 (committed, or still in flight); its worker n1/1 dies, the scheduler
+    commits a recover to n1/0,2 and gives GPU 1 back; k (2 GPUs) is placed on n1/1,3; then the
+    recover fails."""
+    log = _propose(_running(rules), 3)
+    if grow_committed:
+        log = _completed(log, 1, 3, 2)
+    log = drive([_e(ev.WorkerLost, job="j", attempt=0, node="n1", gpu=1, exit_code=137)], log)
+    assert [(r.kind, r.allocations) for r in _resized(log)][-1] == ("recover", (ev.Allocation("n1", (0, 2)),))
+    log = drive([ev.JobSubmitted(id="sk", source="test", job="k", spec=OTHER, intake_source="t")], log)
+    assert _holders(log) == ["j", "k", "j", "k"]
+    return drive([_e(ev.RescaleFailed, job="j", attempt=0, generation=2, node="n1", reason="re-form timed out")], log)
+
+
+def test_a_rollback_after_a_recover_leaves_the_dead_workers_gpu_to_the_job_now_holding_it() -> None:
+    log = _recover_then_fail(12, grow_committed=True)
+    rollback = _resized(log)[-1]
+    assert rollback.kind == "rollback" and rollback.allocations == (ev.Allocation("n1", (0, 2)),)
+    assert rollback.state_from == "n1/0" and rollback.releasing == ()
+    assert _holders(log) == ["j", "k", "j", "k"] and violations(log) == []
+    assert _audits_clean(log)
+
+
+def test_a_rollback_of_a_recover_during_a_grow_keeps_the_committed_survivor_and_lets_the_joiner_go() -> None:
+    log = _recover_then_fail(12, grow_committed=False)  # committed: n1/0,1; n1/2 joined with the grow
+    rollback = _resized(log)[-1]
+    assert rollback.kind == "rollback" and rollback.allocations == (ev.Allocation("n1", (0,)),)
+    assert rollback.releasing == (ev.Allocation("n1", (2,)),)
+    assert _holders(log) == ["j", "k", "j", "k"] and violations(log) == []
+
+
+def test_rules_11_rolled_back_onto_the_dead_workers_gpu_and_their_logs_audit_as_decided() -> None:
+    log = _recover_then_fail(11, grow_committed=True)
+    assert _resized(log)[-1].allocations == (ev.Allocation("n1", (0, 1, 2)),), "as rules 11 decided"
+    assert _audits_clean(log)
+    assert [v.split(": ", 1)[1] for v in violations(log)] == ["j grew onto n1/1, held by k"]
+    state = _state(log)
+    assert _holders(log) == ["j", "k", "j", "k"], "the fold does not apply it: k keeps its GPU"
+    assert state.jobs["j"].allocations == (ev.Allocation("n1", (0, 2)),) and state.jobs["j"].generation == 2
+
+
+def test_the_fold_never_gives_a_resize_a_gpu_another_job_holds() -> None:
+    log = _recover_then_fail(12, grow_committed=True)
+    job = _state(log).jobs["j"]
+    taking = _e(
+        ev.JobResized,
+        job="j",
+        attempt=0,
+        generation=job.generation + 1,
+        allocations=(ev.Allocation("n1", (0, 1, 2)),),
+        kind="grow",
+    )
+    log = drive([taking], log)
+    state = _state(log)
+    assert _holders(log) == ["j", "k", "j", "k"]
+    assert state.jobs["j"].generation == job.generation and state.jobs["j"].allocations == job.allocations
+    assert state.jobs["k"].held == 2 and state.jobs["j"].held == 2
