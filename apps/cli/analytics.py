@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -143,8 +144,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from services.analytics import traces
     from services.analytics.traces import require_jobs
 
-    if not args.bucket > 0:  # (checked before the run: the utilization is computed after it)
+    if not 0 < args.bucket < math.inf:  # (checked before the run: the utilization is computed after it)
         raise GpuherdError(f"--bucket is seconds > 0, got {args.bucket:g}")
+    if not 0 < args.scale < math.inf:  # (a cluster of inf or NaN x the peak demand has no number of nodes)
+        raise GpuherdError(f"--scale is a factor > 0 of each VC's peak demand, got {args.scale:g}")
     if args.gpus_per_node < 1:
         raise GpuherdError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     if args.limit < 0:  # head(-N) would keep all but the last N jobs
@@ -329,6 +332,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_ces(args: argparse.Namespace) -> int:
     from services.analytics import ces
 
+    if not 0 < args.every < math.inf:  # (NaN never came due: no decision at all; inf decided once)
+        raise GpuherdError(f"--every is seconds > 0 between the controller's decisions, got {args.every:g}")
     params = ces.CesParams(**ces_params(args.params, "--params")) if args.params else ces.CesParams()
     report = ces.evaluate_sequence(ces.load_node_sequence(args.sequence), params, decide_every_s=args.every)
     if args.json:

@@ -70,8 +70,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cls, peaks: dict[str, int], *, scale: float = 1.0, gpus_per_node: int = 8, can_borrow: bool = False
     ) -> ClusterSpec:
         """Each VC gets ``scale`` x its peak GPU demand, rounded up to whole nodes (at least one)."""
-        if scale <= 0:
-            raise ClusterSpecError(f"scale must be positive, got {scale}")
+        if not 0 < scale < math.inf:  # (NaN and inf have no whole number of nodes)
+            raise ClusterSpecError(f"scale must be positive and finite, got {scale}")
         vcs = {vc: VcSpec(nodes=max(1, math.ceil(peak * scale / gpus_per_node))) for vc, peak in sorted(peaks.items())}
         return cls(vcs=vcs, gpus_per_node=gpus_per_node, can_borrow=can_borrow)
 

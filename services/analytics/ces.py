@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
+MAX_NODES = 10_000_000  # in a node sequence's counts: beyond any cluster, and far from int64's end
 
 
 class NodeSequenceError(GpuherdError, ValueError):
@@ -186,13 +187,29 @@ def load_node_sequence(path: str) -> pd.DataFrame:
     when = pd.to_datetime(df["time"], utc=True, errors="coerce")
     df["t"] = (when - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
     counts = df[["active", "total"]].apply(pd.to_numeric, errors="coerce")
-    bad = df["t"].isna() | counts.isna().any(axis=1)
+    _refuse_rows(
+        path, df["t"].isna() | counts.isna().any(axis=1), "lack a readable time or a number of active or total nodes"
+    )
+    active, total = counts["active"], counts["total"]
+    # Counts are cast to int64, where inf, 1e30 or 3.5 became other numbers without a word (a
+    # utilization of 7.7e19%), and a negative count is no number of nodes.
+    whole = (counts == np.floor(counts)).all(axis=1) & (counts.abs() <= MAX_NODES).all(axis=1)
+    _refuse_rows(path, ~whole, f"hold a count of nodes that is not a whole number from 0 to {MAX_NODES:,}")
+    _refuse_rows(path, (active < 0) | (total < 1), "hold fewer than 0 active or 1 total nodes")
+    _refuse_rows(path, active > total, "hold more active nodes than the cluster's total")
+    # The replay looks up windows by time (bisect): rows out of order would be windows of other minutes.
+    _refuse_rows(path, df["t"].diff() <= 0, "are not later than the row before them (times must increase)")
+    df["active"] = active.astype("int64")
+    df["total"] = total.astype("int64")
+    return df
+
+
+def _refuse_rows(path: str, bad: pd.Series, what: str) -> None:
+    """A NodeSequenceError when any row is ``bad``: how many, and the line of the first."""
     if bad.any():  # (line 1 is the header)
         raise NodeSequenceError(
-            f"{path}: {int(bad.sum()):,} of its rows lack a readable time or a number of active or total "
-            f"nodes (the first on line {int(bad.to_numpy().argmax()) + 2})"
+            f"{path}: {int(bad.sum()):,} of its rows {what} (the first on line {int(bad.to_numpy().argmax()) + 2})"
         )
-    return df
 
 
 def evaluate_sequence(
@@ -204,6 +221,8 @@ def evaluate_sequence(
     powering up takes ``boot_s``. Demand above the powered nodes waits (the jobs behind it wait
     for a node to boot): counted as node-minutes and as episodes with their length."""
     params = params or CesParams()
+    if not 0 < decide_every_s < math.inf:  # (NaN never came due: no decision at all; 0 at every row)
+        raise CesParamsError(f"the controller decides every so many seconds > 0, got {decide_every_s}")
     if len(seq) == 0:  # (there is no first minute to start from)
         raise NodeSequenceError("an empty node sequence: no minute to replay")
     times = seq["t"].to_numpy(dtype="float64")

@@ -3,7 +3,7 @@
 Every loader returns a :class:`Trace`: a pandas DataFrame with the columns of
 ``COLUMNS`` (one row per usable job) and a count of the rows it could not use,
 by reason. Nothing is dropped silently: a row with a negative duration, no
-GPUs or a timestamp that does not parse is counted under its reason, and
+GPUs, more GPUs than ``MAX_JOB_GPUS`` or a timestamp that does not parse is counted under its reason, and
 ``Trace.describe()`` says how many. Nor is anything changed silently: a row asking for a
 fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would hold (rounded up: gpuherd
 schedules whole GPUs; the fraction stays in ``gpu_request``), counted under ``Trace.changed``.
@@ -68,6 +68,10 @@ _STATES = {
 
 
 FRACTIONAL_GPUS = "fractional GPU count, rounded up to whole GPUs"
+# The most GPUs one job may hold: beyond any cluster (the largest trace job holds 128). A count
+# past int64 (1e30, 2**63) wrapped to -9223372036854775808 and was counted as GPUs in use.
+MAX_JOB_GPUS = 65_536
+TOO_MANY_GPUS = f"GPU count over {MAX_JOB_GPUS:,}"
 ZERO_DURATION = "zero duration (never ran)"
 
 
@@ -148,6 +152,7 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
         (ZERO_DURATION, df["duration"].astype("float64") == 0),
         ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),
         ("bad GPU count", ~np.isfinite(df["gpus"].astype("float64"))),  # (inf: no whole number of GPUs)
+        (TOO_MANY_GPUS, df["gpus"].astype("float64") > MAX_JOB_GPUS),
         ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),
     ]
     keep = pd.Series(True, index=df.index)

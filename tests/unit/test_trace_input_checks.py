@@ -17,7 +17,8 @@ import pytest
 from apps.cli import build_parser
 from apps.sim.cluster import ClusterSpec, ClusterSpecError
 from gpuherd.errors import GpuherdError
-from services.analytics.traces import TraceError, load_philly_json, load_trace
+from services.analytics.ces import CesParamsError, NodeSequenceError, evaluate_sequence, load_node_sequence
+from services.analytics.traces import TOO_MANY_GPUS, TraceError, load_itp, load_philly_json, load_trace
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 
@@ -114,3 +115,74 @@ def test_a_cluster_spec_s_own_checks_name_the_file(tmp_path: Path) -> None:
     path.write_text('{"vcs": {}}')
     with pytest.raises(ClusterSpecError, match=r"empty\.json: a cluster spec needs at least one VC"):
         ClusterSpec.from_file(path)
+
+
+# -- numbers out of range: counted as not used, or refused, never wrapped into others ----------------
+
+
+def test_gpu_counts_beyond_any_cluster_are_counted_as_not_used_rather_than_wrapped_to_negative(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "cluster09.csv"
+    path.write_text(
+        "job_id,submission_time,duration,num_gpu\n1,0,10,1e30\n2,5,10,1\n3,5,10,9223372036854775808\n4,6,10,65536\n"
+    )
+    trace = load_itp(path)  # (1e30 and 2**63 were jobs of -9223372036854775808 GPUs, counted as in use)
+    assert list(trace.jobs["job_id"]) == ["2", "4"] and list(trace.jobs["gpus"]) == [1, 65536]
+    assert trace.rejected == {TOO_MANY_GPUS: 2}
+    assert trace.describe() == "itp-cluster09: 2 of 4 rows used; not used: 2 GPU count over 65,536"
+
+
+@pytest.mark.parametrize(
+    ("rows", "problem"),
+    [
+        (
+            "t0,3,4\nt1,inf,4\n",
+            "1 of its rows hold a count of nodes that is not a whole number from 0 to 10,000,000 "
+            "\\(the first on line 3\\)",
+        ),
+        ("t0,1e30,420\nt1,3,4\n", "1 of its rows hold a count of nodes that is not a whole number"),
+        ("t0,2.5,4\n", "1 of its rows hold a count of nodes that is not a whole number"),
+        ("t0,3,4\nt1,-5,4\n", "1 of its rows hold fewer than 0 active or 1 total nodes \\(the first on line 3\\)"),
+        ("t0,0,0\n", "1 of its rows hold fewer than 0 active or 1 total nodes"),
+        ("t0,5,4\n", "1 of its rows hold more active nodes than the cluster's total"),
+        ("t1,3,4\nt0,3,4\n", "1 of its rows are not later than the row before them \\(times must increase\\)"),
+    ],
+)
+def test_a_node_sequence_with_counts_no_cluster_has_is_refused_naming_the_line(
+    tmp_path: Path, rows: str, problem: str
+) -> None:
+    path = tmp_path / "nodes.csv"
+    rows = rows.replace("t0", "2017-10-03 00:00:00").replace("t1", "2017-10-03 00:01:00")
+    path.write_text("time,active,total\n" + rows)
+    with pytest.raises(NodeSequenceError, match=f"nodes\\.csv: {problem}"):
+        load_node_sequence(str(path))  # (inf active nodes was a utilization of 7.7e19%)
+
+
+def _node_sequence(tmp_path: Path) -> Path:
+    path = tmp_path / "nodes.csv"
+    path.write_text("time,active,total\n2017-10-03 00:00:00,1,4\n2017-10-03 00:10:00,2,4\n")
+    return path
+
+
+def test_a_valid_node_sequence_loads_as_whole_counts(tmp_path: Path) -> None:
+    seq = load_node_sequence(str(_node_sequence(tmp_path)))
+    assert list(seq["active"]) == [1, 2] and str(seq["active"].dtype) == "int64"
+    assert evaluate_sequence(seq, decide_every_s=600).utilization_before == 3 / 8
+
+
+@pytest.mark.parametrize("every", ["nan", "0", "-600", "inf"])
+def test_ces_refuses_a_decision_interval_that_is_not_seconds_above_zero(tmp_path: Path, every: str) -> None:
+    path = _node_sequence(tmp_path)
+    with pytest.raises(GpuherdError, match=f"--every is seconds > 0 between the controller's decisions, got {every}"):
+        _run(["ces", str(path), "--every", every])
+    with pytest.raises(CesParamsError, match="decides every so many seconds > 0"):
+        evaluate_sequence(load_node_sequence(str(path)), decide_every_s=float(every))
+
+
+@pytest.mark.parametrize(("option", "value"), [("--scale", "nan"), ("--scale", "inf"), ("--bucket", "inf")])
+def test_sim_refuses_a_scale_or_bucket_that_is_not_finite(tmp_path: Path, option: str, value: str) -> None:
+    path = tmp_path / "cluster09.csv"
+    path.write_text("job_id,submission_time,duration,num_gpu\n1,0,10,1\n")
+    with pytest.raises(GpuherdError, match=f"{option} is .*, got {value}"):
+        _run(["sim", str(path), option, value])  # (math.ceil of NaN, np.arange to inf: tracebacks)
