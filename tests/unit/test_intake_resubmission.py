@@ -218,18 +218,23 @@ def test_verdicts_of_the_rules_before_are_re_judged_by_them() -> None:
     assert recheck(state, msgspec.structs.replace(by_rules_7, intake_rules=ev.INTAKE_RULES)) == "would now be accepted"
 
 
+# Text a process can be given (rules 10 refuse a NUL byte in an env value or an array's values).
+process_text = st.characters(blacklist_characters="\x00")
+
 options = st.fixed_dictionaries(
     {},
     optional={
         "priority": st.integers(-3, 3),
-        "env": st.dictionaries(st.sampled_from(["A", "B_C"]), st.text(max_size=4), max_size=2),
+        "env": st.dictionaries(st.sampled_from(["A", "B_C"]), st.text(process_text, max_size=4), max_size=2),
         "time_limit_s": st.floats(1, 1e5),
         "max_retries": st.integers(0, 3),
         "array": st.fixed_dictionaries({"count": st.integers(1, 3)})
         | st.fixed_dictionaries(
             {
                 "values": st.lists(
-                    st.text(max_size=3) | st.integers(-(2**63), 2**63 - 1) | st.floats(0, 9), min_size=1, max_size=3
+                    st.text(process_text, max_size=3) | st.integers(-(2**63), 2**63 - 1) | st.floats(0, 9),
+                    min_size=1,
+                    max_size=3,
                 )
             }
         ),
