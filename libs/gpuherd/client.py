@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import time
 import uuid
@@ -112,7 +113,36 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
     data = load_data_file(path)
     if not isinstance(data, dict):
         raise SubmissionError(f"{path}: a job spec is a mapping of fields, got {type(data).__name__}")
+    _check_finite(data, where=f"{path}: ")
     return data
+
+
+def _non_finite_field(value: Any, path: str = "") -> tuple[str, float] | None:
+    """The path (``steps[0].time_limit_s``) and value of the first number in ``value`` that is not
+    finite, if any."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path, value)
+    if isinstance(value, Mapping):
+        items: Any = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        if (found := _non_finite_field(item, where)) is not None:
+            return found
+    return None
+
+
+def _check_finite(spec: Mapping[str, Any], *, where: str = "") -> None:
+    """JSON has no inf or NaN: msgspec writes them as ``null``, which intake reads as a field left out
+    (a YAML ``time_limit_s: .inf`` got the VC's default limit), so refuse them here, by name."""
+    found = _non_finite_field(spec)
+    if found is not None:
+        field, number = found
+        raise SubmissionError(
+            f"{where}`{field}` is {number}: a submission's numbers must be finite (JSON cannot carry {number})"
+        )
 
 
 class Client:
@@ -202,6 +232,7 @@ class Client:
     ) -> Verdict:
         """Submit a job spec, an array or a workflow (``{"workflow": name, "steps": [...]}``); the
         accepted verdict (with every job's id), or SubmissionError with the scheduler's reason."""
+        _check_finite(spec)
         spec = dict(spec)
         spec.setdefault("intake_id", uuid.uuid4().hex)
         verdict = await self.submit_raw(

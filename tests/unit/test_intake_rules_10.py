@@ -6,6 +6,7 @@ re-judged by those rules, so the audit finds nothing new in an old log."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -146,3 +147,54 @@ def test_the_live_decider_refuses_what_was_requeued_forever() -> None:
     answer = _scheduler.take(cluster(), Submission(source="cli", seq=1, data=data, at=1.0))
     assert [type(e) for e in answer.events] == [ev.JobRejected]
     assert "NUL byte" in msgspec.json.decode(answer.reply)["error"]
+
+
+# -- the client's side: numbers JSON cannot carry never leave it ----------------------------------
+
+
+class _NothingSent:
+    """A NATS connection that fails the test if the client sends anything."""
+
+    def new_inbox(self) -> str:
+        return "_INBOX.test"
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the client subscribed for a verdict: it was about to send")
+
+    async def publish(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the client sent a submission with a number JSON cannot carry")
+
+
+def test_a_yaml_job_file_with_an_infinite_time_limit_is_refused_by_name(tmp_path) -> None:
+    """msgspec writes inf as ``null``, which intake took for a limit left out (the VC's default)."""
+    from gpuherd.client import load_spec_file
+    from gpuherd.errors import SubmissionError
+
+    path = tmp_path / "job.yaml"
+    path.write_text("name: t\nuser: u\ngpus: 1\ncommand: [python, x.py]\ntime_limit_s: .inf\n")
+    with pytest.raises(SubmissionError, match=r"job\.yaml: `time_limit_s` is inf"):
+        load_spec_file(path)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (SIM | {"time_limit_s": math.inf}, "time_limit_s"),
+        (SIM | {"duration_s": math.nan}, "duration_s"),
+        (SIM | {"scaling": {"compute_per_sample_s": -math.inf, "grad_bytes": 0}}, "scaling.compute_per_sample_s"),
+        (
+            {"workflow": "w", "steps": [SIM | {"name": "a"}, SIM | {"name": "b", "duration_s": math.inf}]},
+            "steps[1].duration_s",
+        ),
+        (SIM | {"array": {"values": [1.5, math.nan]}}, "array.values[1]"),
+    ],
+)
+async def test_a_submission_with_a_non_finite_number_is_refused_before_it_is_sent(
+    spec: dict[str, Any], field: str
+) -> None:
+    from gpuherd.client import Client
+    from gpuherd.errors import SubmissionError
+
+    client = Client(nc=_NothingSent())
+    with pytest.raises(SubmissionError, match=f"^`{re.escape(field)}` is "):
+        await client.submit_verdict(spec)
