@@ -31,6 +31,7 @@ as its cause, including causes older versions followed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -125,7 +126,7 @@ ROUTES: dict[type[ev.Event], Route] = {
     ev.WorkerLost: Route(on_worker_lost, passes=False),
     # operator commands, checked where they are applied
     ev.VcConfigured: Route(lambda s, e: _check(e, vc_problem(e))),
-    ev.PolicyConfigured: Route(lambda s, e: _check(e, check_policy(e.policy, e.params))),
+    ev.PolicyConfigured: Route(lambda s, e: _check(e, check_policy(e.policy, e.params, rules=e.rules))),
     ev.NodeDrained: Route(lambda s, e: _check(e, _node_problem(s, e.node)), passes=False),
     ev.NodeUndrained: Route(lambda s, e: _check(e, _node_problem(s, e.node))),
     ev.JobCancelRequested: Route(lambda s, e: cancel(s, e)),
@@ -195,6 +196,8 @@ class SchedulerDecider(Decider[SchedulerState]):
         return SchedulerState
 
     def evolve(self, state: SchedulerState, seq: int, event: ev.Event) -> SchedulerState:
+        if type(event) is ev.PolicyConfigured:  # judged with the rules it names, as ``decide`` judges it
+            return evolve(state, seq, event, policy_problem=functools.partial(check_policy, rules=event.rules))
         return evolve(state, seq, event, policy_problem=check_policy)
 
     def coalescible(self, event: ev.Event) -> bool:

@@ -36,6 +36,9 @@ Every parameter is a finite number (the log's JSON has no infinity or NaN), non-
 | ``fallback_quantile``      | below 1 (negative: none)                                      |
 | ``half_life_s``            | positive                                                      |
 | ``declared_durations``     | 0 or 1                                                        |
+
+and its ``rules`` is a version of the scheduling rules this scheduler knows (1 to
+``events.SCHEDULING_RULES``: a snapshot holds them, and a pass reads them).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
+from gpuherd import events as ev
 from gpuherd.fold import JobState
 from gpuherd.stats import quantile_s
 from services.scheduler.state import CLUSTER_PARAMS, SchedulerState
@@ -389,10 +393,10 @@ def policy_params(name: str, params: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in params.items() if k in known}
 
 
-def check_policy(name: str, params: dict[str, float]) -> str | None:
+def check_policy(name: str, params: dict[str, float], *, rules: int = ev.SCHEDULING_RULES) -> str | None:
     """Why a ``PolicyConfigured`` cannot be applied (None: it can): the policy must exist, every
     parameter must be one of its own or a cluster-wide one, with a value in its range (the module's
-    table)."""
+    table), and ``rules`` must be a version of the scheduling rules this scheduler knows."""
     if name not in POLICIES:
         return f"unknown policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}"
     own = POLICIES[name].PARAMS
@@ -400,6 +404,8 @@ def check_policy(name: str, params: dict[str, float]) -> str | None:
     if unknown:
         takes = ", ".join(sorted({*own, *CLUSTER_PARAMS}))
         return f"policy {name} has no parameter {', '.join(unknown)}; it takes: {takes}"
+    if not 1 <= rules <= ev.SCHEDULING_RULES:
+        return f"rules {rules} are not scheduling rules this scheduler knows (1 to {ev.SCHEDULING_RULES})"
     # Infinity and NaN would be written to the log as null: an event no service could read back.
     not_finite = sorted(k for k, v in params.items() if not math.isfinite(v))
     if not_finite:

@@ -20,7 +20,7 @@ from services.scheduler.decide import SchedulerDecider
 from services.scheduler.policy import MAX_LAS_QUEUES, POLICIES, check_policy
 from services.scheduler.state import CLUSTER_PARAMS
 from tests.helpers import node, submit
-from tests.unit.test_scheduler_decider import decisions, drive, folded
+from tests.unit.test_scheduler_decider import decider, decisions, drive, folded
 
 
 @pytest.mark.parametrize("queues", [1e12, float(MAX_LAS_QUEUES + 1), math.inf, math.nan, -1.0])
@@ -67,6 +67,25 @@ def test_a_policy_in_the_log_that_cannot_be_built_falls_back_to_the_default_with
         assert decider.policy_for(state) is decider.policy
     assert [entry["log_level"] for entry in logs] == ["warning"] and logs[0]["policy"] == "las"
     assert [p.job for p in decisions(drive([recorded, node("n1", 2), submit("a")]), ev.JobPlaced)] == ["a"]
+
+
+@pytest.mark.parametrize("rules", [2**64, -(2**63) - 1, 999, ev.SCHEDULING_RULES + 1, 0, -1])
+def test_a_policy_command_naming_rules_this_scheduler_does_not_know_is_refused(rules: int) -> None:
+    # As read from the log: applied, 2**64 made every snapshot raise OverflowError (the process died).
+    raw = b'{"type":"PolicyConfigured","id":"p","v":3,"policy":"fifo","rules":%d}' % rules
+    log = drive([node("n1", 2), ev.decode(raw), submit("a")])
+    (refusal,) = decisions(log, ev.CommandRefused)
+    assert refusal.command_id == "p" and "rules" in refusal.reason
+    state = folded(log)
+    assert state.scheduling.rules == ev.SCHEDULING_RULES and state.scheduling.policy is None
+    assert decider.decode_state(decider.encode_state(state)).scheduling.rules == ev.SCHEDULING_RULES
+    assert [p.job for p in decisions(log, ev.JobPlaced)] == ["a"]
+
+
+@pytest.mark.parametrize("rules", [1, ev.SCHEDULING_RULES])
+def test_a_policy_command_naming_known_rules_is_applied(rules: int) -> None:
+    log = drive([node("n1", 2), ev.PolicyConfigured(id="p", policy="fifo", rules=rules)])
+    assert not decisions(log, ev.CommandRefused) and folded(log).scheduling.rules == rules
 
 
 def test_the_cli_refuses_a_policy_parameter_that_is_not_finite(monkeypatch: pytest.MonkeyPatch) -> None:
