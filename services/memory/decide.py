@@ -29,7 +29,7 @@ class MemoryDecider(ConfiguredDecider[MemoryState, BrokerParams]):
     name = "memory"
     STATE, FOLD = MemoryState, staticmethod(evolve)
     PARAMS, CONVERT = BrokerParams, staticmethod(params_from)
-    STATE_FORMAT = 3  # 3: the rules in force
+    STATE_FORMAT = 4  # 3: the rules in force; 4: what was lent at each node's latest memory report
     TRIGGERS, CONFIGURED, PARAMS_EXAMPLE = TRIGGERS, ev.MemoryBrokerConfigured, '{"lease_term_s": 300}'
     EMITS = frozenset(
         {

@@ -1,12 +1,16 @@
 """How the memory broker lends, as pure functions of the cluster state.
 
 **Spare memory of a lender GPU** (a GPU on the borrower's node that is not the borrower's job's):
-``total - reserve - need - lent``, where ``reserve`` is a safety margin (``margin_frac`` of the
-GPU, at least ``margin_min_mb``), ``lent`` is what leases already hold on it and ``need`` is the
-forecast of the GPU's own job: the larger of what it uses now and the most it ever used (its
-observed peak, ``MemoryState.peak_mb``), plus ``owner_headroom``. A job that started less than
-``owner_warmup_s`` ago has no trustworthy peak yet: its GPUs lend nothing. A free GPU needs only
-what strays use on it. A GPU whose own job borrows memory never lends.
+``total - reserve - need - lent`` (never below 0), where ``reserve`` is a safety margin
+(``margin_frac`` of the GPU, at least ``margin_min_mb``), ``lent`` is what leases already hold on
+it (granted earlier in the same pass included) and ``need`` is the forecast of the GPU's own job:
+the larger of what it uses now and the most it ever used (its observed peak,
+``MemoryState.peak_mb``), plus ``owner_headroom``. A job that started less than ``owner_warmup_s``
+ago has no trustworthy peak yet: its GPUs lend nothing. A free GPU needs only what strays use on
+it. A GPU whose own job borrows memory never lends. What the owner (or strays) uses now is the
+GPU's reported use less the borrowers' part of it: a report counts every process on the GPU,
+borrowers' buffers on it included, but only of shares lent when it was made (a borrower allocates
+its share once it has it); a share granted since is not in it, so it counts in ``lent`` alone.
 
 **Grants** fill a request from the fastest tier first: NVLink peers, then PCIe neighbors (at most
 ``max_neighbors`` lender GPUs per lease), spread evenly over the lenders of a tier (water-filling:
@@ -22,7 +26,8 @@ lease (it gets no more) until the switch completes; then the lease is reclaimed.
 none was decided by the first), so a log is audited by the rules it was decided by. Under rules 1
 (each change since is a predicate below) a request below ``min_share_mb`` stayed pending
 (``denies_requests_below_min_share``), and a leaving worker's lease was reclaimed at the
-``JobResized`` (``keeps_leaving_workers_leases``).
+``JobResized`` (``keeps_leaving_workers_leases``). Under rules 1 and 2 every share lent counted as
+in use in the latest report, granted after it or not (``counts_only_reported_shares_in_use``).
 
 **Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
 its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
@@ -106,6 +111,14 @@ def keeps_leaving_workers_leases(state: MemoryState) -> bool:
     return state.rules >= 2
 
 
+def counts_only_reported_shares_in_use(state: MemoryState) -> bool:
+    """Rules 3: of a GPU's reported use, only shares lent when the report was made can be the
+    borrowers'; rules 1 and 2 took every share lent as in use, one granted after the report (even
+    earlier in the same pass) too, which hid as much of the owner's or strays' use and lent it
+    again (a GPU with 10 GiB of strays lent 76 of its 76 GiB)."""
+    return state.rules >= 3
+
+
 # -- the view of spare memory -----------------------------------------------------------------------
 
 
@@ -113,10 +126,20 @@ def reserve_mb(slot: GpuSlot, params: BrokerParams) -> int:
     return max(params.margin_min_mb, int(params.margin_frac * slot.info.memory_mb))
 
 
+def own_use_mb(state: MemoryState, node: str, gpu: int, lent: int) -> int:
+    """What the GPU's own job (on a free GPU, strays) uses by its latest report: the reported use
+    less the borrowers' part of it, at most the shares lent when the report was made (rules 3;
+    before, ``lent``: what its leases hold now, granted since the report or not)."""
+    used = state.gpu_used_mb(node, gpu) or 0
+    if counts_only_reported_shares_in_use(state):
+        lent = state.gpu_reported_lent_mb(node, gpu)
+    return max(0, used - lent)
+
+
 def owner_need_mb(state: MemoryState, node: NodeState, slot: GpuSlot, lent: int, params: BrokerParams) -> int | None:
     """The forecast of what the GPU's own job needs; None when it cannot be known yet (the job was
     placed or started within ``owner_warmup_s``), which lends nothing and revokes what is lent."""
-    current = max(0, (state.gpu_used_mb(node.node, slot.info.index) or 0) - lent)
+    current = own_use_mb(state, node.node, slot.info.index, lent)
     owner = state.jobs.get(slot.job) if slot.job is not None else None
     if owner is None:
         return current  # a free GPU: only strays use it
@@ -358,7 +381,7 @@ def _revocations(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]
         elif not slot.healthy:
             over, why = lent, f"GPU {gpu} is unhealthy"
         else:
-            current = max(0, (state.gpu_used_mb(node_name, gpu) or 0) - lent)
+            current = own_use_mb(state, node_name, gpu, lent)
             over = current + lent - (slot.info.memory_mb - reserve_mb(slot, params) // 2)
             why = f"GPU {gpu}'s own use rose to {current} MiB"
         if over <= 0:

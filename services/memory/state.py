@@ -15,6 +15,9 @@ from gpuherd.fold.leases import Leases, apply_lease
 class MemoryState(ClusterState, kw_only=True, gc=False):
     leases: Leases = msgspec.field(default_factory=dict)  # leases not ended
     used_mb: dict[str, list[int]] = msgspec.field(default_factory=dict)  # node -> MiB in use per GPU
+    # node -> MiB lent out of each GPU when its latest report was folded: the most of ``used_mb``
+    # that can be borrowers' (a share granted after a report is not in it).
+    reported_lent_mb: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # The most memory one of its GPUs held for the job itself (leases lent out of it not counted),
     # over every report while it ran: the broker's forecast of what the job needs.
     peak_mb: dict[str, int] = msgspec.field(default_factory=dict)
@@ -35,6 +38,11 @@ class MemoryState(ClusterState, kw_only=True, gc=False):
         used = self.used_mb.get(node)
         return used[gpu] if used is not None and gpu < len(used) else None
 
+    def gpu_reported_lent_mb(self, node: str, gpu: int) -> int:
+        """MiB lent out of GPU ``gpu`` of ``node`` when its latest report was folded."""
+        lent = self.reported_lent_mb.get(node)
+        return lent[gpu] if lent is not None and gpu < len(lent) else 0
+
 
 def evolve(state: MemoryState, seq: int, event: ev.Event, *, params_ok: bool) -> MemoryState:
     """Fold ``event``; ``params_ok``: a MemoryBrokerConfigured in it can be applied."""
@@ -46,6 +54,7 @@ def evolve(state: MemoryState, seq: int, event: ev.Event, *, params_ok: bool) ->
         if node is not None:
             lent = state.lent_mb(event.node)
             state.used_mb[event.node] = list(event.used_mb[: len(node.gpus)])
+            state.reported_lent_mb[event.node] = [lent.get(slot.info.index, 0) for slot in node.gpus]
             for slot, used in zip(node.gpus, event.used_mb, strict=False):
                 job = state.jobs.get(slot.job) if slot.job is not None else None
                 if job is not None and job.status == "running":

@@ -16,7 +16,10 @@ from gpuherd.events.values import MEMORY_TIERS, MemoryShare, MemoryTier
 # ``min_share_mb`` is denied (it stayed pending), as is a waiting one a raised ``min_share_mb``
 # outgrew; a worker leaving its elastic job at a rescale keeps its lease until the switch completes
 # (it was reclaimed at the ``JobResized``), and ``RescaleCompleted`` runs a pass that reclaims it.
-MEMORY_RULES = 2
+# 3: of a GPU's reported use, only shares lent when the report was made count as the borrowers'; a
+# share granted since (in the same pass too) is spare no more but hides none of the owner's or
+# strays' use (every share lent did, so a GPU with strays on it was lent past its memory).
+MEMORY_RULES = 3
 
 
 class MemoryLeaseRequested(Event, kw_only=True, frozen=True):
