@@ -232,7 +232,7 @@ class Routes:
         if token is None:
             return _error(403, "this dashboard is read-only: start it with --operator-token-file to allow actions")
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+        if not given or not _is_token(given, token):
             return _error(401, "a valid operator token is needed (Authorization: Bearer <token>)")
         return None
 
@@ -242,7 +242,10 @@ class Routes:
         refused = self._refusal(request)
         if refused is not None:
             return refused
-        reason = await _reason_of(request)
+        try:
+            reason = await _reason_of(request)
+        except BadBody as exc:
+            return _error(400, str(exc))
         if len(reason) > MAX_REASON_CHARS:
             return _error(
                 400, f"a reason is at most {MAX_REASON_CHARS} characters (it goes in the log); got {len(reason)}"
@@ -294,14 +297,38 @@ def _check_subject_token(what: str, value: str) -> None:
         raise GpuherdError(str(exc)) from None
 
 
+def _is_token(given: str, token: str) -> bool:
+    """Whether the header gave the operator token, compared as bytes in constant time. A header that
+    is not UTF-8 arrives with its bad bytes as surrogates, which a plain ``encode`` refuses: encoded
+    as they came, they are simply not the token."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
+
+
+class BadBody(Exception):
+    """An action's body that cannot be taken as it is (answered 400 with the reason)."""
+
+
 async def _reason_of(request: web.Request) -> str:
+    """The reason an action's JSON body gives (``{"reason": "..."}``); none for a body that is not
+    JSON or not text in its charset (the action is still asked for). ``BadBody`` for one nested too
+    deep to parse or whose reason is not text."""
     if not request.can_read_body:
         return ""
     try:
         body = await request.json()
+    except RecursionError:  # (JSON nested deeper than the parser's stack: "[[[[...")
+        raise BadBody('the body nests too deep to be read as JSON; send {"reason": "..."}') from None
     except (ValueError, LookupError):  # not JSON, not text in its charset, or an unknown charset: no reason
         return ""
-    return str(body.get("reason", "")) if isinstance(body, dict) else ""
+    reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
+    try:
+        reason.encode()
+    except UnicodeEncodeError as exc:  # JSON's "\ud800": no text, and no event could carry it
+        raise BadBody(
+            f"the reason is not text: it holds a lone surrogate (\\u{ord(reason[exc.start]):04x}) at "
+            f"character {exc.start}"
+        ) from None
+    return reason
 
 
 def make_app(backend: Backend) -> web.Application:
