@@ -84,7 +84,11 @@ class DecisionCore(Generic[S]):
     # -- feeding -----------------------------------------------------------------------------------
 
     def catch_up(self, head: int) -> None:
-        """Fold up to ``head`` (the log's end when the decider starts) before deciding anything."""
+        """Fold up to ``head`` (the log's end when the decider starts) before deciding anything.
+        A state folded beyond it is of another log (see ``snapshots.beyond_the_log``): refused, as
+        its reader would wait past the head and fold nothing."""
+        if head < self.state.seq:
+            raise ValueError(f"{self.decider.name}: state folded to {self.state.seq}, beyond the log's head {head}")
         self._head = head if head > self.state.seq else None
 
     @property

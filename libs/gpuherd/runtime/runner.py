@@ -6,8 +6,8 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
   id ``<service>:<s>:<n>`` and is stamped with ``based_on`` and ``cause``. A re-run after a crash
   produces the same ids, and the log's dedupe makes the append a no-op.
 * **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
-  ``STATE_FORMAT`` is ignored), then folds the log to its head; the core decides what the tail
-  still lacks.
+  ``STATE_FORMAT``, or one beyond the log's head, is ignored), then folds the log to its head; the
+  core decides what the tail still lacks.
 * **One active instance.** The runner acts only while it holds the KV leadership ``decider.<service>``;
   standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once.
 * **Fenced.** Having taken the lease, the runner appends ``LeadershipTaken`` (expecting the last
@@ -46,7 +46,7 @@ from gpuherd.obs import child_traceparent, get_logger
 from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
-from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
+from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, save_snapshot
 from gpuherd.runtime.stages import BatchTrace, StageTracer
 
 REPORT_FOLDED_EVERY = 256  # records folded between two updates of ``events_consumed`` (while catching up)
@@ -353,6 +353,9 @@ class DeciderRunner(Generic[S]):
 
     async def _consume(self) -> None:
         head = await self.log.last_seq()
+        if beyond_the_log(self.name, self.state.seq, head):
+            self.core.state = self.decider.initial_state()
+            self.snapshots.seq = 0  # (and the next snapshot replaces it)
         self.core.catch_up(head)
         if self.core.caught_up:
             self.caught_up.set()

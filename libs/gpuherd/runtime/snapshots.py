@@ -2,7 +2,8 @@
 
 A snapshot carries the folder's state format and the sequence it was folded to. One of another
 format, or one that does not read, is ignored (and the state rebuilt from the log): it can always
-be rebuilt, so it is never trusted beyond what it says it is.
+be rebuilt, so it is never trusted beyond what it says it is. Nor is one folded beyond the log's
+head (``beyond_the_log``): it was taken of another log.
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ async def load_snapshot(store: KeyValue, key: str, state_format: int) -> Snapsho
         log.warning("snapshot of another state format; rebuilding from the log", key=key, snapshot_format=snap.v)
         return None
     return snap
+
+
+def beyond_the_log(key: str, seq: int, head: int) -> bool:
+    """Whether a state loaded from a snapshot is folded beyond the log's ``head`` (warned, with why).
+    The log only grows, so such a snapshot was taken of another log: the stream recreated, or
+    restored from an older backup, while the snapshot bucket survived. Trusted, its reader would
+    read from past the head and fold nothing until the new log grew that long."""
+    if seq <= head:
+        return False
+    log.warning(
+        "snapshot is beyond the log's head (the stream was recreated or restored from an older backup); "
+        "rebuilding from the log",
+        key=key,
+        snapshot_seq=seq,
+        head=head,
+    )
+    return True
 
 
 async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, state: bytes) -> int | None:
