@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 import time
@@ -126,9 +127,12 @@ def name_values(items: list[str] | None) -> dict[str, float]:
     for item in items or []:
         key, _, value = item.partition("=")
         try:
-            params[key] = float(value)
+            number = float(value)
         except ValueError:
             raise GpuherdError(f"--param wants NAME=NUMBER, got {item!r}") from None
+        if not math.isfinite(number):  # (JSON has no infinity: it would be stored as null, unreadable)
+            raise GpuherdError(f"--param {key} must be a finite number, got {value!r}")
+        params[key] = number
     return params
 
 
@@ -145,10 +149,12 @@ def parse_duration(text: str) -> float:
             if len(parts) > 3:
                 raise ValueError
             seconds = sum(p * 60.0**i for i, p in enumerate(reversed(parts)))
-            return seconds + (float(days) * 86400.0 if days else 0.0)
-        if value and value[-1] in _UNITS:
-            return float(value[:-1]) * _UNITS[value[-1]]
-        return float(value)
+            seconds += float(days) * 86400.0 if days else 0.0
+        else:
+            seconds = float(value[:-1]) * _UNITS[value[-1]] if value and value[-1] in _UNITS else float(value)
+        if not math.isfinite(seconds) or seconds < 0:  # (JSON has no infinity: it would be stored as null)
+            raise ValueError
+        return seconds
     except ValueError:
         raise GpuherdError(f"not a duration: {text!r} (e.g. 3600, 90m, 2h, 1d, 1-12:00:00)") from None
 
