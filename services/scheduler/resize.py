@@ -13,7 +13,8 @@ Rules of a generation, which the runtime relies on:
   holds the committed state the others take;
 - a grow takes free GPUs on the nodes the job already runs on first (NVLink, no network),
   then on the nodes with the most free GPUs, within the VC's quota unless the VC may borrow, and
-  within the VC's per-user GPU limit;
+  within the VC's per-user GPU limit; from rules 12, not when a job waiting for the victims it
+  preempted would then no longer fit (its preemption counted on the free GPUs too);
 - a shrink lets the newest workers go; their GPUs stay the job's until the rescale ends.
 """
 
@@ -21,14 +22,15 @@ from __future__ import annotations
 
 from gpuherd import events as ev
 from gpuherd.fold import JobState, NodeState
-from services.scheduler.placement import can_run
+from services.scheduler.placement import NodeView, can_run, place
 from services.scheduler.schedule import choose_rendezvous, ports_in_use
 from services.scheduler.state import SchedulerState, user_key
 
 
 def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.Event]:
     """Commit the proposal if it still holds: the job runs that generation, is not stopping (rules 8),
-    no rescale is in flight, the size is one the job may take, and (to grow) the GPUs are free."""
+    no rescale is in flight, the size is one the job may take, and (to grow) the GPUs are free and
+    no job waiting for the victims it preempted needs them (rules 12)."""
     job = state.jobs.get(proposal.job)
     if job is None or job.status != "running" or job.spec.elastic is None:
         return []
@@ -46,6 +48,8 @@ def on_proposal(state: SchedulerState, proposal: ev.RescaleProposed) -> list[ev.
         if grown is None:
             return []
         allocations, borrowed = grown
+        if state.scheduling.rules >= 12 and _leaves_a_preemptor_short(state, _new_gpus(job, allocations)):
+            return []
         return [_resized(state, job, allocations, "grow", proposal.reason, borrowed=borrowed)]
     if proposal.gpus < size:
         keep = job.workers[: proposal.gpus]  # the newest workers go
@@ -62,6 +66,46 @@ def _over_user_limit(state: SchedulerState, job: JobState, more: int) -> bool:
     if vc is None or vc.max_gpus_per_user is None:
         return False
     return state.user_gpus.get(user_key(job.spec.vc, job.spec.user), 0) + more > vc.max_gpus_per_user
+
+
+def _new_gpus(job: JobState, allocations: tuple[ev.Allocation, ...]) -> dict[str, set[int]]:
+    """The GPUs of ``allocations`` the job does not hold yet, by node."""
+    held = {(a.node, g) for a in (*job.allocations, *job.releasing) for g in a.gpus}
+    out: dict[str, set[int]] = {}
+    for alloc in allocations:
+        for gpu in alloc.gpus:
+            if (alloc.node, gpu) not in held:
+                out.setdefault(alloc.node, set()).add(gpu)
+    return out
+
+
+def _leaves_a_preemptor_short(state: SchedulerState, taken: dict[str, set[int]]) -> bool:
+    """Rules 12: with ``taken`` gone, some job waiting for the victims it preempted no longer fits
+    on their GPUs and the free ones. Its preemption counted on free GPUs too (a stale grow
+    proposal must not take them: the victims would stop for nothing, and it would wait on)."""
+    for preemptor_id, victims in state.stopping_for.items():
+        preemptor = state.jobs.get(preemptor_id)
+        if preemptor is None or preemptor.status != "pending":
+            continue  # placed since, or gone (an unhealthy GPU's job stops for no one: "")
+        usable = {
+            name: {i for i in node.free_gpus() if i not in taken.get(name, ())}
+            for name, node in sorted(state.nodes.items())
+            if node.accepts_work()
+        }
+        for victim_id in victims:
+            victim = state.jobs.get(victim_id)
+            for alloc in (*victim.allocations, *victim.releasing) if victim is not None else ():
+                if alloc.node in usable:
+                    gpus = state.nodes[alloc.node].gpus
+                    usable[alloc.node].update(i for i in alloc.gpus if gpus[i].healthy)
+        if place(preemptor.spec, {name: _view(state.nodes[name], gpus) for name, gpus in usable.items()}) is None:
+            return True
+    return False
+
+
+def _view(node: NodeState, usable: set[int]) -> NodeView:
+    islands = (tuple(i for i in island if i in usable) for island in node.islands)
+    return NodeView(node.node, node.rack, tuple(t for t in islands if t), node.runs_processes())
 
 
 def on_failed(state: SchedulerState, failed: ev.RescaleFailed) -> list[ev.Event]:

@@ -3,16 +3,19 @@ the job still holds (and the fold never gives a resize a GPU another job holds).
 
 from __future__ import annotations
 
+import msgspec
+
 from gpuherd import events as ev
 from gpuherd.fold.invariants import violations
 from gpuherd.log import Record
 from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import node
+from tests.helpers import ended, node, submit
 from tests.unit.test_resize import SPEC, _completed, _e, _propose, _resized, _state
-from tests.unit.test_scheduler_decider import drive
+from tests.unit.test_scheduler_decider import decisions, drive
 
-OTHER = ev.JobSpec(name="k", user="bo", gpus=2, command=("python", "t.py"))
+CMD = ("python", "t.py")
+OTHER = ev.JobSpec(name="k", user="bo", gpus=2, command=CMD)
 
 
 def _rules(rules: int) -> list[ev.Event]:
@@ -29,6 +32,14 @@ def _running(rules: int) -> list[Record]:
         ]
     )
     return drive([_e(ev.JobStarted, job="j", attempt=0, node="n1")], log)
+
+
+def _with(spec: ev.JobSpec, **fields: object) -> ev.JobSpec:
+    return msgspec.structs.replace(spec, **fields)
+
+
+def _with_spec(submitted: ev.JobSubmitted, **fields: object) -> ev.JobSubmitted:
+    return msgspec.structs.replace(submitted, spec=_with(submitted.spec, **fields))
 
 
 def _holders(log: list[Record]) -> list[str | None]:
@@ -99,3 +110,48 @@ def test_the_fold_never_gives_a_resize_a_gpu_another_job_holds() -> None:
     assert _holders(log) == ["j", "k", "j", "k"]
     assert state.jobs["j"].generation == job.generation and state.jobs["j"].allocations == job.allocations
     assert state.jobs["k"].held == 2 and state.jobs["j"].held == 2
+
+
+# -- a grow leaves the GPUs a preemption counted on -----------------------------------------------------
+
+
+def _preempting(rules: int, preemptor_gpus: int) -> list[Record]:
+    """n1 has 5 GPUs: j (elastic, priority 10) runs on 0,1, v on 2,3, GPU 4 is idle. The elastic
+    service proposes j 2->3; before it is decided, p (priority 5) comes and preempts v."""
+    log = drive(
+        [
+            *_rules(rules),
+            node("n1", 5, executor="cpu", ports=(29500, 29599)),
+            ev.JobSubmitted(id="s", source="test", job="j", spec=_with(SPEC, priority=10), intake_source="t"),
+            submit("v", 2, command=CMD),
+        ]
+    )
+    log = drive([_e(ev.JobStarted, job=job, attempt=0, node="n1") for job in ("j", "v")], log)
+    stale = _e(ev.RescaleProposed, job="j", attempt=0, generation=0, gpus=3, based_on=log[-1].seq)
+    log = drive([_with_spec(submit("p", preemptor_gpus, command=CMD), priority=5)], log)
+    assert [(x.job, x.by) for x in decisions(log, ev.JobPreempted)] == [("v", "p")]
+    return drive([stale], log)
+
+
+def test_a_stale_grow_does_not_take_the_idle_gpu_a_preemptor_counted_on() -> None:
+    log = _preempting(12, preemptor_gpus=3)  # p needs v's GPUs and GPU 4
+    assert _resized(log) == []
+    log = drive([ended("v", "n1", outcome="stopped")], log)
+    placed = [(p.job, p.allocations) for p in decisions(log, ev.JobPlaced)]
+    assert placed[-1] == ("p", (ev.Allocation("n1", (2, 3, 4)),)), "v stopped for p, and p starts"
+    assert _holders(log) == ["j", "j", "p", "p", "p"] and _audits_clean(log)
+
+
+def test_a_grow_into_a_gpu_the_waiting_preemptor_does_not_need_goes_on() -> None:
+    log = _preempting(12, preemptor_gpus=2)  # v's GPUs are enough for p
+    assert [(r.kind, r.allocations) for r in _resized(log)] == [("grow", (ev.Allocation("n1", (0, 1, 4)),))]
+    log = drive([ended("v", "n1", outcome="stopped")], log)
+    assert decisions(log, ev.JobPlaced)[-1].job == "p" and _holders(log) == ["j", "j", "p", "p", "j"]
+
+
+def test_rules_11_let_a_stale_grow_take_the_preemptors_gpu_and_their_logs_audit_as_decided() -> None:
+    log = _preempting(11, preemptor_gpus=3)
+    assert [r.kind for r in _resized(log)] == ["grow"]
+    log = drive([ended("v", "n1", outcome="stopped")], log)
+    assert _state(log).jobs["p"].status == "pending", "v stopped for nothing"
+    assert _audits_clean(log)

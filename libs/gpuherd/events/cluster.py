@@ -61,7 +61,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # reservation counts only GPUs its head can use: of nodes whose executor can run it, and per node for a
 # gang split over nodes (then only jobs that end before its start overtake it).
 # 12: an elastic job's rollback keeps only the committed workers whose GPUs it still holds (a recover
-# gives a dead worker's GPU back, and another job may hold it by then).
+# gives a dead worker's GPU back, and another job may hold it by then). A grow is not committed where a
+# job waiting for the victims it preempted would then no longer fit (its preemption counted on free GPUs).
 SCHEDULING_RULES = 12
 
 
