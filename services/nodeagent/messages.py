@@ -4,7 +4,9 @@ to telemetry, and the leader rank's last report into the part's ``TaskEnded``.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -21,6 +23,11 @@ from services.nodeagent.taskfiles import WorkerDeath
 from services.nodeagent.writer import AgentWriter
 
 log = get_logger("gpuherd.nodeagent")
+
+# The most workers a rescale report may name: beyond any cluster, and an integer every reader's
+# snapshot holds (a world of 1e23 from a job's process made every elastic snapshot raise).
+MAX_REPORTED_WORLD = 2**31
+MAX_GRAD_BYTES = 2**64 - 1  # a profile's gradient bytes, in all: what a snapshot's integers hold
 
 
 class JobMessages:
@@ -74,18 +81,22 @@ class JobMessages:
         generation = str(message.generation)
         stamp = self.writer.stamp
         if message.event == "completed":
+            checked = self._checked_rescale(key, message)
+            if checked is None:
+                return
+            world, world_before, samples_per_s_before = checked
             event: ev.Event = ev.RescaleCompleted(
                 **stamp("rescaled", key.job, str(key.attempt), generation),
                 job=key.job,
                 attempt=key.attempt,
                 generation=message.generation,
                 node=self.node,
-                world=message.world,
-                world_before=message.world_before,
+                world=world,
+                world_before=world_before,
                 # Every phase, so pause and total can always be told (a stamp the worker lacks
                 # takes the next one's: complete_phase_times).
                 times=ev.complete_phase_times(message.times, fallback=message.at or self.writer.clock()),
-                samples_per_s_before=message.samples_per_s_before,
+                samples_per_s_before=samples_per_s_before,
             )
         elif message.event == "failed":
             event = ev.RescaleFailed(
@@ -101,6 +112,34 @@ class JobMessages:
             log.info("elastic worker", job=key.job, message=message.event, generation=generation, reason=message.reason)
             return
         self.writer.append_soon(event)
+
+    def _checked_rescale(self, key: TaskKey, message: control.RescaleReport) -> tuple[int, int, float | None] | None:
+        """The worlds and throughput of a completed rescale as the log may record them, or None to
+        drop the report. The completion itself is kept (it gives a shrink's GPUs back); what the
+        job's process says of it is checked: a throughput the elastic service divides by must be
+        finite and above 0 (else it is not recorded), and a world the agent cannot believe (outside
+        1..2**31; 0 before: a worker that had none) is replaced by the agent's own count of the
+        job's workers, without the throughput, which that world no longer vouches for."""
+        world, before, rate = message.world, message.world_before, message.samples_per_s_before
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            log.warning("ignored a rescale report's throughput", job=key.job, samples_per_s_before=rate)
+            rate = None
+        if 1 <= world <= MAX_REPORTED_WORLD and 0 <= before <= MAX_REPORTED_WORLD:
+            return world, before, rate
+        job = self._state().jobs.get(key.job)
+        if job is None:
+            log.warning("dropped a rescale report with impossible worlds", job=key.job, world=world, before=before)
+            return None
+        known, known_before = len(job.workers), sum(len(a.gpus) for a in job.committed)
+        log.warning(
+            "a rescale report's worlds replaced by this agent's count",
+            job=key.job,
+            world=world,
+            before=before,
+            counted=known,
+            counted_before=known_before,
+        )
+        return known, known_before, None
 
     def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
         """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""
@@ -146,6 +185,9 @@ class JobMessages:
         if not isinstance(profile, dict):
             log.warning("ignored a profile report without a readable profile", job=key.job, file=message.file)
             return
+        if (problem := _profile_problem(profile)) is not None:
+            log.warning("ignored a profile report with numbers no reader can use", job=key.job, problem=problem)
+            return
         event = ev.ProfileReported(
             **self.writer.stamp("profile", key.job, str(key.attempt), str(message.rank), message.request),
             job=key.job,
@@ -156,3 +198,42 @@ class JobMessages:
             profile=profile,
         )
         self.writer.append_soon(event)
+
+
+def _profile_problem(profile: dict[str, Any]) -> str | None:
+    """Why a profile's numbers the elastic service models a job by (``step_s`` per ``batch_size``
+    samples, each layer's ``grad_bytes``) cannot be recorded, if they cannot: it divides by the time
+    per sample and keeps the gradient bytes' sum in its snapshots. Fields left out are the readers'
+    to miss."""
+    step_s, batch = profile.get("step_s"), profile.get("batch_size")
+    if step_s is not None and not _is_positive_finite(step_s):
+        return f"step_s is {step_s!r}, not a positive, finite number of seconds"
+    if batch is not None and not (_is_count(batch, 2**63) and batch >= 1):
+        return f"batch_size is {batch!r}, not a count of samples"
+    if step_s is not None and batch is not None and not step_s / batch > 0:
+        return f"a step of {step_s}s over {batch} samples is no time per sample (it rounds to 0)"
+    layers = profile.get("layers")
+    total = 0
+    for n, layer in enumerate(layers if isinstance(layers, list) else []):
+        grad_bytes = layer.get("grad_bytes", 0) if isinstance(layer, dict) else 0
+        if not _is_count(grad_bytes, MAX_GRAD_BYTES + 1):
+            return f"layers[{n}].grad_bytes is {grad_bytes!r}, not a count of bytes"
+        total += grad_bytes
+    if total > MAX_GRAD_BYTES:
+        return f"the layers' grad_bytes add up to {total}, beyond 2**64-1"
+    return None
+
+
+def _is_count(value: Any, below: int) -> bool:
+    """An integer (no bool) within 0..below-1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < below
+
+
+def _is_positive_finite(value: Any) -> bool:
+    """A number (no bool) above 0 that a float holds."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int beyond any float
+        return False

@@ -1,22 +1,33 @@
 """What reaches a node agent from a job's own processes, or from the spec it runs, is checked
-before it can stop the agent's work: a process the shim cannot start (a NUL byte in its
-arguments, environment or working directory) is a failed launch, not a dead shim."""
+before it can stop anyone's work: a process the shim cannot start (a NUL byte in its arguments,
+environment or working directory) is a failed launch, not a dead shim; a rescale or profile
+report's numbers that the elastic service would divide by or fail to snapshot are not recorded."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+import structlog
 
+from gpuherd import control
 from gpuherd import events as ev
+from services.elastic.state import ElasticState
+from services.elastic.state import evolve as elastic_evolve
 from services.nodeagent import taskfiles
 from services.nodeagent.executors import TaskKey, TaskLaunch
 from services.nodeagent.executors.cpu import CpuExecutor
+from services.nodeagent.messages import JobMessages
+from services.nodeagent.reconcile import AgentEvents
 from services.nodeagent.shim import Shim
+from services.nodeagent.state import AgentState, evolve, new_state
 from services.nodeagent.taskfiles import ExitRecord, ProcLaunch, TaskDescription
+from services.nodeagent.writer import AgentWriter
+from tests.helpers import node
 
 # -- the shim: any exception Popen raises is a launch failure ----------------------------------------
 
@@ -71,3 +82,147 @@ async def test_the_executor_reports_such_a_task_failed_so_the_job_is_not_requeue
         await executor.shutdown()
     assert ended.outcome == "failed", ended
     assert "ValueError: embedded null byte" in ended.reason and "embedded null byte" in ended.output_tail
+
+
+# -- what a job's processes report: the rescale and profile numbers the log records -----------------
+
+
+class _Recording(AgentWriter):
+    """The agent's writer, keeping what it would append."""
+
+    def __init__(self) -> None:
+        super().__init__(None, AgentEvents("n1"), clock=lambda: 100.0)  # type: ignore[arg-type]
+        self.appended: list[ev.Event] = []
+
+    def append_soon(self, event: ev.Event) -> None:
+        self.appended.append(event)
+
+
+class _Running:
+    """An executor that runs attempt 0 of job j and holds ``profile`` as its profile file."""
+
+    def __init__(self, profile: bytes = b"") -> None:
+        self.profile = profile
+
+    def running(self) -> set[TaskKey]:
+        return {TaskKey("j", 0)}
+
+    def profile_result(self, key: TaskKey, name: str) -> bytes:
+        return self.profile
+
+
+ELASTIC_SPEC = ev.JobSpec(name="e", user="u", gpus=2, command=("python", "x.py"), elastic=ev.Elastic(min=1, max=4))
+HISTORY: list[ev.Event] = [
+    node("n1", 4, executor="cpu", ports=(29500, 29599)),
+    ev.JobSubmitted(id="s", source="t", job="j", spec=ELASTIC_SPEC, intake_source="t"),
+    ev.JobPlaced(
+        id="p",
+        source="scheduler",
+        job="j",
+        attempt=0,
+        allocations=(ev.Allocation("n1", (0, 1)),),
+        rendezvous=ev.Rendezvous("n1.local", 29500),
+    ),
+    ev.JobStarted(id="st", source="agent.n1", job="j", attempt=0, node="n1"),
+]
+
+
+def agent_state() -> AgentState:
+    state = new_state("n1")
+    for seq, event in enumerate(HISTORY, 1):
+        evolve(state, seq, event)
+    return state
+
+
+def recorded(message: control.AgentMessage, profile: bytes = b"") -> list[ev.Event]:
+    state = agent_state()
+    writer = _Recording()
+    messages = JobMessages("n1", lambda: state, _Running(profile), writer, None)  # type: ignore[arg-type]
+    messages.on_message(message)
+    return writer.appended
+
+
+def rescaled(**fields: Any) -> control.RescaleReport:
+    return control.RescaleReport(job="j", attempt=0, event="completed", generation=0, **({"world": 2} | fields))
+
+
+def elastic_state(events: list[ev.Event]) -> ElasticState:
+    """What the elastic service folds of them; its snapshot encodes (a world of 1e23 raised OverflowError)."""
+    state = ElasticState()
+    for seq, event in enumerate([*HISTORY, *events], 1):
+        elastic_evolve(state, seq, event, params_ok=True)
+    msgspec.msgpack.encode(state)
+    return state
+
+
+@pytest.mark.parametrize("rate", [0.0, -3.0])
+def test_a_rescale_throughput_that_is_not_above_zero_is_not_recorded(rate: float) -> None:
+    with structlog.testing.capture_logs() as logs:
+        (event,) = recorded(rescaled(world_before=2, samples_per_s_before=rate))
+    assert isinstance(event, ev.RescaleCompleted) and event.world == 2 and event.world_before == 2
+    assert event.samples_per_s_before is None, "the completion is kept (it gives GPUs back), the number is not"
+    assert any(entry["log_level"] == "warning" and "throughput" in entry["event"] for entry in logs)
+
+
+@pytest.mark.parametrize(("world", "before"), [(10**23, 2), (2, 10**23), (0, 2), (-1, 2), (2, -1), (2**31 + 1, 1)])
+def test_a_rescale_report_with_impossible_worlds_takes_the_agents_count(world: int, before: int) -> None:
+    with structlog.testing.capture_logs() as logs:
+        (event,) = recorded(rescaled(world=world, world_before=before, samples_per_s_before=5.0))
+    assert isinstance(event, ev.RescaleCompleted)
+    assert (event.world, event.world_before, event.samples_per_s_before) == (2, 2, None)
+    assert any(entry["log_level"] == "warning" for entry in logs)
+    assert elastic_state([event]).throughput.get("j", {}) == {}
+
+
+def test_a_rescale_report_within_bounds_is_recorded_as_sent() -> None:
+    (event,) = recorded(rescaled(world=2**31, world_before=0, samples_per_s_before=1e-3))
+    assert isinstance(event, ev.RescaleCompleted)
+    assert (event.world, event.world_before, event.samples_per_s_before) == (2**31, 0, 1e-3)
+
+
+def test_a_rescale_report_with_impossible_worlds_for_a_job_unknown_here_is_dropped() -> None:
+    message = control.RescaleReport(job="other", attempt=0, event="completed", generation=0, world=10**23)
+    with structlog.testing.capture_logs() as logs:
+        assert recorded(message) == []
+    assert any(entry["log_level"] == "warning" for entry in logs)
+
+
+def profile_ready() -> control.ProfileReady:
+    return control.ProfileReady(job="j", attempt=0, rank=0, request="r", file="profile-0.json")
+
+
+def profile(**fields: Any) -> bytes:
+    layers = [{"name": "fc", "grad_bytes": 4096}, {"name": "relu"}]
+    return msgspec.json.encode({"batch_size": 32, "step_s": 0.05, "layers": layers} | fields)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"step_s": 0},
+        {"step_s": -0.1},
+        {"step_s": "inf"},
+        {"step_s": "nan"},
+        {"step_s": True},
+        {"step_s": 10**400},
+        {"batch_size": 0},
+        {"batch_size": 1.5},
+        {"batch_size": 2**70},
+        {"step_s": 5e-324, "batch_size": 1000},
+        {"layers": [{"grad_bytes": -1}]},
+        {"layers": [{"grad_bytes": 10**23}]},
+        {"layers": [{"grad_bytes": 2**63}, {"grad_bytes": 2**63}]},
+        {"layers": [{"grad_bytes": "many"}]},
+    ],
+)
+def test_a_profile_the_elastic_service_could_not_model_by_is_dropped(fields: dict[str, Any]) -> None:
+    with structlog.testing.capture_logs() as logs:
+        assert recorded(profile_ready(), profile(**fields)) == []
+    assert any(entry["log_level"] == "warning" and "profile" in entry["event"] for entry in logs)
+
+
+def test_a_sound_profile_is_recorded_and_modelled() -> None:
+    (event,) = recorded(profile_ready(), profile())
+    assert isinstance(event, ev.ProfileReported) and event.profile["step_s"] == 0.05
+    model = elastic_state([event]).models["j"]
+    assert model.compute_per_sample_s == 0.05 / 32 and model.grad_bytes == 4096
