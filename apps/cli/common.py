@@ -156,7 +156,9 @@ def parse_duration(text: str) -> float:
             raise ValueError
         return seconds
     except ValueError:
-        raise GpuherdError(f"not a duration: {text!r} (e.g. 3600, 90m, 2h, 1d, 1-12:00:00)") from None
+        raise GpuherdError(
+            f"not a duration: {text!r} (a finite time, at least 0: e.g. 3600, 90m, 2h, 1d, 1-12:00:00)"
+        ) from None
 
 
 def parse_when(text: str, *, now: float | None = None) -> float:
