@@ -8,6 +8,10 @@ it cannot apply is refused (``CommandRefused``) and the parameters before it sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import msgspec
+
 from gpuherd import events as ev
 from gpuherd.runtime.decider import ConfiguredDecider
 from services.elastic.policy import ElasticParams, decide, params_from
@@ -36,6 +40,16 @@ class ElasticDecider(ConfiguredDecider[ElasticState, ElasticParams]):
 
     def rules_for(self, state: ElasticState) -> int:
         return rules_in_force(state)
+
+    def audit_state(self, state: ElasticState, recorded: Sequence[ev.Event]) -> ElasticState:
+        """On a log that has recorded no rules yet, proposals are re-decided by the rules they carry:
+        the state says nothing of which service decided them (one of rules 1, which recorded none,
+        or this one before its own rules are recorded), and learns a proposal's rules only once it
+        is folded, after its ``based_on``."""
+        carried = {e.rules for e in recorded if isinstance(e, ev.RescaleProposed)}
+        if state.rules is not None or len(carried) != 1:
+            return state
+        return msgspec.structs.replace(state, rules=carried.pop())
 
     def decide(self, state: ElasticState, event: ev.Event) -> list[ev.Event]:
         if not self.triggered(event):

@@ -1,10 +1,11 @@
 """Audit: re-run a decider at every decision it recorded and report what it would not decide again.
 
 For each batch of decisions (all caused by one event), the audit folds the log up to the batch's
-``based_on``, runs ``decide`` on the cause, stamps the result exactly as the runtime does, and
-compares. Answers to inputs from outside the log (intake verdicts) are re-judged on the state at
-their ``based_on`` by the decider's ``recheck``. Any difference, or an event that claims the
-decider as source but is none of its decisions, is a mismatch. An untampered log has none.
+``based_on``, runs ``decide`` on the cause (on ``Decider.audit_state`` of that state), stamps the
+result exactly as the runtime does, and compares. Answers to inputs from outside the log (intake
+verdicts) are re-judged on the state at their ``based_on`` by the decider's ``recheck``. Any
+difference, or an event that claims the decider as source but is none of its decisions, is a
+mismatch. An untampered log has none.
 
 Fencing is checked too: a decision stored after a ``LeadershipTaken`` of its service but made on a
 state from before it (``based_on`` earlier) came from a former leader that lost the lead: a
@@ -118,7 +119,7 @@ def audit(
                 for r in batches[cause]:
                     report.mismatches.append(Mismatch(r.seq, r.event.id, "unattributable", f"cause {cause} not in log"))
                 continue
-            _compare(report, batches[cause], decide_stamped(decider, state, trigger))
+            _compare(report, batches[cause], decide_stamped(decider, decider.audit_state(state, recorded), trigger))
         for answer in answers.get(record.seq, ()):
             _recheck(report, decider, state, answer)
         if progress is not None and i % 1000 == 0:

@@ -108,6 +108,12 @@ class Decider(abc.ABC, Generic[S]):
         """Why ``answer`` would not be given again on ``state`` (its ``based_on``); None if it would."""
         return None
 
+    def audit_state(self, state: S, recorded: Sequence[ev.Event]) -> S:
+        """The state the audit re-decides ``recorded`` (one batch of decisions) on: ``state`` (their
+        ``based_on``), unless it cannot say all they were decided by, where the decisions carry it
+        (the elastic service's rules, in a log from before they were recorded)."""
+        return state
+
     # -- snapshots ---------------------------------------------------------------------------------------
 
     @abc.abstractmethod
