@@ -157,6 +157,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     trace = require_jobs(load_history(args.trace, args.kind), args.trace, "a simulation needs jobs to submit")
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)
+    # (The run spans at least its jobs' submissions to their ends: a bucket too short for that is
+    # refused now, not after the run.)
+    least_span = float((trace.jobs["submit_time"] + trace.jobs["duration"]).max() - trace.jobs["submit_time"].min())
+    if math.isfinite(least_span):  # (a log's table may lack run times: then its utilization checks)
+        jobs_mod.check_buckets(least_span, args.bucket)
     cluster = _cluster_spec(args, trace)
     model = sim_model(args)
     estimates = load_estimates(args.estimates) if args.estimates else None

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
 from services.analytics.predict import CALENDAR_TIME_FROM_S, UNKNOWN
 from services.analytics.traces import COLUMNS, Trace
@@ -305,6 +306,24 @@ def gpu_time(jobs: pd.DataFrame) -> pd.Series:
     return jobs["gpu_seconds"].where(jobs["gpu_seconds"] > 0, asked)
 
 
+# A utilization frame holds at most this many buckets (columns of 8 bytes each, one per VC): a
+# run's span over a tiny bucket, or a run of 1e15 s over an hour, asked numpy for terabytes.
+MAX_BUCKETS = 1_000_000
+
+
+class BucketsError(GpuherdError):
+    """A utilization asked over more buckets than ``MAX_BUCKETS``: the bucket is too short for the run."""
+
+
+def check_buckets(span_s: float, bucket_s: float) -> None:
+    """A BucketsError unless ``span_s`` seconds split into ``bucket_s`` buckets are ``MAX_BUCKETS`` at most."""
+    if not math.isfinite(span_s) or span_s / bucket_s > MAX_BUCKETS:
+        raise BucketsError(
+            f"a utilization over {span_s:,.0f} s in buckets of {bucket_s:g} s would hold more than "
+            f"{MAX_BUCKETS:,} buckets; give a bucket of at least {math.ceil(span_s / MAX_BUCKETS):,} s"
+        )
+
+
 def utilization(
     jobs: pd.DataFrame,
     capacity: dict[str, int] | int,
@@ -326,6 +345,7 @@ def utilization(
     t0 = float(done["start_time"].min())
     end = done["end_time"].fillna(done["start_time"] + done["duration"] if log_end is None else log_end)
     t1 = float(end.max())
+    check_buckets(t1 - t0, bucket_s)
     edges = np.arange(t0, t1 + bucket_s, bucket_s)
     # The seconds of [t0, t1] each bucket covers: dividing the last, partial one by a whole bucket
     # read a job busy to its end as mostly idle there. (A bucket that float rounding put wholly

@@ -4,7 +4,10 @@ Every loader returns a :class:`Trace`: a pandas DataFrame with the columns of
 ``COLUMNS`` (one row per usable job) and a count of the rows it could not use,
 by reason. Nothing is dropped silently: a row with a negative duration, no
 GPUs, more GPUs than ``MAX_JOB_GPUS`` or a timestamp that does not parse is counted under its reason, and
-``Trace.describe()`` says how many. Nor is anything changed silently: a row asking for a
+``Trace.describe()`` says how many. So is a row that runs longer than ``MAX_DURATION_S`` (a year:
+real traces hold jobs of weeks, the longest 145 days; a run of decades is a unit or a data error, and
+simulating it ticked the virtual clock for all of it) or whose times lie outside the years
+1677-2262 (what a calendar timestamp holds). Nor is anything changed silently: a row asking for a
 fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would hold (rounded up: gpuherd
 schedules whole GPUs; the fraction stays in ``gpu_request``), counted under ``Trace.changed``.
 
@@ -72,6 +75,10 @@ FRACTIONAL_GPUS = "fractional GPU count, rounded up to whole GPUs"
 # past int64 (1e30, 2**63) wrapped to -9223372036854775808 and was counted as GPUs in use.
 MAX_JOB_GPUS = 65_536
 TOO_MANY_GPUS = f"GPU count over {MAX_JOB_GPUS:,}"
+MAX_DURATION_S = 365 * 86400.0
+TOO_LONG = "duration over 365 days"
+MAX_TIME_S = pd.Timestamp.max.timestamp()  # (and -MAX_TIME_S: epoch seconds of 1677-2262)
+TIME_OUT_OF_RANGE = "a time beyond the years 1677-2262"
 ZERO_DURATION = "zero duration (never ran)"
 
 
@@ -148,6 +155,11 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
         ("bad or missing submit time", ~np.isfinite(df["submit_time"].astype("float64"))),
         ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
         ("negative duration", df["duration"].astype("float64") < 0),
+        (TOO_LONG, df["duration"].astype("float64") > MAX_DURATION_S),
+        (
+            TIME_OUT_OF_RANGE,
+            (df[["submit_time", "start_time", "end_time"]].astype("float64").abs() > MAX_TIME_S).any(axis=1),
+        ),
         # (Helios traces hold jobs cancelled before they ran, of 0 s: intake refuses a run of 0 s.)
         (ZERO_DURATION, df["duration"].astype("float64") == 0),
         ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),

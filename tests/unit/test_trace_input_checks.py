@@ -12,13 +12,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from apps.cli import build_parser
 from apps.sim.cluster import ClusterSpec, ClusterSpecError
 from gpuherd.errors import GpuherdError
 from services.analytics.ces import CesParamsError, NodeSequenceError, evaluate_sequence, load_node_sequence
-from services.analytics.traces import TOO_MANY_GPUS, TraceError, load_itp, load_philly_json, load_trace
+from services.analytics.jobs import MAX_BUCKETS, BucketsError, utilization
+from services.analytics.traces import (
+    TIME_OUT_OF_RANGE,
+    TOO_LONG,
+    TOO_MANY_GPUS,
+    TraceError,
+    load_helios,
+    load_itp,
+    load_philly_json,
+    load_trace,
+)
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 
@@ -186,3 +197,54 @@ def test_sim_refuses_a_scale_or_bucket_that_is_not_finite(tmp_path: Path, option
     path.write_text("job_id,submission_time,duration,num_gpu\n1,0,10,1\n")
     with pytest.raises(GpuherdError, match=f"{option} is .*, got {value}"):
         _run(["sim", str(path), option, value])  # (math.ceil of NaN, np.arange to inf: tracebacks)
+
+
+# -- runs no cluster ever ran: counted as not used, not simulated tick by tick -----------------------
+
+YEAR_S = 365 * 86400
+
+
+def test_a_run_longer_than_a_year_is_counted_as_not_used(tmp_path: Path) -> None:
+    path = tmp_path / "cluster09.csv"
+    path.write_text(f"job_id,submission_time,duration,num_gpu\n1,0,1e15,8\n2,5,1e9,8\n3,5,{YEAR_S},8\n")
+    trace = load_itp(path)  # (a run of 53 days is the longest of the shared traces; of 145, Alibaba's)
+    assert list(trace.jobs["job_id"]) == ["3"] and trace.rejected == {TOO_LONG: 2}
+    assert trace.describe() == "itp-cluster09: 1 of 3 rows used; not used: 2 duration over 365 days"
+
+
+def test_times_beyond_what_a_calendar_timestamp_holds_are_counted_as_not_used(tmp_path: Path) -> None:
+    path = tmp_path / "cluster_log.csv"
+    path.write_text(
+        "job_id,vc,gpu_num,submit_time,start_time,duration\n"
+        "c,v,1,-1e300,,10\na,v,1,2020-01-01 00:00:00,,10\nb,v,1,1e300,,10\nd,v,1,1577836800,1e300,10\n"
+    )
+    trace = load_helios(path)  # (a run of 10 s submitted 1e300 s after another: a span no bucket covers)
+    assert list(trace.jobs["job_id"]) == ["a"] and trace.rejected == {TIME_OUT_OF_RANGE: 3}
+
+
+@pytest.mark.timeout(60)
+def test_sim_of_a_trace_with_runs_of_decades_leaves_them_out_and_says_so(tmp_path: Path, capsys: Any) -> None:
+    trace = tmp_path / "long.csv"
+    trace.write_text("job_id,submission_time,duration,num_gpu\n1,0,1e15,8\n2,5,1e9,8\n3,6,10,8\n")
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text('{"vcs": {"long": {"nodes": 1}}}')  # (job 3 waited 1e9 s: ticks every 300 s, for hours)
+    assert _run(["sim", str(trace), "--cluster", str(cluster), "--workers", "1"]) == 0  # (1e15: a 2 TiB MemoryError)
+    out = capsys.readouterr().out
+    assert "itp-long: 1 of 3 rows used; not used: 2 duration over 365 days" in out
+    assert "fifo: 1 jobs (0 rejected)" in out
+
+
+def test_a_utilization_of_more_buckets_than_it_can_hold_is_refused() -> None:
+    jobs = pd.DataFrame(
+        {"start_time": [0.0], "end_time": [MAX_BUCKETS * 3600.0 + 7200], "duration": [1.0], "gpus": [1], "vc": ["v"]}
+    )
+    with pytest.raises(BucketsError, match="give a bucket of at least 3,601 s"):
+        utilization(jobs, {"v": 1}, bucket_s=3600)
+    assert len(utilization(jobs, {"v": 1}, bucket_s=3601)) <= MAX_BUCKETS
+
+
+def test_sim_refuses_a_bucket_too_short_for_the_trace_before_it_runs(tmp_path: Path) -> None:
+    trace = tmp_path / "cluster09.csv"
+    trace.write_text("job_id,submission_time,duration,num_gpu\n1,0,86400,1\n2,5,10,1\n")
+    with pytest.raises(GpuherdError, match=r"over 86,400 s in buckets of 0.001 s .* at least 1 s"):
+        _run(["sim", str(trace), "--bucket", "0.001"])
