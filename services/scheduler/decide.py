@@ -8,7 +8,8 @@ so a replay uses the policy each decision was made with.
 
 - A tick of its own timer -> a pass; one that shows a node silent for too long -> ``NodeLost``;
   a running attempt past its time limit -> ``JobTimeLimitReached`` (its parts stop, then it is
-  settled as ``timeout``). The live timer ticks when the earliest time limit is reached.
+  settled as ``timeout``). The live timer ticks when the earliest time limit is reached. An elastic
+  rescale in flight past ``rescale_timeout_s`` -> its rollback (``resize.py``, rules 12).
 - A waiting job whose dependency can no longer be met (``afterok`` on a job that failed, ...) is
   cancelled (``JobFinished``, with the reason) before the pass, unless it said
   ``kill_on_invalid_dep: false``; the pass holds back jobs whose dependencies are not met yet.
@@ -43,7 +44,7 @@ from services.scheduler import intake
 from services.scheduler.placement import ViewCache
 from services.scheduler.policy import Fifo, Policy, check_policy, make_policy, policy_params
 from services.scheduler.ranks import RankIndex
-from services.scheduler.resize import on_failed, on_proposal, on_worker_lost
+from services.scheduler.resize import on_failed, on_proposal, on_worker_lost, overdue_rescales
 from services.scheduler.schedule import Plan, VictimMemo, plan
 from services.scheduler.state import SchedulerState, evolve, new_state
 
@@ -79,7 +80,7 @@ def _prediction_matters(state: SchedulerState, policy: Policy, e: ev.JobDuration
 
 
 def _on_tick(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
-    return [*lost_nodes(state, tick), *time_limits(state, tick)]
+    return [*lost_nodes(state, tick), *time_limits(state, tick), *overdue_rescales(state, tick)]
 
 
 def _begins_a_dependency(state: SchedulerState, policy: Policy, e: ev.JobPlaced) -> bool:
@@ -226,6 +227,8 @@ class SchedulerDecider(Decider[SchedulerState]):
             return decisions
         if any(type(d) is ev.NodeLost for d in decisions):
             return decisions  # pass once the loss is folded: this state still shows the node up
+        if any(type(d) is ev.JobResized for d in decisions):
+            return decisions  # (an overdue rescale's rollback) its fold makes the pass, which sees its port
         decisions += doomed(state, decisions)
         decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
         return decisions + self._schedule(state, decided)

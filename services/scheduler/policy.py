@@ -411,9 +411,10 @@ def check_policy(name: str, params: dict[str, float], *, rules: int = ev.SCHEDUL
     if not_finite:
         return f"parameters must be finite numbers: {', '.join(not_finite)}"
     negative_ok = {"fallback_quantile"}  # (negative: none)
-    bad = sorted(k for k, v in params.items() if not (v >= 0 or k in negative_ok) or (k == "half_life_s" and not v > 0))
+    positive = {"half_life_s", "rescale_timeout_s"}
+    bad = sorted(k for k, v in params.items() if not (v >= 0 or k in negative_ok) or (k in positive and not v > 0))
     if bad:
-        return f"parameters must be non-negative numbers (half_life_s positive): {', '.join(bad)}"
+        return f"parameters must be non-negative numbers ({' and '.join(sorted(positive))} positive): {', '.join(bad)}"
     if params.get("declared_durations", 1.0) not in (0.0, 1.0):
         return "declared_durations is 1 (jobs run what they declare) or 0 (predictions count instead)"
     if not 0 < params.get("quantile", 0.5) < 1 or params.get("fallback_quantile", -1.0) >= 1:

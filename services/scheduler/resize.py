@@ -3,8 +3,9 @@
 The elastic service only proposes (``RescaleProposed``); the scheduler, sole owner of GPUs,
 turns a proposal that still holds into a new generation (``JobResized``). It also commits the
 generations nobody proposed: a *rollback* after a failed switch (the workers of the last
-completed generation, less any that died or whose GPUs the job gave back since) and a *recovery*
-after a worker died outside a rescale (the survivors, while they are at least the job's minimum).
+completed generation, less any that died or whose GPUs the job gave back since), also of a switch
+not reported done within the policy's ``rescale_timeout_s`` (rules 12), and a *recovery* after a
+worker died outside a rescale (the survivors, while they are at least the job's minimum).
 
 Rules of a generation, which the runtime relies on:
 - workers keep their order (a node's new GPUs follow its old ones, new nodes come last), so
@@ -159,6 +160,33 @@ def on_worker_lost(state: SchedulerState, lost: ev.WorkerLost) -> list[ev.Event]
     why = lost.reason or (f"exit code {lost.exit_code}" if lost.exit_code is not None else "died")
     reason = f"worker {lost.node}/{lost.gpu} lost ({why}); {len(survivors)} go on"
     return [_resized(state, job, allocations, "recover", reason, borrowed=min(job.borrowed, len(survivors)))]
+
+
+def overdue_rescales(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Event]:
+    """Rules 12: a rescale in flight for longer than ``rescale_timeout_s`` at the tick's time (the
+    new rank 0's report of it is one datagram, and can be lost) is taken as failed, as a
+    ``RescaleFailed`` would be: rolled back. Where too few committed workers are left for that,
+    the attempt is stopped (preempted, for no one) and requeued, rather than hold its GPUs forever.
+    The time is the log's (the tick's and the resize's), so a replay decides the same."""
+    if state.scheduling.rules < 12:
+        return []
+    timeout = state.scheduling.param("rescale_timeout_s")
+    out: list[ev.Event] = []
+    for job_id in state.active:
+        job = state.jobs[job_id]
+        if job.rescale is None or job.rescaled_at is None or job.spec.elastic is None or job.stopping():
+            continue  # (a job that is stopping frees its GPUs as it ends)
+        if tick.at - job.rescaled_at <= timeout:
+            continue
+        late = f"{job.rescale} to generation {job.generation} not reported done within {timeout:g}s"
+        rollback = _rollback(state, job, late)
+        if rollback is not None:
+            out.append(rollback)
+            continue
+        grace = state.scheduling.param("preemption_grace_s")
+        why = f"{late}, and too few of its committed workers are left to roll back to"
+        out.append(ev.JobPreempted(job=job.job, attempt=job.attempt, reason=why, grace_s=grace))
+    return out
 
 
 def _has_state(job: JobState, workers: list[str]) -> bool:

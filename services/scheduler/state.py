@@ -44,6 +44,10 @@ CLUSTER_PARAMS: dict[str, float] = {
     # 1: a spec's duration_s is what a job is expected to run; 0: it is not trusted, predictions
     # count (as for jobs that declare none): what a trace simulation of a scheduler told no durations runs
     "declared_durations": 1.0,
+    # (rules 12) A rescale not reported done this long after the scheduler committed it is taken as
+    # failed and rolled back: the report is one datagram, and can be lost. Well above what a switch
+    # takes, joiners starting included (their workers give up on a store after 300 s).
+    "rescale_timeout_s": 1800.0,
 }
 
 

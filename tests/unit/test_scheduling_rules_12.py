@@ -1,5 +1,7 @@
 """Scheduling rules 12: elastic rescales. A rollback keeps only the committed workers whose GPUs
-the job still holds (and the fold never gives a resize a GPU another job holds)."""
+the job still holds (and the fold never gives a resize a GPU another job holds); a grow does not
+take the GPUs a preemption counted on; a rescale never reported done is rolled back after
+``rescale_timeout_s``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from gpuherd.fold.invariants import violations
 from gpuherd.log import Record
 from gpuherd.runtime.audit import audit
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import ended, node, submit
+from services.scheduler.policy import check_policy
+from tests.helpers import ended, node, submit, tick
 from tests.unit.test_resize import SPEC, _completed, _e, _propose, _resized, _state
 from tests.unit.test_scheduler_decider import decisions, drive
 
@@ -154,4 +157,79 @@ def test_rules_11_let_a_stale_grow_take_the_preemptors_gpu_and_their_logs_audit_
     assert [r.kind for r in _resized(log)] == ["grow"]
     log = drive([ended("v", "n1", outcome="stopped")], log)
     assert _state(log).jobs["p"].status == "pending", "v stopped for nothing"
+    assert _audits_clean(log)
+
+
+# -- a rescale never reported done is rolled back ------------------------------------------------------
+
+
+def _shrink_never_reported(rules: int, *, params: dict[str, float] | None = None) -> list[Record]:
+    """j runs on n1/0,1,2 (committed); at t=100 the scheduler commits a shrink to n1/0, and the new
+    rank 0's report that it is done is lost."""
+    policy = ev.PolicyConfigured(id="policy", policy="fifo", rules=rules, params=params or {})
+    log = drive(
+        [
+            policy,
+            node("n1", 4, executor="cpu", ports=(29500, 29599)),
+            ev.JobSubmitted(id="s", source="test", job="j", spec=SPEC, intake_source="t"),
+        ]
+    )
+    log = drive([_e(ev.JobStarted, job="j", attempt=0, node="n1")], log)
+    log = _completed(_propose(log, 3), 1, 3, 2)
+    log = drive([_e(ev.RescaleProposed, at=100.0, job="j", attempt=0, generation=1, gpus=1)], log)
+    shrink = _resized(log)[-1]
+    assert shrink.kind == "shrink" and shrink.at == 100.0 and shrink.releasing == (ev.Allocation("n1", (1, 2)),)
+    return log
+
+
+def test_a_rescale_never_reported_done_is_rolled_back_at_the_first_tick_past_its_deadline() -> None:
+    log = drive([tick(1900.0, lost_after=1e9)], _shrink_never_reported(12))
+    assert _resized(log)[-1].kind == "shrink", "1800 s after it was committed is not past the deadline yet"
+    log = drive([tick(1901.0, lost_after=1e9)], log)
+    rollback = _resized(log)[-1]
+    assert rollback.kind == "rollback" and rollback.generation == 3
+    assert rollback.allocations == (ev.Allocation("n1", (0, 1, 2)),) and rollback.joiners == ("n1/1", "n1/2")
+    assert rollback.state_from == "n1/0" and "shrink to generation 2 not reported done within 1800s" in rollback.reason
+    assert _audits_clean(log)
+    log = _completed(log, 3, 3, 1)
+    job = _state(log).jobs["j"]
+    assert job.rescale is None and job.held == 3 and job.committed == rollback.allocations
+    log = drive([tick(9000.0, lost_after=1e9)], log)
+    assert _resized(log)[-1] == rollback, "a rescale reported done has no deadline"
+
+
+def test_the_deadline_is_a_cluster_parameter_of_the_policy() -> None:
+    log = _shrink_never_reported(12, params={"rescale_timeout_s": 60.0})
+    log = drive([tick(161.0, lost_after=1e9)], log)
+    assert [r.kind for r in _resized(log)][-1] == "rollback"
+    assert check_policy("fifo", {"rescale_timeout_s": 0.0}) is not None, "a deadline must be positive"
+    assert check_policy("fifo", {"rescale_timeout_s": 60.0}) is None
+
+
+def test_an_overdue_rescale_with_too_few_committed_workers_left_stops_the_attempt() -> None:
+    spec = _with(SPEC, elastic=ev.Elastic(min=2, max=4, global_batch=24, micro_batch=4))
+    log = drive(
+        [
+            *_rules(12),
+            node("n1", 4, executor="cpu", ports=(29500, 29599)),
+            ev.JobSubmitted(id="s", source="test", job="j", spec=spec, intake_source="t"),
+        ]
+    )
+    log = _propose(drive([_e(ev.JobStarted, job="j", attempt=0, node="n1")], log), 3)  # grow to n1/0,1,2
+    log = drive([_e(ev.WorkerLost, job="j", attempt=0, node="n1", gpu=1, exit_code=137)], log)  # recover to 0,2
+    assert _resized(log)[-1].kind == "recover"  # of the committed n1/0,1 only n1/0 is left: below the minimum
+    log = drive([tick(3600.0, lost_after=1e9)], log)
+    (stop,) = decisions(log, ev.JobPreempted)
+    assert stop.job == "j" and stop.by == "" and "too few of its committed workers" in stop.reason
+    log = drive([ended("j", "n1", outcome="stopped")], log)
+    (requeued,) = decisions(log, ev.JobRequeued)
+    assert requeued.attempt == 0 and requeued.reason == stop.reason
+    assert _state(log).jobs["j"].attempt == 1, "a new attempt, placed afresh"
+    assert _audits_clean(log)
+
+
+def test_rules_11_left_a_rescale_never_reported_done_in_flight_and_their_logs_audit_as_decided() -> None:
+    log = drive([tick(36000.0, lost_after=1e9)], _shrink_never_reported(11))
+    assert [r.kind for r in _resized(log)][-1] == "shrink"
+    assert _state(log).jobs["j"].rescale == "shrink"
     assert _audits_clean(log)

@@ -63,6 +63,8 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # 12: an elastic job's rollback keeps only the committed workers whose GPUs it still holds (a recover
 # gives a dead worker's GPU back, and another job may hold it by then). A grow is not committed where a
 # job waiting for the victims it preempted would then no longer fit (its preemption counted on free GPUs).
+# A rescale not reported done within ``rescale_timeout_s`` (a tick's time) is rolled back, or its
+# attempt stopped where too few committed workers are left (its report is one datagram, and can be lost).
 SCHEDULING_RULES = 12
 
 
