@@ -80,6 +80,66 @@ class LogsRequest(msgspec.Struct, frozen=True):
     max_bytes: int = 65536
 
 
+# NATS's default max_payload: what a logs reply is held to where the log has no NATS connection to ask.
+DEFAULT_MAX_REPLY_BYTES = 1024 * 1024
+
+
+def reply_limit(log_: object) -> int:
+    """The most bytes one reply may hold: the NATS connection's ``max_payload`` (as its server
+    announced it, after a reconnect too), else NATS's default."""
+    limit = getattr(getattr(log_, "nc", None), "max_payload", None)
+    return limit if isinstance(limit, int) and limit > 0 else DEFAULT_MAX_REPLY_BYTES
+
+
+def _json_size(text: str) -> int:
+    return len(msgspec.json.encode(text)) - 2  # (without its quotes)
+
+
+def _cut_front(text: str, room: int, marker: str) -> str:
+    """The end of ``text`` after ``marker``, at most ``room`` bytes of JSON in all (nothing if not
+    even the marker fits)."""
+    room -= _json_size(marker)
+    if room <= 0:
+        return ""
+    # The most characters whose JSON fits (escapes and UTF-8 take more than a byte a character; each
+    # character's JSON is its own, so fewer characters never take more).
+    fits, over = 0, min(len(text), room) + 1
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        fits, over = (middle, over) if _json_size(text[-middle:]) <= room else (fits, middle)
+    return marker + text[len(text) - fits :]
+
+
+def logs_reply(node: str, attempts: dict[str, dict[str, str]], max_bytes: int) -> bytes:
+    """The answer to a logs request, at most ``max_bytes``: a reply over the connection's
+    max_payload was never sent, and the asker saw only "no answer within 5s". Where the outputs do
+    not fit, the largest are cut from the front (each keeps an equal share, a smaller one all of
+    itself), each cut one says so in its first line, and ``truncated`` says why."""
+    whole = msgspec.json.encode({"ok": True, "node": node, "attempts": attempts})
+    if len(whole) <= max_bytes:
+        return whole
+    note = (
+        f"outputs were cut from the front to fit the reply's limit of {max_bytes} bytes (NATS's max_payload); "
+        f"ask for fewer bytes or one attempt, or read the files under the agent's data folder on {node}"
+    )
+    marker = f"[gpuherd: the start of this output was cut to fit the reply's limit of {max_bytes} bytes]\n"
+    cut = {attempt: dict.fromkeys(files, "") for attempt, files in attempts.items()}  # (in the order given)
+    room = max_bytes - len(msgspec.json.encode({"ok": True, "node": node, "attempts": cut, "truncated": note}))
+    files = sorted(
+        (_json_size(text), attempt, name) for attempt, texts in attempts.items() for name, text in texts.items()
+    )
+    for done, (size, attempt, name) in enumerate(files):  # smallest first: what it leaves goes to the larger
+        share = max(room, 0) // (len(files) - done)
+        text = attempts[attempt][name]
+        cut[attempt][name] = kept = text if size <= share else _cut_front(text, share, marker)
+        room -= _json_size(kept)
+    reply = msgspec.json.encode({"ok": True, "node": node, "attempts": cut, "truncated": note})
+    if len(reply) > max_bytes:  # (so many files that not even their names fit)
+        error = f"the {len(files)} output files do not fit the reply's limit of {max_bytes} bytes; ask for one attempt"
+        return msgspec.json.encode({"ok": False, "error": error})
+    return reply
+
+
 class Agent:
     def __init__(
         self,
@@ -170,7 +230,9 @@ class Agent:
         if self.executor.agent_addr:
             socket_ = ControlSocket(self.executor.agent_addr, self.messages.on_message)
             await socket_.start()
-        stop_serving = await self.log.serve_requests(f"{self.node}.logs", self._serve_logs)
+        stop_serving = await self.log.serve_requests(
+            f"{self.node}.logs", lambda data: self._serve_logs(data, max_reply_bytes=reply_limit(self.log))
+        )
         try:
             await self.load_snapshot()
             await self.executor.recover()
@@ -491,7 +553,7 @@ class Agent:
 
     # -- what people ask it ---------------------------------------------------------------------
 
-    async def _serve_logs(self, data: bytes) -> bytes:
+    async def _serve_logs(self, data: bytes, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> bytes:
         try:
             req = msgspec.json.decode(data, type=LogsRequest)
         except UNDECODABLE as exc:
@@ -499,8 +561,10 @@ class Agent:
         if not _JOB_ID.match(req.job):
             return msgspec.json.encode({"ok": False, "error": f"not a job id: {req.job!r}"})
         attempts = [req.attempt] if req.attempt is not None else self.executor.attempts(req.job)
-        out = {str(a): self.executor.output(TaskKey(req.job, a), req.max_bytes) for a in attempts}
-        return msgspec.json.encode({"ok": True, "node": self.node, "attempts": out})
+        # (No file's tail can be longer than the whole reply: never read more of it than that.)
+        max_bytes = min(req.max_bytes, max_reply_bytes)
+        out = {str(a): self.executor.output(TaskKey(req.job, a), max_bytes) for a in attempts}
+        return logs_reply(self.node, out, max_reply_bytes)
 
 
 def _port_range(text: str) -> tuple[int, int]:

@@ -226,3 +226,82 @@ def test_a_sound_profile_is_recorded_and_modelled() -> None:
     assert isinstance(event, ev.ProfileReported) and event.profile["step_s"] == 0.05
     model = elastic_state([event]).models["j"]
     assert model.compute_per_sample_s == 0.05 / 32 and model.grad_bytes == 4096
+
+
+# -- a logs reply fits the connection's max_payload -------------------------------------------------
+
+
+class _ManyRanks:
+    """An executor whose task has ``ranks`` logs of ``size`` bytes each, and one short one."""
+
+    def __init__(self, ranks: int = 200, size: int = 65536) -> None:
+        self.ranks, self.size = ranks, size
+
+    def attempts(self, job: str) -> list[int]:
+        return [0]
+
+    def output(self, key: TaskKey, max_bytes: int) -> dict[str, str]:
+        logs = {f"rank-{r}.log": f"{r}:" + "x" * min(max_bytes, self.size) for r in range(self.ranks)}
+        return logs | {"worker-0.log": "short\n"}
+
+
+async def serve_logs(executor: Any, max_reply_bytes: int, request: dict[str, Any] | None = None) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from services.nodeagent.agent import Agent
+
+    agent = SimpleNamespace(executor=executor, node="n1")
+    data = msgspec.json.encode(request or {"job": "j1"})
+    reply = await Agent._serve_logs(agent, data, max_reply_bytes=max_reply_bytes)  # type: ignore[arg-type]
+    assert len(reply) <= max_reply_bytes
+    return msgspec.json.decode(reply)
+
+
+async def test_a_logs_reply_over_the_limit_is_cut_from_the_front_and_says_so() -> None:
+    """200 ranks of 64 KiB each: 13 MB, where NATS takes 1 MiB; the asker saw "no answer within 5s"."""
+    answer = await serve_logs(_ManyRanks(), 1024 * 1024)
+    assert answer["ok"] is True and "cut from the front" in answer["truncated"]
+    files = answer["attempts"]["0"]
+    assert len(files) == 201 and files["worker-0.log"] == "short\n", "a short output is kept whole"
+    for rank in range(200):
+        text = files[f"rank-{rank}.log"]
+        assert text.startswith("[gpuherd: the start of this output was cut"), text[:80]
+        assert text.endswith("x" * 1000) and len(text) > 4000, "each keeps its end, an equal share"
+
+
+async def test_a_logs_reply_within_the_limit_is_as_before() -> None:
+    answer = await serve_logs(_ManyRanks(ranks=3, size=100), 1024 * 1024)
+    assert answer == {"ok": True, "node": "n1", "attempts": {"0": _ManyRanks(3, 100).output(TaskKey("j1", 0), 65536)}}
+
+
+async def test_a_file_is_never_read_beyond_what_the_reply_holds() -> None:
+    executor = _ManyRanks(ranks=1, size=10**9)
+    answer = await serve_logs(executor, 4096, {"job": "j1", "max_bytes": 10**9})
+    assert answer["ok"] and len(answer["attempts"]["0"]["rank-0.log"]) < 4096
+
+
+@pytest.mark.parametrize("text", ["\0\x01" * 5000, "é✓" * 5000, "\U0001f600" * 5000])
+def test_a_cut_counts_the_bytes_json_takes_not_the_characters(text: str) -> None:
+    from services.nodeagent.agent import logs_reply
+
+    reply = logs_reply("n1", {"0": {"a.log": text, "b.log": text}}, 2000)
+    assert len(reply) <= 2000
+    files = msgspec.json.decode(reply)["attempts"]["0"]
+    assert all(body.endswith(text[-10:]) for body in files.values())
+
+
+def test_too_many_files_for_even_their_names_is_an_error_answer() -> None:
+    from services.nodeagent.agent import logs_reply
+
+    attempts = {"0": {f"rank-{r}.log": "x" for r in range(1000)}}
+    answer = msgspec.json.decode(logs_reply("n1", attempts, 2000))
+    assert answer["ok"] is False and "do not fit the reply's limit of 2000 bytes" in answer["error"]
+
+
+def test_the_reply_limit_is_the_connections_max_payload() -> None:
+    from types import SimpleNamespace
+
+    from services.nodeagent.agent import DEFAULT_MAX_REPLY_BYTES, reply_limit
+
+    assert reply_limit(SimpleNamespace(nc=SimpleNamespace(max_payload=8 * 1024 * 1024))) == 8 * 1024 * 1024
+    assert reply_limit(object()) == DEFAULT_MAX_REPLY_BYTES == 1024 * 1024

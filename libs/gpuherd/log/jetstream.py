@@ -717,7 +717,18 @@ class JetStreamLog(EventLog):
             except Exception as exc:  # the asker gets the error instead of a timeout
                 log.exception("request handler failed", subject=msg.subject)
                 answer = msgspec.json.encode({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-            await msg.respond(answer)
+            try:
+                await msg.respond(answer)
+            except Exception as exc:  # (an answer over the server's max_payload): again, not a timeout
+                log.exception("request answer not sent", subject=msg.subject, size=len(answer))
+                limit = self.nc.max_payload
+                error = (
+                    f"the answer is {len(answer)} bytes, over the NATS server's limit of {limit} bytes"
+                    if len(answer) > limit
+                    else f"the answer could not be sent ({type(exc).__name__}: {exc})"
+                )
+                with contextlib.suppress(Exception):  # (no reply subject, or the connection is gone)
+                    await msg.respond(msgspec.json.encode({"ok": False, "error": error}))
 
         sub = await self.nc.subscribe(f"{CONTROL_PREFIX}.{subject}", cb=on_request)
         return sub.unsubscribe
