@@ -54,7 +54,7 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd import scaling
 from gpuherd.fold import ACTIVE, JobState
-from services.elastic.state import ElasticState, JobModel
+from services.elastic.state import ElasticState, JobModel, usable_model
 
 
 class ElasticParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -99,7 +99,7 @@ def model_of(state: ElasticState, job: JobState) -> JobModel | None:
     model = state.models.get(job.job)
     if model is None and job.spec.scaling is not None:
         declared = job.spec.scaling
-        model = JobModel(compute_per_sample_s=declared.compute_per_sample_s, grad_bytes=declared.grad_bytes)
+        model = usable_model(declared.compute_per_sample_s, declared.grad_bytes)
     return model
 
 

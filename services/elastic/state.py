@@ -4,6 +4,8 @@ jobs, its last proposal, and the service's parameters as the log last recorded t
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from gpuherd import events as ev
@@ -31,17 +33,36 @@ class ElasticState(ClusterState, kw_only=True, gc=False):
     elastic_active: dict[str, None] = msgspec.field(default_factory=dict)  # placed or running elastic jobs
 
 
+_MAX_GRAD_BYTES = 2**63 - 1  # (what a snapshot's integer holds)
+
+
+def usable_model(compute_per_sample_s: float, grad_bytes: int) -> JobModel | None:
+    """The model, or None where its numbers cannot predict a throughput: a compute time that is not
+    finite and above 0 (the throughput divides by it), gradient bytes outside what a snapshot holds.
+    A job's own process reports them, and a spec accepted before intake rules 10 may declare them."""
+    if not (math.isfinite(compute_per_sample_s) and compute_per_sample_s > 0 and 0 <= grad_bytes <= _MAX_GRAD_BYTES):
+        return None
+    return JobModel(compute_per_sample_s=compute_per_sample_s, grad_bytes=grad_bytes)
+
+
+def usable_throughput(world: int, samples_per_s: float | None) -> bool:
+    """Whether a measured throughput can stand in the throughput table (a size the policy can run
+    at, a rate finite and above 0; the job's process reports it)."""
+    if samples_per_s is None or not 0 < world <= ev.MAX_ELASTIC_WORLD:
+        return False
+    return math.isfinite(samples_per_s) and samples_per_s > 0
+
+
 def job_model(profile: dict) -> JobModel | None:
     """A job's compute time per sample and gradient bytes, from its per-layer profile."""
     try:
         batch = int(profile["batch_size"])
         step_s = float(profile["step_s"])
         grad_bytes = sum(int(layer.get("grad_bytes", 0)) for layer in profile["layers"])
-    except (KeyError, TypeError, ValueError):
+        per_sample_s = step_s / batch
+    except (KeyError, TypeError, ValueError, OverflowError, ZeroDivisionError):
         return None
-    if batch <= 0 or step_s <= 0:
-        return None
-    return JobModel(compute_per_sample_s=step_s / batch, grad_bytes=grad_bytes)
+    return usable_model(per_sample_s, grad_bytes) if batch > 0 else None
 
 
 def _placed_or_running(state: ElasticState, job_id: str) -> bool:
@@ -61,7 +82,7 @@ def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -
             state.models[event.job] = model
     elif isinstance(event, ev.RescaleCompleted):
         job = state.jobs.get(event.job)
-        measured = event.samples_per_s_before is not None and event.world_before > 0
+        measured = usable_throughput(event.world_before, event.samples_per_s_before)
         if measured and job is not None and job.status in ACTIVE and job.attempt == event.attempt:
             state.throughput.setdefault(event.job, {})[event.world_before] = event.samples_per_s_before  # type: ignore[assignment]
     elif isinstance(event, ev.RescaleProposed):
