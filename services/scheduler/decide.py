@@ -158,8 +158,9 @@ class SchedulerDecider(Decider[SchedulerState]):
     name = "scheduler"
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
     # counts, time limits; 11: predictions' spread; 12: queue changes (the order kept between passes);
-    # 13: changes of each VC's placed and running jobs (the preemption scans kept between passes)
-    STATE_FORMAT = 13
+    # 13: changes of each VC's placed and running jobs (the preemption scans kept between passes);
+    # 14: the latest rejections (a redelivered submission is answered from them)
+    STATE_FORMAT = 14
     # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
     # as it would have been just before the pass (the audit re-judges it on that same state).
     TAKES_BESIDE_PASSES = True
@@ -239,6 +240,8 @@ class SchedulerDecider(Decider[SchedulerState]):
         key = (id(state.nodes), state.registrations)
         if self._sizes is None or self._sizes[0] != key:
             self._sizes = (key, intake.node_sizes(state))  # the nodes' sizes change only when one registers
+        if (recorded := intake.recorded_rejection(state, external)) is not None:
+            return Answer([], recorded)  # delivered again: its rejection is in the log already
         try:
             verdict = intake.judge(state, external, service=self.name, sizes=self._sizes[1])
         except Exception as exc:  # a bug must not turn one submission into a crash loop

@@ -30,7 +30,7 @@ from gpuherd import jobenv
 from gpuherd.errors import UNDECODABLE
 from gpuherd.fold import VcState
 from services.scheduler.placement import can_run
-from services.scheduler.state import OUTCOMES_KEPT_S, SchedulerState, intake_key
+from services.scheduler.state import OUTCOMES_KEPT_S, SchedulerState, intake_key, rejection_of
 
 MAX_SUBMISSION_BYTES = 64 * 1024
 # The jobs one submission may make (an array's elements, a workflow's steps): one atomic append
@@ -66,7 +66,7 @@ class Verdict(msgspec.Struct, frozen=True):
 
     def reply(self) -> bytes:
         if isinstance(self.event, ev.JobRejected):
-            return msgspec.json.encode({"ok": False, "error": self.event.reason})
+            return _rejection_reply(self.event.reason)
         answer: dict[str, object] = {"ok": True, "job_id": self.job_id, "duplicate": self.duplicate}
         if self.array is not None or self.workflow is not None:
             answer["job_ids"] = self.job_ids()
@@ -423,7 +423,7 @@ def rejection(
             source=service,
             based_on=state.seq,
             cause=sub.cause,
-            intake_source=sub.source if _SOURCE_PATTERN.match(sub.source) else "_invalid",
+            intake_source=_recorded_source(sub.source),
             intake_seq=sub.seq,
             intake_id=intake_id,
             reason=reason,
@@ -431,6 +431,26 @@ def rejection(
             payload_size=len(sub.data),
         )
     )
+
+
+def recorded_rejection(state: SchedulerState, sub: Submission) -> bytes | None:
+    """The answer to a submission whose rejection the log holds (it is delivered again: the leader
+    that stored the rejection stopped before acknowledging it), or None. The log's page of that
+    rejection may have held other verdicts, so appending it anew would store it twice."""
+    recorded = state.recent_rejections.get(sub.seq)
+    if recorded is None:
+        return None
+    if recorded != rejection_of(_recorded_source(sub.source), len(sub.data), _excerpt(sub.data), recorded.reason):
+        return None  # another submission under the same sequence (the intake stream was made anew)
+    return _rejection_reply(recorded.reason)
+
+
+def _rejection_reply(reason: str) -> bytes:
+    return msgspec.json.encode({"ok": False, "error": reason})
+
+
+def _recorded_source(source: str) -> str:
+    return source if _SOURCE_PATTERN.match(source) else "_invalid"
 
 
 def judge(

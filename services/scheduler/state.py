@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
@@ -93,6 +94,25 @@ def intake_key(source: str, intake_id: str) -> str:
 OUTCOMES_KEPT_S = 14 * 86400.0
 OUTCOMES_KEPT = 50_000
 
+# Rejections kept for answering a redelivered submission (``SchedulerState.recent_rejections``):
+# several times what one leader has in hand (intake fetches 512 at a time).
+RECENT_REJECTIONS_KEPT = 8192
+
+
+class RecordedRejection(msgspec.Struct, array_like=True, gc=False):
+    """What identifies a rejected submission when it is delivered again, and its answer: its source,
+    its size and a checksum of the start of its payload (a recreated intake stream numbers anew, so
+    the sequence alone may name another submission), and the reason it was given."""
+
+    source: str
+    size: int
+    excerpt_crc: int
+    reason: str
+
+
+def rejection_of(source: str, size: int, excerpt: str, reason: str) -> RecordedRejection:
+    return RecordedRejection(source, size, zlib.crc32(excerpt.encode()), reason)
+
 
 class EndedJob(msgspec.Struct, array_like=True, gc=False):
     outcome: str
@@ -146,6 +166,11 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     stopping_for: dict[str, dict[str, None]] = msgspec.field(default_factory=dict)
     intake_index: dict[str, str] = msgspec.field(default_factory=dict)  # "source/intake_id" -> job id
     rejected: int = 0
+    # The latest rejections by intake sequence, oldest first. A submission is delivered again when
+    # its acknowledgement was lost (the leader died after storing the verdict): answered from here,
+    # it is not rejected twice. (An accepted one is found by its intake id.) Only the latest are
+    # kept: a redelivery is of what the last leader had in hand.
+    recent_rejections: dict[int, RecordedRejection] = msgspec.field(default_factory=dict)
     # Dependencies: ended jobs and arrays (oldest first), live arrays, and for each job or array the
     # waiting jobs that depend on it; ``doomed``: waiting jobs whose dependency can no longer be met
     # (and that are cancelled for it, or ``stuck`` waiting until cancelled), with the reason.
@@ -301,6 +326,11 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
                     _follow_end(state, state.jobs[active], True)
     elif isinstance(e, ev.JobRejected):
         state.rejected += 1
+        recent = state.recent_rejections
+        recent.pop(e.intake_seq, None)
+        recent[e.intake_seq] = rejection_of(e.intake_source, e.payload_size, e.payload_excerpt, e.reason)
+        if len(recent) > RECENT_REJECTIONS_KEPT:
+            del recent[next(iter(recent))]
     return state
 
 
