@@ -43,6 +43,13 @@ YIELD_EVERY = 200
 EXPIRES_S = 5.0
 HEARTBEAT_S = 1.0
 SILENCE_S = 4.0  # no heartbeat for this long: the consumer (or the server) is gone
+# The consumer a reader leaves is deleted within this, or left to the server: a reader ends as its
+# process stops, which must not wait out a request timeout (seconds) with NATS gone.
+CLEANUP_TIMEOUT_S = 0.1
+# The server deletes a consumer nobody pulls from for this long, so one whose deletion was skipped
+# goes too (checked with nats-server 2.15: a reader's, its connection closed with a pull request
+# open, was gone 31 s later); a memory-stored one also goes with a server restart.
+INACTIVE_THRESHOLD_S = 30.0
 
 
 def stream_seq(reply: str) -> int:
@@ -145,9 +152,9 @@ async def ordered_messages(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-        if consumer is not None:
+        if consumer is not None and nc.is_connected:  # (disconnected, a request would wait it out)
             with contextlib.suppress(Exception):
-                await js._jsm.delete_consumer(stream, consumer)
+                await asyncio.wait_for(js._jsm.delete_consumer(stream, consumer), CLEANUP_TIMEOUT_S)
 
 
 async def _create_consumer(js: Any, stream: str, start: int, filter_subject: str | None) -> str:
@@ -157,7 +164,7 @@ async def _create_consumer(js: Any, stream: str, start: int, filter_subject: str
         ack_policy=AckPolicy.NONE,
         mem_storage=True,
         num_replicas=1,
-        inactive_threshold=30.0,
+        inactive_threshold=INACTIVE_THRESHOLD_S,
         filter_subject=filter_subject,
     )
     for attempt in range(10_000):

@@ -9,7 +9,8 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
   ``STATE_FORMAT``, or one beyond the log's head, is ignored), then folds the log to its head; the
   core decides what the tail still lacks.
 * **One active instance.** The runner acts only while it holds the KV leadership ``decider.<service>``;
-  standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once.
+  standbys wait for it to expire, and a stopping leader releases it so a standby takes over at once
+  (if NATS answers within ``SHUTDOWN_REQUEST_TIMEOUT_S``: a process stops at once, NATS or not).
 * **Fenced.** Having taken the lease, the runner appends ``LeadershipTaken`` (expecting the last
   leader's as the last event of ``herd.cluster.leader.<service>``), and every later append of its
   own (decisions, its timer's ticks, recorded parameters) expects its own to still be the last
@@ -33,7 +34,7 @@ import collections
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Generic
 
 from gpuherd import events as ev
@@ -50,6 +51,9 @@ from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, sa
 from gpuherd.runtime.stages import BatchTrace, StageTracer
 
 REPORT_FOLDED_EVERY = 256  # records folded between two updates of ``events_consumed`` (while catching up)
+# A stopping process asks NATS once more (to release its leadership) for this long at most: stopped
+# with NATS away, it must not wait out a request timeout (seconds) before it ends.
+SHUTDOWN_REQUEST_TIMEOUT_S = 0.1
 
 log = get_logger("gpuherd.runtime")
 
@@ -89,6 +93,20 @@ async def append_reliably(
             log.warning("append failed; retrying", error=repr(exc), events=len(events))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+async def unless_stopped(work: Coroutine[Any, Any, bool], stop: asyncio.Event) -> bool:
+    """``work``'s result, or False once ``stop`` is set first (``work`` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return False if task.cancelled() else task.result()
 
 
 ExtraTask = Callable[["DeciderRunner[Any]"], Awaitable[None]]
@@ -302,16 +320,14 @@ class DeciderRunner(Generic[S]):
         try:
             while not stop.is_set():
                 try:
-                    if not await self.acquire_leadership(stop):
+                    if not await unless_stopped(self._begin_leading(stop), stop):
                         return
-                    await self._record_parameters()
                 except LeadershipLost as exc:
                     log.warning("fenced out as it began to lead; standby again", error=str(exc))
                     self.is_leader = False
                     self._reset()
                     continue
                 self.metrics.leader.set(1)
-                await self.load_snapshot()
                 coroutines = {
                     "leadership": self._keep_leadership(),
                     "consume": self._consume(),
@@ -326,15 +342,32 @@ class DeciderRunner(Generic[S]):
                     log.warning("another instance leads now; back to standby", error=str(exc))
                     self._reset()
                 finally:
-                    if stop.is_set() and self._leadership is not None:
-                        with contextlib.suppress(Exception):
-                            await asyncio.wait_for(self._leadership.release(), 2.0)
                     self.is_leader = False
                     self.metrics.leader.set(0)
         finally:
+            if stop.is_set():
+                await self._release_leadership()
             reporter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
+
+    async def _begin_leading(self, stop: asyncio.Event) -> bool:
+        """Wait for the leadership, fence it, record the parameters, load the snapshot: False if
+        ``stop`` came first. (Each step waits through NATS outages: ``run`` stops it when stopped.)"""
+        if not await self.acquire_leadership(stop):
+            return False
+        await self._record_parameters()
+        await self.load_snapshot()
+        return True
+
+    async def _release_leadership(self) -> None:
+        """Let a standby lead at once, if NATS answers in time. Otherwise the process still ends at
+        once: the leadership's key expires ``ttl`` after its last renewal (the bucket's max age), and
+        a standby takes it then (checked: 3 s after its holder vanished, with a TTL of 2 s)."""
+        if self._leadership is None or not self.log.is_connected():
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._leadership.release(), SHUTDOWN_REQUEST_TIMEOUT_S)
 
     def _reset(self) -> None:
         """Forget everything folded: a standby that leads again starts from the snapshot and the log."""

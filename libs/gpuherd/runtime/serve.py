@@ -3,6 +3,7 @@ start-up parameters, which it records when it leads) until SIGTERM (metrics and 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
@@ -11,10 +12,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gpuherd import events as ev
-from gpuherd.log import open_log
+from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import serve_until_signal_with_http
+from gpuherd.obs import get_logger
 from gpuherd.runtime.decider import ConfiguredDecider, Decider, params_problem
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
+
+log = get_logger("gpuherd.runtime")
+
+CLOSE_TIMEOUT_S = 0.2  # a stopping process waits no longer for its connection to close
+END_TIMEOUT_S = 0.2  # nor for its remaining tasks to end (see ``end_remaining_tasks``)
+END_RETRY_S = 0.01  # cancelling them again this often
 
 
 def default_instance() -> str:
@@ -82,4 +90,34 @@ async def serve_decider(
             setup(runner)
         await serve_until_signal_with_http(runner, metrics_port)
     finally:
-        await log_.close()
+        await close_promptly(log_)
+
+
+async def close_promptly(log_: EventLog) -> None:
+    """Close the log's connection, waiting ``CLOSE_TIMEOUT_S`` at most. Draining it waits for the
+    server (with NATS unreachable, the drain and flush timeouts: 12 s); what is left unsent then is
+    only unsubscriptions, which the server forgets with the connection. Everything the process had
+    to store it awaited before. (A closing left running is ended by ``end_remaining_tasks``.)"""
+    closing = asyncio.ensure_future(log_.close())
+    done, _ = await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)
+    if not done:
+        log.warning("log connection not closed in time; leaving it", timeout_s=CLOSE_TIMEOUT_S)
+
+
+async def end_remaining_tasks(timeout_s: float = END_TIMEOUT_S) -> None:
+    """Cancel the process's other tasks (the NATS client's, a closing left running) until they end,
+    for ``timeout_s`` at most. asyncio.run cancels each once at the end and waits for it, and some
+    swallow a cancellation: nats-py's drain does (and flushes on for 10 s), and so does its reconnect
+    loop when a cancellation comes as a connection attempt fails (Python 3.11's wait_for returns the
+    failure, the loop catches it and tries again), which kept a process stopped with NATS gone
+    running for good."""
+    current = asyncio.current_task()
+    deadline = time.monotonic() + timeout_s
+    while remaining := [task for task in asyncio.all_tasks() if task is not current]:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            log.warning("tasks still running at exit", tasks=[task.get_name() for task in remaining])
+            return
+        for task in remaining:
+            task.cancel()
+        await asyncio.wait(remaining, timeout=min(END_RETRY_S, left_s))

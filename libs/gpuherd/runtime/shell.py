@@ -18,7 +18,7 @@ from typing import Any
 from gpuherd.obs import configure
 from gpuherd.runtime.decider import Decider
 from gpuherd.runtime.runner import DeciderRunner, ExtraTask
-from gpuherd.runtime.serve import configured_event, serve_decider
+from gpuherd.runtime.serve import configured_event, end_remaining_tasks, serve_decider
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.runtime.timers import clock_ticker
 from gpuherd.service_args import (
@@ -91,15 +91,19 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
         if spec.setup is not None:
             spec.setup(runner, args)
 
-    asyncio.run(
-        serve_decider(
-            args.nats_url,
-            decider,
-            extra_tasks=live_tasks(spec, decider, args),
-            configured=configured,
-            instance=args.instance,
-            metrics_port=args.metrics_port,
-            setup=setup,
-            read_linger_s=read_linger_s(args),
-        )
-    )
+    async def serve() -> None:
+        try:
+            await serve_decider(
+                args.nats_url,
+                decider,
+                extra_tasks=live_tasks(spec, decider, args),
+                configured=configured,
+                instance=args.instance,
+                metrics_port=args.metrics_port,
+                setup=setup,
+                read_linger_s=read_linger_s(args),
+            )
+        finally:
+            await end_remaining_tasks()
+
+    asyncio.run(serve())
