@@ -159,7 +159,8 @@ class SchedulerDecider(Decider[SchedulerState]):
     # 8: active jobs indexed by VC; 9: running jobs by expected end; 10: dependencies, arrays, per-user
     # counts, time limits; 11: predictions' spread; 12: queue changes (the order kept between passes);
     # 13: changes of each VC's placed and running jobs (the preemption scans kept between passes);
-    # 14: the latest rejections (a redelivered submission is answered from them)
+    # 14: the latest rejections (a redelivered submission is answered from them), and the jobs with a
+    # rescale in flight
     STATE_FORMAT = 14
     # Intake judges a spec against VCs, node sizes and known jobs: judged beside a pass, it is judged
     # as it would have been just before the pass (the audit re-judges it on that same state).

@@ -172,9 +172,11 @@ def overdue_rescales(state: SchedulerState, tick: ev.ClockTicked) -> list[ev.Eve
         return []
     timeout = state.scheduling.param("rescale_timeout_s")
     out: list[ev.Event] = []
-    for job_id in state.active:
-        job = state.jobs[job_id]
-        if job.rescale is None or job.rescaled_at is None or job.spec.elastic is None or job.stopping():
+    for job_id in state.rescaling:
+        job = state.jobs.get(job_id)
+        if job is None or job_id not in state.active or job.rescale is None or job.rescaled_at is None:
+            continue  # (the index may hold a job whose rescale a node's loss ended)
+        if job.spec.elastic is None or job.stopping():
             continue  # (a job that is stopping frees its GPUs as it ends)
         if tick.at - job.rescaled_at <= timeout:
             continue

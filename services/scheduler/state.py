@@ -148,6 +148,9 @@ class SchedulerState(ClusterState, kw_only=True, gc=False):
     ends_by_vc: dict[str, list[tuple[float, str]]] = msgspec.field(default_factory=dict)
     end_of: dict[str, float] = msgspec.field(default_factory=dict)
     unstarted: dict[str, None] = msgspec.field(default_factory=dict)  # placed jobs not running yet
+    # Elastic jobs with a rescale in flight (at least those: one a node's loss ended may stay until
+    # its job's next event): what a tick looks through for overdue rescales (rules 12).
+    rescaling: dict[str, None] = msgspec.field(default_factory=dict)
     node_changes: dict[str, int] = msgspec.field(default_factory=dict)  # node -> its version, oldest first
     # Job -> seq of the last event that named it while it waited, or as it entered or left the queue,
     # oldest first (a job that leaves the state leaves it too). A waiting job's rank under FIFO,
@@ -389,6 +392,10 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
             victims.pop(job.job, None)
             if not victims:
                 del state.stopping_for[preempted_for]
+    if job.rescale is not None and job.job in state.active:
+        state.rescaling[job.job] = None
+    else:
+        state.rescaling.pop(job.job, None)
     if isinstance(e, ev.JobDurationPredicted) and job.job in state.jobs:
         state.predicted[job.job] = e.seconds
         if e.sigma > 0 or e.user_history:
@@ -627,6 +634,8 @@ def index_problems(state: SchedulerState) -> list[str]:
         problems.append("the running jobs' time limits drifted")
     if state.active_priorities != priorities:
         problems.append("the per-priority count of active jobs drifted")
+    if not {job.job for job in active if job.rescale is not None} <= state.rescaling.keys():
+        problems.append("the jobs with a rescale in flight drifted")
     active_by_vc: dict[str, set[str]] = {}
     for job in active:
         active_by_vc.setdefault(job.spec.vc, set()).add(job.job)
