@@ -55,12 +55,27 @@ def nats_monitor_urls(args: argparse.Namespace) -> list[str]:
     return []
 
 
+CLI_NATS_PATIENCE_S = 10.0  # how long a command waits for NATS and its JetStream
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__  # (a timeout's text is empty)
+
+
 async def open_cli_log(args: argparse.Namespace) -> EventLog:
+    """The log, or GpuherdError saying why not. A server that answers without JetStream, or without
+    gpuherd's streams, says so itself (a LogError from the log, at once): only a server that does not
+    answer at all gets here as a timeout or a connection error."""
+    url = nats_url_of(args)
     try:
-        return await asyncio.wait_for(open_log(nats_url_of(args), name="gpuherd-cli", persistent=False), 10)
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        return await asyncio.wait_for(open_log(url, name="gpuherd-cli", persistent=False), CLI_NATS_PATIENCE_S)
+    except TimeoutError:
         raise GpuherdError(
-            f"cannot reach NATS at {nats_url_of(args)}: is `gpuherd up` running, or NATS_URL set? ({exc})"
+            f"no answer from NATS at {url} within {CLI_NATS_PATIENCE_S:.0f}s: is `gpuherd up` running, or NATS_URL set?"
+        ) from None
+    except (OSError, nats.errors.Error) as exc:
+        raise GpuherdError(
+            f"cannot reach NATS at {url}: is `gpuherd up` running, or NATS_URL set? ({_reason(exc)})"
         ) from None
 
 
@@ -91,8 +106,15 @@ def client_call(args: argparse.Namespace, call: Callable[[Client], Awaitable[Any
     """Connect as a client, make one call, close."""
 
     async def run() -> Any:
+        from gpuherd.log.jetstream import jetstream_off
+
         client = await Client.connect(nats_url_of(args), source=source)
         try:
+            # Without JetStream a submission is never stored and no verdict comes: say why now, not
+            # after the submission's timeout (one request, answered at once).
+            off = await jetstream_off(client.nc)
+            if off is not None:
+                raise GpuherdError(off)
             return await call(client)
         finally:
             await client.close()

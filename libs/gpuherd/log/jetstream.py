@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import itertools
 import os
@@ -30,7 +31,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -84,9 +85,21 @@ from gpuherd.log.streams import (
 from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.log")
+_T = TypeVar("_T")
 
 ERR_WRONG_LAST_SEQUENCE = 10071
 ERR_BATCH_DUPLICATE_ID = 10201
+ERR_JETSTREAM_NOT_ENABLED_FOR_ACCOUNT = 10039
+ERR_JETSTREAM_NOT_ENABLED = 10076
+JS_API_INFO = "$JS.API.INFO"  # answered by JetStream itself: nobody answers it on a server without
+CLI_SETUP_PATIENCE_S = 5.0  # how long a short-lived open waits for JetStream (a CLI gives up at 10 s)
+# What setting up the streams waits out while JetStream starts or a cluster elects its meta leader
+# (nats-py's JetStream manager reports "no responders" as ServiceUnavailableError).
+_SETUP_OUTAGE = (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)
+_CREATE_STREAMS = (
+    "create them with `gpuherd log init` as a NATS user allowed to manage streams (or run gpuherd as such "
+    "a user with GPUHERD_STREAMS unset or =create, its default: it then creates them as it connects)"
+)
 # What a server failing over, or a stream electing its leader, answers meanwhile: worth waiting out.
 _OUTAGE = (
     TimeoutError,
@@ -188,6 +201,49 @@ async def connect(url: str, name: str = "gpuherd", **kwargs: Any) -> NatsClient:
     return await nats.connect(**options)
 
 
+class JetStreamOff(LogError):
+    """The NATS server answers but offers no JetStream to this connection: nothing to wait for."""
+
+
+def server_of(nc: NatsClient) -> str:
+    """The URL of the server ``nc`` is connected to (without the credentials a URL may hold)."""
+    url = nc.connected_url
+    if url is None:
+        return "(no server)"
+    return f"{url.scheme}://{url.hostname}:{url.port}"
+
+
+async def jetstream_off(nc: NatsClient, timeout: float = 2.0) -> str | None:
+    """Why ``nc`` has no JetStream, where its server says so; None where JetStream answers, or may
+    soon. A server without JetStream leaves ``$JS.API`` requests unanswered ("no responders"), but so
+    does one whose JetStream is still starting or whose cluster is electing its meta leader: the
+    server's INFO (its ``jetstream`` flag, which nats-py keeps from the connect) tells them apart."""
+    where = server_of(nc)
+    try:
+        reply = await nc.request(JS_API_INFO, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        if nc._server_info.get("jetstream"):
+            return None  # enabled, not ready yet
+        return (
+            f"the NATS server at {where} answers but has JetStream disabled, and gpuherd keeps its log in "
+            "JetStream: start nats-server with -js, or add `jetstream {}` to its config "
+            "(`gpuherd up` starts one with JetStream)"
+        )
+    except (TimeoutError, nats.errors.Error):
+        return None  # slow or gone: nothing the server said
+    try:
+        error = msgspec.json.decode(reply.data).get("error") or {}
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    if error.get("err_code") in (ERR_JETSTREAM_NOT_ENABLED_FOR_ACCOUNT, ERR_JETSTREAM_NOT_ENABLED):
+        return (
+            f"the NATS server at {where} answers but JetStream is not enabled for this connection's account "
+            f"({error.get('description')}): enable it for the account (`jetstream: enabled` in the account's "
+            "config), or connect as a user of an account that has it"
+        )
+    return None
+
+
 class JetStreamLog(EventLog):
     def __init__(self, nc: NatsClient, settings: JetStreamSettings | None = None) -> None:
         self.nc = nc
@@ -199,6 +255,9 @@ class JetStreamLog(EventLog):
         self._slots: int | None = None
         self._owns_connection = False
         self._connected_since = time.time()
+        # How long setting up (or finding) the streams waits for a JetStream that does not answer yet.
+        self.setup_patience_s = self.settings.outage_patience_s
+        self._said_waiting = False  # (that warning once per log, not once per retry)
         previous = nc._reconnected_cb
 
         async def on_reconnect() -> None:
@@ -216,11 +275,23 @@ class JetStreamLog(EventLog):
         nc = await connect(url, name=name) if persistent else await connect(url, name=name, max_reconnect_attempts=3)
         self = cls(nc, settings)
         self._owns_connection = True
+        if not persistent:  # (a command: a person waits for it)
+            self.setup_patience_s = min(self.setup_patience_s, CLI_SETUP_PATIENCE_S)
         try:
-            if self.settings.streams == "require":
-                await self.require_streams()
-            else:
-                await self.ensure_streams()
+            # (a bound on the whole setup only where a person waits: a service waits each step out)
+            async with asyncio.timeout(None if persistent else self.setup_patience_s):
+                if self.settings.streams == "require":
+                    # A service waits for the streams to be created; a command says at once what is missing.
+                    await self.require_streams(timeout=300.0 if persistent else 0.0)
+                else:
+                    await self.ensure_streams()
+        except TimeoutError:
+            where = server_of(nc)  # (before the close forgets it)
+            await self.close()
+            raise LogError(
+                f"the NATS server at {where} answers, but its JetStream did not within "
+                f"{self.setup_patience_s:.0f}s: it may be starting, or its cluster without a meta leader"
+            ) from None
         except BaseException:
             await self.close()
             raise
@@ -312,7 +383,8 @@ class JetStreamLog(EventLog):
             self._kv[kv.bucket] = await self._ensure_kv(kv)
 
     async def require_streams(self, timeout: float = 300.0) -> None:
-        """Wait until the streams and buckets exist (created by a role that may: ``gpuherd log init``)."""
+        """Wait until the streams and buckets exist (created by a role that may: ``gpuherd log init``);
+        ``timeout`` 0: look once. JetStreamOff at once where the server has no JetStream for us."""
         deadline = time.monotonic() + timeout
         names = [c.name for c in self.stream_configs()]
         buckets = [kv.bucket for kv in self.kv_configs()]
@@ -320,70 +392,107 @@ class JetStreamLog(EventLog):
         while True:
             missing: list[str] = []
             for name in names:
-                try:
-                    await self.js.stream_info(name)
-                except nats.js.errors.NotFoundError:
-                    missing.append(name)
-                except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
+                if not await self._setup_step(functools.partial(self._stream_exists, name), f"look up stream {name}"):
                     missing.append(name)
             for bucket in buckets:
-                if bucket in self._kv:
-                    continue
-                try:
-                    self._kv[bucket] = await self.js.key_value(bucket)
-                except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError, TimeoutError):
-                    missing.append(f"KV {bucket}")
-                except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
-                    missing.append(f"KV {bucket}")
+                if bucket not in self._kv:
+                    find = functools.partial(self._existing_kv, bucket)
+                    kv = await self._setup_step(find, f"look up KV bucket {bucket}")
+                    if kv is None:
+                        missing.append(f"KV {bucket}")
+                    else:
+                        self._kv[bucket] = kv
             if not missing:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
+                waited = f" after {timeout:.0f}s" if timeout > 0 else ""
                 raise LogError(
-                    f"streams missing after {timeout:.0f}s: {', '.join(missing)}; create them with "
-                    "`gpuherd log init` as a user allowed to manage streams"
+                    f"JetStream at {server_of(self.nc)} lacks gpuherd's streams{waited}: {', '.join(missing)}; "
+                    f"{_CREATE_STREAMS}"
                 )
             if not warned:
-                log.warning("waiting for the streams to be created (gpuherd log init)", missing=missing)
+                log.warning(
+                    "waiting for the streams to be created (gpuherd log init)", missing=missing, timeout_s=timeout
+                )
                 warned = True
             await asyncio.sleep(1.0)
 
-    async def _ensure_stream(self, config: StreamConfig) -> None:
-        for attempt in range(40):
+    async def _stream_exists(self, name: str) -> bool:
+        try:
+            await self.js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    async def _existing_kv(self, bucket: str) -> Any:
+        try:
+            return await self.js.key_value(bucket)
+        except nats.js.errors.NotFoundError:  # (BucketNotFoundError is one)
+            return None
+
+    async def _setup_step(self, step: Callable[[], Awaitable[_T]], what: str) -> _T:
+        """``step()`` of setting up the streams, tried again while JetStream does not answer yet (it is
+        starting, or its cluster electing a meta leader: said early, in a warning) for
+        ``setup_patience_s``; JetStreamOff at once where the server says it has no JetStream for us."""
+        deadline = time.monotonic() + self.setup_patience_s
+        delay = 0.25
+        while True:
             try:
-                # Looking first means a user without the right to manage streams (a reader, a
-                # service) never asks to: on a set-up cluster there is nothing to change.
-                info = None
-                with contextlib.suppress(nats.js.errors.NotFoundError):
-                    info = await self.js.stream_info(config.name)
-                if config.name == HERD:
-                    # A new stream, or an empty one from before pages, starts with pages (recorded here).
-                    fresh = info is None or not (int(info.state.last_seq or 0) or _recorded_slots(info))
-                    self._slots = PAGE_SLOTS if fresh else _slots_of(info)
-                    config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(self._slots)}
-                if info is not None and _same_config(info, config):
-                    return
-                try:
-                    await self.js.add_stream(config)
-                except nats.js.errors.BadRequestError as exc:
-                    if exc.err_code != 10058:  # exists with another config
-                        raise
-                    await self.js.update_stream(config)
+                return await step()
+            except _SETUP_OUTAGE as exc:
+                if not isinstance(exc, TimeoutError):
+                    off = await jetstream_off(self.nc)
+                    if off is not None:
+                        raise JetStreamOff(off) from None
+                if time.monotonic() >= deadline:
+                    raise LogError(
+                        f"could not {what}: JetStream at {server_of(self.nc)} did not answer within "
+                        f"{self.setup_patience_s:.0f}s ({exc!r}); the server has JetStream enabled, so it may be "
+                        "starting or its cluster without a meta leader (a quorum of its servers down)"
+                    ) from exc
+                if not self._said_waiting:
+                    log.warning(
+                        "JetStream does not answer yet; waiting (starting, or its cluster electing a meta leader)",
+                        server=server_of(self.nc),
+                        what=what,
+                        error=repr(exc),
+                        patience_s=self.setup_patience_s,
+                    )
+                    self._said_waiting = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _ensure_stream(self, config: StreamConfig) -> None:
+        async def ensure() -> None:
+            # Looking first means a user without the right to manage streams (a reader, a
+            # service) never asks to: on a set-up cluster there is nothing to change.
+            info = None
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                info = await self.js.stream_info(config.name)
+            if config.name == HERD:
+                # A new stream, or an empty one from before pages, starts with pages (recorded here).
+                fresh = info is None or not (int(info.state.last_seq or 0) or _recorded_slots(info))
+                self._slots = PAGE_SLOTS if fresh else _slots_of(info)
+                config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(self._slots)}
+            if info is not None and _same_config(info, config):
                 return
-            except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
-                # JetStream can take a moment after server start (or a cluster election).
-                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
-        raise LogError(f"could not create stream {config.name}: JetStream did not answer")
+            try:
+                await self.js.add_stream(config)
+            except nats.js.errors.BadRequestError as exc:
+                if exc.err_code != 10058:  # exists with another config
+                    raise
+                await self.js.update_stream(config)
+
+        await self._setup_step(ensure, f"create stream {config.name}")
 
     async def _ensure_kv(self, config: KeyValueConfig) -> Any:
-        for attempt in range(40):
+        async def ensure() -> Any:
             try:
-                try:
-                    return await self.js.key_value(config.bucket)
-                except nats.js.errors.BucketNotFoundError:
-                    return await self.js.create_key_value(config)
-            except (TimeoutError, nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError):
-                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
-        raise LogError(f"could not open KV bucket {config.bucket}")
+                return await self.js.key_value(config.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                return await self.js.create_key_value(config)
+
+        return await self._setup_step(ensure, f"open KV bucket {config.bucket}")
 
     # -- HERD ----------------------------------------------------------------------------
 
