@@ -38,10 +38,11 @@ from prometheus_client import Gauge
 from gpuherd import events as ev
 from gpuherd.aio import run_until_stopped
 from gpuherd.errors import UNDECODABLE
-from gpuherd.log import EventLog, open_log
+from gpuherd.log import EventLog, Leadership, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
+from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S
 from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
@@ -269,8 +270,16 @@ class Agent:
                 await stop_serving()
             if socket_ is not None:
                 socket_.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(leadership.release(), 2.0)
+            await self._release_node(leadership)
+
+    async def _release_node(self, leadership: Leadership) -> None:
+        """Let the node's next agent take it at once, if NATS answers in time. Otherwise this agent
+        still ends at once: the leadership's key expires ``ttl`` after its last renewal, and the
+        next agent takes the node then."""
+        if not self.log.is_connected():  # (a request would wait out its timeout)
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(leadership.release(), SHUTDOWN_REQUEST_TIMEOUT_S)
 
     async def register(self, after_seq: int = 0) -> None:
         """Announce the node; ``after_seq`` > 0 re-registers a node the scheduler declared lost."""
