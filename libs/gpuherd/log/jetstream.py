@@ -722,7 +722,7 @@ class JetStreamLog(EventLog):
             if slots == 1 or last == 0:
                 return last
             msg = await self.js.get_msg(HERD, seq=last)
-            return last * slots + int((msg.headers or {}).get(PAGE_HEADER, 1)) - 1
+            return last * slots + _positions_taken(msg, slots, last) - 1
 
         return await patiently(
             head, what="the log's head", patience_s=self.settings.outage_patience_s, transient=_OUTAGE
@@ -922,6 +922,22 @@ def _unpack(msg: Any, slots: int, seq: int) -> list[tuple[ev.Event, str | None]]
             continue
         events.append((event, trace))
     return events
+
+
+def _positions_taken(msg: Any, slots: int, seq: int) -> int:
+    """How many positions the message stored at ``seq`` takes: 1, or a page's count of events (its
+    header). A header that is no such count (written by hand, or by a buggy writer) is not trusted:
+    the page takes what a reader finds in it (``_unpack``: at least one Unreadable, a dead letter)."""
+    headers = msg.headers or {}
+    if PAGE_HEADER not in headers:
+        return 1
+    try:
+        count = int(headers[PAGE_HEADER])
+    except ValueError:
+        count = 0
+    if 1 <= count <= PAGE_SLOTS:
+        return count
+    return max(len(_unpack(msg, slots, seq)), 1)  # (an empty page still takes its message's first position)
 
 
 def _recorded_slots(info: Any) -> str | None:
