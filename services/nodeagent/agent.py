@@ -42,7 +42,7 @@ from gpuherd.log import EventLog, Leadership, open_log
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
-from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S
+from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S, unless_stopped
 from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
@@ -224,7 +224,8 @@ class Agent:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         leadership = self.log.leadership(f"agent.{self.node}", self.boot_id)  # one agent per node
-        if not await leadership.acquire(stop, f"node {self.node}"):
+        # (Each try waits for NATS, up to its request timeout: the stop must not wait for it.)
+        if not await unless_stopped(leadership.acquire(stop, f"node {self.node}"), stop):
             return
         self.upkeep.touch_alive()
         socket_ = None
@@ -235,12 +236,8 @@ class Agent:
             f"{self.node}.logs", lambda data: self._serve_logs(data, max_reply_bytes=reply_limit(self.log))
         )
         try:
-            await self.load_snapshot()
-            await self.executor.recover()
-            start_pool = getattr(self.executor, "start_pool", None)
-            if start_pool is not None:
-                start_pool()  # warm workers for the grows that land here
-            await self.register()
+            if not await unless_stopped(self._begin(), stop):
+                return
             status = status_reporter(
                 self.log,
                 self.metrics,
@@ -271,6 +268,17 @@ class Agent:
             if socket_ is not None:
                 socket_.close()
             await self._release_node(leadership)
+
+    async def _begin(self) -> bool:
+        """Load the snapshot, adopt the tasks left running, register the node: True once done.
+        (Loading and registering wait through NATS outages: ``run`` stops them when stopped.)"""
+        await self.load_snapshot()
+        await self.executor.recover()
+        start_pool = getattr(self.executor, "start_pool", None)
+        if start_pool is not None:
+            start_pool()  # warm workers for the grows that land here
+        await self.register()
+        return True
 
     async def _release_node(self, leadership: Leadership) -> None:
         """Let the node's next agent take it at once, if NATS answers in time. Otherwise this agent
