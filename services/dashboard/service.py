@@ -38,6 +38,7 @@ from gpuherd.metrics import ServiceMetrics, ServiceStatus, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from gpuherd.runtime.audit import audit
+from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.service_args import add_yield_arguments, read_linger_s, yield_cpu
 from services.dashboard.server import Actions, Backend, make_app
@@ -247,7 +248,7 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await runner.cleanup()
-        await log_.close()
+        await close_promptly(log_)  # (draining waits for the server: 12 s with NATS frozen)
 
 
 def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) -> None:
@@ -261,4 +262,13 @@ def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) ->
     except (OSError, ValueError) as exc:
         parser.error(f"--operator-token-file: {exc}")
     tools = Tools.from_peers(peers)
-    asyncio.run(serve_until_signal(lambda stop: serve(args, tools, stop)))
+
+    async def serve_then_end() -> None:
+        try:
+            await serve_until_signal(lambda stop: serve(args, tools, stop))
+        finally:
+            # nats-py's reconnect loop can swallow asyncio.run's one cancellation: with NATS gone the
+            # process could wait for it for good.
+            await end_remaining_tasks()
+
+    asyncio.run(serve_then_end())

@@ -43,6 +43,7 @@ from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S, unless_stopped
+from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
 from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
@@ -622,7 +623,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await serve_until_signal_with_http(agent, args.metrics_port)
     finally:
-        await log_.close()
+        await close_promptly(log_)  # (draining waits for the server: 12 s with NATS frozen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -672,4 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure(f"agent.{args.node}")
-    asyncio.run(serve(args))
+
+    async def serve_then_end() -> None:
+        try:
+            await serve(args)
+        finally:
+            # nats-py's reconnect loop can swallow asyncio.run's one cancellation: with NATS gone the
+            # process could wait for it for good.
+            await end_remaining_tasks()
+
+    asyncio.run(serve_then_end())

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +22,7 @@ from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.natsd import NatsServer
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.sim import SimExecutor
+from tests.integration.procs import FAST_ENV
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,3 +91,59 @@ async def test_an_agent_stopped_as_it_takes_its_node_with_nats_gone_ends_within_
         assert await stopped_within(task, stop) < STOPS_WITHIN_S  # its snapshot load retried for 60 s
     finally:
         await end(task, stop, log_)
+
+
+def agent_argv(url: str, tmp_path: Path) -> list[str]:
+    return [
+        *("-m", "services.nodeagent", "--nats-url", url, "--node", "n1", "--gpus", "2", "--executor", "sim"),
+        *("--data-dir", str(tmp_path / "agents" / "n1"), "--heartbeat", "0.5"),
+    ]
+
+
+def dashboard_argv(url: str, tmp_path: Path) -> list[str]:
+    return ["-m", "apps", "serve", "dashboard", "--nats-url", url, "--port", "0", "--report-dir", str(tmp_path)]
+
+
+# What each process prints once it serves: it is then connected, and has read the (empty) log.
+PROCESSES = {"agent": (agent_argv, b'"registered"'), "dashboard": (dashboard_argv, b'"dashboard serving"')}
+
+
+@pytest.mark.parametrize("outage", ["killed", "frozen"])
+@pytest.mark.parametrize("service", sorted(PROCESSES))
+async def test_an_agent_or_dashboard_process_ends_within_a_second_of_sigterm_with_nats_away(
+    service: str, outage: str, local_nats: NatsServer, tmp_path: Path
+) -> None:
+    server = local_nats
+    argv_of, serving = PROCESSES[service]
+    output = tmp_path / f"{service}.log"
+    with output.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, *argv_of(server.url, tmp_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **FAST_ENV},
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while serving not in output.read_bytes():
+            assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-2000:]
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # its loops have begun
+        assert server.proc is not None
+        if outage == "killed":
+            server.kill()
+        else:
+            os.kill(server.proc.pid, signal.SIGSTOP)  # connected, and nothing answers
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        returncode = await asyncio.to_thread(process.wait, 20)
+        took = time.monotonic() - started
+        assert returncode == 0, output.read_text()[-2000:]
+        assert took < STOPS_WITHIN_S, f"ended {took:.2f} s after SIGTERM"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)  # so that the fixture's stop is answered at once
