@@ -338,6 +338,10 @@ class Shim:
                 if all(c is not None for c in codes) and not (
                     self.elastic and any(self.dir.glob(taskfiles.GROW_PATTERN))
                 ):
+                    if self.elastic:
+                        # The last worker may have died after the report above: a death the agent
+                        # is not told of fails the whole attempt where the job would go on.
+                        self.report_dead_workers()
                     break
                 bad = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
                 if bad is not None and not self.elastic:
