@@ -50,6 +50,9 @@ DEFAULT_PORT = 8080
 FOLD_YIELD_EVERY = 500  # events folded between two looks at pending requests while catching up
 TELEMETRY_SINCE_S = 600.0
 OUTPUT_BYTES = 65536  # the last bytes of each rank's output a job page shows
+# A stopping dashboard waits this long for the requests in progress, twice (to end, then once
+# cancelled): an open page's event stream never ends by itself, and a stop took 2 s with one open.
+PAGES_SHUTDOWN_TIMEOUT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -223,7 +226,7 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
         reports_dir=Path(args.report_dir) if args.report_dir else None,
         read_linger_s=read_linger_s(args),
     )
-    runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=PAGES_SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from gpuherd.log import EventLog, open_log
@@ -101,11 +102,19 @@ def agent_argv(url: str, tmp_path: Path) -> list[str]:
 
 
 def dashboard_argv(url: str, tmp_path: Path) -> list[str]:
-    return ["-m", "apps", "serve", "dashboard", "--nats-url", url, "--port", "0", "--report-dir", str(tmp_path)]
+    return [
+        *("-m", "apps", "serve", "dashboard", "--nats-url", url, "--port", "0"),
+        *("--report-dir", str(tmp_path), "--url-file", str(tmp_path / "dashboard.url")),
+    ]
 
 
-# What each process prints once it serves: it is then connected, and has read the (empty) log.
-PROCESSES = {"agent": (agent_argv, b'"registered"'), "dashboard": (dashboard_argv, b'"dashboard serving"')}
+# What each process prints once it serves (it is then connected, and has read the empty log), and
+# whether a page stays open on it (a dashboard's event stream, which never ends by itself).
+PROCESSES = {
+    "agent": (agent_argv, b'"registered"', False),
+    "dashboard": (dashboard_argv, b'"dashboard serving"', False),
+    "dashboard-page-open": (dashboard_argv, b'"dashboard serving"', True),
+}
 
 
 @pytest.mark.parametrize("outage", ["killed", "frozen"])
@@ -114,7 +123,7 @@ async def test_an_agent_or_dashboard_process_ends_within_a_second_of_sigterm_wit
     service: str, outage: str, local_nats: NatsServer, tmp_path: Path
 ) -> None:
     server = local_nats
-    argv_of, serving = PROCESSES[service]
+    argv_of, serving, page_open = PROCESSES[service]
     output = tmp_path / f"{service}.log"
     with output.open("wb") as out:
         process = subprocess.Popen(
@@ -123,11 +132,15 @@ async def test_an_agent_or_dashboard_process_ends_within_a_second_of_sigterm_wit
             stderr=subprocess.STDOUT,
             env={**os.environ, **FAST_ENV},
         )
+    browser = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     try:
         deadline = time.monotonic() + 30
         while serving not in output.read_bytes():
             assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-2000:]
             await asyncio.sleep(0.1)
+        if page_open:
+            page = await browser.get((tmp_path / "dashboard.url").read_text() + "api/stream")
+            assert b"event: change" in await page.content.readline()
         await asyncio.sleep(0.5)  # its loops have begun
         assert server.proc is not None
         if outage == "killed":
@@ -142,6 +155,7 @@ async def test_an_agent_or_dashboard_process_ends_within_a_second_of_sigterm_wit
         assert returncode == 0, output.read_text()[-2000:]
         assert took < STOPS_WITHIN_S, f"ended {took:.2f} s after SIGTERM"
     finally:
+        await browser.close()
         if process.poll() is None:
             process.kill()
             process.wait()
