@@ -209,6 +209,17 @@ class Membership:
     def _switch(self, state: ElasticState, plan: ElasticPlan) -> bool:
         assert self.current is not None
         phases = self._phases(plan)
+        if plan.source != self.current.workers[0] and self.current.world > 1:
+            # DDP broadcasts its rank 0's buffers at every forward, so the buffers the job would train
+            # on next are the old rank 0's, not the source's own (its BatchNorm statistics are of its
+            # shard only): the source takes them before the snapshot, as a run without rescale would.
+            try:
+                state.adopt_buffers_of(0)
+            except Exception as exc:
+                if not is_collective_failure(exc):
+                    raise
+                self._broken = f"taking rank 0's buffers before the switch failed: {first_line(exc)}"
+                return self._recover(state)
         snapshot = state.capture()  # every rank is at the same step boundary: the all-reduce said so
         phases.quiesced_at = time.time()
         self._teardown(keep_store=plan)

@@ -192,6 +192,22 @@ class ElasticState:
     def _module(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)  # the model under DDP
 
+    def adopt_buffers_of(self, src: int, group: Any = None) -> None:
+        """Give every rank of ``group`` rank ``src``'s buffers (BatchNorm running statistics, ...), as
+        DDP (``broadcast_buffers``, its default) does from its rank 0 at every forward. One broadcast
+        per dtype and device: a model has many small buffers."""
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buffer in self._module().buffers():
+            kinds.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        with torch.no_grad():
+            for buffers in kinds.values():
+                flat = torch.cat([b.reshape(-1) for b in buffers])
+                dist.broadcast(flat, src, group=group)
+                offset = 0
+                for buffer in buffers:
+                    buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                    offset += buffer.numel()
+
     def capture(self) -> dict[str, Any]:
         """A deep, in-memory snapshot (tensors cloned: later training does not change it)."""
         snapshot = {
