@@ -84,7 +84,8 @@ class RecordEnd(NamedTuple):
 
 
 class Record(NamedTuple):
-    """Append an event (a simulated executor's rescale is done at once)."""
+    """Append an event, before the actions after it are carried out (a simulated executor's rescale
+    is done at once; a worker lost while no agent ran precedes its task's end)."""
 
     event: ev.Event
 
@@ -269,9 +270,10 @@ def reconcile(
     # An elastic job's workers leaving this node take part in the switch, then exit by themselves.
     leaving = job is not None and job.status in ACTIVE and not mine and any(a.node == node for a in job.releasing)
     key = TaskKey(job_id, job.attempt) if job is not None else None
-    out: list[Action] = [
-        RecordEnd(k, ended(k, tasks, now, events, job)) for k in sorted(tasks.unrecorded) if k.job == job_id
-    ]
+    out: list[Action] = []
+    for k in sorted(k for k in tasks.unrecorded if k.job == job_id):
+        out += deaths_before_end(job, k, tasks, now, events)
+        out.append(RecordEnd(k, ended(k, tasks, now, events, job)))
     for running in sorted(k for k in tasks.running if k.job == job_id) if tasks.running else ():
         if leaving and running == key:
             assert job is not None
@@ -343,12 +345,26 @@ def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, job: JobS
     )
 
 
+def deaths_before_end(
+    job: JobState | None, key: TaskKey, tasks: Tasks, now: float, events: AgentEvents
+) -> list[Action]:
+    """The worker deaths the shim of an elastic task that ended recorded and the log does not know
+    of (they came while no agent listened: it ended during a restart), recorded before its end, as a
+    live agent would have: the fold takes a part whose workers were each lost as lost workers (the
+    job goes on with the survivors), but a part that ends failed first stops the whole gang. Each is
+    appended (not in the background) so that it precedes the end in the log."""
+    workers = tasks.workers.get(key)
+    if job is None or job.spec.elastic is None or workers is None:
+        return []
+    return [Record(lost.event) for lost in lost_workers(job, key, workers.dead, now, events)]
+
+
 def lost_workers(
     job: JobState, key: TaskKey, dead: Sequence[WorkerDeath], now: float, events: AgentEvents
-) -> list[Action]:
+) -> list[ReportLostWorker]:
     """The deaths the task's shim recorded that the log does not know of (one missed while the
     agent was away, or whose message was lost)."""
-    out: list[Action] = []
+    out: list[ReportLostWorker] = []
     seen: set[str] = set()
     for death in dead:
         lost = events.worker_lost(job, key.attempt, death, now)
