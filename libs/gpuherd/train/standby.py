@@ -14,7 +14,8 @@ stdin then writes the worker's launch (one JSON line: ``argv``, ``env``, ``cwd``
 optionally ``exit_file``), and the standby becomes that worker: it takes the environment, sends
 its output to the worker's log, reads nothing from its old stdin, and runs the script as
 ``__main__``, as ``python script.py args`` would. Its exit code is the script's; with ``exit_file``
-it also writes ``{"code": N}`` there when the script ends (for a supervisor that is not its parent).
+it also writes ``{"code": N}`` there when the script ends (for a supervisor that is not its parent;
+a negative N is a death by signal -N, as ``Popen.returncode`` says it).
 
 Importing torch does not initialise CUDA, so the worker's ``CUDA_VISIBLE_DEVICES`` (set when it
 becomes the worker) still decides which GPU it sees. With ``GPUHERD_WARM_CUDA=1`` in its own
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,7 +70,12 @@ def become(launch: dict) -> None:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         raise
-    except Exception:
+    except KeyboardInterrupt:
+        # An unhandled KeyboardInterrupt (SIGINT) ends the interpreter by SIGINT: record a signal
+        # death as the agent would (a negative code), not a clean exit.
+        code = -signal.SIGINT
+        raise
+    except BaseException:
         code = 1  # the traceback is printed on the way out, and the interpreter exits with 1
         raise
     finally:
