@@ -44,7 +44,7 @@ from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S, unless_stopped
 from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
-from gpuherd.runtime.snapshots import Cadence, load_snapshot, save_snapshot
+from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
 from services.nodeagent.control_socket import ControlSocket, control_address
@@ -311,6 +311,9 @@ class Agent:
 
     async def _follow(self) -> None:
         head = await self.log.last_seq()
+        if beyond_the_log(self.snapshot_key, self.state.seq, head):
+            self.state = new_state(self.node)
+            self.snapshots.seq = 0  # (and the next snapshot replaces it)
         if head <= self.state.seq:  # an empty log, or a snapshot of all of it
             await self._caught_up(self.state.seq)
         async for record in self.log.read(self.state.seq + 1, follow=True):
@@ -339,7 +342,8 @@ class Agent:
 
     # -- snapshots ------------------------------------------------------------------------------
     # What the agent folded, so a restart reads only the log's tail. Any folded state is a valid
-    # snapshot: after catching up the agent reconciles every job it knows, whatever it missed.
+    # snapshot: after catching up the agent reconciles every job it knows, whatever it missed. One
+    # folded beyond the log's head was of another log, and is dropped (``_follow``).
 
     async def load_snapshot(self) -> None:
         snap = await load_snapshot(self.log, self.snapshot_key, STATE_FORMAT)
