@@ -12,9 +12,9 @@ The contract a rescale keeps is that the job trains as if it had never been resi
   global batch, as one big batch would. A global batch that does not divide is refused with the
   sizes that would work.
 - **All of the state.** ``ElasticState`` captures model, optimizer, LR scheduler, AMP grad
-  scaler, step, sampler position and every RNG (Python, NumPy, torch CPU and CUDA) as one
-  in-memory snapshot: what is committed at a step boundary, restored on a rollback, and
-  broadcast from the oldest surviving rank to the ranks that join.
+  scaler, step, sampler position and every RNG (Python, NumPy, torch CPU, the CUDA generator of
+  the device the rank trains on) as one in-memory snapshot: what is committed at a step boundary,
+  restored on a rollback, and broadcast from the oldest surviving rank to the ranks that join.
 
 Its modules, by concern: ``sampler`` (the global sample order and batch), ``state`` (the snapshot
 and the worker loop's steps), ``plans`` (the generations a worker follows), ``store`` (a

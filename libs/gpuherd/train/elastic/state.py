@@ -28,19 +28,29 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # Only the generator of the device this rank trains on: the ranks that take this state may
+        # see fewer devices (a job that leases neighbour memory sees its node's other GPUs).
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put back what ``rng_state`` took. The generators' states are CPU byte tensors whatever device
     a checkpoint was loaded onto: ``torch.load(path, map_location="cuda")`` moves them too, and
-    torch refuses a CUDA tensor as a generator's state."""
+    torch refuses a CUDA tensor as a generator's state. The CUDA generator taken is that of the
+    device the source trained on; it goes to the device this rank trains on."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"].cpu(), torch.cuda.current_device())
+    elif "cuda" in state:
+        # Taken by an older gpuherd, one per device its process saw: by device index, those this
+        # process has too (a node with fewer GPUs has no generator for the others).
+        for index, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state.cpu(), index)
 
 
 class ElasticState:
