@@ -235,6 +235,7 @@ def launch_for(
         elapsed_s=elapsed_s,
         attained_s=job.service_gpu_s / job.spec.gpus,
         elastic=elastic,
+        generation=job.generation,
     )
 
 

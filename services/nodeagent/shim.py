@@ -229,8 +229,11 @@ class Shim:
             code = proc.poll()
             if code not in (None, 0) and index not in self.reported:
                 self.reported.add(index)
-                gpu = self.procs_spec[index].gpu
-                death = WorkerDeath(gpu=gpu, code=code, reason=f"worker {describe_exit(code)}")
+                spec = self.procs_spec[index]
+                gpu = spec.gpu
+                death = WorkerDeath(
+                    gpu=gpu, code=code, reason=f"worker {describe_exit(code)}", generation=spec.generation
+                )
                 self.deaths.append(death)
                 # For an agent that missed the message:
                 taskfiles.write(self.dir / taskfiles.DEAD_WORKERS_FILE, self.deaths)

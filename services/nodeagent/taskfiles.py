@@ -48,6 +48,7 @@ class ProcLaunch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pid: int | None = None  # a worker taken from the warm pool runs already: the shim watches this pid
     pid_start: int = 0  # with ``pid``, names that very process (a pid may be reused)
     exit_file: str | None = None  # with ``pid``: where its exit code is written (``WorkerExitRecord``)
+    generation: int | None = None  # an elastic task's worker: the job's generation it started in
 
 
 class TaskDescription(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,12 +90,15 @@ class ShimInfo(msgspec.Struct, frozen=True, kw_only=True):
     launched_at: float | None = None
 
 
-class WorkerDeath(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerDeath(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """An elastic task's worker that ended with a code other than 0 (or could not start)."""
 
     gpu: int | None
     code: int
     reason: str = ""
+    # The generation the worker started in: a worker started on the same GPU later (the job grew back
+    # onto it) is another one, alive (None: a shim of a version before it; the death counts as before).
+    generation: int | None = None
 
 
 class ExitRecord(msgspec.Struct, frozen=True, kw_only=True):

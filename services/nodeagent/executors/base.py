@@ -41,6 +41,7 @@ class TaskLaunch(msgspec.Struct, frozen=True, kw_only=True):
     elapsed_s: float = 0.0  # how long it has been running, when resumed
     attained_s: float = 0.0  # work its earlier attempts did (a checkpointed sim job does only the rest)
     elastic: bool = False  # one worker per GPU, each named <node>/<gpu>; workers come and go with rescales
+    generation: int = 0  # elastic: the job's generation its workers start in (a death names its worker's)
 
 
 class TaskExit(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,7 +56,7 @@ class TaskWorkers(msgspec.Struct, frozen=True, kw_only=True):
     """An elastic task's workers, as its folder has them."""
 
     launched: frozenset[int] = frozenset()  # the GPUs with a worker started (at the start or by a grow)
-    dead: tuple[WorkerDeath, ...] = ()  # those that died, as the task's shim recorded them
+    dead: tuple[WorkerDeath, ...] = ()  # the current worker of each GPU, if it died, as the task's shim recorded it
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

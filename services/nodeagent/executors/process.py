@@ -167,7 +167,7 @@ class ProcessExecutor(Executor):
             return
         task_dir.mkdir(parents=True, exist_ok=True)
         leftovers = [*task_dir.glob(taskfiles.GROWN_PATTERN), *task_dir.glob("*.exit")]
-        done = (taskfiles.EXIT_FILE, taskfiles.SHIM_FILE, taskfiles.STOP_FILE)
+        done = (taskfiles.EXIT_FILE, taskfiles.SHIM_FILE, taskfiles.STOP_FILE, taskfiles.DEAD_WORKERS_FILE)
         for leftover in (*done, *(p.name for p in leftovers)):
             (task_dir / leftover).unlink(missing_ok=True)  # an elastic job back on this node in the same attempt
         procs = self._procs(launch, task_dir)
@@ -358,7 +358,11 @@ class ProcessExecutor(Executor):
             else:
                 env.update(self.device_env(launch.gpus, local_rank, neighbors))
             gpu_of_worker = launch.gpus[local_rank] if launch.elastic else None
-            procs.append(ProcLaunch(argv=argv, env=env, log=str(task_dir / log_name), gpu=gpu_of_worker))
+            generation = launch.generation if launch.elastic else None
+            proc = ProcLaunch(
+                argv=argv, env=env, log=str(task_dir / log_name), gpu=gpu_of_worker, generation=generation
+            )
+            procs.append(proc)
         return procs
 
     # -- elastic tasks ----------------------------------------------------------------------------
@@ -400,9 +404,10 @@ class ProcessExecutor(Executor):
 
     def workers(self, key: TaskKey) -> TaskWorkers:
         task_dir = self.task_dir(key)
-        launched = frozenset(p.gpu for p in _launched_procs(task_dir) if p.gpu is not None)
+        procs = _launched_procs(task_dir)
+        launched = frozenset(p.gpu for p in procs if p.gpu is not None)
         dead = _read(task_dir / taskfiles.DEAD_WORKERS_FILE, tuple[WorkerDeath, ...]) or ()
-        return TaskWorkers(launched=launched, dead=dead)
+        return TaskWorkers(launched=launched, dead=_deaths_of_current_workers(dead, procs))
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -537,6 +542,15 @@ def _launched_procs(task_dir: Path) -> list[ProcLaunch]:
     grown = [p for p in sorted(task_dir.glob(taskfiles.GROWN_PATTERN)) if p.suffix != ".tmp"]
     requests = (_read(path, GrowRequest) for path in [task_dir / taskfiles.TASK_FILE, *grown])
     return [proc for request in requests if request is not None for proc in request.procs]
+
+
+def _deaths_of_current_workers(dead: tuple[WorkerDeath, ...], procs: list[ProcLaunch]) -> tuple[WorkerDeath, ...]:
+    """Of the deaths the shim recorded, those of each GPU's current worker (its last launched): an
+    earlier worker of a GPU the job grew back onto died in a generation the log has moved past, and
+    the live worker that replaced it is not lost. A death without a generation (a shim of a version
+    before it) counts, as it did."""
+    current = {p.gpu: p.generation for p in procs if p.gpu is not None}  # (later launches replace earlier)
+    return tuple(d for d in dead if d.generation is None or current.get(d.gpu, d.generation) == d.generation)
 
 
 def _is_shim(pid: object, task_dir: Path, start_ticks: int = 0) -> bool:
