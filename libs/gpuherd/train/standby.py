@@ -17,8 +17,9 @@ its output to the worker's log, reads nothing from its old stdin, and runs the s
 it also writes ``{"code": N}`` there when the script ends (for a supervisor that is not its parent;
 a negative N is a death by signal -N, as ``Popen.returncode`` says it).
 
-Importing torch does not initialise CUDA, so the worker's ``CUDA_VISIBLE_DEVICES`` (set when it
-becomes the worker) still decides which GPU it sees. With ``GPUHERD_WARM_CUDA=1`` in its own
+Neither importing torch nor the rest of the warm-up initialises CUDA (no torch.cuda call, no
+backward: see ``warm``), so the worker's ``CUDA_VISIBLE_DEVICES`` (set when it becomes the worker)
+still decides which GPU it sees. With ``GPUHERD_WARM_CUDA=1`` in its own
 environment the standby creates its CUDA context ahead of time too (on the GPU its own
 ``CUDA_VISIBLE_DEVICES`` names); it must then only become a worker of that same GPU. Only
 ``python script.py ...`` commands run this way (the shim and the pool check); anything else starts
@@ -95,8 +96,8 @@ def _record_exit(path: Path, code: int) -> None:
 
 def warm() -> None:
     """What a new worker would otherwise do first, slowly: import torch and gpuherd's training
-    runtime, and the lazy imports its first optimizer and first backward pull in (torch._dynamo
-    alone takes about a second); with ``GPUHERD_WARM_CUDA=1``, create the CUDA context."""
+    runtime, and the lazy imports its first optimizer pulls in (torch._dynamo alone takes about a
+    second); with ``GPUHERD_WARM_CUDA=1``, create the CUDA context."""
     import torch
     import torch.distributed
     import torch.nn.parallel
@@ -105,7 +106,9 @@ def warm() -> None:
 
     layer = torch.nn.Linear(2, 1)
     torch.optim.SGD(layer.parameters(), lr=0.1).zero_grad()
-    layer(torch.zeros(1, 2)).sum().backward()
+    # No backward: the autograd engine's first run starts its device threads, which asks CUDA for its
+    # device count (CUDA_VISIBLE_DEVICES is then fixed for the process, and the worker this standby
+    # becomes would see the standby's GPUs). A backward imports nothing and takes under a millisecond.
     if os.environ.get(WARM_CUDA) == "1" and torch.cuda.is_available():
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
