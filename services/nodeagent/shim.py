@@ -313,6 +313,17 @@ class Shim:
         for p in self.procs:
             p.wait()
 
+    def kill_leftovers(self) -> None:
+        """SIGKILL what the task's processes left outside its process group (a grandchild that
+        started a session of its own): its environment still names the task's folder."""
+        for _ in range(3):  # (one being forked while its parent was killed shows up in the next pass)
+            leftovers = task_processes(self.dir)
+            if not leftovers:
+                return
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
@@ -361,6 +372,7 @@ class Shim:
                     break
                 time.sleep(POLL_S)
             self.signal_group(signal.SIGKILL)  # whatever the ranks left behind (workers, helpers)
+        self.kill_leftovers()
         codes = [p.returncode for p in self.procs]
         # An elastic task's dead workers were each reported (the job went on without them): the
         # task fails only if every worker died.
@@ -398,6 +410,26 @@ def process_stat(pid: int | str) -> list[str] | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def task_processes(task_dir: Path) -> dict[int, int]:
+    """The live processes whose environment names ``task_dir`` (the executor gives every rank
+    ``GPUHERD_TASK_DIR``; what a rank starts inherits it): pid -> process group. It names the
+    task's processes however long ago the pids in its files were written (they may be reused)."""
+    needle = f"{jobenv.TASK_DIR}={task_dir}".encode()
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        fields = process_stat(entry.name)
+        if fields is not None and fields[0] != "Z":
+            found[int(entry.name)] = int(fields[2])
+    return found
 
 
 def process_start_ticks(pid: int) -> int | None:

@@ -36,7 +36,8 @@ from gpuherd.obs import get_logger
 from services.nodeagent import taskfiles
 from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
-from services.nodeagent.shim import process_alive, process_start_ticks, process_stat
+from services.nodeagent.shim import process_alive, process_start_ticks
+from services.nodeagent.shim import task_processes as _task_processes
 from services.nodeagent.taskfiles import (
     ExitRecord,
     GrowRequest,
@@ -221,6 +222,11 @@ class ProcessExecutor(Executor):
                 log.warning("shim did not stop; killing it", job=key.job, attempt=key.attempt)
                 self._kill_everything(task)
                 await task.ended.wait()
+            # What escaped the task's process group (a grandchild in a session of its own) outlives
+            # the group's SIGKILL: a shim of the version before left it running.
+            leftovers = _kill_leftovers(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
+            if leftovers:
+                log.warning("killed processes a stopped task left", job=key.job, attempt=key.attempt, killed=leftovers)
         self._tasks.pop(key, None)
         return task.exit or TaskExit(key=key, outcome="stopped", reason=reason)
 
@@ -574,26 +580,6 @@ def _is_shim(pid: object, task_dir: Path, start_ticks: int = 0) -> bool:
 def _start_ticks(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot), or 0 if it is gone."""
     return process_start_ticks(pid) or 0
-
-
-def _task_processes(task_dir: Path) -> dict[int, int]:
-    """The live processes whose environment names ``task_dir`` (the executor gives every rank
-    ``GPUHERD_TASK_DIR``; what a rank starts inherits it): pid -> process group. It names the
-    task's processes however long ago the pids in its files were written (they may be reused)."""
-    needle = f"{jobenv.TASK_DIR}={task_dir}".encode()
-    found: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        fields = process_stat(entry.name)
-        if fields is not None and fields[0] != "Z":
-            found[int(entry.name)] = int(fields[2])
-    return found
 
 
 def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
