@@ -9,6 +9,7 @@ attempt ended meanwhile.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
@@ -287,6 +288,8 @@ def reconcile(
         grace = job.preempt_grace_s if job.preempt_reason is not None and not job.cancel_requested else 0.0
         return [*out, StopTask(key, stop_reason(job), grace, report="stopped")]
     elastic = job.spec.elastic is not None
+    if elastic and not simulated:
+        out += missed_rescale(job, tasks.workers.get(key), now, events)
     if key in tasks.running:
         if key in tasks.deadline_missed:
             return [*out, StopTask(key, tasks.deadline_missed[key], report="failed")]
@@ -404,6 +407,33 @@ def sync_leases(
         if fresh or tasks.files.get((key, lease_rules.LEASES_FILE)) != text:
             out.append(WriteTaskFile(key, lease_rules.LEASES_FILE, text))
     return out
+
+
+MAX_REPORTED_WORLD = 2**31  # (as the agent's messages check a report's worlds)
+
+
+def missed_rescale(job: JobState, workers: TaskWorkers | None, now: float, events: AgentEvents) -> list[Action]:
+    """The completion of the job's rescale in flight that a worker of this task left in its folder
+    and the log does not have: its datagram came while no agent listened (a restart), and without
+    it the scheduler rolls back a rescale that happened. The id is the one the datagram's event
+    has: recorded once either way."""
+    report = workers.rescaled if workers is not None else None
+    if report is None or job.rescale is None or (report.attempt, report.generation) != (job.attempt, job.generation):
+        return []
+    world, before, rate = report.world, report.world_before, report.samples_per_s_before
+    if not (1 <= world <= MAX_REPORTED_WORLD and 0 <= before <= MAX_REPORTED_WORLD):
+        world, before, rate = len(job.workers), sum(len(a.gpus) for a in job.committed), None
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        rate = None
+    done = events.rescaled(
+        job,
+        now,
+        world=world,
+        world_before=before,
+        times=ev.complete_phase_times(report.times, fallback=report.at or now),
+        samples_per_s_before=rate,
+    )
+    return [Record(done)]
 
 
 def simulated_rescale(job: JobState, node: str, now: float, events: AgentEvents) -> list[Action]:

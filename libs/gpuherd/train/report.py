@@ -3,6 +3,10 @@
 ``report(step, loss=..., samples_per_s=...)`` sends one datagram to the agent's
 control socket (``GPUHERD_AGENT_ADDR``). It never blocks and never fails the
 job: with no agent (a script started by hand) it does nothing.
+
+A datagram sent while the agent restarts is lost. The one report the job cannot do without, a
+rescale's completion (the scheduler rolls back a rescale never reported done), is therefore also
+left in the task's folder (``RESCALE_COMPLETED_FILE``), where the agent finds it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,6 +22,9 @@ import msgspec
 from gpuherd import control, jobenv
 
 _sock: socket.socket | None = None
+
+# In the task's folder (``GPUHERD_TASK_DIR``): the last completed rescale's report (a ``RescaleReport``).
+RESCALE_COMPLETED_FILE = "rescale-completed.json"
 
 
 def _address() -> bytes | None:
@@ -33,7 +41,7 @@ def send(kind: type[control.Message], **fields: Any) -> bool:
     """One message of ``kind`` to the agent, stamped with this process's job, attempt, rank and time."""
     global _sock
     address = _address()
-    if address is None:
+    if address is None and not os.environ.get(jobenv.TASK_DIR):
         return False
     stamp: dict[str, Any] = {
         "job": os.environ.get(jobenv.JOB_ID, ""),
@@ -46,6 +54,10 @@ def send(kind: type[control.Message], **fields: Any) -> bool:
         message = msgspec.convert(stamp | fields, kind)
     except msgspec.ValidationError:
         return False  # (a bug in the sender: the agent would refuse it anyway)
+    if isinstance(message, control.RescaleReport) and message.event == "completed":
+        _keep_completion(message)
+    if address is None:
+        return False
     try:
         if _sock is None:
             _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -54,3 +66,18 @@ def send(kind: type[control.Message], **fields: Any) -> bool:
         return True
     except OSError:
         return False  # the agent is restarting or gone: training goes on
+
+
+def _keep_completion(message: control.RescaleReport) -> None:
+    """Leave the completion in the task's folder, replaced whole (the agent reads the old report or
+    the new one); a folder that cannot be written to costs only the copy."""
+    folder = os.environ.get(jobenv.TASK_DIR)
+    if not folder:
+        return
+    path = Path(folder) / RESCALE_COMPLETED_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(control.encode_message(message))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)

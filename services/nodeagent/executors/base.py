@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
+from gpuherd.control import RescaleReport
 from gpuherd.events import GpuInfo, JobSpec, Rendezvous
 from gpuherd.jobenv import ElasticPlan
 from services.nodeagent.taskfiles import WorkerDeath
@@ -57,6 +58,8 @@ class TaskWorkers(msgspec.Struct, frozen=True, kw_only=True):
 
     launched: frozenset[int] = frozenset()  # the GPUs with a worker started (at the start or by a grow)
     dead: tuple[WorkerDeath, ...] = ()  # the current worker of each GPU, if it died, as the task's shim recorded it
+    # The last rescale a worker of the task reported completed (its datagram may not have reached the agent).
+    rescaled: RescaleReport | None = None
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -30,9 +30,11 @@ from typing import TypeVar
 import msgspec
 
 from gpuherd import jobenv
+from gpuherd.control import MessageError, RescaleReport, decode_message
 from gpuherd.events import MAX_OUTPUT_TAIL
 from gpuherd.jobenv import ElasticPlan
 from gpuherd.obs import get_logger
+from gpuherd.train.report import RESCALE_COMPLETED_FILE
 from services.nodeagent import taskfiles
 from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
@@ -168,7 +170,13 @@ class ProcessExecutor(Executor):
             return
         task_dir.mkdir(parents=True, exist_ok=True)
         leftovers = [*task_dir.glob(taskfiles.GROWN_PATTERN), *task_dir.glob("*.exit")]
-        done = (taskfiles.EXIT_FILE, taskfiles.SHIM_FILE, taskfiles.STOP_FILE, taskfiles.DEAD_WORKERS_FILE)
+        done = (
+            taskfiles.EXIT_FILE,
+            taskfiles.SHIM_FILE,
+            taskfiles.STOP_FILE,
+            taskfiles.DEAD_WORKERS_FILE,
+            RESCALE_COMPLETED_FILE,
+        )
         for leftover in (*done, *(p.name for p in leftovers)):
             (task_dir / leftover).unlink(missing_ok=True)  # an elastic job back on this node in the same attempt
         procs = self._procs(launch, task_dir)
@@ -413,7 +421,9 @@ class ProcessExecutor(Executor):
         procs = _launched_procs(task_dir)
         launched = frozenset(p.gpu for p in procs if p.gpu is not None)
         dead = _read(task_dir / taskfiles.DEAD_WORKERS_FILE, tuple[WorkerDeath, ...]) or ()
-        return TaskWorkers(launched=launched, dead=_deaths_of_current_workers(dead, procs))
+        return TaskWorkers(
+            launched=launched, dead=_deaths_of_current_workers(dead, procs), rescaled=_rescale_completed(task_dir)
+        )
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -548,6 +558,16 @@ def _launched_procs(task_dir: Path) -> list[ProcLaunch]:
     grown = [p for p in sorted(task_dir.glob(taskfiles.GROWN_PATTERN)) if p.suffix != ".tmp"]
     requests = (_read(path, GrowRequest) for path in [task_dir / taskfiles.TASK_FILE, *grown])
     return [proc for request in requests if request is not None for proc in request.procs]
+
+
+def _rescale_completed(task_dir: Path) -> RescaleReport | None:
+    """The last rescale a worker of the task reported completed, as it left it in the folder (None:
+    none, or not a report this agent can read)."""
+    try:
+        message = decode_message((task_dir / RESCALE_COMPLETED_FILE).read_bytes())
+    except (OSError, MessageError):
+        return None
+    return message if isinstance(message, RescaleReport) else None
 
 
 def _deaths_of_current_workers(dead: tuple[WorkerDeath, ...], procs: list[ProcLaunch]) -> tuple[WorkerDeath, ...]:
