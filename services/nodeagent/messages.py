@@ -17,16 +17,13 @@ from gpuherd.fold import ACTIVE
 from gpuherd.log import TelemetryBus
 from gpuherd.obs import get_logger
 from services.nodeagent.executors import Executor, TaskKey
-from services.nodeagent.reconcile import launch_for
+from services.nodeagent.reconcile import checked_rescale, launch_for
 from services.nodeagent.state import AgentState
 from services.nodeagent.taskfiles import WorkerDeath
 from services.nodeagent.writer import AgentWriter
 
 log = get_logger("gpuherd.nodeagent")
 
-# The most workers a rescale report may name: beyond any cluster, and an integer every reader's
-# snapshot holds (a world of 1e23 from a job's process made every elastic snapshot raise).
-MAX_REPORTED_WORLD = 2**31
 MAX_GRAD_BYTES = 2**64 - 1  # a profile's gradient bytes, in all: what a snapshot's integers hold
 
 
@@ -114,32 +111,15 @@ class JobMessages:
         self.writer.append_soon(event)
 
     def _checked_rescale(self, key: TaskKey, message: control.RescaleReport) -> tuple[int, int, float | None] | None:
-        """The worlds and throughput of a completed rescale as the log may record them, or None to
-        drop the report. The completion itself is kept (it gives a shrink's GPUs back); what the
-        job's process says of it is checked: a throughput the elastic service divides by must be
-        finite and above 0 (else it is not recorded), and a world the agent cannot believe (outside
-        1..2**31; 0 before: a worker that had none) is replaced by the agent's own count of the
-        job's workers, without the throughput, which that world no longer vouches for."""
-        world, before, rate = message.world, message.world_before, message.samples_per_s_before
-        if rate is not None and not (math.isfinite(rate) and rate > 0):
-            log.warning("ignored a rescale report's throughput", job=key.job, samples_per_s_before=rate)
-            rate = None
-        if 1 <= world <= MAX_REPORTED_WORLD and 0 <= before <= MAX_REPORTED_WORLD:
-            return world, before, rate
-        job = self._state().jobs.get(key.job)
-        if job is None:
-            log.warning("dropped a rescale report with impossible worlds", job=key.job, world=world, before=before)
-            return None
-        known, known_before = len(job.workers), sum(len(a.gpus) for a in job.committed)
-        log.warning(
-            "a rescale report's worlds replaced by this agent's count",
-            job=key.job,
-            world=world,
-            before=before,
-            counted=known,
-            counted_before=known_before,
-        )
-        return known, known_before, None
+        """The report's worlds and throughput as the log may record them (``checked_rescale``), or
+        None to drop it; what is changed is said."""
+        reported = (message.world, message.world_before, message.samples_per_s_before)
+        checked = checked_rescale(self._state().jobs.get(key.job), *reported)
+        if checked is None:
+            log.warning("dropped a rescale report with impossible worlds", job=key.job, reported=reported)
+        elif checked != reported:
+            log.warning("a rescale report's worlds or throughput changed", job=key.job, reported=reported, kept=checked)
+        return checked
 
     def _on_worker_exit(self, key: TaskKey, message: control.WorkerExit) -> None:
         """The shim saw an elastic worker die outside a rescale (a leaving worker exits with 0)."""

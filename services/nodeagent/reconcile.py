@@ -409,7 +409,27 @@ def sync_leases(
     return out
 
 
-MAX_REPORTED_WORLD = 2**31  # (as the agent's messages check a report's worlds)
+# The most workers a rescale report may name: beyond any cluster, and an integer every reader's
+# snapshot holds (a world of 1e23 from a job's process made every elastic snapshot raise).
+MAX_REPORTED_WORLD = 2**31
+
+
+def checked_rescale(
+    job: JobState | None, world: int, before: int, rate: float | None
+) -> tuple[int, int, float | None] | None:
+    """The worlds and throughput of a completed rescale, as a job's process reported them (by
+    datagram or in its task folder), as the log may record them; None to drop the report. The
+    completion itself is kept (it gives a shrink's GPUs back); a throughput the elastic service
+    divides by must be finite and above 0 (else it is not recorded), and a world the agent cannot
+    believe (outside 1..2**31; 0 before: a worker that had none) is replaced by the agent's own count
+    of the job's workers, without the throughput, which that world no longer vouches for."""
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        rate = None
+    if 1 <= world <= MAX_REPORTED_WORLD and 0 <= before <= MAX_REPORTED_WORLD:
+        return world, before, rate
+    if job is None:
+        return None
+    return len(job.workers), sum(len(a.gpus) for a in job.committed), None
 
 
 def missed_rescale(job: JobState, workers: TaskWorkers | None, now: float, events: AgentEvents) -> list[Action]:
@@ -420,11 +440,9 @@ def missed_rescale(job: JobState, workers: TaskWorkers | None, now: float, event
     report = workers.rescaled if workers is not None else None
     if report is None or job.rescale is None or (report.attempt, report.generation) != (job.attempt, job.generation):
         return []
-    world, before, rate = report.world, report.world_before, report.samples_per_s_before
-    if not (1 <= world <= MAX_REPORTED_WORLD and 0 <= before <= MAX_REPORTED_WORLD):
-        world, before, rate = len(job.workers), sum(len(a.gpus) for a in job.committed), None
-    if rate is not None and not (math.isfinite(rate) and rate > 0):
-        rate = None
+    checked = checked_rescale(job, report.world, report.world_before, report.samples_per_s_before)
+    assert checked is not None  # (the job is known)
+    world, before, rate = checked
     done = events.rescaled(
         job,
         now,
