@@ -6,6 +6,7 @@ report's numbers that the elastic service would divide by or fail to snapshot ar
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,14 @@ def run_shim(tmp_path: Path, proc: ProcLaunch, cwd: str | None = None) -> ExitRe
     alive.touch()
     task = TaskDescription(procs=[proc], alive_file=str(alive), fence_after_s=30.0, kill_grace_s=1.0, cwd=cwd)
     (tmp_path / taskfiles.TASK_FILE).write_bytes(msgspec.json.encode(task))
-    assert Shim(tmp_path).run() == 0
+    # The shim takes SIGTERM and SIGINT for its own (it is a process of its own): given back after,
+    # or every later test's forked process inherits them (Ctrl-C then only sets the shim's flag).
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert Shim(tmp_path).run() == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     record = taskfiles.read(tmp_path / taskfiles.EXIT_FILE, ExitRecord)
     assert record is not None, "the shim wrote its exit record"
     return record
