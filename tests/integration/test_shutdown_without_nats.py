@@ -5,7 +5,6 @@ does: the reader's consumer expires when inactive, the leadership when not renew
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,31 +15,12 @@ from typing import Any
 
 import pytest
 
-from gpuherd.log import EventLog, open_log
-from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.log import open_log
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import FAST_ENV
-
-STOPS_WITHIN_S = 1.0
-
-
-async def stopped_within(task: asyncio.Task[None], stop: asyncio.Event) -> float:
-    """Set ``stop``; the seconds ``task`` took to end (it fails the test after 5 s)."""
-    started = time.monotonic()
-    stop.set()
-    await asyncio.wait_for(asyncio.shield(task), 5.0)
-    return time.monotonic() - started
-
-
-async def end(task: asyncio.Task[None], stop: asyncio.Event, log_: EventLog) -> None:
-    stop.set()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    assert isinstance(log_, JetStreamLog)
-    with contextlib.suppress(ConnectionError):  # (its unsent bytes, NATS being gone)
-        await log_.nc.close()  # not drained, which NATS gone refuses: it would go on reconnecting
+from tests.integration.stopping import STOPS_WITHIN_S, end, stopped_within
 
 
 async def test_a_leader_stopped_with_nats_gone_ends_within_a_second(local_nats: NatsServer) -> None:

@@ -1,0 +1,30 @@
+"""What the shutdown tests share: how long a stop may take, and how a test stops a service's task
+and closes its connection with NATS gone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from gpuherd.log import EventLog
+from gpuherd.log.jetstream import JetStreamLog
+
+STOPS_WITHIN_S = 1.0
+
+
+async def stopped_within(task: asyncio.Task[None], stop: asyncio.Event) -> float:
+    """Set ``stop``; the seconds ``task`` took to end (it fails the test after 5 s)."""
+    started = time.monotonic()
+    stop.set()
+    await asyncio.wait_for(asyncio.shield(task), 5.0)
+    return time.monotonic() - started
+
+
+async def end(task: asyncio.Task[None], stop: asyncio.Event, log_: EventLog) -> None:
+    stop.set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert isinstance(log_, JetStreamLog)
+    with contextlib.suppress(ConnectionError):  # (its unsent bytes, NATS being gone)
+        await log_.nc.close()  # not drained, which NATS gone refuses: it would go on reconnecting
