@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 from gpuherd.log import EventLog
 from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.natsd import NatsServer
 
 STOPS_WITHIN_S = 1.0
 
@@ -28,3 +30,27 @@ async def end(task: asyncio.Task[None], stop: asyncio.Event, log_: EventLog) -> 
     assert isinstance(log_, JetStreamLog)
     with contextlib.suppress(ConnectionError):  # (its unsent bytes, NATS being gone)
         await log_.nc.close()  # not drained, which NATS gone refuses: it would go on reconnecting
+
+
+def outage_once_lead_is_taken(log_: EventLog, server: NatsServer) -> asyncio.Event:
+    """Kill ``server`` as soon as ``log_`` takes any leadership (the service is then about to fence,
+    or to load its snapshot); the event is set once it has."""
+    taken = asyncio.Event()
+    leadership_of = log_.leadership
+
+    def leadership(name: str, holder: str) -> Any:
+        lead = leadership_of(name, holder)
+        try_acquire = lead.try_acquire
+
+        async def acquire_then_outage() -> bool:
+            ok = await try_acquire()
+            if ok:
+                server.kill()
+                taken.set()
+            return ok
+
+        lead.try_acquire = acquire_then_outage  # type: ignore[method-assign]
+        return lead
+
+    log_.leadership = leadership  # type: ignore[method-assign]
+    return taken

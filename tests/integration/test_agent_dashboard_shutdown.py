@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -22,7 +21,7 @@ from gpuherd.natsd import NatsServer
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.sim import SimExecutor
 from tests.integration.procs import FAST_ENV
-from tests.integration.stopping import STOPS_WITHIN_S, end, stopped_within
+from tests.integration.stopping import STOPS_WITHIN_S, end, outage_once_lead_is_taken, stopped_within
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,24 +44,7 @@ async def test_an_agent_stopped_as_it_takes_its_node_with_nats_gone_ends_within_
     local_nats: NatsServer,
 ) -> None:
     log_ = await open_log(local_nats.url, name="stop-agent-taking-node")
-    acquired = asyncio.Event()
-    leadership_of = log_.leadership
-
-    def leadership(name: str, holder: str) -> Any:
-        lead = leadership_of(name, holder)
-        try_acquire = lead.try_acquire
-
-        async def acquire_then_outage() -> bool:
-            ok = await try_acquire()
-            if ok:
-                local_nats.kill()  # NATS goes as the agent is about to load its snapshot
-                acquired.set()
-            return ok
-
-        lead.try_acquire = acquire_then_outage  # type: ignore[method-assign]
-        return lead
-
-    log_.leadership = leadership  # type: ignore[method-assign]
+    acquired = outage_once_lead_is_taken(log_, local_nats)  # NATS goes as the agent is about to load its snapshot
     agent = Agent(log_, "n1", SimExecutor(gpus=2), heartbeat_s=0.5)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,7 +19,7 @@ from gpuherd.natsd import NatsServer
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import FAST_ENV
-from tests.integration.stopping import STOPS_WITHIN_S, end, stopped_within
+from tests.integration.stopping import STOPS_WITHIN_S, end, outage_once_lead_is_taken, stopped_within
 
 
 async def test_a_leader_stopped_with_nats_gone_ends_within_a_second(local_nats: NatsServer) -> None:
@@ -41,24 +40,7 @@ async def test_a_runner_stopped_as_it_takes_the_lead_with_nats_gone_ends_within_
     local_nats: NatsServer,
 ) -> None:
     log_ = await open_log(local_nats.url, name="stop-taking-lead")
-    acquired = asyncio.Event()
-    leadership_of = log_.leadership
-
-    def leadership(name: str, holder: str) -> Any:
-        lead = leadership_of(name, holder)
-        try_acquire = lead.try_acquire
-
-        async def acquire_then_outage() -> bool:
-            ok = await try_acquire()
-            if ok:
-                local_nats.kill()  # NATS goes as it is about to append its fence
-                acquired.set()
-            return ok
-
-        lead.try_acquire = acquire_then_outage  # type: ignore[method-assign]
-        return lead
-
-    log_.leadership = leadership  # type: ignore[method-assign]
+    acquired = outage_once_lead_is_taken(log_, local_nats)  # NATS goes as it is about to append its fence
     runner = DeciderRunner(log_, SchedulerDecider(), instance="a")
     stop = asyncio.Event()
     task = asyncio.create_task(runner.run(stop))
