@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Union
 
 import msgspec
 
-from gpuherd.errors import EventDecodeError
+from gpuherd.errors import UNDECODABLE, EventDecodeError
 from gpuherd.events.base import CATALOGUE_GENERATION, EVENT_TYPES, UPCASTERS, Event
 
 
@@ -86,7 +86,7 @@ def decode(data: bytes) -> Event:
         event = codecs.json.decode(data)  # type: ignore[union-attr]
     except msgspec.ValidationError:
         event = None  # possibly an older shape: take the slow path
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # (msgspec raises the latter for a bad string)
+    except UNDECODABLE as exc:
         raise EventDecodeError(f"not an event: {exc}") from exc
     if event is not None and event.v == type(event).VERSION:
         return event
