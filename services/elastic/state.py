@@ -33,7 +33,7 @@ class ElasticState(ClusterState, kw_only=True, gc=False):
     elastic_active: dict[str, None] = msgspec.field(default_factory=dict)  # placed or running elastic jobs
 
 
-_MAX_GRAD_BYTES = 2**63 - 1  # (what a snapshot's integer holds)
+_MAX_GRAD_BYTES = 2**64 - 1  # (what a snapshot's integers hold, as intake and the agent bound it)
 
 
 def usable_model(compute_per_sample_s: float, grad_bytes: int) -> JobModel | None:
