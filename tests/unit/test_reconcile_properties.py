@@ -330,9 +330,23 @@ def test_what_it_starts_stops_and_records(data, history, simulated: bool) -> Non
     for stop in reported:
         assert stop.key == current and job is not None
         assert stop.report == ("failed" if current in tasks.deadline_missed and not job.stopping() else "stopped")
-    # The ends not recorded yet come first, one each, as the executor said.
+    # The ends not recorded yet come first, one each, as the executor said; each is preceded only by
+    # the deaths of that task's elastic workers that the log does not know of (died while no agent
+    # ran), so that the fold sees lost workers before the part's end.
     ends = [a for a in actions if isinstance(a, RecordEnd)]
-    assert actions[: len(ends)] == ends
+    lead: list = []
+    position = 0
+    for end in ends:
+        while isinstance(actions[position], Record) and isinstance(actions[position].event, ev.WorkerLost):
+            lost = actions[position].event
+            assert job is not None and job.spec.elastic is not None, "only an elastic job's workers are lost"
+            assert (lost.job, lost.attempt, lost.node) == (JOB, end.key.attempt, ME)
+            assert end.key == current, "a death of an attempt that is over is not news"
+            lead.append(actions[position])
+            position += 1
+        assert actions[position] == end
+        position += 1
+    assert len(lead) + len(ends) == position
     assert [e.key for e in ends] == sorted(tasks.unrecorded)
     for end in ends:
         exit_ = tasks.unrecorded[end.key]
@@ -385,10 +399,17 @@ def test_plans_files_workers_and_leases_go_only_to_the_current_task_and_only_whe
                 assert worker in job.workers and worker not in job.lost_workers
                 dead = tasks.workers[current].dead
                 assert any(d.gpu == event.gpu and d.code == event.exit_code for d in dead)
+            case Record(ev.WorkerLost() as event):
+                # A death the shim of a task that ended while no agent ran recorded: before that end.
+                assert current in tasks.unrecorded and job.spec.elastic is not None and not job.stopping()
+                worker = ev.worker_id(ME, event.gpu)
+                assert worker in job.workers and worker not in job.lost_workers
+                assert any(d.gpu == event.gpu and d.code == event.exit_code for d in tasks.workers[current].dead)
             case Record(event):
                 assert simulated and isinstance(event, ev.RescaleCompleted) and job.nodes[0] == ME
     leases = [a.event.lease for a in actions if isinstance(a, RequestLease)]
-    lost = [a.event.id for a in actions if isinstance(a, ReportLostWorker)]
+    reported = [a.event for a in actions if isinstance(a, ReportLostWorker | Record)]
+    lost = [e.id for e in reported if isinstance(e, ev.WorkerLost)]
     assert len(leases) == len(set(leases)) and len(lost) == len(set(lost))
 
 
