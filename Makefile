@@ -49,7 +49,8 @@ infra/secrets.env:
 	infra/make-secrets.sh
 
 ## test: every test but the long ones (kept under 12 minutes); test-long: those (the demo, the workflow
-## e2e, the power cut, real elastic jobs and warm-pool grows, bit-identical elastic training); .ci/run runs both
+## e2e, the short nemesis and the power cut, real elastic jobs and warm-pool grows, bit-identical elastic
+## training, real jobs on CPU agents and on leased memory, the pool under host memory pressure); .ci/run runs both
 test: install lint nemesis-tools
 	$(VENV)/bin/pytest -q -m "not long"
 

@@ -40,6 +40,7 @@ def records_of(records, kind: type) -> list:
     return [r.event for r in records if isinstance(r.event, kind)]
 
 
+@pytest.mark.long
 async def test_real_jobs_on_cpu_agents(local_nats, tmp_path) -> None:
     services = Services(local_nats.url, tmp_path, agents=2, gpus=4, executor="cpu", lost_after=10.0)
     services.start_all()

@@ -40,6 +40,7 @@ async def _wait_for(log, kind: type, timeout: float) -> list:
     return found
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 async def test_a_job_trains_on_leased_memory_gives_back_a_revoked_share_and_its_lease_is_reclaimed(
     nats_url: str, tmp_path: Path

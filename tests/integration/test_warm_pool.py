@@ -157,6 +157,7 @@ async def test_a_warm_worker_takes_over_a_grow_onto_another_node_and_the_pool_re
     assert other.pool is None and not process_alive(warm_pid, 0) and not process_alive(refilled, 0)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(available_mb() < 10_000, reason="needs 10 GiB of available memory to take 5 GiB of it")
 async def test_the_pool_gives_its_workers_back_when_the_host_needs_the_memory(tmp_path: Path) -> None:
     pool = WarmPool(2, tmp_path, min_free_mb=1024, refill_delay_s=0.0, check_s=0.2)

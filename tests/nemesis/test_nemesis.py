@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.nemesis]
 SEED = int(os.environ.get("NEMESIS_SEED", "30"))
 
 
+@pytest.mark.long
 async def test_a_short_nemesis_run_loses_nothing_and_runs_nothing_twice() -> None:
     config = NemesisConfig(seed=SEED, jobs=80, rate=2.5, faults=4, kinds=("pause", "kill", "partition", "power_loss"))
     try:
