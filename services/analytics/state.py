@@ -36,12 +36,15 @@ def features(job: JobState) -> Features:
 
 
 def demand_nodes(state: ClusterState) -> int:
-    """Nodes running anything, plus the nodes the jobs waiting for GPUs would fill."""
+    """Nodes running anything, plus the nodes the jobs waiting for GPUs would fill: what does not fit
+    the free GPUs of the busy nodes needs more nodes. (The free GPUs of an idle node are no room of
+    a node already counted: counted against the waiting GPUs, they read the idle node a waiting job
+    needs as spare, and energy saving powered it down.)"""
     busy = sum(1 for n in state.nodes.values() if n.status != "lost" and n.busy())
     waiting = sum(state.jobs[j].spec.gpus for j in state.queue if not state.jobs[j].cancel_requested)
     if not waiting:
         return busy
-    free = sum(len(n.free_gpus()) for n in state.nodes.values() if n.accepts_work())
+    free = sum(len(n.free_gpus()) for n in state.nodes.values() if n.accepts_work() and n.busy())
     per_node = max(state.max_gpus_per_node(), 1)
     return busy + math.ceil(max(0, waiting - free) / per_node)
 
