@@ -306,6 +306,8 @@ def gpu_time(jobs: pd.DataFrame) -> pd.Series:
     return jobs["gpu_seconds"].where(jobs["gpu_seconds"] > 0, asked)
 
 
+NO_VC = "default"  # the VC of a job a trace gives none (as ``traces.submissions`` submits it)
+
 # A utilization frame holds at most this many buckets (columns of 8 bytes each, one per VC): a
 # run's span over a tiny bucket, or a run of 1e15 s over an hour, asked numpy for terabytes.
 MAX_BUCKETS = 1_000_000
@@ -359,7 +361,9 @@ def utilization(
         span = end - done["start_time"]
         held = done["gpu_seconds"] / span.where(span > 0)
         gpus = held.where(held.notna() & (done["gpu_seconds"] > 0), gpus)
-    for vc, group in done.groupby("vc", sort=True):
+    # A job without a VC is submitted to "default" (``traces.submissions``): its GPUs count there, and
+    # in ``all`` (grouped by its NaN VC, it was left out of both).
+    for vc, group in done.groupby(done["vc"].fillna(NO_VC), sort=True):
         busy = _busy_gpu_seconds(
             group["start_time"].to_numpy(), end[group.index].to_numpy(), gpus[group.index].to_numpy(), edges
         )

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from services.analytics.jobs import gpu_time, utilization
+from services.analytics.jobs import NO_VC, gpu_time, utilization
 from services.analytics.traces import Trace
 
 SIZE_BINS = [(1, 1, "1"), (2, 4, "2-4"), (5, 8, "5-8"), (9, 32, "9-32"), (33, 10**9, ">32")]
@@ -149,11 +149,15 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
     else:
         note = ""
     vc_capacity = capacity or {}
-    # capacity 1 per VC: the "utilization" is then the number of busy GPUs
-    demand = utilization(started, vc_capacity or {vc: 1 for vc in started["vc"].unique()}, log_end=trace.log_end)
+    # capacity 1 per VC: the "utilization" is then the number of busy GPUs (and ``all``, a share of
+    # one GPU per VC, is made the cluster's busy GPUs again)
+    unit = {str(vc): 1 for vc in started["vc"].fillna(NO_VC).unique()}
+    demand = utilization(started, vc_capacity or unit, log_end=trace.log_end)
+    if not vc_capacity and len(demand):
+        demand["all"] *= len(unit)
     if len(demand):
         fig, ax = plt.subplots(figsize=(13, 3.8))
-        top = started.groupby("vc")["duration"].sum().sort_values(ascending=False).index[:8]
+        top = started.groupby(started["vc"].fillna(NO_VC))["duration"].sum().sort_values(ascending=False).index[:8]
         when = pd.to_datetime(demand["time"], unit="s") if trace.absolute_time else demand["time"] / 86400.0
         for vc in top:
             if str(vc) in demand:
