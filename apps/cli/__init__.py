@@ -11,7 +11,7 @@ import os
 import sys
 
 from apps.cli import accounting, analytics, config, history, jobs, nodes, ops, profile, run
-from apps.cli.common import DEFAULT_DATA_DIR, console
+from apps.cli.common import DEFAULT_DATA_DIR, console, plain
 from gpuherd.errors import GpuherdError
 
 GROUPS = (run, jobs, nodes, config, history, accounting, analytics, profile, ops)
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sys.exit(args.func(args))
     except GpuherdError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {plain(exc)}", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

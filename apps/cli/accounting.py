@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from apps.cli.common import console, fmt_time, open_cli_log, parse_when, print_json
+from apps.cli.common import console, fmt_time, open_cli_log, parse_when, plain, print_json
 from gpuherd import events as ev
 from gpuherd.errors import UNDECODABLE, EventDecodeError, GpuherdError
 from gpuherd.fold.accounting import Accounting, FinishedJob
@@ -86,7 +86,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col in group else "right")
     for row in [*report["rows"], {**dict.fromkeys(group, ""), group[0]: "total", **report["total"]}]:
         table.add_row(
-            *(str(row[k]) for k in group),
+            *(plain(row[k]) for k in group),
             f"{row['gpu_hours']:,.2f}",
             *(f"{row['jobs'][o]:,}" for o in outcomes),
             f"{row['started']:,}",
@@ -125,7 +125,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         table.add_column(col)
     for job in rows:
         elapsed = "" if job.start is None else f"{job.end - job.start:,.0f}s"
-        table.add_row(
+        cells = (
             job.job,
             job.name,
             job.user,
@@ -141,6 +141,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             f"{job.gpu_seconds / 3600:.3f}",
             job.reason,
         )
+        table.add_row(*map(plain, cells))
     console.print(table)
     return 0
 

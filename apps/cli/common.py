@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import nats.errors
 from rich.console import Console
+from rich.markup import escape
 
 from gpuherd.client import Client
 from gpuherd.errors import GpuherdError
@@ -137,6 +138,13 @@ def policy_names(text: str) -> list[str]:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+
+
+def plain(value: object) -> str:
+    """A value from the log or the command line (a job's name, a user, a reason) as rich prints it
+    as written: read as markup, a job named ``exp[lr=0.1]`` lost its brackets and one whose reason
+    held ``[/x]`` stopped the command with a MarkupError."""
+    return escape(str(value))
 
 
 def fmt_time(ts: float | None) -> str:

@@ -16,7 +16,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from apps import registry
-from apps.cli.common import console, fmt_time, open_cli_log, print_json, read_cluster, read_records
+from apps.cli.common import console, fmt_time, open_cli_log, plain, print_json, read_cluster, read_records
 from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
 from gpuherd import events as ev
@@ -86,7 +86,7 @@ def cmd_events(args: argparse.Namespace) -> int:
                     data.pop(key, None)
                 console.print(
                     f"[dim]{record.seq:>8} {fmt_time(record.event.at)}[/dim] [bold]{kind}[/bold] "
-                    f"{msgspec.json.encode(data).decode()}",
+                    f"{plain(msgspec.json.encode(data).decode())}",
                     highlight=False,
                     soft_wrap=True,
                 )
@@ -120,7 +120,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         table.add_column(col)
     for letter in letters:
         preview = letter.data[:60].decode("utf-8", errors="replace")
-        table.add_row(
+        cells = (
             letter.stream,
             str(letter.seq),
             letter.subject,
@@ -129,6 +129,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
             letter.reason,
             preview + ("..." if len(letter.data) > 60 else ""),
         )
+        table.add_row(*map(plain, cells))
     console.print(table)
     return 0
 
@@ -171,7 +172,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for col in ("seq", "event", "kind", "detail"):
             table.add_column(col)
         for m in report.mismatches:
-            table.add_row(str(m.seq), m.event_id, m.kind, m.detail)
+            table.add_row(*map(plain, (m.seq, m.event_id, m.kind, m.detail)))
         console.print(table)
     return 0 if report.ok else 1
 

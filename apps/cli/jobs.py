@@ -16,6 +16,7 @@ from apps.cli.common import (
     fmt_time,
     open_cli_log,
     parse_duration,
+    plain,
     print_json,
     read_cluster,
 )
@@ -49,6 +50,15 @@ def _starts_in(at: float | None, now: float) -> str:
     if at is None:  # (a job of unknown duration ahead of it, or more passes away than the forecast looks)
         return "no forecast"
     return f"{fmt_time(at)} (in {max(0.0, at - now):,.0f}s)"
+
+
+def where_it_is(job: JobState) -> str:
+    """Why a job is where it is now ("" if nothing says): an ended job's end, a placed or running
+    one's placement, a waiting one's return to the queue. (``job.reason`` keeps the last requeue's
+    reason once the job is placed again: "running: node n1 lost" told of an attempt that had ended.)"""
+    if job.status in TERMINAL or job.status == "pending":
+        return job.reason
+    return job.placement_reason
 
 
 def parse_depends(text: str) -> dict[str, list[str]]:
@@ -99,12 +109,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     done = "already submitted as" if verdict.duplicate else "submitted"
     if verdict.workflow is not None:
         steps = ", ".join(f"{name} {' '.join(ids)}" for name, ids in (verdict.steps or {}).items())
-        console.print(f"{done} workflow [bold]{verdict.workflow}[/bold]: {steps}", highlight=False)
+        console.print(f"{done} workflow [bold]{plain(verdict.workflow)}[/bold]: {plain(steps)}", highlight=False)
     elif verdict.array is not None:
         ids = verdict.job_ids or []
-        console.print(f"{done} array [bold]{verdict.array}[/bold]: {len(ids)} jobs {ids[0]} .. {ids[-1]}")
+        console.print(
+            f"{done} array [bold]{plain(verdict.array)}[/bold]: {len(ids)} jobs {plain(ids[0])} .. {plain(ids[-1])}"
+        )
     else:
-        console.print(f"{done} [bold]{verdict.job_id}[/bold]")
+        console.print(f"{done} [bold]{plain(verdict.job_id)}[/bold]")
     return 0
 
 
@@ -132,7 +144,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
     if client_call(args, lambda c: c.job_exists(args.job)):
         client_call(args, lambda c: c.cancel(args.job, args.reason))
-        console.print(f"cancel requested for {args.job}")
+        console.print(f"cancel requested for {plain(args.job)}")
         return 0
     state, _ = read_cluster(args)
     jobs = members(state, args.job)
@@ -140,11 +152,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         raise GpuherdError(f"no job, array or workflow {args.job!r}: see `gpuherd jobs` for the ids")
     open_jobs = [j.job for j in jobs if j.status not in TERMINAL]
     if not open_jobs:
-        console.print(f"nothing to cancel: the {len(jobs)} jobs of {args.job} have all ended")
+        console.print(f"nothing to cancel: the {len(jobs)} jobs of {plain(args.job)} have all ended")
         return 0
     client_call(args, lambda c: c.cancel_jobs(open_jobs, args.reason))
     console.print(
-        f"cancel requested for {len(open_jobs)} of the {len(jobs)} jobs of {args.job}: {', '.join(open_jobs)}"
+        f"cancel requested for {len(open_jobs)} of the {len(jobs)} jobs of {plain(args.job)}: {', '.join(open_jobs)}"
     )
     return 0
 
@@ -169,19 +181,20 @@ def cmd_why(args: argparse.Namespace) -> int:
     elif job.status == "pending":
         answer["why"] = "nothing holds it back: it is placed on the scheduler's next pass"
     else:
-        answer["why"] = job.reason or job.placement_reason or job.status
+        answer["why"] = where_it_is(job) or job.status
     if args.json:
         print_json(answer)
         return 0
     if pending is not None:
         console.print(
-            f"{job.job} ({job.spec.name}) waits: [bold]{pending.kind}[/bold] - {pending.detail}\n"
+            f"{plain(job.job)} ({plain(job.spec.name)}) waits: "
+            f"[bold]{plain(pending.kind)}[/bold] - {plain(pending.detail)}\n"
             f"position {pending.position} of {len(state.queue)} waiting jobs in {policy} order; "
             f"waiting {state.now - job.waiting_since:.0f}s\n"
             f"expected to start: {_starts_in(starts.get(job.job), state.now)}"
         )
     else:
-        console.print(f"{job.job} ({job.spec.name}) is {job.status}: {answer['why']}")
+        console.print(f"{plain(job.job)} ({plain(job.spec.name)}) is {job.status}: {plain(answer['why'])}")
     return 0
 
 
@@ -209,14 +222,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     title = f"jobs ({len(jobs)})"
     if args.workflow and jobs and jobs[0].spec.workflow_of is not None:
         title = f"workflow {jobs[0].spec.workflow_of.name} ({jobs[0].spec.workflow_of.workflow}): {len(jobs)} jobs"
-    table = Table(title=title)
+    table = Table(title=plain(title))
     columns = ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "starts")
     for col in (*columns, "nodes", "why"):
         table.add_column(col)
     for j in jobs[-args.limit :]:
         waited = (j.first_placed_at or state.now) - j.submitted_at
         nodes = ",".join(a.node for a in j.allocations)
-        why = j.reason or j.placement_reason
+        why = where_it_is(j)
         if j.job in pending:
             p = pending[j.job]
             why = f"#{p.position} {p.kind}: {p.detail}"
@@ -225,7 +238,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         gpus = str(j.gpus)
         if j.spec.elastic is not None:  # elastic: GPUs now, and its range
             gpus = f"{len(j.workers) if j.allocations else j.gpus} ({j.spec.elastic.min}..{j.spec.elastic.max})"
-        table.add_row(
+        cells = (
             j.job,
             j.spec.name,
             j.spec.user,
@@ -239,6 +252,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             nodes,
             why,
         )
+        table.add_row(*map(plain, cells))
     console.print(table)
     return 0
 
@@ -269,13 +283,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     for answer in answers:
         header = f"attempt {answer['attempt']} on {answer['node']}"
         if not answer.get("ok"):
-            console.print(f"[yellow]== {header}: {answer.get('error')}[/yellow]")
+            console.print(f"[yellow]== {plain(header)}: {plain(answer.get('error'))}[/yellow]")
             continue
         files = answer["attempts"].get(str(answer["attempt"]), {})
         if not files:
-            console.print(f"[dim]== {header}: no output[/dim]")
+            console.print(f"[dim]== {plain(header)}: no output[/dim]")
         for name, text in files.items():
-            console.print(f"[bold]== {header}: {name}[/bold]")
+            console.print(f"[bold]== {plain(header)}: {plain(name)}[/bold]")
             sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
             sys.stdout.flush()
     return 0

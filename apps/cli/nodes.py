@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import console, print_json, read_cluster
+from apps.cli.common import console, plain, print_json, read_cluster
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     for n in nodes:
         jobs = sorted({g.job for g in n.gpus if g.job})
         why = [n.reason] * bool(n.reason) + [f"GPU {g.info.index}: {g.health_reason}" for g in n.gpus if not g.healthy]
-        table.add_row(
+        cells = (
             n.node,
             n.status,
             n.power,
@@ -34,6 +34,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             ",".join(jobs)[:60],
             "; ".join(why),
         )
+        table.add_row(*map(plain, cells))
     console.print(table)
     return 0
 

@@ -59,6 +59,7 @@ def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = Fal
     """A rich table of ``rescale_rows``; ``compact``: the pause and the total only (a narrow terminal)."""
     import time
 
+    from rich.markup import escape  # (a reason is text, never markup: see apps.cli.common.plain)
     from rich.table import Table
 
     phases = ("pause_s", "total_s") if compact else PHASES
@@ -77,5 +78,5 @@ def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = Fal
             row["outcome"],
             *(phase_cell(row, p) for p in phases),
         ]
-        table.add_row(*cells, *(() if compact else (row["reason"],)))
+        table.add_row(*map(escape, cells), *(() if compact else (escape(row["reason"]),)))
     return table
