@@ -388,7 +388,7 @@ class DashboardView:
             row["why"] = waiting.why
             row["position"] = waiting.position
         else:
-            row["why"] = job.reason or job.placement_reason or job.status
+            row["why"] = _where_it_is(job) or job.status
         row["timeline"] = [msgspec.structs.asdict(e) for e in self.timelines.get(job_id, [])]
         row["rescales"] = self.rescales.get(job_id, [])
         row["leases"] = list(self.leases.get(job_id, {}).values())
@@ -548,6 +548,15 @@ class DashboardView:
                 }
             )
         return {"workflow": workflow, "name": name, "steps": out}
+
+
+def _where_it_is(job: JobState) -> str:
+    """Why a job is where it is now ("" if nothing says): an ended job's end, a placed or running
+    one's placement, a waiting one's return to the queue. (``job.reason`` keeps the last requeue's
+    reason once the job is placed again: a running job's page gave an attempt that had ended.)"""
+    if job.status in TERMINAL or job.status == "pending":
+        return job.reason
+    return job.placement_reason
 
 
 def _overall(states: Counter[str]) -> str:
