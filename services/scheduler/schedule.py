@@ -677,35 +677,51 @@ def _view(node: NodeState, usable: set[int]) -> NodeView:
 # -- backfill reservation ----------------------------------------------------------------------------
 
 
+# From these rules, the head's reservation counts the jobs the same pass placed before it: they end
+# (and give their GPUs back) as any placed job does. Before, their GPUs counted as held for ever, so
+# the head's start was reserved too late, and a job let overtake it for that start delayed it.
+PASS_PLACEMENTS_RESERVE_RULES = 12
+
+
 def _reservation(work: Pass, head: JobState) -> tuple[float | None, int]:
-    """When enough GPUs free up for the head (from running jobs' expected ends), and how many GPUs
-    are spare then. None when an end it depends on is unknown. Rules 11 count only the GPUs the head
-    can use: of nodes whose executor can run it, and for a gang split over nodes, per node."""
+    """When enough GPUs free up for the head (from the expected ends of running jobs, and of placed
+    ones, by this pass or before), and how many GPUs are spare then. None when an end it depends on
+    is unknown. Rules 11 count only the GPUs the head can use: of nodes whose executor can run it,
+    and for a gang split over nodes, per node."""
     state, free = work.state, work.free
+    placed: dict[str, tuple[ev.Allocation, ...]] = {}
+    if state.scheduling.rules >= PASS_PLACEMENTS_RESERVE_RULES:
+        placed = {p.job: p.allocations for p in work.out.placed}
     if state.scheduling.rules < 11:
-        return _reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False))
+        return _reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False), placed)
     kinds = tuple(flag for flag in (True, False) if can_run(head.spec, flag))
     if head.spec.nodes is not None:
         # Spare GPUs are not told apart by node, and one the head needs may be on any of them: only
         # jobs that end before its start overtake it.
-        return _reservation_by_node(state, head, free, kinds), 0
+        return _reservation_by_node(state, head, free, kinds, placed), 0
     available = sum(n for flag, n in work.free_total.items() if flag in kinds)
-    return _reservation_by_count(state, head, free, available, kinds)
+    return _reservation_by_count(state, head, free, available, kinds, placed)
 
 
 def _reservation_by_count(
-    state: SchedulerState, head: JobState, free: dict[str, NodeView], available: int, kinds: tuple[bool, ...]
+    state: SchedulerState,
+    head: JobState,
+    free: dict[str, NodeView],
+    available: int,
+    kinds: tuple[bool, ...],
+    placed: dict[str, tuple[ev.Allocation, ...]],
 ) -> tuple[float | None, int]:
     """The reservation by GPU count: ``available`` free GPUs now, and those of ending jobs on nodes of
-    the executor ``kinds`` that can run the head."""
+    the executor ``kinds`` that can run the head (``placed``: the pass's placements, by job)."""
     if available >= head.spec.gpus:
         return state.now, available - head.spec.gpus  # by count it fits now; the shape is what waits
     # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
     # are counted only when its end is reached (the head usually needs the first few ends, of thousands).
-    for end, group in itertools.groupby(_by_end(state, state.ends, list(state.unstarted)), key=lambda e: e[0]):
+    starting = [*state.unstarted, *placed]
+    for end, group in itertools.groupby(_by_end(state, state.ends, starting), key=lambda e: e[0]):
         if math.isinf(end):
             return None, 0
-        for gpus in sorted(_healthy_gpus(state, job, free, kinds) for _, job in group):
+        for gpus in sorted(_healthy_gpus(state, job, free, kinds, placed) for _, job in group):
             available += gpus
             if available >= head.spec.gpus:
                 return max(end, state.now), available - head.spec.gpus
@@ -713,7 +729,11 @@ def _reservation_by_count(
 
 
 def _reservation_by_node(
-    state: SchedulerState, head: JobState, free: dict[str, NodeView], kinds: tuple[bool, ...]
+    state: SchedulerState,
+    head: JobState,
+    free: dict[str, NodeView],
+    kinds: tuple[bool, ...],
+    placed: dict[str, tuple[ev.Allocation, ...]],
 ) -> float | None:
     """Rules 11, for a gang split over ``head.spec.nodes`` nodes: the first end by which enough nodes
     (of the executor ``kinds`` that can run it) each have its per-node share free. By count, GPUs
@@ -724,12 +744,13 @@ def _reservation_by_node(
     if fits_by_count(spec, free_by_node.values()):
         return state.now  # it fits now; the shape is what waits
     per_node = spec.gpus // spec.nodes  # type: ignore[operator]  # (nodes is set)
-    for end, group in itertools.groupby(_by_end(state, state.ends, list(state.unstarted)), key=lambda e: e[0]):
+    starting = [*state.unstarted, *placed]
+    for end, group in itertools.groupby(_by_end(state, state.ends, starting), key=lambda e: e[0]):
         if math.isinf(end):
             return None
         reached = False  # (the fit changes only when a node reaches the per-node share)
         for _, job in group:
-            for node_name, gpus in _healthy_gpus_by_node(state, job):
+            for node_name, gpus in _healthy_gpus_by_node(state, job, placed):
                 if node_name not in free_by_node:
                     continue  # (a node that does not accept work, or cannot run the head)
                 before = free_by_node[node_name]
@@ -751,18 +772,27 @@ def _by_end(
         yield end, jobs[job_id]
 
 
-def _healthy_gpus(state: SchedulerState, job: JobState, free: dict[str, NodeView], kinds: tuple[bool, ...]) -> int:
+def _healthy_gpus(
+    state: SchedulerState,
+    job: JobState,
+    free: dict[str, NodeView],
+    kinds: tuple[bool, ...],
+    placed: dict[str, tuple[ev.Allocation, ...]],
+) -> int:
     """The healthy GPUs ``job`` frees on nodes that accept work, of the executor ``kinds`` counted."""
     return sum(
         gpus
-        for node, gpus in _healthy_gpus_by_node(state, job)
+        for node, gpus in _healthy_gpus_by_node(state, job, placed)
         if (view := free.get(node)) is not None and view.runs_processes in kinds
     )
 
 
-def _healthy_gpus_by_node(state: SchedulerState, job: JobState) -> Iterator[tuple[str, int]]:
-    """(node, healthy GPUs) that ``job`` frees, of each of its allocations."""
-    for alloc in job.allocations:
+def _healthy_gpus_by_node(
+    state: SchedulerState, job: JobState, placed: dict[str, tuple[ev.Allocation, ...]]
+) -> Iterator[tuple[str, int]]:
+    """(node, healthy GPUs) that ``job`` frees, of each of its allocations (of a job the pass placed,
+    ``placed``'s: the state does not hold them yet)."""
+    for alloc in placed.get(job.job, job.allocations):
         node = state.nodes.get(alloc.node)
         if node is not None:
             yield alloc.node, sum(1 for i in alloc.gpus if node.gpus[i].healthy)
