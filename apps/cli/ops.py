@@ -11,9 +11,9 @@ import msgspec
 from rich.table import Table
 
 from apps import registry
-from apps.cli.common import console, nats_monitor_urls, nats_url_of, open_cli_log
+from apps.cli.common import console, nats_monitor_urls, nats_url_of, open_cli_log, plain
 from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts
-from gpuherd.errors import GpuherdError
+from gpuherd.errors import UNDECODABLE, GpuherdError
 from gpuherd.log import STATUS_BUCKET, open_log
 from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceStatus
@@ -25,11 +25,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         log_ = await open_cli_log(args)
         try:
             entries = await log_.kv_entries(STATUS_BUCKET)
-            statuses = sorted(
-                (msgspec.json.decode(v, type=ServiceStatus) for v in entries.values()),
-                key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"),
-            )
-            return {"services": statuses, "nats": await nats_overview(log_, nats_monitor_urls(args))}
+            statuses: list[ServiceStatus] = []
+            unreadable: list[dict[str, str]] = []  # garbled, or another version's: said, not a traceback
+            for key, value in sorted(entries.items()):
+                try:
+                    statuses.append(msgspec.json.decode(value, type=ServiceStatus))
+                except UNDECODABLE as exc:
+                    unreadable.append({"key": key, "error": str(exc)})
+            statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
+            nats = await nats_overview(log_, nats_monitor_urls(args))
+            return {"services": statuses, "unreadable": unreadable, "nats": nats}
         finally:
             await log_.close()
 
@@ -73,6 +78,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         if missing not in running:
             table.add_row(missing, "[red]not running[/red]", "", "", "", "", "", "")
     console.print(table)
+    for entry in view["unreadable"]:
+        console.print(
+            f"[yellow]unreadable status entry {plain(entry['key'])}:[/yellow] {plain(entry['error'])}", highlight=False
+        )
     nats_view = view["nats"]
     console.print(
         f"NATS: connected to [bold]{nats_view['server']}[/bold] ({nats_view['version']}), "
