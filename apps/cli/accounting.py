@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from apps.cli.common import console, fmt_time, open_cli_log, parse_when, plain, print_json
+from apps.cli.common import console, fmt_datetime, open_cli_log, parse_when, plain, print_json
 from gpuherd import events as ev
 from gpuherd.errors import UNDECODABLE, EventDecodeError, GpuherdError
 from gpuherd.fold.accounting import Accounting, FinishedJob
@@ -131,9 +131,9 @@ def cmd_history(args: argparse.Namespace) -> int:
             job.user,
             job.vc,
             job.state,
-            fmt_time(job.submitted),
-            fmt_time(job.start),
-            fmt_time(job.end),
+            fmt_datetime(job.submitted),
+            fmt_datetime(job.start),
+            fmt_datetime(job.end),
             elapsed,
             str(job.gpus),
             ",".join(job.nodes),

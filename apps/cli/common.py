@@ -151,6 +151,11 @@ def fmt_time(ts: float | None) -> str:
     return "" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
 
 
+def fmt_datetime(ts: float | None) -> str:
+    """A time with its date, in the local zone (a listing that spans days: ``gpuherd history``)."""
+    return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
 def name_values(items: list[str] | None) -> dict[str, float]:
     """``--param NAME=NUMBER`` options as a dict."""
     params = {}
