@@ -36,8 +36,9 @@ REVISE_SIGMA = 0.25  # ... or the spread by more than this
 class AnalyticsDecider(Decider[AnalyticsState]):
     name = "analytics"
     # 3: the duration model of trees, bursts and spreads; predictions made in the fold. 4: its bursts
-    # keep their open jobs grouped by what a revision of them depends on
-    STATE_FORMAT = 4
+    # keep their open jobs grouped by what a revision of them depends on. 5: a submission's training row
+    # holds the gap since its key's previous submission (4's rows held NaN: a refold learns otherwise)
+    STATE_FORMAT = 5
     FOLLOWS = frozenset({ev.JobSubmitted, ev.JobFinished, ev.AnalyticsTicked})
     EMITS = frozenset({ev.JobDurationPredicted, ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.AnalyticsTicked})
 

@@ -321,8 +321,10 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
 
     # -- features ---------------------------------------------------------------------------------
 
-    def features(self, f: Features, burst_id: str | None = None) -> list[float]:
-        """The feature vector of a job submitted now (``FEATURES``' order)."""
+    def features(self, f: Features, burst_id: str | None = None, previous_at: float | None = None) -> list[float]:
+        """The feature vector of a job submitted now (``FEATURES``' order). ``burst_id``: the burst it
+        joined, and ``previous_at``: the latest submission of its burst key before it (None: none);
+        without a burst, a job asked about without joining, the open burst's latest is that."""
         x = [math.log2(max(f.gpus, 1)), float(f.nodes or 0)]
         if f.at > CALENDAR_TIME_FROM_S:  # (traces that give offsets have no time of day)
             day = f.at / 86400.0
@@ -347,8 +349,12 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
             x += [math.log1p(burst.size - 1), math.log1p(max(f.at - burst.first_at, 0.0))]
         else:
             x += [0.0, 0.0]
-        last = self.bursts.get(self.open_burst.get(key, ""))
-        gap = f.at - last.last_at if last is not None and burst is not last else _NAN
+        if burst_id is None:
+            last = self.bursts.get(self.open_burst.get(key, ""))
+            previous_at = last.last_at if last is not None else None
+        # (Read once the job had joined its burst, the latest submission was the job itself: the gap
+        # of every training row was NaN, and the trees never learned from it.)
+        gap = f.at - previous_at if previous_at is not None else _NAN
         x += [math.log1p(max(gap, 0.0)) if gap == gap else _NAN, math.log1p(size), med]
         x.append(self._ladder(f)[0])
         return x
@@ -357,8 +363,10 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
 
     def submit(self, job: str, f: Features) -> Prediction:
         """Predict a job submitted now and remember its features (its training row once it finishes)."""
+        last = self.bursts.get(self.open_burst.get(f.burst_key(), ""))
+        previous_at = last.last_at if last is not None else None
         burst_id = self._join_burst(job, f)
-        x = self.features(f, burst_id)
+        x = self.features(f, burst_id, previous_at)
         mu, basis = self._mu(f, x)
         pending = self._pending(f, x, mu, basis, burst_id)
         self.pending[job] = pending
