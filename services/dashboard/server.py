@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from gpuherd.client import MAX_REASON_CHARS  # (checked here too: a 400 before any client call)
-from gpuherd.errors import GpuherdError
+from gpuherd.errors import GpuherdError, LogUnavailable
 from gpuherd.security import check_token
 from services.dashboard.view import DashboardView
 
@@ -238,7 +238,8 @@ class Routes:
 
     async def _act(self, request: web.Request, action: Callable[[str], tuple[Call, str]], default: str) -> web.Response:
         """Refused without the token; else ``action(reason)`` gives the client call and what to say
-        once made; the client's own checks answer 404 (unknown job or node) or 400."""
+        once made; the client's own checks answer 404 (unknown job or node) or 400, a log that cannot
+        take it now 503."""
         refused = self._refusal(request)
         if refused is not None:
             return refused
@@ -253,6 +254,8 @@ class Routes:
         call, done = action(reason or default)
         try:
             await call()
+        except LogUnavailable as exc:  # (the request was right; the log cannot take it now: try again)
+            return _error(503, str(exc))
         except GpuherdError as exc:
             return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
         return _json({"ok": True, "done": done})
