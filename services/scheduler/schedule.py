@@ -296,7 +296,12 @@ def candidates(work: Pass) -> Iterable[JobState]:
         skip, holds = work.skip, work.holds
 
         def able(job: JobState) -> bool:
-            return job.job not in skip and not job.cancel_requested and not (unheld and holds.check(job) is not None)
+            return (
+                job.job not in skip
+                and not job.cancel_requested
+                and not (unheld and holds.check(job) is not None)
+                and not _beyond_quota(state, job)
+            )
 
         firsts = [first for vc in full if (first := ranks.first(state, vc, able)) is not None] if preempts else []
         work.reading = ranks.order(state, without=full, keep=firsts, resume=head_found)
@@ -306,7 +311,11 @@ def candidates(work: Pass) -> Iterable[JobState]:
         policy.prepare(state)
         jobs = state.jobs
         for vc in full:
-            ids = [j for j in state.queued_by_vc[vc] if j not in work.skip and not jobs[j].cancel_requested]
+            ids = [
+                j
+                for j in state.queued_by_vc[vc]
+                if j not in work.skip and not jobs[j].cancel_requested and not _beyond_quota(state, jobs[j])
+            ]
             if ids:
                 first_ids.extend(
                     _first_unheld(work, ids) if unheld else [min(ids, key=lambda j: policy.rank(jobs[j], state))]
@@ -390,7 +399,7 @@ def check_quota(work: Pass, job: JobState, position: int) -> int | None:
         return 0
     borrowed = min(over, spec.gpus) if vc.can_borrow else None
     if borrowed is None:
-        if work.out.head is None:
+        if work.out.head is None and not _beyond_quota(work.state, job):
             work.quota_heads.setdefault(job.spec.vc, (position, job))
         # (A job larger than the whole quota, accepted before intake refused such jobs or left so by a
         # smaller quota, never starts: it holds nothing back.)
@@ -551,6 +560,22 @@ def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
     return full
 
 
+# From these rules, a waiting job larger than its VC's whole quota (accepted before the quota was
+# lowered) is not its VC's quota head: it can never start, and no preemption within its VC can make
+# room for it. Before, it took the place of the VC's first job its quota can admit, which then never
+# preempted within its VC (a job of a higher priority waited for as long as the VC's jobs ran).
+OVERSIZED_NOT_QUOTA_HEAD_RULES = 12
+
+
+def _beyond_quota(state: SchedulerState, job: JobState) -> bool:
+    """The job asks for more GPUs than its VC's whole quota (which may not be borrowed beyond), and
+    the rules in force know it cannot stand for its VC (``OVERSIZED_NOT_QUOTA_HEAD_RULES``)."""
+    if state.scheduling.rules < OVERSIZED_NOT_QUOTA_HEAD_RULES:
+        return False
+    vc = state.vcs.get(job.spec.vc)
+    return vc is not None and vc.gpu_quota is not None and not vc.can_borrow and job.spec.gpus > vc.gpu_quota
+
+
 def _reserve_quota(work: Pass, hold: QuotaHold) -> None:
     """When enough of its VC's quota frees up for the quota head (from the expected ends of the VC's
     running jobs and of those placed, by this pass or before, that have not started), and how much
@@ -592,6 +617,11 @@ def _delays_quota_head(work: Pass, job: JobState, hold: QuotaHold, position: int
 
 def _quota_detail(state: SchedulerState, job: JobState, vc_used: dict[str, int]) -> str:
     vc = state.vcs[job.spec.vc]
+    if vc.gpu_quota is not None and job.spec.gpus > vc.gpu_quota:
+        return (
+            f"this job needs {job.spec.gpus} GPUs, more than VC {vc.vc}'s whole quota of {vc.gpu_quota}, and the "
+            "VC may not borrow: it cannot start unless the quota is raised"
+        )
     return (
         f"VC {vc.vc} uses {vc_used.get(vc.vc, 0)} of its {vc.gpu_quota} GPUs; this job needs {job.spec.gpus} "
         "more and the VC may not borrow"
