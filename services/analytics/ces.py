@@ -274,6 +274,8 @@ def evaluate_sequence(
         elif not short and episode_start is not None:
             episodes.append(now - episode_start)
             episode_start = None
+    if episode_start is not None:  # still waiting when the sequence ends: an episode, as long as it went
+        episodes.append(times[-1] + 60.0 - episode_start)  # (to the end of its last minute)
     days = max((times[-1] - times[0]) / DAY_S, 1e-9)
     return CesReport(
         minutes=len(times),

@@ -74,3 +74,25 @@ def test_waiting_gpus_that_fit_the_free_gpus_of_busy_nodes_need_no_more_nodes() 
     ]
     state = _fold(AnalyticsDecider(predict=False, ces=CesParams()), events)
     assert demand_nodes(state) == 1
+
+
+def test_a_wait_still_going_when_the_sequence_ends_is_an_episode() -> None:
+    import pandas as pd
+
+    from services.analytics.ces import evaluate_sequence
+
+    # 10 nodes, 1 active for 118 minutes, then all 10 for the last 2: the controller (no buffer) has
+    # powered 9 down, and demand waits for them to the end of the sequence.
+    minutes = 120
+    seq = pd.DataFrame(
+        {
+            "t": [60.0 * m for m in range(minutes)],
+            "active": [1] * (minutes - 2) + [10, 10],
+            "total": [10] * minutes,
+        }
+    )
+    params = CesParams(buffer_nodes=0, min_interval_s=0.0, lookback_s=600.0, horizon_s=60.0)
+    report = evaluate_sequence(seq, params, decide_every_s=600.0)
+    assert report.wait_node_minutes == 18
+    assert report.waits == 1
+    assert report.mean_wait_s == 120.0  # (its two minutes, as far as the sequence goes)
