@@ -586,7 +586,7 @@ def _reserve_quota(work: Pass, hold: QuotaHold) -> None:
     starting += [job.job for job in work.placed_by_vc.get(vc, ())]
     room = hold.quota - work.vc_used.get(vc, 0)
     hold.reserved = True
-    for end, job in _by_end(state, state.ends_by_vc.get(vc, ()), starting):
+    for end, job in _by_end(state, state.ends_by_vc.get(vc, ()), starting, _victims_stopping(state, head, vc)):
         if math.isinf(end):
             return  # an end it depends on is unknown: no reservation
         room += job.held or job.spec.gpus  # (placed by this pass: holds nothing yet in the state)
@@ -748,7 +748,8 @@ def _reservation_by_count(
     # In order of (end, healthy GPUs), as the reservation always counted; the healthy GPUs of a job
     # are counted only when its end is reached (the head usually needs the first few ends, of thousands).
     starting = [*state.unstarted, *placed]
-    for end, group in itertools.groupby(_by_end(state, state.ends, starting), key=lambda e: e[0]):
+    ends = _by_end(state, state.ends, starting, _victims_stopping(state, head))
+    for end, group in itertools.groupby(ends, key=lambda e: e[0]):
         if math.isinf(end):
             return None, 0
         for gpus in sorted(_healthy_gpus(state, job, free, kinds, placed) for _, job in group):
@@ -775,7 +776,8 @@ def _reservation_by_node(
         return state.now  # it fits now; the shape is what waits
     per_node = spec.gpus // spec.nodes  # type: ignore[operator]  # (nodes is set)
     starting = [*state.unstarted, *placed]
-    for end, group in itertools.groupby(_by_end(state, state.ends, starting), key=lambda e: e[0]):
+    ends = _by_end(state, state.ends, starting, _victims_stopping(state, head))
+    for end, group in itertools.groupby(ends, key=lambda e: e[0]):
         if math.isinf(end):
             return None
         reached = False  # (the fit changes only when a node reaches the per-node share)
@@ -792,14 +794,40 @@ def _reservation_by_node(
 
 
 def _by_end(
-    state: SchedulerState, running: Iterable[tuple[float, str]], starting: list[str]
+    state: SchedulerState,
+    running: Iterable[tuple[float, str]],
+    starting: list[str],
+    stopping: dict[str, None] | None = None,
 ) -> Iterator[tuple[float, JobState]]:
     """Jobs by expected end: the running ones (kept sorted by the state) and ``starting``, placed
-    but not started (expected to end their duration from now)."""
+    but not started (expected to end their duration from now); ``stopping`` (a preemptor's victims)
+    end now, whatever they would have run."""
     jobs = state.jobs
+    if stopping:
+        running = (entry for entry in running if entry[1] not in stopping)
+        starting = [j for j in starting if j not in stopping]
     soon = sorted((state.expected_end(jobs[j], starting=True), j) for j in starting)
+    if stopping:
+        soon = sorted([*soon, *((state.now, j) for j in stopping)])
     for end, job_id in heapq.merge(running, soon) if soon else running:
         yield end, jobs[job_id]
+
+
+# From these rules, a head (or quota head) waiting for the victims it preempted counts their GPUs (or
+# quota) as free from now in its reservation: they stop within their grace. Before, they counted at
+# the victims' expected ends, so a job behind it that ends before those was let take the GPUs (or
+# quota) its preemption counted on, and was then preempted for it in turn once the victims stopped.
+VICTIMS_END_NOW_RULES = 12
+
+
+def _victims_stopping(state: SchedulerState, head: JobState, vc: str | None = None) -> dict[str, None]:
+    """The placed or running jobs (of VC ``vc``, if given) still stopping for ``head``, by the rules
+    in force (``VICTIMS_END_NOW_RULES``)."""
+    victims = state.stopping_for.get(head.job)
+    if not victims or state.scheduling.rules < VICTIMS_END_NOW_RULES:
+        return {}
+    jobs, active = state.jobs, state.active
+    return {j: None for j in victims if j in active and (vc is None or jobs[j].spec.vc == vc)}
 
 
 def _healthy_gpus(
