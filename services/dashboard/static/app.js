@@ -226,15 +226,7 @@ views.job = async (id) => {
     fmtTime(e.at), h("b", {}, e.what), e.detail, e.source,
     e.cause ? (ids.has(e.cause) ? h("a", { href: `#ev-${e.cause}`, onclick: (ev) => { ev.preventDefault(); document.getElementById(`ev-${e.cause}`)?.scrollIntoView(); } }, e.cause) : h("span", { class: "dim" }, e.cause)) : "",
     e.based_on || "", h("span", { id: `ev-${e.id}` }, e.seq)], { "data-testid": "timeline" });
-  const out = h("pre", { class: "output", "data-testid": "output" }, "loading output...");
-  api(`/api/jobs/${encodeURIComponent(id)}/output`).then(({ body }) => {
-    out.textContent = body.map((a) => {
-      if (!a.ok) return `== attempt ${a.attempt} on ${a.node}: ${a.error}`;
-      const files = (a.attempts || {})[String(a.attempt)] || {};
-      const parts = Object.entries(files).map(([name, text]) => `== attempt ${a.attempt} on ${a.node}: ${name}\n${text}`);
-      return parts.length ? parts.join("\n") : `== attempt ${a.attempt} on ${a.node}: no output`;
-    }).join("\n") || "no output (the job has not run)";
-  }).catch((err) => { out.textContent = `output unavailable: ${err.message}`; });
+  const out = jobOutput(id, `${j.status}|${j.attempt}|${j.timeline.length}`);
   const progress = j.progress || [];
   const keys = [...new Set(progress.flatMap((p) => Object.keys(p)))].filter((k) => !["at", "step"].includes(k));
   const charts = h("div", { class: "grid2" }, keys.slice(0, 4).map((k) =>
@@ -252,6 +244,34 @@ views.job = async (id) => {
     keys.length ? [h("h2", {}, "Progress"), charts] : null,
     h("h2", {}, "Output"), out);
 };
+
+// A job's output is kept between redraws of its page: the page redraws at every change of the log or
+// of telemetry (several a second on a busy cluster), and fetching it at each asked every agent the
+// job ran on for it again and showed "loading output..." in between. It is fetched again when the job
+// moves on (status, attempt, timeline) and, while nothing else changes, at most every OUTPUT_REFRESH_MS.
+const OUTPUT_REFRESH_MS = 3000;
+let kept = { id: null, key: null, at: 0, text: null, el: null, asked: 0 };
+
+function jobOutput(id, key) {
+  if (kept.id !== id) kept = { id, key: null, at: 0, text: null, el: null, asked: 0 };
+  const out = h("pre", { class: "output", "data-testid": "output" }, kept.text ?? "loading output...");
+  kept.el = out; // (an answer still on its way goes into the page shown now)
+  if (kept.key !== key || Date.now() - kept.at >= OUTPUT_REFRESH_MS) {
+    kept.key = key;
+    kept.at = Date.now();
+    const mine = kept, n = ++kept.asked;
+    const show = (text) => { if (mine.asked === n) { mine.text = text; mine.el.textContent = text; } }; // (the latest answer only)
+    api(`/api/jobs/${encodeURIComponent(id)}/output`).then(({ body }) => {
+      show(body.map((a) => {
+        if (!a.ok) return `== attempt ${a.attempt} on ${a.node}: ${a.error}`;
+        const files = (a.attempts || {})[String(a.attempt)] || {};
+        const parts = Object.entries(files).map(([name, text]) => `== attempt ${a.attempt} on ${a.node}: ${name}\n${text}`);
+        return parts.length ? parts.join("\n") : `== attempt ${a.attempt} on ${a.node}: no output`;
+      }).join("\n") || "no output (the job has not run)");
+    }).catch((err) => { show(`output unavailable: ${err.message}`); });
+  }
+  return out;
+}
 
 views.nodes = async () => {
   const { body: nodes } = await api("/api/nodes");
