@@ -447,8 +447,23 @@ def submissions(trace: Trace, *, start: float = 0.0) -> Iterator[ev.JobSubmitted
     (a ``sim`` job), asks for its whole GPUs, and keeps the trace's user, name and VC."""
     origin = trace.origin
     jobs = trace.jobs
+    # One id per trace id: two trace ids of one token ("a.b", "a_b") were one intake id, and intake
+    # took the second job for the first submitted again (dropped, unsaid). The later one gets "-2",
+    # "-3"... (the first keeps its id, and the estimates given for it). An id the trace itself repeats
+    # stays one id: intake judges a resubmission.
+    ids: dict[str, str] = {}  # trace id -> its job id
+    used: set[str] = set()
     for row in jobs.itertuples(index=False):
-        job = job_id_for(str(row.job_id))
+        trace_id = str(row.job_id)
+        job = ids.get(trace_id)
+        if job is None:
+            job = job_id_for(trace_id)
+            n = 2
+            while job in used:
+                job = f"{job_id_for(trace_id)}-{n}"
+                n += 1
+            ids[trace_id] = job
+            used.add(job)
         spec = ev.JobSpec(
             name=str(row.name) if not pd.isna(row.name) else "",
             user=str(row.user) if not pd.isna(row.user) else "",
