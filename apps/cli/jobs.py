@@ -269,7 +269,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if not placed:
                 raise GpuherdError(f"job {args.job} has never been placed, so it has no output yet")
             if args.attempt is not None:
+                attempts = sorted({p.attempt for p in placed})
                 placed = [p for p in placed if p.attempt == args.attempt]
+                if not placed:
+                    raise GpuherdError(
+                        f"job {args.job} has no attempt {args.attempt}; its attempts: "
+                        + ", ".join(str(a) for a in attempts)
+                    )
             placements = [(p.attempt, [a.node for a in p.allocations]) for p in placed]
             answers = await fetch_output(log_, args.job, placements, max_bytes=args.bytes)
             return answers

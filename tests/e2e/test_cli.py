@@ -126,6 +126,8 @@ def test_cli_round_trip(running_cluster, tmp_path) -> None:
     wait_for(lambda: status(hello_id) == "completed")
     logs = cli(data, "logs", hello_id).stdout
     assert "attempt 0 on cpu-1: rank-0.log" in logs and "hi" in logs.splitlines()
+    no_attempt = cli(data, "logs", hello_id, "--attempt", "7", check=False)
+    assert no_attempt.returncode == 2 and f"job {hello_id} has no attempt 7; its attempts: 0" in no_attempt.stdout
     wait_for(lambda: status(long_id) == "running")
     table = cli(data, "jobs").stdout
     assert "long" in table and "running" in table
