@@ -13,10 +13,10 @@ from rich.table import Table
 from apps import registry
 from apps.cli.common import console, nats_monitor_urls, nats_url_of, open_cli_log, plain
 from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts
-from gpuherd.errors import UNDECODABLE, GpuherdError
+from gpuherd.errors import GpuherdError
 from gpuherd.log import STATUS_BUCKET, open_log
 from gpuherd.log.health import nats_overview
-from gpuherd.metrics import ServiceStatus
+from gpuherd.metrics import read_statuses
 from gpuherd.security import check_token
 
 
@@ -24,15 +24,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     async def run() -> dict[str, Any]:
         log_ = await open_cli_log(args)
         try:
-            entries = await log_.kv_entries(STATUS_BUCKET)
-            statuses: list[ServiceStatus] = []
-            unreadable: list[dict[str, str]] = []  # garbled, or another version's: said, not a traceback
-            for key, value in sorted(entries.items()):
-                try:
-                    statuses.append(msgspec.json.decode(value, type=ServiceStatus))
-                except UNDECODABLE as exc:
-                    unreadable.append({"key": key, "error": str(exc)})
-            statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
+            statuses, unreadable = read_statuses(await log_.kv_entries(STATUS_BUCKET))
             nats = await nats_overview(log_, nats_monitor_urls(args))
             return {"services": statuses, "unreadable": unreadable, "nats": nats}
         finally:

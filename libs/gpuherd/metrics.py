@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpuherd.aio import serve_until_signal
+from gpuherd.errors import UNDECODABLE
 from gpuherd.log import STATUS_BUCKET, EventLog
 from gpuherd.obs import get_logger
 
@@ -275,6 +276,21 @@ class ServiceStatus(msgspec.Struct, kw_only=True):
     metrics_url: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0
+
+
+def read_statuses(entries: dict[str, bytes]) -> tuple[list[ServiceStatus], list[dict[str, str]]]:
+    """The statuses of ``herd_services``' entries (key -> value), services first and leaders before
+    standbys, and the entries that cannot be read (garbled, or written by another version of a
+    service during an upgrade), each named with its error: said, never a traceback."""
+    statuses: list[ServiceStatus] = []
+    unreadable: list[dict[str, str]] = []
+    for key, value in sorted(entries.items()):
+        try:
+            statuses.append(msgspec.json.decode(value, type=ServiceStatus))
+        except UNDECODABLE as exc:
+            unreadable.append({"key": key, "error": str(exc)})
+    statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
+    return statuses, unreadable
 
 
 async def status_reporter(

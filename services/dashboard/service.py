@@ -30,11 +30,10 @@ from aiohttp import web
 
 from gpuherd.aio import serve_until_signal
 from gpuherd.client import Client
-from gpuherd.errors import UNDECODABLE
 from gpuherd.explain import QueueExplainer
 from gpuherd.log import STATUS_BUCKET, EventLog, Record, open_log
 from gpuherd.log.health import nats_overview
-from gpuherd.metrics import ServiceMetrics, ServiceStatus, status_reporter
+from gpuherd.metrics import ServiceMetrics, read_statuses, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from gpuherd.runtime.audit import audit
@@ -176,15 +175,7 @@ class Dashboard:
                 await asyncio.sleep(2.0)
 
     async def services(self) -> dict[str, Any]:
-        entries = await self.log.kv_entries(STATUS_BUCKET)
-        statuses: list[ServiceStatus] = []
-        unreadable: list[dict[str, str]] = []  # an entry of another version, or garbled: said, not a 500
-        for key, value in sorted(entries.items()):
-            try:
-                statuses.append(msgspec.json.decode(value, type=ServiceStatus))
-            except UNDECODABLE as exc:
-                unreadable.append({"key": key, "error": str(exc)})
-        statuses.sort(key=lambda s: (s.service.startswith("agent-"), s.service, s.role != "leader"))
+        statuses, unreadable = read_statuses(await self.log.kv_entries(STATUS_BUCKET))
         dead = await self.log.dead_letters()
         nats = await nats_overview(self.log) if hasattr(self.log, "js") else {"streams": []}
         return {
