@@ -23,6 +23,14 @@ def _submitted(job: str, gpus: int, at: float) -> ev.JobSubmitted:
     return ev.JobSubmitted(id=f"sub-{job}", at=at, source="t", job=job, spec=spec, intake_source="t")
 
 
+def _running_on_n0(gpus: int) -> list[ev.Event]:
+    """A job of ``gpus`` GPUs submitted and placed on n0's first GPUs."""
+    placed = ev.JobPlaced(
+        id="p", at=2.0, source="t", job="running", attempt=0, allocations=(ev.Allocation("n0", tuple(range(gpus))),)
+    )
+    return [_submitted("running", gpus, 1.0), placed]
+
+
 def _fold(decider: AnalyticsDecider, events: list[ev.Event]):
     state = decider.initial_state()
     for seq, event in enumerate(events, 1):
@@ -36,15 +44,7 @@ def test_a_waiting_job_counts_the_idle_node_it_would_fill_and_that_node_stays_on
     # saving with no buffer powers down one idle node, not both.
     events = [
         *_cluster(3, 8),
-        _submitted("running", 8, 1.0),
-        ev.JobPlaced(
-            id="p",
-            at=2.0,
-            source="t",
-            job="running",
-            attempt=0,
-            allocations=(ev.Allocation("n0", tuple(range(8))),),
-        ),
+        *_running_on_n0(8),
         _submitted("waiting", 8, 3.0),
     ]
     params = CesParams(buffer_nodes=0, lookback_s=600.0, sample_s=60.0, min_interval_s=0.0)
@@ -61,15 +61,7 @@ def test_waiting_gpus_that_fit_the_free_gpus_of_busy_nodes_need_no_more_nodes() 
     # n0 holds a 4-GPU job (4 free); a 4-GPU job waits: it fits n0, demand stays 1 node.
     events = [
         *_cluster(2, 8),
-        _submitted("running", 4, 1.0),
-        ev.JobPlaced(
-            id="p",
-            at=2.0,
-            source="t",
-            job="running",
-            attempt=0,
-            allocations=(ev.Allocation("n0", (0, 1, 2, 3)),),
-        ),
+        *_running_on_n0(4),
         _submitted("waiting", 4, 3.0),
     ]
     state = _fold(AnalyticsDecider(predict=False, ces=CesParams()), events)
