@@ -51,8 +51,10 @@ def device_peaks(device: torch.device, dtype: torch.dtype, *, cache: Path | None
     path = cache if cache is not None else default_cache()
     key = f"{device_name(device)}|{dtype}|torch {torch.__version__}"
     known = _read(path)
-    if key in known:
+    try:
         return DevicePeaks(**known[key])
+    except (KeyError, TypeError):  # not measured yet, or an entry of another shape: measure
+        pass
     peaks = measure_peaks(device, dtype)
     known[key] = asdict(peaks)
     try:
@@ -67,9 +69,10 @@ def device_peaks(device: torch.device, dtype: torch.dtype, *, cache: Path | None
 
 def _read(path: Path) -> dict[str, dict]:
     try:
-        return json.loads(path.read_text())
+        known = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return known if isinstance(known, dict) else {}  # JSON, but not the cache's table
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype, *, repeats: int = 5) -> DevicePeaks:

@@ -65,8 +65,19 @@ Phase = Literal["forward", "backward"]
 LossFn = Callable[[Any], torch.Tensor]
 
 OUTSIDE = "(loss, autograd, glue)"
-# Ops that move no data worth counting (metadata, or a fresh tensor the next op writes anyway).
-_FREE_OPS = {"aten::detach", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh"}
+# Ops that move no data worth counting (metadata, an alias torch does not flag as a view, or a fresh
+# tensor the next op writes anyway). ``_unsafe_view`` is how matmul and linear fold the leading
+# dimensions of a >2-D input back: a view in all but name.
+_FREE_OPS = {
+    "aten::detach",
+    "aten::_unsafe_view",
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::lift_fresh",
+}
 
 
 def _conv_backward_flops(
@@ -345,6 +356,9 @@ def _profiling_mode(model: nn.Module) -> Iterator[None]:
     inplace = [m for m in model.modules() if getattr(m, "inplace", False) is True]
     for m in inplace:
         m.inplace = False
+    # Registering a full backward hook marks the module for good (``_is_full_backward_hook``), and
+    # a marked module refuses ``register_backward_hook`` ever after: the mark is put back too.
+    backward_kind = [(m, m._is_full_backward_hook) for m in model.modules()]
     try:
         with warnings.catch_warnings():
             # A module none of whose inputs needs a gradient fires its backward hook early: its
@@ -354,6 +368,8 @@ def _profiling_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m in inplace:
             m.inplace = True
+        for m, kind in backward_kind:
+            m._is_full_backward_hook = kind
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -381,15 +397,15 @@ class _Timer:
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        handles = []
-        for index, (_, module) in enumerate(self.modules):
-            handles += [
-                module.register_forward_pre_hook(lambda *_, i=index: self._mark(i, "f0")),
-                module.register_forward_hook(lambda *_, i=index: self._mark(i, "f1")),
-                module.register_full_backward_pre_hook(lambda *_, i=index: self._mark(i, "b0")),
-                module.register_full_backward_hook(lambda *_, i=index: self._mark(i, "b1")),
-            ]
-        try:
+        handles: list[Any] = []
+        try:  # (a registration that fails must not leave the earlier ones on the model)
+            for index, (_, module) in enumerate(self.modules):
+                handles += [
+                    module.register_forward_pre_hook(lambda *_, i=index: self._mark(i, "f0")),
+                    module.register_forward_hook(lambda *_, i=index: self._mark(i, "f1")),
+                    module.register_full_backward_pre_hook(lambda *_, i=index: self._mark(i, "b0")),
+                    module.register_full_backward_hook(lambda *_, i=index: self._mark(i, "b1")),
+                ]
             yield
         finally:
             for handle in handles:
@@ -453,7 +469,10 @@ class _Counter(TorchDispatchMode):
         self.param_ptrs: set[int] = set()
 
     def _top(self) -> tuple[int, Phase]:
-        return self.stack[-1] if self.stack else (-1, "backward" if torch.is_grad_enabled() else "forward")
+        # Outside every module: backward while the autograd engine runs a graph task (grad mode
+        # says nothing here: it is on in the forward and off in the backward).
+        in_backward = torch._C._current_graph_task_id() >= 0
+        return self.stack[-1] if self.stack else (-1, "backward" if in_backward else "forward")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -495,15 +514,15 @@ class _Counter(TorchDispatchMode):
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         self.param_ptrs = {p.untyped_storage().data_ptr() for _, m in self.modules for p in m.parameters()}
-        handles = []
-        for index, (_, module) in enumerate(self.modules):
-            handles += [
-                module.register_forward_pre_hook(lambda *_, i=index: self._enter(i, "forward")),
-                module.register_forward_hook(lambda *_, i=index: self._leave(i, "forward")),
-                module.register_full_backward_pre_hook(lambda *_, i=index: self._enter(i, "backward")),
-                module.register_full_backward_hook(lambda *_, i=index: self._leave(i, "backward")),
-            ]
-        try:
+        handles: list[Any] = []
+        try:  # (a registration that fails must not leave the earlier ones on the model)
+            for index, (_, module) in enumerate(self.modules):
+                handles += [
+                    module.register_forward_pre_hook(lambda *_, i=index: self._enter(i, "forward")),
+                    module.register_forward_hook(lambda *_, i=index: self._leave(i, "forward")),
+                    module.register_full_backward_pre_hook(lambda *_, i=index: self._enter(i, "backward")),
+                    module.register_full_backward_hook(lambda *_, i=index: self._leave(i, "backward")),
+                ]
             with self, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
