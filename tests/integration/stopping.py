@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from gpuherd.log import EventLog
@@ -54,3 +58,23 @@ def outage_once_lead_is_taken(log_: EventLog, server: NatsServer) -> asyncio.Eve
 
     log_.leadership = leadership  # type: ignore[method-assign]
     return taken
+
+
+async def sigterm_with_nats_away(
+    process: subprocess.Popen[bytes], server: NatsServer, outage: str, output: Path, *, wait_s: float
+) -> None:
+    """Take NATS away (``outage``: "killed", or "frozen": connected and nothing answers), then
+    SIGTERM ``process``: it must end cleanly within ``STOPS_WITHIN_S`` (``output``: its output, shown
+    when it does not)."""
+    assert server.proc is not None
+    if outage == "killed":
+        server.kill()
+    else:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+    await asyncio.sleep(0.5)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    returncode = await asyncio.to_thread(process.wait, wait_s)
+    took = time.monotonic() - started
+    assert returncode == 0, output.read_text()[-2000:]
+    assert took < STOPS_WITHIN_S, f"ended {took:.2f} s after SIGTERM"

@@ -21,7 +21,13 @@ from gpuherd.natsd import NatsServer
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.sim import SimExecutor
 from tests.integration.procs import FAST_ENV
-from tests.integration.stopping import STOPS_WITHIN_S, end, outage_once_lead_is_taken, stopped_within
+from tests.integration.stopping import (
+    STOPS_WITHIN_S,
+    end,
+    outage_once_lead_is_taken,
+    sigterm_with_nats_away,
+    stopped_within,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,18 +110,7 @@ async def test_an_agent_or_dashboard_process_ends_within_a_second_of_sigterm_wit
             page = await browser.get((tmp_path / "dashboard.url").read_text() + "api/stream")
             assert b"event: change" in await page.content.readline()
         await asyncio.sleep(0.5)  # its loops have begun
-        assert server.proc is not None
-        if outage == "killed":
-            server.kill()
-        else:
-            os.kill(server.proc.pid, signal.SIGSTOP)  # connected, and nothing answers
-        await asyncio.sleep(0.5)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        returncode = await asyncio.to_thread(process.wait, 20)
-        took = time.monotonic() - started
-        assert returncode == 0, output.read_text()[-2000:]
-        assert took < STOPS_WITHIN_S, f"ended {took:.2f} s after SIGTERM"
+        await sigterm_with_nats_away(process, server, outage, output, wait_s=20)
     finally:
         await browser.close()
         if process.poll() is None:

@@ -19,7 +19,13 @@ from gpuherd.natsd import NatsServer
 from gpuherd.runtime.runner import DeciderRunner
 from services.scheduler.decide import SchedulerDecider
 from tests.integration.procs import FAST_ENV
-from tests.integration.stopping import STOPS_WITHIN_S, end, outage_once_lead_is_taken, stopped_within
+from tests.integration.stopping import (
+    STOPS_WITHIN_S,
+    end,
+    outage_once_lead_is_taken,
+    sigterm_with_nats_away,
+    stopped_within,
+)
 
 
 async def test_a_leader_stopped_with_nats_gone_ends_within_a_second(local_nats: NatsServer) -> None:
@@ -66,18 +72,7 @@ async def test_a_decider_process_ends_within_a_second_of_sigterm_with_nats_away(
         while b"caught up" not in output.read_bytes():
             assert process.poll() is None and time.monotonic() < deadline, output.read_text()[-2000:]
             await asyncio.sleep(0.1)
-        assert server.proc is not None
-        if outage == "killed":
-            server.kill()
-        else:
-            os.kill(server.proc.pid, signal.SIGSTOP)  # connected, and nothing answers
-        await asyncio.sleep(0.5)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        returncode = await asyncio.to_thread(process.wait, 15)
-        took = time.monotonic() - started
-        assert returncode == 0, output.read_text()[-2000:]
-        assert took < STOPS_WITHIN_S, f"ended {took:.2f} s after SIGTERM"  # 7.5 s killed, 12.5 s frozen
+        await sigterm_with_nats_away(process, server, outage, output, wait_s=15)  # it took 7.5 s killed, 12.5 s frozen
     finally:
         if process.poll() is None:
             process.kill()
