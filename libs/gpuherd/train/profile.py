@@ -395,21 +395,8 @@ class _Timer:
         else:
             self.marks.append((index, what, time.perf_counter()))
 
-    @contextlib.contextmanager
-    def hooks(self) -> Iterator[None]:
-        handles: list[Any] = []
-        try:  # (a registration that fails must not leave the earlier ones on the model)
-            for index, (_, module) in enumerate(self.modules):
-                handles += [
-                    module.register_forward_pre_hook(lambda *_, i=index: self._mark(i, "f0")),
-                    module.register_forward_hook(lambda *_, i=index: self._mark(i, "f1")),
-                    module.register_full_backward_pre_hook(lambda *_, i=index: self._mark(i, "b0")),
-                    module.register_full_backward_hook(lambda *_, i=index: self._mark(i, "b1")),
-                ]
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    def hooks(self) -> contextlib.AbstractContextManager[None]:
+        return _edge_hooks(self.modules, self._mark)
 
     def reset(self) -> None:
         self.marks.clear()
@@ -514,20 +501,39 @@ class _Counter(TorchDispatchMode):
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         self.param_ptrs = {p.untyped_storage().data_ptr() for _, m in self.modules for p in m.parameters()}
-        handles: list[Any] = []
-        try:  # (a registration that fails must not leave the earlier ones on the model)
-            for index, (_, module) in enumerate(self.modules):
-                handles += [
-                    module.register_forward_pre_hook(lambda *_, i=index: self._enter(i, "forward")),
-                    module.register_forward_hook(lambda *_, i=index: self._leave(i, "forward")),
-                    module.register_full_backward_pre_hook(lambda *_, i=index: self._enter(i, "backward")),
-                    module.register_full_backward_hook(lambda *_, i=index: self._leave(i, "backward")),
-                ]
-            with self, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        with (
+            _edge_hooks(self.modules, self._edge),
+            self,
+            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t),
+        ):
+            yield
+
+    def _edge(self, index: int, edge: str) -> None:
+        phase: Phase = "forward" if edge[0] == "f" else "backward"
+        if edge[1] == "0":
+            self._enter(index, phase)
+        else:
+            self._leave(index, phase)
+
+
+@contextlib.contextmanager
+def _edge_hooks(modules: list[tuple[str, nn.Module]], on_edge: Callable[[int, str], None]) -> Iterator[None]:
+    """Call ``on_edge(module index, edge)`` at each module's edges ("f0"/"f1": its forward begins/
+    ends, "b0"/"b1": its backward) while inside; every hook is removed on leaving, also when a
+    registration fails part way (none may stay on the model)."""
+    handles: list[Any] = []
+    try:
+        for index, (_, module) in enumerate(modules):
+            handles += [
+                module.register_forward_pre_hook(lambda *_, i=index: on_edge(i, "f0")),
+                module.register_forward_hook(lambda *_, i=index: on_edge(i, "f1")),
+                module.register_full_backward_pre_hook(lambda *_, i=index: on_edge(i, "b0")),
+                module.register_full_backward_hook(lambda *_, i=index: on_edge(i, "b1")),
+            ]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # -- rows ------------------------------------------------------------------------------------------
