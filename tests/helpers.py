@@ -5,13 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gpuherd import events as ev
 from gpuherd.log import EventLog, Record
 
 _ids = itertools.count(1)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (polling every 10 ms) until ``predicate()`` holds; fail the test after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def node(

@@ -4,7 +4,6 @@ backup, while the snapshot bucket survived) describes another log: the agent mus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -15,16 +14,9 @@ from gpuherd.runtime.snapshots import save_snapshot
 from services.nodeagent.agent import Agent
 from services.nodeagent.executors.sim import SimExecutor
 from services.nodeagent.state import STATE_FORMAT, new_state
-from tests.helpers import node
+from tests.helpers import node, until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_an_agent_snapshot_beyond_the_logs_head_is_dropped_and_the_state_rebuilt_from_the_log() -> None:

@@ -21,14 +21,7 @@ from gpuherd.runtime.decider import cause_seq_of
 from gpuherd.runtime.runner import DeciderRunner
 from gpuherd.runtime.snapshots import load_snapshot
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import ended, finish, node, submit
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.helpers import ended, finish, node, submit, until
 
 
 def placements(log: InProcessLog) -> list[ev.JobPlaced]:

@@ -13,14 +13,7 @@ from gpuherd.runtime.core import DecisionCore
 from gpuherd.runtime.runner import DeciderRunner
 from gpuherd.runtime.snapshots import save_snapshot
 from services.scheduler.decide import SchedulerDecider
-from tests.helpers import node
-
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+from tests.helpers import node, until
 
 
 async def test_a_snapshot_beyond_the_logs_head_is_dropped_and_the_state_rebuilt_from_the_log() -> None:
