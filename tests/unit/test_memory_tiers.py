@@ -4,6 +4,7 @@ host and are acknowledged to the agent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -59,6 +60,45 @@ def test_offloading_saved_activations_to_host_gives_bit_identical_gradients() ->
     assert tiers.stats.prefetched > 0  # backward brought layers back one ahead
     assert tiers.stats.kept_bytes > 0  # small tensors and parameters stay
     assert pool.live_front == 0 and pool.front == 0  # the step's blocks all came back when the graph died
+
+
+def mlp_blocks(blocks: int = 12, width: int = 256) -> nn.Module:
+    """Blocks of a Linear and two thin layers, each saving one tensor of the same size."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("prefetch_layers", [1.0, 4.0])
+def test_backward_reloads_a_window_of_layers_ahead_and_stays_bit_identical(prefetch_layers: float) -> None:
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(2))
+
+    def gradients(tiers: MemoryTiers | None) -> list[torch.Tensor]:
+        model = mlp_blocks()
+        with tiers.saved_tensors(model) if tiers is not None else contextlib.nullcontext():
+            loss = model(x).square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = gradients(None)
+    tiers = MemoryTiers("cpu", min_bytes=64 * 1024, prefetch_layers=prefetch_layers)
+    tiers.add_host(64)
+    assert all(torch.equal(a, b) for a, b in zip(reference, gradients(tiers), strict=True))
+    tensor = 512 * 256 * 4  # each offloaded saved tensor: one per layer here
+    assert tiers.stats.offloaded_bytes >= 30 * tensor
+    # As many layers ahead as asked (the window is under an eighth of what went), never more than
+    # one layer over it: a thin layer's reload no longer starts only when that layer does.
+    assert tiers.stats.ahead_peak_bytes >= prefetch_layers * tensor
+    assert tiers.stats.ahead_peak_bytes <= (prefetch_layers + 1) * tensor
+    # Only the last layer's come back on demand (its LayerNorm's input and the loss's): backward begins there.
+    assert tiers.stats.reloaded_on_demand == 2
+
+
+def test_prefetch_layers_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefetch_layers"):
+        MemoryTiers("cpu", prefetch_layers=0.5)
 
 
 def test_a_full_pool_offloads_what_fits_and_keeps_the_rest_still_bit_identical() -> None:

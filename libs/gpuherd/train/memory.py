@@ -24,8 +24,10 @@ Use::
 Saved tensors go to the fastest pool with room (neighbors first, then host; none: they stay);
 tensors smaller than ``min_bytes`` and parameters stay. Copies run on a side stream, at most
 ``copies_in_flight`` behind the compute (more would keep their sources on the device); in backward,
-reaching layer *L* starts bringing back layer *L-1* (one layer ahead), so the copy overlaps the
-layer's compute, and the optimizer's state comes back beside those reloads, ready for ``step()``
+reaching layer *L* starts bringing back the layers below it, ``prefetch_layers`` average layers' bytes
+ahead (at least one layer, at most an eighth of what the step offloaded), so the copies overlap the
+compute of the layers before them, and the optimizer's state comes back beside those reloads, ready
+for ``step()``
 (``state_in_backward=False``: at ``step()``, where backward's peak has no room for it, or where
 gradients accumulate over several backwards before one ``step()``: each would bring it back again).
 With ``keep_mb``, the newest saved tensors of a step, at least that many MiB, stay on the device:
@@ -180,6 +182,7 @@ class _Saved:
     requires_grad: bool
     reloaded: torch.Tensor | None = None
     ready: Any = None  # a CUDA event: the reload copy is done
+    ahead: bool = False  # reloaded ahead of its use (counted in the prefetch window)
 
 
 @dataclass
@@ -190,6 +193,7 @@ class TierStats:
     kept_from_layer: int | None = None  # keep_mb: the layer from which this step's saved tensors stayed
     prefetched: int = 0
     reloaded_on_demand: int = 0
+    ahead_peak_bytes: int = 0  # the most bytes backward had reloaded ahead of their use, this step
     state_early_bytes: int = 0  # optimizer state brought back during backward, this step
     by_tier: dict[str, int] = field(default_factory=dict)
 
@@ -218,17 +222,25 @@ class MemoryTiers:
         copies_in_flight: int = 2,
         keep_mb: float = 0.0,
         state_in_backward: bool = True,
+        prefetch_layers: float = 4.0,
     ) -> None:
         if copies_in_flight < 1:
             raise ValueError(f"copies_in_flight must be at least 1, got {copies_in_flight}")
         if keep_mb < 0:
             raise ValueError(f"keep_mb must not be negative, got {keep_mb}")
+        if not prefetch_layers >= 1:
+            raise ValueError(f"prefetch_layers must be at least 1, got {prefetch_layers}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_bytes = min_bytes
         self.copies_in_flight = copies_in_flight
         self.keep_bytes = int(keep_mb * MiB)
+        # Backward's reloads run this far ahead. One layer ahead was not enough: a thin layer (an
+        # activation, a norm) computes in a fraction of its reload's time, so the next layer's
+        # reload, started only when the thin one began, stalled the compute (an MLP of Linear,
+        # GELU, LayerNorm blocks on an H100: backward 774 ms against 526 ms of compute).
+        self.prefetch_layers = prefetch_layers
         # Optimizer state back during backward (its size on the device from then on), else at step()
         self.state_in_backward = state_in_backward
         self._offload_limit: int | None = None  # this step's most offloaded bytes (None: no limit)
@@ -238,6 +250,9 @@ class MemoryTiers:
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
         self._layer = 0
         self._by_layer: dict[int, list[weakref.ref[_Saved]]] = {}
+        self._prefetch_window = 0  # bytes backward keeps reloaded ahead (0: not worked out yet this step)
+        self._ahead = 0  # bytes reloaded ahead and not yet taken by autograd
+        self._prefetched_down_to: int | None = None  # the lowest layer brought back so far this backward
         self._optimizer_state: list[tuple[dict, str, Block]] = []
         self._lease_file: Path | None = None
         self._lease_mtime = 0.0
@@ -318,6 +333,8 @@ class MemoryTiers:
                     handles.append(module.register_forward_pre_hook(self._next_layer))
         self._layer = 0
         self._by_layer.clear()
+        self._prefetch_window = self._ahead = 0
+        self._prefetched_down_to = None
         if self.keep_bytes:
             # the tail of the last step's saved bytes stays: the same tail, if this step is alike
             # (a step that saved nothing gives nothing to go by: everything may go)
@@ -325,7 +342,7 @@ class MemoryTiers:
             self._offload_limit = max(0, last - self.keep_bytes) if last else None
         self.stats.offloaded_bytes = self.stats.kept_bytes = self.stats.offloadable_bytes = 0
         self.stats.kept_from_layer = None
-        self.stats.state_early_bytes = 0
+        self.stats.state_early_bytes = self.stats.ahead_peak_bytes = 0
         self._drop_state_back()
         self._state_due = list(self._optimizer_state) if self.state_in_backward else []
         self._state_credit = self._state_per_byte = 0.0
@@ -367,7 +384,10 @@ class MemoryTiers:
         if packed.reloaded is None:
             self._reload(packed)
             self.stats.reloaded_on_demand += 1
-        self._prefetch(packed.layer - 1)
+        elif packed.ahead:
+            self._ahead -= packed.block.nbytes
+            packed.ahead = False
+        self._prefetch_below(packed.layer)
         if self._state_due:
             self._bring_state_back(packed.block.nbytes)
         out, ready = packed.reloaded, packed.ready
@@ -400,12 +420,30 @@ class MemoryTiers:
             waits.atexit = False  # nothing runs on the stream after the interpreter ends
         saved.reloaded = out
 
-    def _prefetch(self, layer: int) -> None:
-        for ref in self._by_layer.pop(layer, ()) if layer > 0 else ():
+    def _prefetch_below(self, layer: int) -> None:
+        """Bring back the layer below ``layer`` if it is not on its way yet, then the layers below
+        that, highest first, while less than the window's bytes are reloaded ahead of their use."""
+        if not self._prefetch_window:  # worked out at backward's first unpack, when forward is done
+            offloaded = self.stats.offloaded_bytes
+            per_layer = offloaded / max(1, len(self._by_layer))
+            self._prefetch_window = max(1, int(min(self.prefetch_layers * per_layer, offloaded / 8)))
+        if self._prefetched_down_to is None or self._prefetched_down_to >= layer:
+            self._prefetch_layer(layer - 1)
+        while self._ahead < self._prefetch_window and (self._prefetched_down_to or 0) > 1:
+            self._prefetch_layer(self._prefetched_down_to - 1)
+
+    def _prefetch_layer(self, layer: int) -> None:
+        if layer <= 0:
+            return
+        for ref in self._by_layer.pop(layer, ()):
             saved = ref()
             if saved is not None and saved.reloaded is None:
                 self._reload(saved)
+                saved.ahead = True
+                self._ahead += saved.block.nbytes
                 self.stats.prefetched += 1
+        self.stats.ahead_peak_bytes = max(self.stats.ahead_peak_bytes, self._ahead)
+        self._prefetched_down_to = layer
 
     def _bring_state_back(self, reloaded: int) -> None:
         """Backward is reloading what forward offloaded (the step's kept tail, if any, is gone by
