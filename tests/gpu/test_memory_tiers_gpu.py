@@ -55,7 +55,7 @@ def test_host_tier_on_cuda_is_bit_identical_and_lowers_peak_memory() -> None:
     assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True))
     assert tiers.stats.offloaded_bytes > 32 * MiB and tiers.stats.prefetched > 0
     # Most of what left the device is off it at the peak: at most copies_in_flight (2) tensors of
-    # 8 MiB wait on the host link.
+    # 8 MiB wait on the host link in forward, and backward brings back at most an eighth ahead.
     assert peak - offloaded_peak > tiers.stats.offloaded_bytes // 2, (peak, offloaded_peak)
 
 
