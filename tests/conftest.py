@@ -14,8 +14,16 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from gpuherd.natsd import NatsServer
+
+# Property tests draw fresh random examples on every run (``make test``: exploration, which has
+# found real defects). CI runs the "ci" profile (``.ci/run`` sets HYPOTHESIS_PROFILE=ci): the
+# examples are derived from each test, so a run's verdict does not hang on the seed, and a failure
+# there reproduces on any machine with the same command.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def _docker_available() -> bool:
