@@ -190,10 +190,13 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
 
 
 def _epoch(series: pd.Series) -> pd.Series:
-    """Calendar timestamps -> epoch seconds (UTC); unparseable -> NaN."""
-    parsed = pd.to_datetime(series, errors="coerce", utc=True, format="mixed")
-    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
-    return seconds.astype("float64")
+    """Times -> epoch seconds (UTC): a number is epoch seconds already, a calendar timestamp is
+    converted (one without a zone is UTC); unparseable -> NaN. (pandas takes a number for
+    nanoseconds: an export with epoch seconds read as jobs submitted 1.5 s after 1970.)"""
+    numeric = pd.to_numeric(series, errors="coerce").astype("float64")
+    parsed = pd.to_datetime(series.where(numeric.isna()), errors="coerce", utc=True, format="mixed")
+    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds().astype("float64")
+    return numeric.where(numeric.notna(), seconds)
 
 
 def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
@@ -289,10 +292,7 @@ def load_helios(path: str | Path) -> Trace:
     df = _read_csv(path, {"job_id", "vc", "gpu_num", "submit_time", "duration"})
 
     def times(column: str) -> pd.Series:
-        if column not in df:
-            return pd.Series(np.nan, index=df.index)
-        numeric = pd.to_numeric(df[column], errors="coerce")
-        return numeric.where(numeric.notna(), _epoch(df[column]))
+        return _epoch(df[column]) if column in df else pd.Series(np.nan, index=df.index)
 
     out = pd.DataFrame(
         {

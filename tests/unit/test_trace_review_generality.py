@@ -1,0 +1,34 @@
+"""Review of the trace loaders against the ways real exports of the same public traces vary (time
+as epoch seconds or calendar strings, a byte-order mark, quoted or spaced headers, trailing
+delimiters, ids that look like numbers, ...): each variation is read as the same jobs, or refused
+or counted with why; never read into other numbers without a word."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.analytics.traces import load_philly_csv, load_philly_json
+
+PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
+SUBMIT = 1507532515.0  # 2017-10-09 07:01:55 UTC
+
+
+# -- times: epoch seconds are seconds -----------------------------------------------------------------
+
+
+def test_a_philly_csv_with_epoch_second_timestamps_keeps_them_as_seconds(tmp_path: Path) -> None:
+    # (pandas took an integer for nanoseconds: the job was submitted 1.5 s after 1970.)
+    path = tmp_path / "philly.csv"
+    path.write_text(f"{PHILLY_HEADER}\n1507532515,66.0,1,66.0,a\n2017-10-09 07:01:56,66.0,1,66.0,a\n")
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["submit_time"]) == [SUBMIT, SUBMIT + 1]
+
+
+def test_a_philly_json_with_epoch_second_times_keeps_them_as_seconds(tmp_path: Path) -> None:
+    attempt = {"start_time": SUBMIT + 5, "end_time": SUBMIT + 3605, "detail": [{"gpus": ["0"]}]}
+    job = {"jobid": "a", "vc": "v", "status": "Pass", "submitted_time": int(SUBMIT), "attempts": [attempt]}
+    path = tmp_path / "cluster_job_log.json"
+    path.write_text(json.dumps([job]))
+    row = load_philly_json(path).jobs.iloc[0]
+    assert (row["submit_time"], row["duration"], row["queue"]) == (SUBMIT, 3600.0, 5.0)
