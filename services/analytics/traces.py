@@ -206,10 +206,32 @@ def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
         df = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a readable CSV trace ({exc})") from None  # e.g. a row of too many fields
+    if not isinstance(df.index, pd.RangeIndex):
+        df = _fields_beyond_the_header(path, df)
     missing = required - set(df.columns)
     if missing:
         raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
     return df
+
+
+def _fields_beyond_the_header(path: Path, df: pd.DataFrame) -> pd.DataFrame:
+    """A CSV whose every row holds more fields than its header names: pandas took each row's first
+    fields for an index, and every value sat one column left of its name (a duration read as the
+    timestamp). Empty extra fields (a delimiter ending each row) are left out; any other is refused."""
+    names = [str(c) for c in df.columns]
+    extra = df.index.nlevels
+    rows = pd.concat([df.index.to_frame(index=False), df.reset_index(drop=True)], axis=1)
+    rows.columns = pd.RangeIndex(len(rows.columns))
+    beyond = rows.iloc[:, len(names) :].notna().any(axis=1)
+    if beyond.any():
+        row = int(np.argmax(beyond.to_numpy()))
+        raise TraceError(
+            f"{path}: row {row + 1:,} has {len(names) + extra} fields, the header names {len(names)} "
+            f"({','.join(names)})"
+        )
+    rows = rows.iloc[:, : len(names)]
+    rows.columns = names
+    return rows
 
 
 def load_philly_csv(path: str | Path) -> Trace:

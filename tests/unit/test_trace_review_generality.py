@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.analytics.traces import load_philly_csv, load_philly_json
+import pytest
+
+from services.analytics.traces import TraceError, load_philly_csv, load_philly_json
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 SUBMIT = 1507532515.0  # 2017-10-09 07:01:55 UTC
@@ -32,3 +34,24 @@ def test_a_philly_json_with_epoch_second_times_keeps_them_as_seconds(tmp_path: P
     path.write_text(json.dumps([job]))
     row = load_philly_json(path).jobs.iloc[0]
     assert (row["submit_time"], row["duration"], row["queue"]) == (SUBMIT, 3600.0, 5.0)
+
+
+# -- rows of more fields than the header names ----------------------------------------------------------
+
+
+def test_rows_of_more_fields_than_the_header_are_refused_not_shifted_a_column(tmp_path: Path) -> None:
+    # (pandas took each row's first field for an index: the duration was read as the timestamp, the
+    # GPU count as the duration... and the job was used.)
+    path = tmp_path / "philly.csv"
+    path.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,1,66.0,a,extra\n")
+    with pytest.raises(TraceError, match=r"philly\.csv: row 1 has 6 fields, the header names 5 \(timestamp,"):
+        load_philly_csv(path)
+
+
+def test_a_trailing_delimiter_on_every_row_is_read_as_the_fields_before_it(tmp_path: Path) -> None:
+    path = tmp_path / "philly.csv"
+    path.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,2,132.0,a,\n2017-10-09 07:01:56,7.0,1,7.0,b,\n")
+    jobs = load_philly_csv(path).jobs
+    assert list(jobs["duration"]) == [66.0, 7.0]
+    assert list(jobs["gpus"]) == [2, 1]
+    assert list(jobs["vc"]) == ["a", "b"]
