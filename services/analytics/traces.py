@@ -27,6 +27,7 @@ patterns are not known for them.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Iterator
@@ -203,11 +204,13 @@ def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     try:
-        df = pd.read_csv(path)
+        # (skipinitialspace: "a, b" is the fields "a" and "b", as the header's names are stripped below)
+        df = pd.read_csv(path, skipinitialspace=True)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a readable CSV trace ({exc})") from None  # e.g. a row of too many fields
     if not isinstance(df.index, pd.RangeIndex):
         df = _fields_beyond_the_header(path, df)
+    df.columns = [str(name).strip() for name in df.columns]
     missing = required - set(df.columns)
     if missing:
         raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
@@ -383,9 +386,10 @@ def load_philly_json(path: str | Path) -> Trace:
 
 
 def _utf8_text(path: Path, data: bytes) -> str:
-    """``data`` read from ``path`` as UTF-8, else a TraceError that names the first bad byte."""
+    """``data`` read from ``path`` as UTF-8 (less a byte-order mark), else a TraceError that names
+    the first bad byte."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         bad = data[exc.start : exc.start + 1].hex()
         raise TraceError(f"{path}: not UTF-8 text (byte 0x{bad} at offset {exc.start:,})") from None
@@ -441,7 +445,11 @@ def load_trace(path: str | Path, kind: str | None = None) -> Trace:
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     with path.open("rb") as f:
-        header = set(_utf8_text(path, f.readline()).strip().split(","))
+        first = _utf8_text(path, f.readline())
+    # (Read as CSV: names may be quoted or follow ", "; a byte-order mark is no part of the first.)
+    header = {name.strip() for name in next(csv.reader([first]), [])} - {""}
+    if not header:
+        raise TraceError(f"{path}: no header row (the file is empty or its first line blank)")
     if {"timestamp", "num_gpus", "cluster"} <= header:
         return load_philly_csv(path)
     if {"submission_time", "num_gpu"} <= header:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.analytics.traces import TraceError, load_philly_csv, load_philly_json
+from services.analytics.traces import TraceError, load_philly_csv, load_philly_json, load_trace
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 SUBMIT = 1507532515.0  # 2017-10-09 07:01:55 UTC
@@ -55,3 +55,49 @@ def test_a_trailing_delimiter_on_every_row_is_read_as_the_fields_before_it(tmp_p
     assert list(jobs["duration"]) == [66.0, 7.0]
     assert list(jobs["gpus"]) == [2, 1]
     assert list(jobs["vc"]) == ["a", "b"]
+
+
+# -- headers as a CSV writer writes them ------------------------------------------------------------------
+
+ROW = "2017-10-09 07:01:55,66.0,1,66.0,a"
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "\ufeff" + PHILLY_HEADER,  # (a byte-order mark: Excel's "CSV UTF-8")
+        ",".join(f'"{name}"' for name in PHILLY_HEADER.split(",")),  # (quoted names)
+        PHILLY_HEADER.replace(",", ", "),  # (a space after each comma)
+    ],
+    ids=["bom", "quoted", "spaced"],
+)
+def test_a_philly_header_as_csv_writers_write_it_is_recognised(tmp_path: Path, header: str) -> None:
+    # (The format sniff split the first line on commas: "\ufefftimestamp", '"timestamp"' and
+    # " duration" matched no known trace.)
+    path = tmp_path / "philly.csv"
+    row = ROW.replace(",", ", ") if ", " in header else ROW
+    path.write_text(f"{header}\n{row}\n", encoding="utf-8")
+    trace = load_trace(path)
+    row0 = trace.jobs.iloc[0]
+    assert (trace.name, row0["submit_time"], row0["duration"], row0["gpus"], row0["vc"]) == (
+        "philly",
+        SUBMIT,
+        66.0,
+        1,
+        "a",
+    )
+
+
+def test_a_philly_json_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    attempt = {"start_time": "2017-10-09 07:02:00", "end_time": "2017-10-09 08:02:00", "detail": [{"gpus": ["0"]}]}
+    job = {"jobid": "a", "vc": "v", "status": "Pass", "submitted_time": "2017-10-09 07:01:55", "attempts": [attempt]}
+    path = tmp_path / "cluster_job_log.json"
+    path.write_text("\ufeff" + json.dumps([job]), encoding="utf-8")
+    assert len(load_philly_json(path).jobs) == 1
+
+
+def test_an_empty_file_is_refused_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("")
+    with pytest.raises(TraceError, match=r"trace\.csv: no header row \(the file is empty"):
+        load_trace(path)
