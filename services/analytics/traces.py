@@ -200,12 +200,14 @@ def _epoch(series: pd.Series) -> pd.Series:
     return numeric.where(numeric.notna(), seconds)
 
 
-def _read_csv(path: Path, required: set[str]) -> pd.DataFrame:
+def _read_csv(path: Path, required: set[str], text: set[str]) -> pd.DataFrame:
+    """The CSV at ``path``, which must hold the ``required`` columns; the ``text`` columns (ids,
+    names) are read as written, never as numbers ("007" is not 7, VC "011" not "11.0")."""
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
     try:
         # (skipinitialspace: "a, b" is the fields "a" and "b", as the header's names are stripped below)
-        df = pd.read_csv(path, skipinitialspace=True)
+        df = pd.read_csv(path, skipinitialspace=True, dtype=dict.fromkeys(text, str))
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a readable CSV trace ({exc})") from None  # e.g. a row of too many fields
     if not isinstance(df.index, pd.RangeIndex):
@@ -240,7 +242,7 @@ def _fields_beyond_the_header(path: Path, df: pd.DataFrame) -> pd.DataFrame:
 def load_philly_csv(path: str | Path) -> Trace:
     """The Sia artifact's ``philly.csv``: timestamp,duration,num_gpus,gpu_time,cluster."""
     path = Path(path)
-    df = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"})
+    df = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
     submit = _epoch(df["timestamp"])
     out = pd.DataFrame(
         {
@@ -259,7 +261,7 @@ def load_itp(path: str | Path) -> Trace:
     """An ITP cluster file: job_id,submission_time,duration,num_gpu (seconds from the trace start).
     The VC is the cluster the file describes."""
     path = Path(path)
-    df = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"})
+    df = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"}, text={"job_id"})
     out = pd.DataFrame(
         {
             "job_id": df["job_id"].astype("string"),
@@ -279,7 +281,11 @@ def load_alibaba_openb(path: str | Path) -> Trace:
     for ``gpu_request`` = num_gpu x gpu_milli / 1000. Pods never scheduled have no run time; pods
     still running at the end of the trace keep state ``running`` (their duration is a lower bound)."""
     path = Path(path)
-    df = _read_csv(path, {"name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time"})
+    df = _read_csv(
+        path,
+        {"name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time"},
+        text={"name", "qos", "pod_phase", "gpu_spec"},
+    )
     rejected: dict[str, int] = {}
     never = df["scheduled_time"].isna()
     if never.any():
@@ -314,7 +320,9 @@ def load_helios(path: str | Path) -> Trace:
     job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue.
     Times may be calendar strings or epoch seconds."""
     path = Path(path)
-    df = _read_csv(path, {"job_id", "vc", "gpu_num", "submit_time", "duration"})
+    df = _read_csv(
+        path, {"job_id", "vc", "gpu_num", "submit_time", "duration"}, text={"job_id", "user", "vc", "jobname", "state"}
+    )
 
     def times(column: str) -> pd.Series:
         return _epoch(df[column]) if column in df else pd.Series(np.nan, index=df.index)

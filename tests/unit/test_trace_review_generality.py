@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.analytics.traces import TraceError, load_philly_csv, load_philly_json, load_trace
+from services.analytics.traces import TraceError, load_helios, load_philly_csv, load_philly_json, load_trace
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 SUBMIT = 1507532515.0  # 2017-10-09 07:01:55 UTC
@@ -101,3 +101,22 @@ def test_an_empty_file_is_refused_as_empty(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(TraceError, match=r"trace\.csv: no header row \(the file is empty"):
         load_trace(path)
+
+
+# -- ids and names are text, even where they look like numbers ----------------------------------------------
+
+
+def test_vc_and_job_ids_that_look_like_numbers_are_kept_as_written(tmp_path: Path) -> None:
+    # (pandas read a column of numbers-to-look-at as numbers: job "007" became "7", and beside an
+    # empty cell VC "011" became "11.0"; Philly's VC ids are hex, "103959" one of them.)
+    path = tmp_path / "cluster_log.csv"
+    path.write_text(
+        "job_id,user,vc,gpu_num,submit_time,duration\n007,0042,011,1,0,60\n8,,,1,1,60\n9.0,1e3,103959,1,2,60\n"
+    )
+    jobs = load_helios(path).jobs
+    assert list(jobs["job_id"]) == ["007", "8", "9.0"]
+    assert list(jobs["user"].fillna("-")) == ["0042", "-", "1e3"]
+    assert list(jobs["vc"].fillna("-")) == ["011", "-", "103959"]
+    philly = tmp_path / "philly.csv"
+    philly.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,1,66.0,011\n2017-10-09 07:01:55,66.0,1,66.0,\n")
+    assert list(load_philly_csv(philly).jobs["vc"].fillna("-")) == ["011", "-"]
