@@ -3,7 +3,8 @@
 Every loader returns a :class:`Trace`: a pandas DataFrame with the columns of
 ``COLUMNS`` (one row per usable job) and a count of the rows it could not use,
 by reason. Nothing is dropped silently: a row with a negative duration, no
-GPUs, more GPUs than ``MAX_JOB_GPUS`` or a timestamp that does not parse is counted under its reason, and
+GPUs (a count of 0, below 0, or none readable), more GPUs than ``MAX_JOB_GPUS`` or a timestamp
+that does not parse is counted under its reason, and
 ``Trace.describe()`` says how many. So is a row that runs longer than ``MAX_DURATION_S`` (a year:
 real traces hold jobs of weeks, the longest 145 days; a run of decades is a unit or a data error, and
 simulating it ticked the virtual clock for all of it) or whose times lie outside the years
@@ -163,8 +164,11 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
         ),
         # (Helios traces hold jobs cancelled before they ran, of 0 s: intake refuses a run of 0 s.)
         (ZERO_DURATION, df["duration"].astype("float64") == 0),
-        ("zero GPUs", ~(df["gpus"].astype("float64") > 0)),
-        ("bad GPU count", ~np.isfinite(df["gpus"].astype("float64"))),  # (inf: no whole number of GPUs)
+        # (inf: no whole number of GPUs. Each reason says what the count is: an empty cell, "two" or
+        # -1 were all "zero GPUs".)
+        ("bad or missing GPU count", ~np.isfinite(df["gpus"].astype("float64"))),
+        ("negative GPU count", df["gpus"].astype("float64") < 0),
+        ("zero GPUs", df["gpus"].astype("float64") == 0),
         (TOO_MANY_GPUS, df["gpus"].astype("float64") > MAX_JOB_GPUS),
         ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),
     ]

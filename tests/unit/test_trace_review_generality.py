@@ -120,3 +120,16 @@ def test_vc_and_job_ids_that_look_like_numbers_are_kept_as_written(tmp_path: Pat
     philly = tmp_path / "philly.csv"
     philly.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,1,66.0,011\n2017-10-09 07:01:55,66.0,1,66.0,\n")
     assert list(load_philly_csv(philly).jobs["vc"].fillna("-")) == ["011", "-"]
+
+
+# -- why a GPU count is not used ------------------------------------------------------------------------------
+
+
+def test_a_missing_unreadable_or_negative_gpu_count_is_counted_as_such_not_as_zero_gpus(tmp_path: Path) -> None:
+    # (Everything not above 0 was "zero GPUs": an empty cell, "two" and -1 alike.)
+    path = tmp_path / "philly.csv"
+    rows = ["", "two", "-1", "0", "inf", "1"]
+    path.write_text(PHILLY_HEADER + "\n" + "".join(f"2017-10-09 07:01:55,66.0,{n},66.0,a\n" for n in rows))
+    trace = load_philly_csv(path)
+    assert trace.rejected == {"bad or missing GPU count": 3, "negative GPU count": 1, "zero GPUs": 1}
+    assert len(trace.jobs) == 1
