@@ -101,7 +101,16 @@ def _checked_job_id(job_id: str) -> str:
 def load_data_file(path: str | Path) -> Any:
     """Read JSON, or YAML when the name ends in .yaml/.yml."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise SubmissionError(f"{path}: is a folder, not a file: give the path of a JSON or YAML file") from None
+    except FileNotFoundError:
+        where = "" if Path(path).is_absolute() else f" (looked in {Path.cwd()})"
+        raise SubmissionError(f"{path}: no such file{where}: check the path") from None
+    except OSError as exc:
+        raise SubmissionError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
         return yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else msgspec.json.decode(text)
     except (yaml.YAMLError, *UNDECODABLE) as exc:
         kind = "YAML" if str(path).endswith((".yaml", ".yml")) else "JSON"
