@@ -20,7 +20,12 @@ GROUPS = (run, jobs, nodes, config, history, accounting, analytics, profile, ops
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuherd", description="Event-sourced resource manager for DL training")
     parser.add_argument("--nats-url", default=None, help="NATS server (default: NATS_URL or the local cluster)")
-    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where `up` keeps NATS data, logs, cluster file")
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("GPUHERD_DATA_DIR", DEFAULT_DATA_DIR),
+        help="where `up` keeps NATS data, logs, cluster file (default: GPUHERD_DATA_DIR, else .gpuherd; "
+        "other commands also find the .gpuherd of a parent folder)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for group in GROUPS:
         group.add_commands(sub)

@@ -1,7 +1,10 @@
 """What every command group shares: where NATS is, reading the log, printing.
 
 The NATS address comes from ``--nats-url``, else ``NATS_URL``, else the cluster file
-that ``gpuherd up`` writes in its data folder, else nats://127.0.0.1:4222.
+that ``gpuherd up`` writes in its data folder, else nats://127.0.0.1:4222. The data folder is
+``--data-dir``, else ``GPUHERD_DATA_DIR``, else ``.gpuherd``: in this folder or, as git finds its
+repository, the nearest parent folder that has one with a cluster file (so a command run in a
+subfolder of where ``up`` ran finds the cluster).
 """
 
 from __future__ import annotations
@@ -26,9 +29,26 @@ from gpuherd.errors import GpuherdError
 from gpuherd.fold import ClusterState, fold
 from gpuherd.log import EventLog, Record, open_log
 
-console = Console()
+# Tables of many columns stay whole where no terminal says how wide it is (a pipe, a log, CI): rich
+# would take 80 columns and cut job ids short.
+console = Console(width=None if sys.stdout.isatty() else 160)
 DEFAULT_DATA_DIR = ".gpuherd"
 CLUSTER_FILE = "cluster.json"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def cluster_file(args: argparse.Namespace) -> Path | None:
+    """The cluster file of ``gpuherd up`` that this command should use, if there is one: in the data
+    folder given, or (the default folder's name) in the nearest parent folder that has one."""
+    data_dir = Path(getattr(args, "data_dir", None) or DEFAULT_DATA_DIR)
+    if (data_dir / CLUSTER_FILE).exists():
+        return data_dir / CLUSTER_FILE
+    if data_dir != Path(DEFAULT_DATA_DIR):
+        return None  # (a folder named on purpose is not looked for elsewhere)
+    for folder in Path.cwd().parents:
+        if (folder / DEFAULT_DATA_DIR / CLUSTER_FILE).exists():
+            return folder / DEFAULT_DATA_DIR / CLUSTER_FILE
+    return None
 
 
 def nats_url_of(args: argparse.Namespace) -> str:
@@ -36,10 +56,10 @@ def nats_url_of(args: argparse.Namespace) -> str:
         return args.nats_url
     if os.environ.get("NATS_URL"):
         return os.environ["NATS_URL"]
-    cluster = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / CLUSTER_FILE
-    if cluster.exists():
+    cluster = cluster_file(args)
+    if cluster is not None:
         return msgspec.json.decode(cluster.read_bytes())["nats_url"]
-    return "nats://127.0.0.1:4222"
+    return DEFAULT_NATS_URL
 
 
 def nats_monitor_urls(args: argparse.Namespace) -> list[str]:
@@ -49,8 +69,8 @@ def nats_monitor_urls(args: argparse.Namespace) -> list[str]:
         return [u.strip() for u in os.environ["NATS_MONITOR_URL"].split(",") if u.strip()]
     if getattr(args, "nats_url", None) or os.environ.get("NATS_URL"):
         return []
-    cluster = Path(getattr(args, "data_dir", DEFAULT_DATA_DIR)) / CLUSTER_FILE
-    if cluster.exists():
+    cluster = cluster_file(args)
+    if cluster is not None:
         url = msgspec.json.decode(cluster.read_bytes()).get("nats_monitor_url")
         return [url] if url else []
     return []
@@ -63,6 +83,17 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__  # (a timeout's text is empty)
 
 
+def _where_to_look(args: argparse.Namespace) -> str:
+    """What to do when NATS does not answer: is a cluster up, and is it the one meant?"""
+    if getattr(args, "nats_url", None) or os.environ.get("NATS_URL") or cluster_file(args) is not None:
+        return "is `gpuherd up` running, or NATS_URL set?"
+    data_dir = getattr(args, "data_dir", None) or DEFAULT_DATA_DIR
+    return (
+        f"no cluster file ({Path(data_dir) / CLUSTER_FILE}) here or in a parent folder: run the command where "
+        "`gpuherd up` ran, or pass --data-dir (its data folder), --nats-url or NATS_URL"
+    )
+
+
 async def open_cli_log(args: argparse.Namespace) -> EventLog:
     """The log, or GpuherdError saying why not. A server that answers without JetStream, or without
     gpuherd's streams, says so itself (a LogError from the log, at once): only a server that does not
@@ -72,12 +103,10 @@ async def open_cli_log(args: argparse.Namespace) -> EventLog:
         return await asyncio.wait_for(open_log(url, name="gpuherd-cli", persistent=False), CLI_NATS_PATIENCE_S)
     except TimeoutError:
         raise GpuherdError(
-            f"no answer from NATS at {url} within {CLI_NATS_PATIENCE_S:.0f}s: is `gpuherd up` running, or NATS_URL set?"
+            f"no answer from NATS at {url} within {CLI_NATS_PATIENCE_S:.0f}s: {_where_to_look(args)}"
         ) from None
     except (OSError, nats.errors.Error) as exc:
-        raise GpuherdError(
-            f"cannot reach NATS at {url}: is `gpuherd up` running, or NATS_URL set? ({_reason(exc)})"
-        ) from None
+        raise GpuherdError(f"cannot reach NATS at {url}: {_where_to_look(args)} ({_reason(exc)})") from None
 
 
 async def load_records(args: argparse.Namespace) -> list[Record]:
