@@ -139,10 +139,21 @@ def members(state: ClusterState, group: str) -> list[JobState]:
     return sorted(found, key=lambda j: j.order)
 
 
+def _ended(job: JobState) -> str:
+    """An ended job's final state, and why where the log says more than the state's name."""
+    reason = job.reason.strip()
+    return f"{job.status}: {reason}" if reason and reason != job.status else job.status
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     """A job, or every unfinished job of an array or a workflow."""
 
     if client_call(args, lambda c: c.job_exists(args.job)):
+        state, _ = read_cluster(args)
+        job = state.jobs.get(args.job)
+        if job is not None and job.status in TERMINAL:
+            # (The scheduler would refuse it in the log, unseen: "cancel requested", exit 0, said otherwise.)
+            raise GpuherdError(f"nothing to cancel: job {args.job} has already ended ({_ended(job)})")
         client_call(args, lambda c: c.cancel(args.job, args.reason))
         console.print(f"cancel requested for {plain(args.job)}")
         return 0

@@ -1,0 +1,58 @@
+"""CLI commands that answered wrongly on a live log (the session's NATS, events written by hand):
+``cancel`` of a job that had ended said "cancel requested" and exited 0 (the scheduler's refusal was
+in the log, unseen)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+
+from apps.cli import build_parser
+from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
+from gpuherd.log import open_log
+from tests.helpers import finish, submit
+
+
+def _fresh(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:8]}"
+
+
+def _append(url: str, events: list[ev.Event]) -> None:
+    async def run() -> None:
+        log_ = await open_log(url, name="walkthrough", persistent=False)
+        try:
+            await log_.append(events)
+        finally:
+            await log_.close()
+
+    asyncio.run(run())
+
+
+def _events(url: str) -> list[ev.Event]:
+    async def run() -> list[ev.Event]:
+        log_ = await open_log(url, name="walkthrough", persistent=False)
+        try:
+            return [r.event for r in await log_.read_all()]
+        finally:
+            await log_.close()
+
+    return asyncio.run(run())
+
+
+def _run(url: str, *argv: str) -> int:
+    args = build_parser().parse_args(["--nats-url", url, *argv])
+    return args.func(args)
+
+
+def test_cancel_of_a_job_that_has_ended_says_so_and_requests_nothing(nats_url: str, capsys: Any) -> None:
+    done, waiting = _fresh("jdone"), _fresh("jwait")
+    _append(nats_url, [submit(done, at=1.0), finish(done, at=2.0, outcome="failed"), submit(waiting, at=3.0)])
+    with pytest.raises(GpuherdError, match=rf"nothing to cancel: job {done} has already ended \(failed\)"):
+        _run(nats_url, "cancel", done)
+    assert not [e for e in _events(nats_url) if isinstance(e, ev.JobCancelRequested) and e.job == done]
+    assert _run(nats_url, "cancel", waiting) == 0  # (a job still waiting: requested, as before)
+    assert f"cancel requested for {waiting}" in capsys.readouterr().out
