@@ -8,7 +8,7 @@ import base64
 import collections
 import difflib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -57,6 +57,20 @@ def _matches(event: ev.Event, args: argparse.Namespace, types: frozenset[str]) -
     return not (types and type(event).__name__ not in types)
 
 
+async def _last_matching(log_: Any, n: int, match: Callable[[ev.Event], bool]) -> list[Record]:
+    """The last ``n`` records whose event ``match``es (fewer where the log holds fewer): the log's
+    tail, read further back until it holds ``n`` of them. (Its last ``n`` events filtered after, a
+    ``--type`` of events rarer than every ``n``th was answered with nothing.)"""
+    stop = await log_.last_seq()
+    want = n
+    while True:
+        start = await log_.tail_start(want)  # (at least the last `want`: more where a stored message holds several)
+        found = collections.deque([r async for r in log_.read(start, stop=stop) if match(r.event)], n)
+        if len(found) >= n or start <= 1:
+            return list(found)
+        want *= 8
+
+
 def cmd_events(args: argparse.Namespace) -> int:
     if args.dead_letter:
         return cmd_dead_letters(args)
@@ -69,9 +83,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         try:
             records: AsyncIterator[Record]
             if args.last and not args.follow:
-                # At least the last N from there (more where a stored message holds several): keep N.
-                tail = collections.deque([r async for r in log_.read(await log_.tail_start(args.last))], args.last)
-                records = _replay(tail)
+                records = _replay(await _last_matching(log_, args.last, lambda e: _matches(e, args, types)))
             else:
                 records = log_.read(1, follow=args.follow)
             async for record in records:

@@ -14,7 +14,7 @@ from apps.cli import build_parser
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
 from gpuherd.log import open_log
-from tests.helpers import finish, submit
+from tests.helpers import finish, submit, tick
 
 
 def _fresh(prefix: str) -> str:
@@ -56,3 +56,13 @@ def test_cancel_of_a_job_that_has_ended_says_so_and_requests_nothing(nats_url: s
     assert not [e for e in _events(nats_url) if isinstance(e, ev.JobCancelRequested) and e.job == done]
     assert _run(nats_url, "cancel", waiting) == 0  # (a job still waiting: requested, as before)
     assert f"cancel requested for {waiting}" in capsys.readouterr().out
+
+
+def test_events_last_n_counts_only_the_events_that_match(nats_url: str, capsys: Any) -> None:
+    """``events --job J --last 1`` (or ``--type``): the log's last event filtered after printed nothing."""
+    job = _fresh("jev")
+    _append(nats_url, [submit(job, at=1.0), *(tick(2.0 + i) for i in range(40))])
+    capsys.readouterr()
+    assert _run(nats_url, "events", "--job", job, "--last", "1", "--json") == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]  # (not log lines)
+    assert len(lines) == 1 and '"JobSubmitted"' in lines[0] and job in lines[0], lines
