@@ -24,11 +24,16 @@ patterns are not known for them.
 | ``load_alibaba_openb`` | ``alibaba-openb/openb_pod_list_*``   | user; fractional GPU share in ``gpu_request``       |
 | ``load_helios``        | Helios ``cluster_log.csv`` schema    | job name                                            |
 | ``load_philly_json``   | Philly ``cluster_job_log`` JSON      | GPU count is the GPUs of the last attempt           |
+
+Any of them may be gzip-compressed (known by its first bytes, whatever its name). Job states are
+read as exports spell them: in any case, ``canceled`` or ``cancelled``, Slurm's ``CANCELLED by N``,
+``OUT_OF_MEMORY``, ``NODE_FAIL``, ``PREEMPTED``; one not known is ``<NA>``.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import re
 from collections.abc import Iterator
@@ -63,13 +68,30 @@ _STATES = {
     "completed": "completed",
     "pass": "completed",
     "succeeded": "completed",
+    "success": "completed",
     "failed": "failed",
     "node_fail": "failed",
+    "boot_fail": "failed",
+    "out_of_memory": "failed",
+    "oom": "failed",
     "killed": "cancelled",
     "cancelled": "cancelled",
+    "canceled": "cancelled",
+    "preempted": "cancelled",  # (Slurm: ended by a preemption and not requeued)
     "timeout": "timeout",
+    "deadline": "timeout",
     "running": "running",
 }
+
+
+def _state_of(value: object) -> object:
+    """A trace's job state -> ``COLUMNS["state"]``'s (``<NA>`` when unknown). Exports spell them in
+    any case, Slurm's sacct writes who cancelled ("CANCELLED by 1234"), and "canceled" is as common
+    as "cancelled"."""
+    if value is None or value is pd.NA or (isinstance(value, float) and np.isnan(value)):
+        return pd.NA
+    text = str(value).strip().lower().split(" by ", 1)[0].strip().replace(" ", "_").replace("-", "_")
+    return _STATES.get(text, pd.NA)
 
 
 FRACTIONAL_GPUS = "fractional GPU count, rounded up to whole GPUs"
@@ -204,15 +226,30 @@ def _epoch(series: pd.Series) -> pd.Series:
     return numeric.where(numeric.notna(), seconds)
 
 
-def _read_csv(path: Path, required: set[str], text: set[str]) -> pd.DataFrame:
-    """The CSV at ``path``, which must hold the ``required`` columns; the ``text`` columns (ids,
-    names) are read as written, never as numbers ("007" is not 7, VC "011" not "11.0")."""
+def _must_be_a_file(path: Path) -> None:
+    if path.is_dir():
+        raise TraceError(f"{path}: a folder, not a trace file (give one of the trace files in it)")
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
+
+
+def _gzipped(path: Path) -> bool:
+    """Whether ``path`` is gzip-compressed (by its first bytes: traces ship as ``.csv.gz`` and under
+    other names)."""
+    with path.open("rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _read_csv(path: Path, required: set[str], text: set[str]) -> pd.DataFrame:
+    """The CSV at ``path`` (gzip-compressed or not), which must hold the ``required`` columns; the
+    ``text`` columns (ids, names) are read as written, never as numbers ("007" is not 7, VC "011"
+    not "11.0")."""
+    _must_be_a_file(path)
     try:
         # (skipinitialspace: "a, b" is the fields "a" and "b", as the header's names are stripped below)
-        df = pd.read_csv(path, skipinitialspace=True, dtype=dict.fromkeys(text, str))
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        compression = "gzip" if _gzipped(path) else None
+        df = pd.read_csv(path, skipinitialspace=True, dtype=dict.fromkeys(text, str), compression=compression)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
         raise TraceError(f"{path}: not a readable CSV trace ({exc})") from None  # e.g. a row of too many fields
     if not isinstance(df.index, pd.RangeIndex):
         df = _fields_beyond_the_header(path, df)
@@ -299,7 +336,7 @@ def load_alibaba_openb(path: str | Path) -> Trace:
     end = pd.to_numeric(df["deletion_time"], errors="coerce")
     gpus = pd.to_numeric(df["num_gpu"], errors="coerce")
     milli = pd.to_numeric(df["gpu_milli"], errors="coerce").fillna(1000)
-    phase = df["pod_phase"].astype("string").str.lower() if "pod_phase" in df else pd.Series(pd.NA, index=df.index)
+    phase = df["pod_phase"].astype("string") if "pod_phase" in df else pd.Series(pd.NA, index=df.index)
     out = pd.DataFrame(
         {
             "job_id": df["name"].astype("string"),
@@ -313,7 +350,7 @@ def load_alibaba_openb(path: str | Path) -> Trace:
             "nodes": 1.0,
             "vc": df["qos"].astype("string") if "qos" in df else "default",
             "name": df["name"].astype("string"),
-            "state": phase.map(lambda p: _STATES.get(str(p), pd.NA)),
+            "state": phase.map(_state_of),
         }
     )
     return _finish("alibaba-openb", out, len(df) + sum(rejected.values()), absolute=False, rejected=rejected)
@@ -344,9 +381,7 @@ def load_helios(path: str | Path) -> Trace:
             "user": df["user"].astype("string") if "user" in df else pd.NA,
             "vc": df["vc"].astype("string"),
             "name": df["jobname"].astype("string") if "jobname" in df else pd.NA,
-            "state": df["state"].astype("string").str.lower().map(lambda s: _STATES.get(str(s), pd.NA))
-            if "state" in df
-            else pd.NA,
+            "state": df["state"].astype("string").map(_state_of) if "state" in df else pd.NA,
         }
     )
     out["gpu_request"] = out["gpus"].astype("float64")
@@ -360,9 +395,12 @@ def load_philly_json(path: str | Path) -> Trace:
     submitted_time and attempts (start_time, end_time, detail: [{ip, gpus}]). The run is the
     first attempt's start to the last attempt's end; GPUs are those of the last attempt."""
     path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"{path}: no such trace file")
-    text = _utf8_text(path, path.read_bytes())
+    _must_be_a_file(path)
+    try:
+        data = gzip.decompress(path.read_bytes()) if _gzipped(path) else path.read_bytes()
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise TraceError(f"{path}: not a readable gzip file ({exc})") from None
+    text = _utf8_text(path, data)
     try:
         jobs = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -385,7 +423,7 @@ def load_philly_json(path: str | Path) -> Trace:
                 "nodes": len(detail),
                 "user": job.get("user"),
                 "vc": job.get("vc"),
-                "state": _STATES.get(str(job.get("status", "")).lower()),
+                "state": _state_of(job.get("status")),
             }
         )
     columns = ["job_id", "submit_time", "start_time", "end_time", "gpus", "nodes", "user", "vc", "state"]
@@ -452,12 +490,14 @@ def load_trace(path: str | Path, kind: str | None = None) -> Trace:
         if kind not in loaders:
             raise TraceError(f"unknown trace kind {kind!r}; choose one of: {', '.join(loaders)}")
         return loaders[kind](path)
-    if path.suffix == ".json":
+    if path.suffix == ".json" or path.suffixes[-2:] == [".json", ".gz"]:
         return load_philly_json(path)
-    if not path.is_file():
-        raise TraceError(f"{path}: no such trace file")
-    with path.open("rb") as f:
-        first = _utf8_text(path, f.readline())
+    _must_be_a_file(path)
+    try:
+        with gzip.open(path, "rb") if _gzipped(path) else path.open("rb") as f:
+            first = _utf8_text(path, f.readline())
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise TraceError(f"{path}: not a readable gzip file ({exc})") from None
     # (Read as CSV: names may be quoted or follow ", "; a byte-order mark is no part of the first.)
     header = {name.strip() for name in next(csv.reader([first]), [])} - {""}
     if not header:
