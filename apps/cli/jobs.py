@@ -24,7 +24,7 @@ from apps.registry import make_decider, replay_state
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import TERMINAL, ClusterState, JobState
+from gpuherd.fold import TERMINAL, ClusterState, JobState, fold
 from gpuherd.log import Record
 from gpuherd.output import fetch_output
 from services.scheduler.forecast import forecast_starts
@@ -268,17 +268,39 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_job_output(state: ClusterState, name: str) -> str:
+    """Why ``gpuherd logs NAME`` has nothing to show for a name that is no job: an array's or a
+    workflow's output is its jobs', one by one; anything else is no id at all."""
+    group = members(state, name)
+    if not group:
+        return f"no job {name!r}: see `gpuherd jobs` for the ids"
+    first = group[0]
+    if first.spec.array_of is not None and first.spec.array_of.array == name:
+        what, listing = f"an array of {len(group)} jobs", f"gpuherd jobs --array {name}"
+    else:
+        what, listing = f"a workflow of {len(group)} steps", f"gpuherd jobs --workflow {name}"
+    ids = ", ".join(j.job for j in group[:5]) + (", ..." if len(group) > 5 else "")
+    return (
+        f"{name} is {what} ({ids}), not a job: see each job's output with `gpuherd logs JOB`, "
+        f"e.g. `gpuherd logs {first.job}`; `{listing}` lists them"
+    )
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     """A job's output, fetched from the agents of the nodes its attempts ran on."""
 
     async def run() -> list[dict[str, Any]]:
         log_ = await open_cli_log(args)
         try:
-            placed = [
-                r.event for r in await log_.read_all() if isinstance(r.event, ev.JobPlaced) and r.event.job == args.job
-            ]
+            records = await log_.read_all()
+            placed = [r.event for r in records if isinstance(r.event, ev.JobPlaced) and r.event.job == args.job]
             if not placed:
-                raise GpuherdError(f"job {args.job} has never been placed, so it has no output yet")
+                state = fold((r.seq, r.event) for r in records)
+                job = state.jobs.get(args.job)
+                if job is None:
+                    raise GpuherdError(_no_job_output(state, args.job))
+                now = _ended(job) if job.status in TERMINAL else job.status
+                raise GpuherdError(f"job {args.job} has never been placed (it is {now}), so it has no output")
             if args.attempt is not None:
                 attempts = sorted({p.attempt for p in placed})
                 placed = [p for p in placed if p.attempt == args.attempt]
