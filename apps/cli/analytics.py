@@ -155,6 +155,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     ces = ces_params(args.ces, "--ces") if args.ces is not None else None
     # (Else a trace without rows reads as "a cluster spec needs at least one VC".)
     trace = require_jobs(load_history(args.trace, args.kind), args.trace, "a simulation needs jobs to submit")
+    usable, described = len(trace.jobs), trace.describe()  # (what the trace gave, before --limit)
     if args.limit:
         trace.jobs = trace.jobs.head(args.limit)
     # (The run spans at least its jobs' submissions to their ends: a bucket too short for that is
@@ -172,7 +173,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         elastic_jobs = ElasticWorkload(share=args.elastic_share, min_gpus=low, max_gpus=high, seed=args.seed)
     quiet = args.json
     if not quiet:
-        console.print(trace.describe())
+        console.print(described)
+        if len(trace.jobs) < usable:
+            console.print(f"--limit: the first {len(trace.jobs):,} of {usable:,} usable jobs are simulated")
         console.print(
             f"cluster: {cluster.total_nodes} nodes, {cluster.total_gpus} GPUs in {len(cluster.vcs)} VCs "
             f"({'may' if cluster.can_borrow else 'may not'} borrow)"

@@ -248,3 +248,13 @@ def test_sim_refuses_a_bucket_too_short_for_the_trace_before_it_runs(tmp_path: P
     trace.write_text("job_id,submission_time,duration,num_gpu\n1,0,86400,1\n2,5,10,1\n")
     with pytest.raises(GpuherdError, match=r"over 86,400 s in buckets of 0.001 s .* at least 1 s"):
         _run(["sim", str(trace), "--bucket", "0.001"])
+
+
+@pytest.mark.timeout(60)
+def test_sim_with_a_limit_says_how_many_usable_jobs_it_left_out(tmp_path: Path, capsys: Any) -> None:
+    trace = tmp_path / "four.csv"
+    trace.write_text("job_id,submission_time,duration,num_gpu\n1,0,10,1\n2,5,10,1\n3,6,10,1\n4,7,-1,1\n")
+    assert _run(["sim", str(trace), "--limit", "2", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 4 rows used" in out  # (the trace's own account: one row has a negative duration)
+    assert "--limit: the first 2 of 3 usable jobs are simulated" in out
