@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import typing
 from typing import Any
 
 import msgspec
@@ -24,7 +25,7 @@ from apps.registry import make_decider, replay_state
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import TERMINAL, ClusterState, JobState, fold
+from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, fold
 from gpuherd.log import Record
 from gpuherd.output import fetch_output
 from services.scheduler.forecast import forecast_starts
@@ -209,11 +210,30 @@ def cmd_why(args: argparse.Namespace) -> int:
     return 0
 
 
+STATUSES: tuple[str, ...] = typing.get_args(JobStatus)
+
+
+def _statuses_asked(text: str | None) -> frozenset[str] | None:
+    """The statuses of ``jobs --status`` (comma separated; None: every job's). One no job can have
+    is refused, naming those there are: it matched nothing, an empty table that read as "no such jobs"."""
+    if not text:
+        return None
+    asked = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = sorted(asked - set(STATUSES))
+    if unknown or not asked:
+        raise GpuherdError(
+            f"--status: no job status {', '.join(map(repr, unknown)) or repr(text)}; "
+            f"the statuses are {', '.join(STATUSES)} (comma separated)"
+        )
+    return asked
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 0:  # jobs[-args.limit:] would drop the first jobs instead
         raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
+    statuses = _statuses_asked(args.status)  # (before the log is read: a typo is no empty table)
     state, records = read_cluster(args)
-    _, pending, starts = why_waiting(records, forecast=args.status in (None, "pending"))
+    _, pending, starts = why_waiting(records, forecast=statuses is None or "pending" in statuses)
     if args.workflow or args.array:
         jobs = members(state, args.workflow or args.array)
         if not jobs:
@@ -221,8 +241,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             raise GpuherdError(f"no {what} {args.workflow or args.array!r}: see `gpuherd jobs` for the ids")
     else:
         jobs = sorted(state.jobs.values(), key=lambda j: j.order)
-    if args.status:
-        jobs = [j for j in jobs if j.status == args.status]
+    if statuses is not None:
+        jobs = [j for j in jobs if j.status in statuses]
     if args.json:
         out = [msgspec.to_builtins(j) for j in jobs]
         for row, j in zip(out, jobs, strict=True):
@@ -353,7 +373,9 @@ def add_commands(sub: Any) -> None:
     s.set_defaults(func=cmd_submit)
 
     j = sub.add_parser("jobs", help="list jobs and why they wait")
-    j.add_argument("--status", default=None)
+    j.add_argument(
+        "--status", default=None, help=f"only jobs of these statuses, comma separated: {', '.join(STATUSES)}"
+    )
     j.add_argument("--workflow", default=None, help="only this workflow's jobs (its id, or its name)")
     j.add_argument("--array", default=None, help="only this array's jobs (its id)")
     j.add_argument("--limit", type=int, default=50, help="the latest N (0: all)")
