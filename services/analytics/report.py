@@ -116,14 +116,16 @@ def write_report(trace: Trace, out_dir: str | Path, *, capacity: dict[str, int] 
         axes[2].text(0.5, 0.5, "no queueing in this data", ha="center", va="center")
         missing.append("queueing delay (the data has no start times)")
     png = _save(fig, out, "cdfs.png")
+    levels = [0.25, 0.5, 0.75, 0.95, 0.99]
     quantiles = pd.DataFrame(
         {
             "quantile": ["p25", "p50", "p75", "p95", "p99"],
-            "duration_s": jobs["duration"].quantile([0.25, 0.5, 0.75, 0.95, 0.99]).to_numpy(),
-            "gpus": jobs["gpus"].quantile([0.25, 0.5, 0.75, 0.95, 0.99]).to_numpy(),
-            "queue_s": jobs["queue"].quantile([0.25, 0.5, 0.75, 0.95, 0.99]).to_numpy(),
+            "duration_s": jobs["duration"].quantile(levels).to_numpy(),
+            "gpus": jobs["gpus"].quantile(levels).to_numpy(),
         }
     )
+    if np.isfinite(queue).any():  # (else a column of NaN beside "not shown: queueing delay")
+        quantiles["queue_s"] = jobs["queue"].quantile(levels).to_numpy()
     section("Duration, GPU demand and queueing (CDFs)", f'<img src="{png}">' + table_html(quantiles, "quantiles"))
 
     # GPU-time by size

@@ -740,3 +740,12 @@ def test_the_client_refuses_to_drain_a_subject_wildcard(name: str) -> None:
     client = Client(nc=Unconnected())
     with pytest.raises(SubmissionError, match="not a NATS subject token"):
         asyncio.run(client.drain(name))
+
+
+def test_a_report_of_a_trace_without_start_times_has_no_queueing_column(tmp_path: Path) -> None:
+    path = tmp_path / "cluster01.csv"
+    path.write_text("job_id,submission_time,duration,num_gpu\n1,0,100,1\n2,5,200,2\n3,9,50,1\n")
+    out = tmp_path / "itp-report"
+    page = write_report(load_trace(path), out).read_text()
+    assert "queueing delay (the data has no start times)" in page  # said once, as not shown
+    assert "queue_s" not in (out / "quantiles.csv").read_text() and "queue_s" not in page
