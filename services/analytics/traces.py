@@ -36,7 +36,7 @@ import csv
 import gzip
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -476,6 +476,15 @@ def _philly_json_job(
     return job, attempts, detail
 
 
+# Each kind of CSV trace (its --kind), known by columns only it has.
+_RECOGNIZED: tuple[tuple[str, frozenset[str], Callable[[Path], Trace]], ...] = (
+    ("philly", frozenset({"timestamp", "num_gpus", "cluster"}), load_philly_csv),
+    ("itp", frozenset({"submission_time", "num_gpu"}), load_itp),
+    ("alibaba", frozenset({"gpu_milli", "num_gpu", "creation_time"}), load_alibaba_openb),
+    ("helios", frozenset({"gpu_num", "submit_time", "vc"}), load_helios),
+)
+
+
 def load_trace(path: str | Path, kind: str | None = None) -> Trace:
     """Load a trace, choosing the loader by ``kind`` or by the file's name and columns."""
     path = Path(path)
@@ -502,15 +511,14 @@ def load_trace(path: str | Path, kind: str | None = None) -> Trace:
     header = {name.strip() for name in next(csv.reader([first]), [])} - {""}
     if not header:
         raise TraceError(f"{path}: no header row (the file is empty or its first line blank)")
-    if {"timestamp", "num_gpus", "cluster"} <= header:
-        return load_philly_csv(path)
-    if {"submission_time", "num_gpu"} <= header:
-        return load_itp(path)
-    if {"gpu_milli", "num_gpu", "creation_time"} <= header:
-        return load_alibaba_openb(path)
-    if {"gpu_num", "submit_time", "vc"} <= header:
-        return load_helios(path)
-    raise TraceError(f"{path}: columns {', '.join(sorted(header))} match no known trace; give --kind")
+    for _, columns, load in _RECOGNIZED:
+        if columns <= header:
+            return load(path)
+    known = "; ".join(f"{kind}: {','.join(sorted(columns))}" for kind, columns, _ in _RECOGNIZED)
+    raise TraceError(
+        f"{path}: columns {', '.join(sorted(header))} match no known job trace (a trace has one row per job; "
+        f"each kind is known by these columns: {known}); give --kind if it is one of them"
+    )
 
 
 # -- out of the table ---------------------------------------------------------------------------

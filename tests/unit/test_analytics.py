@@ -149,7 +149,7 @@ def test_alibaba_pods_keep_fractional_requests(tmp_path: Path) -> None:
 def test_unknown_files_get_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "x.csv"
     path.write_text("a,b\n1,2\n")
-    with pytest.raises(TraceError, match="match no known trace"):
+    with pytest.raises(TraceError, match="match no known job trace"):
         load_trace(path)
     with pytest.raises(TraceError, match="no such trace file"):
         load_trace(tmp_path / "missing.csv")
