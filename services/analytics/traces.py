@@ -169,7 +169,15 @@ def finished_runs(trace: Trace) -> Trace:
     return replace(trace, jobs=jobs[completed & ran].reset_index(drop=True), rejected=rejected)
 
 
-def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rejected: dict[str, int]) -> Trace:
+def _finish(
+    name: str,
+    raw: pd.DataFrame,
+    rows_read: int,
+    *,
+    absolute: bool,
+    rejected: dict[str, int],
+    changes: dict[str, pd.Series] | None = None,
+) -> Trace:
     """Check and type the normalized columns; rows that cannot be used are counted by reason."""
     df = raw.copy()
     for column in COLUMNS:
@@ -206,6 +214,10 @@ def _finish(name: str, raw: pd.DataFrame, rows_read: int, *, absolute: bool, rej
     gpus = df["gpus"].astype("float64")
     fractional = gpus != np.floor(gpus)
     changed: dict[str, int] = {}
+    for how, rows in (changes or {}).items():  # (a loader's own changes, counted over the rows used)
+        n = int(rows.reindex(df.index, fill_value=False).sum())
+        if n:
+            changed[how] = n
     if fractional.any():
         changed[FRACTIONAL_GPUS] = int(fractional.sum())
         df["gpus"] = np.ceil(gpus)
@@ -335,7 +347,13 @@ def load_alibaba_openb(path: str | Path) -> Trace:
     start = pd.to_numeric(df["scheduled_time"], errors="coerce")
     end = pd.to_numeric(df["deletion_time"], errors="coerce")
     gpus = pd.to_numeric(df["num_gpu"], errors="coerce")
-    milli = pd.to_numeric(df["gpu_milli"], errors="coerce").fillna(1000)
+    given = pd.to_numeric(df["gpu_milli"], errors="coerce")
+    milli = given.fillna(1000).clip(lower=0, upper=1000)
+    changes = {  # (gpu_request only: a pod holds its whole GPUs whatever its share)
+        "gpu_milli missing or unreadable, taken as a whole GPU (1000)": given.isna(),
+        "gpu_milli over 1000, taken as 1000": given > 1000,
+        "gpu_milli below 0, taken as 0": given < 0,
+    }
     phase = df["pod_phase"].astype("string") if "pod_phase" in df else pd.Series(pd.NA, index=df.index)
     out = pd.DataFrame(
         {
@@ -345,7 +363,7 @@ def load_alibaba_openb(path: str | Path) -> Trace:
             "end_time": end,
             "duration": end - start,
             "gpus": gpus,
-            "gpu_request": gpus * milli.clip(upper=1000) / 1000.0,
+            "gpu_request": gpus * milli / 1000.0,
             "cpus": pd.to_numeric(df.get("cpu_milli"), errors="coerce") / 1000.0,
             "nodes": 1.0,
             "vc": df["qos"].astype("string") if "qos" in df else "default",
@@ -353,7 +371,8 @@ def load_alibaba_openb(path: str | Path) -> Trace:
             "state": phase.map(_state_of),
         }
     )
-    return _finish("alibaba-openb", out, len(df) + sum(rejected.values()), absolute=False, rejected=rejected)
+    rows_read = len(df) + sum(rejected.values())
+    return _finish("alibaba-openb", out, rows_read, absolute=False, rejected=rejected, changes=changes)
 
 
 def load_helios(path: str | Path) -> Trace:

@@ -71,3 +71,23 @@ def test_a_truncated_gzip_and_a_folder_say_what_they_are(tmp_path: Path) -> None
         load_trace(path, kind="helios")
     with pytest.raises(TraceError, match="a folder, not a trace file"):
         load_trace(tmp_path)
+
+
+def test_alibaba_gpu_shares_taken_otherwise_than_given_are_counted(tmp_path: Path) -> None:
+    head = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+    head += "creation_time,deletion_time,scheduled_time\n"
+    rows = [
+        "p1,1000,100,1,500,,LS,Succeeded,0,100,10",  # as given
+        "p2,1000,100,1,,,LS,Succeeded,1,100,10",  # no share: a whole GPU
+        "p3,1000,100,2,1500,,LS,Succeeded,2,100,10",  # over a whole GPU
+        "p4,1000,100,1,-200,,LS,Succeeded,3,100,10",  # below none
+    ]
+    path = tmp_path / "openb_pod_list_x.csv"
+    path.write_text(head + "\n".join(rows) + "\n")
+    trace = load_trace(path)
+    assert trace.jobs.set_index("job_id")["gpu_request"].to_dict() == {"p1": 0.5, "p2": 1.0, "p3": 2.0, "p4": 0.0}
+    assert trace.changed == {
+        "gpu_milli missing or unreadable, taken as a whole GPU (1000)": 1,
+        "gpu_milli over 1000, taken as 1000": 1,
+        "gpu_milli below 0, taken as 0": 1,
+    }
