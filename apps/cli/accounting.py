@@ -106,6 +106,9 @@ def fmt_day(at: float | None) -> str:
     return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M")
 
 
+_FOLDED = frozenset({"job", "name", "user", "vc", "nodes", "reason"})
+
+
 def cmd_history(args: argparse.Namespace) -> int:
     if args.limit < 0:  # rows[-args.limit:] would drop the oldest instead
         raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
@@ -122,7 +125,8 @@ def cmd_history(args: argparse.Namespace) -> int:
     table = Table(title=f"finished jobs ({len(rows)})")
     columns = ("job", "name", "user", "vc", "state", "submitted", "start", "end", "elapsed", "gpus", "nodes")
     for col in (*columns, "exit", "GPU-h", "reason"):
-        table.add_column(col)
+        # (the id whole on one line: `why`/`logs` take it; names, nodes and reasons fold, never "…")
+        table.add_column(col, no_wrap=col == "job", overflow="fold" if col in _FOLDED else "ellipsis")
     for job in rows:
         elapsed = "" if job.start is None else f"{job.end - job.start:,.0f}s"
         cells = (

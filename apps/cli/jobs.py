@@ -210,6 +210,14 @@ def cmd_why(args: argparse.Namespace) -> int:
     return 0
 
 
+# An id is whole on one line, whatever the width (`why`, `logs`, `cancel` take it: "j93…" could not be
+# copied); names, node lists and reasons fold rather than end in an ellipsis.
+ID_COLUMN: dict[str, Any] = {"no_wrap": True, "overflow": "fold"}
+TEXT_COLUMN: dict[str, Any] = {"overflow": "fold"}
+COLUMN_STYLE: dict[str, dict[str, Any]] = {"job": ID_COLUMN} | dict.fromkeys(
+    ("name", "user", "vc", "nodes", "why"), TEXT_COLUMN
+)
+
 STATUSES: tuple[str, ...] = typing.get_args(JobStatus)
 
 
@@ -256,7 +264,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     table = Table(title=plain(title))
     columns = ("job", "name", "user", "vc", "gpus", "status", "attempt", "submitted", "waited s", "starts")
     for col in (*columns, "nodes", "why"):
-        table.add_column(col)
+        table.add_column(col, **COLUMN_STYLE.get(col, {}))
     for j in jobs[-args.limit :]:
         waited = (j.first_placed_at or state.now) - j.submitted_at
         nodes = ",".join(a.node for a in j.allocations)

@@ -19,7 +19,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"nodes ({len(nodes)})")
     for col in ("node", "status", "power", "executor", "rack", "gpus", "free", "jobs", "why"):
-        table.add_column(col)
+        # (a node's name whole on one line; its jobs' ids and the reasons fold, never "…": ids are typed again)
+        table.add_column(
+            col, no_wrap=col == "node", overflow="fold" if col in ("node", "rack", "jobs", "why") else "ellipsis"
+        )
     for n in nodes:
         jobs = sorted({g.job for g in n.gpus if g.job})
         why = [n.reason] * bool(n.reason) + [f"GPU {g.info.index}: {g.health_reason}" for g in n.gpus if not g.healthy]
@@ -31,7 +34,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             n.rack,
             str(len(n.gpus)),
             str(len(n.free_gpus())),
-            ",".join(jobs)[:60],
+            ", ".join(jobs),  # (every id whole: cut at 60 characters, the last one was no id)
             "; ".join(why),
         )
         table.add_row(*map(plain, cells))

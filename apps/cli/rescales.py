@@ -65,9 +65,10 @@ def rescale_table(rows: list[dict[str, Any]], title: str, *, compact: bool = Fal
     phases = ("pause_s", "total_s") if compact else PHASES
     table = Table(title=title)
     for col in ("job", "gen", "kind", "gpus", "decided", "outcome", *(p.removesuffix("_s") for p in phases)):
-        table.add_column(col)
+        # (the job's id whole on one line, as `why`/`logs` take it; an outcome's reason folds, never "…")
+        table.add_column(col, no_wrap=col == "job", overflow="fold" if col in ("job", "outcome") else "ellipsis")
     if not compact:
-        table.add_column("why")
+        table.add_column("why", overflow="fold")
     for row in rows:
         cells = [
             row["job"],
