@@ -206,7 +206,9 @@ def cmd_why(args: argparse.Namespace) -> int:
             f"expected to start: {_starts_in(starts.get(job.job), state.now)}"
         )
     else:
-        console.print(f"{plain(job.job)} ({plain(job.spec.name)}) is {job.status}: {plain(answer['why'])}")
+        # (the reason only where it says more than the status: a completed job has none, "completed: completed")
+        why = "" if answer["why"].strip() in ("", job.status) else f": {plain(answer['why'])}"
+        console.print(f"{plain(job.job)} ({plain(job.spec.name)}) is {job.status}{why}")
     return 0
 
 
