@@ -29,7 +29,7 @@ import yaml
 
 from gpuherd import events as ev
 from gpuherd.errors import UNDECODABLE, LogUnavailable, SubmissionError
-from gpuherd.fold import vc_problem
+from gpuherd.fold import fold, vc_problem
 from gpuherd.log import HERD_INTAKE, INTAKE_PREFIX, REPLY_HEADER
 from gpuherd.obs import call_span
 from gpuherd.security import check_token
@@ -96,6 +96,20 @@ def _checked_job_id(job_id: str) -> str:
         return check_token("job", job_id)
     except ValueError as exc:
         raise SubmissionError(f"{exc} (a job's id, as `gpuherd jobs` lists it)") from None
+
+
+def _undrain_problem(node: str, records: list[Any]) -> str | None:
+    """Why undraining ``node`` would change nothing (None: it would). An undrain lets a drained node
+    take work again and puts its unhealthy GPUs back in service; of a node with neither, "undrained"
+    was said and a NodeUndrained recorded for nothing."""
+    state = fold((r.seq, r.event) for r in records)
+    found = state.nodes.get(node)
+    if found is None or found.status == "drained" or any(not g.healthy for g in found.gpus):
+        return None
+    return (
+        f"node {node} is not drained (it is {found.status}) and its GPUs are all in service: nothing to undrain"
+        " (see `gpuherd nodes`)"
+    )
 
 
 def load_data_file(path: str | Path) -> Any:
@@ -438,6 +452,9 @@ class Client:
         if not await log_.subject_seen(f"herd.node.{node}"):
             raise SubmissionError(f"no node {node!r}: see `gpuherd nodes` for the names")
         if undrain:
+            problem = _undrain_problem(node, await log_.read_all())
+            if problem is not None:
+                raise SubmissionError(problem)
             await log_.append([ev.NodeUndrained(**self._stamp("undrain"), node=node)])
         else:
             await log_.append([ev.NodeDrained(**self._stamp("drain"), node=node, reason=reason)])

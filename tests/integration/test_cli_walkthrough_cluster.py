@@ -1,6 +1,7 @@
 """CLI commands that answered wrongly on a live log (the session's NATS, events written by hand):
 ``cancel`` of a job that had ended said "cancel requested" and exited 0 (the scheduler's refusal was
-in the log, unseen)."""
+in the log, unseen); ``events --job/--type --last N`` filtered the log's last N events, often to
+nothing; ``undrain`` of a node that was not drained said "undrained" and recorded it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from apps.cli import build_parser
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
 from gpuherd.log import open_log
-from tests.helpers import finish, submit, tick
+from tests.helpers import finish, node, submit, tick
 
 
 def _fresh(prefix: str) -> str:
@@ -66,3 +67,15 @@ def test_events_last_n_counts_only_the_events_that_match(nats_url: str, capsys: 
     assert _run(nats_url, "events", "--job", job, "--last", "1", "--json") == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]  # (not log lines)
     assert len(lines) == 1 and '"JobSubmitted"' in lines[0] and job in lines[0], lines
+
+
+def test_undrain_of_a_node_that_is_not_drained_says_so_and_records_nothing(nats_url: str, capsys: Any) -> None:
+    name = _fresh("wn")
+    _append(nats_url, [node(name, 2)])
+    with pytest.raises(GpuherdError, match=rf"node {name} is not drained \(it is up\).*nothing to undrain"):
+        _run(nats_url, "undrain", name)
+    assert not [e for e in _events(nats_url) if isinstance(e, ev.NodeUndrained) and e.node == name]
+    assert _run(nats_url, "drain", name) == 0
+    assert _run(nats_url, "undrain", name) == 0  # (drained: undrained, as before)
+    assert f"undrained {name}" in capsys.readouterr().out
+    assert [e for e in _events(nats_url) if isinstance(e, ev.NodeUndrained) and e.node == name]
