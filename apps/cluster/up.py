@@ -98,7 +98,37 @@ def _command_name() -> str:
     return "python -m apps"
 
 
+def check_demo_trace(args: argparse.Namespace) -> None:
+    """The demo's trace, checked before anything starts (a missing one stopped a cluster just started,
+    saying "philly.csv not found: pass --trace PATH" of a path that had been passed). ``args.trace``
+    becomes the trace found, so that the demo reads the file checked here."""
+    if not args.demo:
+        return
+    if args.trace is None:
+        from apps.cluster.demo import find_trace
+
+        args.trace = str(find_trace(None))
+        return
+    path = Path(args.trace)
+    if path.is_dir():
+        raise GpuherdError(f"--trace {args.trace}: is a folder, not a file: give the path of philly.csv")
+    try:
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
+        raise GpuherdError(
+            f"--trace {args.trace}: no such file{where}: give the path of philly.csv (../shared/traces/philly/)"
+        ) from None
+    except OSError as exc:
+        raise GpuherdError(f"--trace {args.trace}: cannot read it: {exc.strerror or exc}") from None
+
+
 def run_cluster(args: argparse.Namespace) -> int:
+    # What the command line names is read first: nothing starts (nor does --fresh delete anything)
+    # for a cluster that would stop at once for a file not there.
+    check_demo_trace(args)
+    vcs = load_vc_file(args.vcs) if args.vcs else []
     data_dir = Path(args.data_dir)
     refuse_if_in_use(data_dir)  # (before --fresh deletes what it serves from)
     if args.fresh and data_dir.exists():
@@ -115,7 +145,6 @@ def run_cluster(args: argparse.Namespace) -> int:
         ui_token_file=args.ui_token_file,
         nats_sync=UNSAFE_SYNC if getattr(args, "fast_unsafe_fsync", False) else None,
     )
-    vcs = load_vc_file(args.vcs) if args.vcs else []
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
     url = cluster.start()
     code = 0
