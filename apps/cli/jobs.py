@@ -163,9 +163,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if not jobs:
         raise GpuherdError(f"no job, array or workflow {args.job!r}: see `gpuherd jobs` for the ids")
     open_jobs = [j.job for j in jobs if j.status not in TERMINAL]
-    if not open_jobs:
-        console.print(f"nothing to cancel: the {len(jobs)} jobs of {plain(args.job)} have all ended")
-        return 0
+    if not open_jobs:  # (as of one job that has ended: nothing was asked of the scheduler)
+        raise GpuherdError(f"nothing to cancel: the {len(jobs)} jobs of {args.job} have all ended")
     client_call(args, lambda c: c.cancel_jobs(open_jobs, args.reason))
     console.print(
         f"cancel requested for {len(open_jobs)} of the {len(jobs)} jobs of {plain(args.job)}: {', '.join(open_jobs)}"

@@ -48,8 +48,25 @@ TRACE_OFFSET = 40_000  # a busy stretch of the trace, fixed so every demo run is
 
 
 def find_trace(explicit: str | None) -> Path:
-    candidates = [Path(explicit)] if explicit else []
+    """The demo's trace: the path given (which must be there: another trace in its place would be
+    used unsaid), else philly.csv in ``shared/traces`` beside or above this folder."""
+    if explicit:
+        path = Path(explicit)
+        if path.is_dir():
+            raise GpuherdError(f"--trace {explicit}: is a folder, not a file: give the path of philly.csv")
+        try:
+            with path.open("rb"):
+                pass
+        except FileNotFoundError:
+            where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
+            raise GpuherdError(
+                f"--trace {explicit}: no such file{where}: give the path of philly.csv (../shared/traces/philly/)"
+            ) from None
+        except OSError as exc:
+            raise GpuherdError(f"--trace {explicit}: cannot read it: {exc.strerror or exc}") from None
+        return path
     here = Path.cwd()
+    candidates: list[Path] = []
     candidates += [p / "shared" / "traces" / "philly" / "philly.csv" for p in (here.parent, here, *here.parents)]
     for candidate in candidates:
         if candidate.exists():

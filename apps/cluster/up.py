@@ -104,24 +104,9 @@ def check_demo_trace(args: argparse.Namespace) -> None:
     becomes the trace found, so that the demo reads the file checked here."""
     if not args.demo:
         return
-    if args.trace is None:
-        from apps.cluster.demo import find_trace
+    from apps.cluster.demo import find_trace
 
-        args.trace = str(find_trace(None))
-        return
-    path = Path(args.trace)
-    if path.is_dir():
-        raise GpuherdError(f"--trace {args.trace}: is a folder, not a file: give the path of philly.csv")
-    try:
-        with path.open("rb"):
-            pass
-    except FileNotFoundError:
-        where = "" if path.is_absolute() else f" (looked in {Path.cwd()})"
-        raise GpuherdError(
-            f"--trace {args.trace}: no such file{where}: give the path of philly.csv (../shared/traces/philly/)"
-        ) from None
-    except OSError as exc:
-        raise GpuherdError(f"--trace {args.trace}: cannot read it: {exc.strerror or exc}") from None
+    args.trace = str(find_trace(args.trace))
 
 
 def run_cluster(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 
 from apps.cli import build_parser
@@ -79,3 +80,16 @@ def test_undrain_of_a_node_that_is_not_drained_says_so_and_records_nothing(nats_
     assert _run(nats_url, "undrain", name) == 0  # (drained: undrained, as before)
     assert f"undrained {name}" in capsys.readouterr().out
     assert [e for e in _events(nats_url) if isinstance(e, ev.NodeUndrained) and e.node == name]
+
+
+def test_cancel_of_an_array_whose_jobs_have_all_ended_is_an_error_as_of_one_job(nats_url: str) -> None:
+    array = _fresh("a")
+    jobs = []
+    for index in range(2):
+        job = submit(f"{array}_{index}", at=1.0)
+        member = ev.ArrayMember(array=array, index=index, size=2)
+        jobs.append(msgspec.structs.replace(job, spec=msgspec.structs.replace(job.spec, array_of=member)))
+    _append(nats_url, [*jobs, *(finish(j.job, at=2.0) for j in jobs)])
+    with pytest.raises(GpuherdError, match=rf"nothing to cancel: the 2 jobs of {array} have all ended"):
+        _run(nats_url, "cancel", array)
+    assert not [e for e in _events(nats_url) if isinstance(e, ev.JobCancelRequested) and e.job.startswith(array)]
