@@ -35,11 +35,11 @@ from gpuherd.log import (
     HERD_INTAKE,
     INTAKE_PREFIX,
     MAX_DELIVERIES,
-    REPLY_HEADER,
     TRACEPARENT,
     DeadLetter,
     Delivery,
     DurableConsumer,
+    reply_inboxes,
 )
 from gpuherd.obs import get_logger
 from gpuherd.runtime.core import Decided
@@ -160,10 +160,10 @@ class Intake:
         accepted = bool(decided.outputs) and isinstance(decided.outputs[0], ev.JobSubmitted)
         duplicate = not decided.outputs
         self.runner.metrics.intake.labels("accepted" if accepted or duplicate else "rejected").inc()
-        reply_to = delivery.headers.get(REPLY_HEADER) if delivery is not None else None
-        if reply_to and decided.answer is not None:
-            with contextlib.suppress(Exception):
-                await self.runner.log.reply(reply_to, decided.answer.reply)
+        if delivery is not None and decided.answer is not None:
+            for inbox in reply_inboxes(delivery.headers):  # (retries of one Nats-Msg-Id: each hears it)
+                with contextlib.suppress(Exception):
+                    await self.runner.log.reply(inbox, decided.answer.reply)
         if self.consumer is not None and delivery is not None:
             await self.consumer.ack(delivery)
         if decided.outputs and isinstance(decided.outputs[0], ev.JobRejected):
@@ -216,10 +216,9 @@ class Intake:
             return
         self._skipped.pop(delivery.seq, None)
         self.runner.metrics.dead_letters.inc()
-        reply_to = delivery.headers.get(REPLY_HEADER)
-        if reply_to:
+        for inbox in reply_inboxes(delivery.headers):
             with contextlib.suppress(Exception):
-                await self.runner.log.reply(reply_to, msgspec.json.encode({"ok": False, "error": reason}))
+                await self.runner.log.reply(inbox, msgspec.json.encode({"ok": False, "error": reason}))
         if self.consumer is not None:
             await self.consumer.ack(delivery)
         log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)

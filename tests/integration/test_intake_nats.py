@@ -193,3 +193,26 @@ async def test_the_scheduler_says_which_jobs_it_knows(cluster) -> None:
         assert not await client.job_exists("j-nobody")
     finally:
         await client.close()
+
+
+async def test_a_retry_under_one_msg_id_never_takes_a_later_request_s_verdict(cluster) -> None:
+    """A plain request retried under its Nats-Msg-Id is stored once (the stream drops the copy). The
+    dropped copy's inbox was kept, and the next requests of the same bytes got their verdicts one
+    behind: each later sender waited in vain while its job was made."""
+    services, log = cluster
+    nc = await nats.connect(services.url)
+    body = msgspec.json.encode(GOOD | {"name": f"r-{uuid.uuid4().hex[:8]}"})  # (no intake_id: each copy a job)
+    msg_id = uuid.uuid4().hex
+    try:
+        first = msgspec.json.decode(
+            (await nc.request("herd.intake.teamE", body, timeout=10, headers={"Nats-Msg-Id": msg_id})).data
+        )
+        assert first["ok"], first
+        with pytest.raises(nats.errors.TimeoutError):  # (dropped by the stream after its verdict went out)
+            await nc.request("herd.intake.teamE", body, timeout=2, headers={"Nats-Msg-Id": msg_id})
+        later = [msgspec.json.decode((await nc.request("herd.intake.teamE", body, timeout=10)).data) for _ in range(2)]
+    finally:
+        await nc.close()
+    assert all(answer["ok"] for answer in later), later
+    assert len({first["job_id"], *(answer["job_id"] for answer in later)}) == 3  # three jobs, each told its own
+    await wait_state(log, lambda s: all(a["job_id"] in s.jobs for a in (first, *later)), 15)

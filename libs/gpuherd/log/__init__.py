@@ -33,6 +33,7 @@ from gpuherd.log.streams import (
     STATUS_BUCKET,
     TELEMETRY_PREFIX,
     TRACEPARENT,
+    reply_inboxes,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "Requests",
     "TelemetryBus",
     "open_log",
+    "reply_inboxes",
 ]
 
 

@@ -67,6 +67,7 @@ from gpuherd.log.pages import (
 )
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
 from gpuherd.log.streams import (
+    ALSO_REPLY_HEADER,
     CONTROL_PREFIX,
     DEAD_LETTER_PREFIX,
     HERD,
@@ -985,15 +986,26 @@ def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
     return LogError(message)
 
 
-def _content_key(subject: str, data: bytes) -> bytes:
-    return hashlib.blake2b(subject.encode() + b"\x00" + data, digest_size=16).digest()
+# A request's inbox is kept at most this long for its verdict: its sender gave up long before, and an
+# inbox kept longer (a copy the stream dropped as a duplicate is never fetched) would take the verdict
+# of a later request of the same bytes.
+REQUEST_PATIENCE_S = 60.0
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+def _request_key(subject: str, data: bytes, msg_id: str) -> bytes:
+    """What ties a plain request to its stored copy: its subject, its bytes, and its Nats-Msg-Id, so
+    that a retry under one id is never mistaken for another request of the same bytes."""
+    return hashlib.blake2b(subject.encode() + b"\x00" + msg_id.encode() + b"\x00" + data, digest_size=16).digest()
 
 
 class _JetStreamConsumer(DurableConsumer):
     """A durable pull consumer. On the intake stream it also learns the reply
     inbox of plain NATS requests (the stream keeps no reply subject), so the
     verdict can answer them: a core subscription sees the request first and
-    the stored copy is matched to it by subject and content."""
+    the stored copy is matched to it by subject, content and Nats-Msg-Id. Requests
+    under one Nats-Msg-Id are one submission (the stream keeps the first copy and
+    drops the rest as duplicates): every one still waiting hears the verdict."""
 
     def __init__(self, log_: JetStreamLog, stream: str, name: str, ack_wait: float) -> None:
         self._log = log_
@@ -1003,17 +1015,20 @@ class _JetStreamConsumer(DurableConsumer):
         self._sub: Any = None
         self._requests: Any = None
         # (oldest first; an OrderedDict drops its oldest at once, where a dict scans the holes of earlier drops)
-        self._reply_inboxes: collections.OrderedDict[bytes, collections.deque[str]] = collections.OrderedDict()
+        self._reply_inboxes: collections.OrderedDict[bytes, collections.deque[tuple[str, float]]] = (
+            collections.OrderedDict()
+        )  # request key -> (inbox, when it was seen), oldest first
 
     async def _watch_requests(self) -> None:
         if self._requests is not None or self._stream != HERD_INTAKE:
             return
 
         async def remember(msg: Any) -> None:
-            if msg.reply and not (msg.headers or {}).get(REPLY_HEADER):
-                key = _content_key(msg.subject, msg.data)
+            headers = msg.headers or {}
+            if msg.reply and not headers.get(REPLY_HEADER):
+                key = _request_key(msg.subject, msg.data, headers.get(MSG_ID_HEADER, ""))
                 inboxes = self._reply_inboxes.setdefault(key, collections.deque(maxlen=64))
-                inboxes.append(msg.reply)
+                inboxes.append((msg.reply, time.monotonic()))
                 if len(self._reply_inboxes) > 10_000:  # forget the oldest unanswered requests
                     self._reply_inboxes.popitem(last=False)
 
@@ -1061,9 +1076,11 @@ class _JetStreamConsumer(DurableConsumer):
             meta = msg.metadata
             headers = dict(msg.headers or {})
             if REPLY_HEADER not in headers:
-                inboxes = self._reply_inboxes.get(_content_key(msg.subject, msg.data))
+                inboxes = self._waiting_inboxes(msg.subject, msg.data, headers.get(MSG_ID_HEADER, ""))
                 if inboxes:
-                    headers[REPLY_HEADER] = inboxes.popleft()
+                    headers[REPLY_HEADER] = inboxes[0]
+                    if len(inboxes) > 1:
+                        headers[ALSO_REPLY_HEADER] = ",".join(inboxes[1:])
             out.append(
                 Delivery(
                     seq=meta.sequence.stream,
@@ -1076,6 +1093,25 @@ class _JetStreamConsumer(DurableConsumer):
                 )
             )
         return out
+
+    def _waiting_inboxes(self, subject: str, data: bytes, msg_id: str) -> list[str]:
+        """The inboxes a stored intake message answers: under a Nats-Msg-Id, every request of it still
+        waiting; without one, the oldest (each such request is stored, and answered, once)."""
+        key = _request_key(subject, data, msg_id)
+        waiting = self._reply_inboxes.get(key)
+        if not waiting:
+            return []
+        patience = time.monotonic() - REQUEST_PATIENCE_S
+        while waiting and waiting[0][1] < patience:
+            waiting.popleft()
+        if msg_id:
+            inboxes = [inbox for inbox, _ in waiting]
+            waiting.clear()
+        else:
+            inboxes = [waiting.popleft()[0]] if waiting else []
+        if not waiting:
+            del self._reply_inboxes[key]
+        return inboxes
 
     async def ack(self, delivery: Delivery) -> None:
         msg = delivery.token

@@ -11,6 +11,8 @@ itself) and core request-reply on ``herd.ctl.>`` for questions to a live service
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 HERD = "HERD"
 HERD_INTAKE = "HERD_INTAKE"
 HERD_TELEMETRY = "HERD_TELEMETRY"
@@ -38,5 +40,16 @@ STATUS_BUCKET = "herd_services"
 
 TRACEPARENT = "traceparent"
 REPLY_HEADER = "Gpuherd-Reply-To"
+# More inboxes, comma-separated, that wait for the same verdict: plain requests that retried one
+# submission under its Nats-Msg-Id (the stream keeps one copy; each sender hears the verdict).
+ALSO_REPLY_HEADER = "Gpuherd-Reply-Also"
+
+
+def reply_inboxes(headers: Mapping[str, str]) -> list[str]:
+    """Every inbox an intake message's verdict goes to (none: a plain publish)."""
+    first = headers.get(REPLY_HEADER)
+    more = [inbox for inbox in headers.get(ALSO_REPLY_HEADER, "").split(",") if inbox]
+    return [first, *more] if first else more
+
 
 MAX_DELIVERIES = 5  # an intake message whose handling failed this often goes to the dead letters
