@@ -117,11 +117,15 @@ function lineChart(title, xs, series, opts) {
   const el = h("div", { class: "chart", "data-testid": opts && opts.testid });
   if (!xs.length) { el.append(h("p", { class: "dim" }, `${title}: nothing yet`)); return el; }
   const palette = ["#4fa3ff", "#f0ad4e", "#5cb85c", "#d9534f", "#9b6bff", "#5bc0de", "#e83e8c", "#aaa"];
-  const width = Math.max(320, Math.min(1100, $view.clientWidth - 40));
+  // A chart in a two-column grid (a job's progress) gets half the page: the full width put two
+  // 1100px charts side by side, twice as wide as the page. (Below 720px the grid is one column.)
+  const full = $view.clientWidth - 40;
+  const half = opts && opts.half && window.innerWidth > 720;
+  const width = Math.max(280, Math.min(1100, half ? full / 2 - 24 : full));
   const plot = new uPlot({
     title, width, height: (opts && opts.height) || 260,
     scales: { x: { time: !(opts && opts.xNotTime) } },
-    axes: [{ stroke: "#8a96a3", grid: { stroke: "#2a323c" } }, { stroke: "#8a96a3", grid: { stroke: "#2a323c" } }],
+    axes: [{ stroke: "#8a96a3", grid: { stroke: "#2a323c" } }, { stroke: "#8a96a3", grid: { stroke: "#2a323c" }, size: 64 }], // (room for "20,000")
     series: [{}, ...series.map((s, i) => ({ label: s.label, stroke: palette[i % palette.length], width: 1.5 }))],
   }, [xs, ...series.map((s) => s.values)], el);
   charts.push(plot);
@@ -230,7 +234,7 @@ views.job = async (id) => {
   const progress = j.progress || [];
   const keys = [...new Set(progress.flatMap((p) => Object.keys(p)))].filter((k) => !["at", "step"].includes(k));
   const charts = h("div", { class: "grid2" }, keys.slice(0, 4).map((k) =>
-    lineChart(k, progress.map((p) => p.step), [{ label: k, values: progress.map((p) => p[k] ?? null) }], { xNotTime: true, height: 200, testid: `progress-${k}` })));
+    lineChart(k, progress.map((p) => p.step), [{ label: k, values: progress.map((p) => p[k] ?? null) }], { xNotTime: true, height: 200, half: true, testid: `progress-${k}` })));
   const canCancel = session.actions && !["completed", "failed", "cancelled", "timeout"].includes(j.status);
   return h("section", {},
     h("h1", {}, `Job ${j.job}`),
@@ -457,14 +461,23 @@ async function draw() {
       const fresh = !current || current.name !== r.name || current.arg !== r.arg || String(current.params) !== String(r.params);
       current = r;
       for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.view === r.name || (r.name === "job" && a.dataset.view === "jobs") || (r.name === "workflow" && a.dataset.view === "workflows"));
+      // The charts on the page now are destroyed once the new page replaces it; the ones the view
+      // draws for the new page (lineChart adds them to `charts`) stay. (Destroying every chart in
+      // `charts` after drawing removed the new ones too: History, Usage and a job's progress showed
+      // empty boxes.)
+      const shown = charts;
+      charts = [];
       let node;
       try { node = await views[r.name](r.arg, r.params); }
       catch (err) { node = h("section", {}, h("h1", {}, "Cannot show this"), h("p", { class: "error" }, err.message)); }
       const focused = document.activeElement && $view.contains(document.activeElement) ? document.activeElement.name : null;
-      if (!fresh && focused) continue; // someone is typing in a filter: keep the form, redraw on the next change
+      if (!fresh && focused) { // someone is typing in a filter: keep the form, redraw on the next change
+        for (const c of charts) c.destroy();
+        charts = shown;
+        continue;
+      }
       const scroll = window.scrollY;
-      for (const c of charts) c.destroy();
-      charts = [];
+      for (const c of shown) c.destroy();
       $view.replaceChildren(node);
       $view.dataset.view = r.name;
       if (!fresh) window.scrollTo(0, scroll);
