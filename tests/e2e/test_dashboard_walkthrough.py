@@ -9,6 +9,7 @@ scrolled sideways; and every page load logged a 404 (no favicon) in the console.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,3 +82,36 @@ def test_history_and_usage_draw_their_plots_and_keep_them_when_the_log_moves(
     expect(desk.locator("#view .uplot")).to_have_count(2, timeout=UPDATE_WAIT_MS)  # by VC, by user
     shot(desk, "walkthrough-usage")
     assert desk.errors == [], desk.errors  # type: ignore[attr-defined]
+
+
+@needs_browser
+def test_node_cards_hold_their_gpu_rows(desk: Any, cluster: dict[str, str]) -> None:  # noqa: F811
+    from playwright.sync_api import expect
+
+    job = submit(cluster["nats_url"], {"name": "on-a-card", "user": "ivy", "gpus": 2, "duration_s": 3600})
+    open_view(desk, cluster, "nodes")
+    expect(desk.locator(f"[data-testid=nodes] a.joblink:text-is('{job}')")).to_have_count(2, timeout=UPDATE_WAIT_MS)
+    shot(desk, "walkthrough-nodes")
+    over = desk.evaluate(
+        "[...document.querySelectorAll('.nodecard')].filter(c => c.scrollWidth > c.clientWidth)"
+        ".map(c => `${c.dataset.node}: ${c.scrollWidth} > ${c.clientWidth}`)"
+    )
+    assert over == [], over
+    assert sideways(desk) == 0
+
+
+@needs_browser
+def test_a_phone_shows_every_page_without_sideways_scrolling(phone: Any, cluster: dict[str, str]) -> None:  # noqa: F811
+    command = [sys.executable, "-c", "print('a line from a job on a phone')"]
+    job = submit(cluster["nats_url"], {"name": "phone-job", "user": "jo", "gpus": 1, "command": command})
+    routes = ["overview", "queue", "jobs", "nodes", "vcs", "workflows", "history", "usage", "services", f"job/{job}"]
+    for route in routes:
+        open_view(phone, cluster, route)
+        phone.wait_for_timeout(300)
+        shot(phone, f"walkthrough-phone-{route.split('/')[0]}")
+        assert sideways(phone) == 0, (route, sideways(phone))
+        header = phone.evaluate("document.querySelector('header').getBoundingClientRect().height")
+        assert header < PHONE["height"] / 4, (route, header)  # the links wrap in rows, not one word per line
+    phone.evaluate("window.scrollTo(0, 400)")
+    assert phone.evaluate("document.querySelector('header').getBoundingClientRect().bottom") <= 0  # it scrolls away
+    assert phone.errors == [], phone.errors  # type: ignore[attr-defined]
