@@ -10,6 +10,7 @@ scrolled sideways; and every page load logged a 404 (no favicon) in the console.
 from __future__ import annotations
 
 import sys
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,3 +116,14 @@ def test_a_phone_shows_every_page_without_sideways_scrolling(phone: Any, cluster
     phone.evaluate("window.scrollTo(0, 400)")
     assert phone.evaluate("document.querySelector('header').getBoundingClientRect().bottom") <= 0  # it scrolls away
     assert phone.errors == [], phone.errors  # type: ignore[attr-defined]
+
+
+@needs_browser
+def test_the_page_names_an_icon_it_serves(desk: Any, cluster: dict[str, str]) -> None:  # noqa: F811
+    # Without one the browser asks for /favicon.ico, a 404, logged as an error in the console of every page.
+    open_view(desk, cluster, "overview")
+    icon = desk.evaluate("document.querySelector('link[rel=icon]')?.href ?? null")
+    assert icon is not None and icon.startswith(cluster["url"]), icon
+    with urllib.request.urlopen(icon, timeout=10) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("image/")
+    assert desk.errors == [], desk.errors  # type: ignore[attr-defined]
