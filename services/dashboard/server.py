@@ -25,6 +25,10 @@ from gpuherd.errors import GpuherdError, LogUnavailable
 from gpuherd.security import check_token
 from services.dashboard.view import DashboardView
 
+# How long an operator action waits for the log to take it. With NATS frozen or partitioned away the
+# append waits on and on, and the page's button said nothing: a 503 says "not yet, try again".
+ACTION_TIMEOUT_S = 10.0
+
 STATIC = Path(__file__).parent / "static"
 PUSH_EVERY_S = 0.1  # how often an open page's stream looks for a change
 KEEPALIVE_S = 15.0
@@ -253,9 +257,15 @@ class Routes:
             )
         call, done = action(reason or default)
         try:
-            await call()
+            await asyncio.wait_for(call(), ACTION_TIMEOUT_S)
         except LogUnavailable as exc:  # (the request was right; the log cannot take it now: try again)
             return _error(503, str(exc))
+        except TimeoutError:
+            return _error(
+                503,
+                f"the log did not take it within {ACTION_TIMEOUT_S:g}s (NATS away or slow); it may yet be recorded "
+                "when NATS answers: look before you try again",
+            )
         except GpuherdError as exc:
             return _error(404 if "no job" in str(exc) or "no node" in str(exc) else 400, str(exc))
         return _json({"ok": True, "done": done})

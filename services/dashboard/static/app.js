@@ -84,6 +84,7 @@ function flash(message, error) {
 }
 
 async function act(path, reason) {
+  flash("sending…"); // (with NATS away the server answers only after its timeout: say something meanwhile)
   try {
     const { body } = await api(path, {
       method: "POST",
