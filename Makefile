@@ -50,12 +50,13 @@ infra/secrets.env:
 
 ## test: every test but the long ones (kept under 12 minutes); test-long: those (the demo, the workflow
 ## e2e, the short nemesis and the power cut, real elastic jobs and warm-pool grows, bit-identical elastic
-## training, real jobs on CPU agents and on leased memory, the pool under host memory pressure); .ci/run runs both
+## training, real jobs on CPU agents and on leased memory, the pool under host memory pressure, the dashboard's
+## browser walks at desktop and phone widths); .ci/run runs both. Each prints its 15 slowest tests (the budget).
 test: install lint nemesis-tools
-	$(VENV)/bin/pytest -q -m "not long"
+	$(VENV)/bin/pytest -q -m "not long" --durations=15
 
 test-long: install nemesis-tools
-	$(VENV)/bin/pytest -q -m long
+	$(VENV)/bin/pytest -q -m long --durations=15
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"

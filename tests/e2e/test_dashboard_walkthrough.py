@@ -27,7 +27,7 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures, used by
     submit,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # (four browser walks: make test-long, to keep make test short)
 
 PHONE = {"width": 390, "height": 800}
 
