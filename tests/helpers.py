@@ -81,6 +81,20 @@ def submit(
     return ev.JobSubmitted(id=f"test:intake:{job}", at=at, source="test", job=job, spec=spec, intake_source="test")
 
 
+def placed(
+    job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0, reason: str = ""
+) -> ev.JobPlaced:
+    return ev.JobPlaced(
+        id=f"p-{job}-{attempt}",
+        at=at,
+        source="scheduler",
+        job=job,
+        attempt=attempt,
+        allocations=tuple(ev.Allocation(n, g) for n, g in allocs),
+        reason=reason,
+    )
+
+
 def finish(job: str, attempt: int = 0, *, at: float = 0.0, outcome: str = "completed") -> ev.JobFinished:
     return ev.JobFinished(id=f"fin-{job}-{attempt}", at=at, source="test", job=job, attempt=attempt, outcome=outcome)  # type: ignore[arg-type]
 

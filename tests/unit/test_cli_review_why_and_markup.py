@@ -15,21 +15,13 @@ from apps.cli import accounting, common, jobs, nodes
 from gpuherd import events as ev
 from gpuherd.log import Record
 from gpuherd.log.files import write_log_file
-from tests.helpers import node, submit
+from tests.helpers import node, placed, submit
 
 REQUEUED = "node n1 lost: no heartbeat for 30 s"
 
 
 def _placed(job: str, attempt: int, at: float, reason: str = "") -> ev.JobPlaced:
-    return ev.JobPlaced(
-        id=f"place-{job}-{attempt}",
-        at=at,
-        source="scheduler",
-        job=job,
-        attempt=attempt,
-        allocations=(ev.Allocation("n1", (0,)),),
-        reason=reason,
-    )
+    return placed(job, ("n1", (0,)), attempt=attempt, at=at, reason=reason)
 
 
 def _log(tmp_path: Path, events: list[ev.Event]) -> str:

@@ -2,7 +2,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState, apply, fold
-from tests.helpers import finish, node, records, submit
+from tests.helpers import finish, node, placed, records, submit
 
 
 def encode_state(state: ClusterState) -> bytes:
@@ -11,17 +11,6 @@ def encode_state(state: ClusterState) -> bytes:
 
 def decode_state(data: bytes) -> ClusterState:
     return msgspec.msgpack.decode(data, type=ClusterState)
-
-
-def placed(job: str, *allocs: tuple[str, tuple[int, ...]], attempt: int = 0, at: float = 1.0) -> ev.JobPlaced:
-    return ev.JobPlaced(
-        id=f"p-{job}-{attempt}",
-        at=at,
-        source="scheduler",
-        job=job,
-        attempt=attempt,
-        allocations=tuple(ev.Allocation(n, g) for n, g in allocs),
-    )
 
 
 def run(*events: ev.Event) -> ClusterState:
