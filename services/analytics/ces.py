@@ -147,7 +147,9 @@ class CesReport:
     mean_nodes_off: float
     changes_per_day: float
     utilization_before: float  # active / total
-    utilization_after: float  # active / powered
+    # Demand served by booted nodes / powered nodes. Demand beyond the booted nodes waits (counted
+    # below), so it is not utilization: counting it made this exceed 100% while nodes booted.
+    utilization_after: float
     wait_node_minutes: float  # node-minutes of demand that found no powered node
     waits: int  # episodes in which demand exceeded the powered nodes
     mean_wait_s: float  # how long such an episode lasted (boot time included)
@@ -162,7 +164,7 @@ class CesReport:
             ("mean nodes powered down", f"{self.mean_nodes_off:.1f}"),
             ("node-count changes per day", f"{self.changes_per_day:.2f}"),
             ("node utilization before (active/total)", f"{self.utilization_before:.1%}"),
-            ("node utilization after (active/powered)", f"{self.utilization_after:.1%}"),
+            ("node utilization after (served/powered)", f"{self.utilization_after:.1%}"),
             ("node-minutes of demand without a powered node", f"{self.wait_node_minutes:,.0f}"),
             ("episodes of demand waiting for power-up", f"{self.waits:,}"),
             ("mean wait for a node to power up (s)", f"{self.mean_wait_s:,.0f}"),
@@ -239,6 +241,7 @@ def evaluate_sequence(
     actual_sum: list[int] = []
     under = 0
     powered_series = np.empty(len(times))
+    served = 0  # node-minutes of demand that booted nodes ran
     wait_node_minutes = 0.0
     episodes: list[float] = []
     episode_start: float | None = None
@@ -268,6 +271,7 @@ def evaluate_sequence(
         ready = min(ready, powered)
         powered_series[i] = powered
         short = max(0, int(active[i]) - ready)
+        served += int(active[i]) - short
         wait_node_minutes += short
         if short and episode_start is None:
             episode_start = now
@@ -286,7 +290,7 @@ def evaluate_sequence(
         mean_nodes_off=float((total - powered_series).mean()),
         changes_per_day=changes / days,
         utilization_before=float(active.sum() / total.sum()),
-        utilization_after=float(active.sum() / powered_series.sum()),
+        utilization_after=float(served / max(powered_series.sum(), 1.0)),
         wait_node_minutes=wait_node_minutes,
         waits=len(episodes),
         mean_wait_s=float(np.mean(episodes)) if episodes else 0.0,

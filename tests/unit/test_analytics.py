@@ -275,6 +275,18 @@ def test_ces_evaluation_on_a_synthetic_sequence() -> None:
     assert report.waits > 0 and report.mean_wait_s <= CesParams().boot_s + 600  # steps up wait for a boot
 
 
+def test_ces_utilization_after_counts_only_served_demand_never_over_100_percent() -> None:
+    # An idle start powers 18 of 20 nodes down; then every node is wanted for 7 minutes, while the
+    # next decision is 10 minutes away. Demand without a booted node waits: it is counted as waiting,
+    # not as utilization (counted so, this read 700%).
+    active = np.where(np.arange(10) < 3, 0, 20)
+    seq = pd.DataFrame({"t": np.arange(10) * 60.0, "active": active, "total": 20})
+    report = evaluate_sequence(seq, CesParams(buffer_nodes=2, boot_s=600, min_interval_s=0))
+    assert report.mean_nodes_off == 18
+    assert report.wait_node_minutes == 7 * 18
+    assert report.utilization_after == pytest.approx(7 * 2 / (10 * 2))  # its 2 powered nodes, busy 7 of 10 min
+
+
 # -- simulation -----------------------------------------------------------------------------------------------
 
 
