@@ -1,10 +1,11 @@
 """The dashboard's HTTP side: pages, ``/api/`` JSON, server-sent events, operator actions.
 
-Read-only unless an operator token was given at start; an action carries it as ``Authorization:
-Bearer <token>`` (a header, never a cookie, so another site cannot make a browser send it). Every
-action goes through the same client calls as the CLI, with the same checks. Pages are built in the
-browser with ``textContent`` only, and the Content-Security-Policy allows scripts from this server
-alone, so a job named ``<script>...`` is text. Every asset is served from ``static/`` (no CDN).
+Read-only unless an operator token was given at start; an action (cancel, drain, undrain, running
+the audit) carries it as ``Authorization: Bearer <token>`` (a header, never a cookie, so another site
+cannot make a browser send it). Every action goes through the same client calls as the CLI, with the
+same checks. Pages are built in the browser with ``textContent`` only, and the Content-Security-Policy
+allows scripts from this server alone, so a job named ``<script>...`` is text. Every asset is served
+from ``static/`` (no CDN).
 """
 
 from __future__ import annotations
@@ -184,6 +185,11 @@ class Routes:
         return _json(self.view.last_audit)
 
     async def audit_run(self, request: web.Request) -> web.Response:
+        # An operator action like the others: it re-runs every decision of the whole log, which anyone
+        # who could reach the page could otherwise start again and again.
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
         if self.backend.audit is None:
             return _error(501, "this dashboard was started without the deciders, so it cannot audit")
         if self.audit_lock.locked():

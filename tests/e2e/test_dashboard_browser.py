@@ -187,6 +187,10 @@ def test_every_view_loads_and_shows_the_cluster(page: Any, cluster: dict[str, st
     expect(page.locator("[data-testid=services-table]")).to_contain_text("dashboard")
     shot(page, "services")
     open_view(page, cluster, "audit")
+    page.click("[data-testid=run-audit]")  # an operator action: refused until the token is typed
+    expect(page.locator("#flash")).to_contain_text("operator token")
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")
     page.click("[data-testid=run-audit]")
     expect(page.locator("[data-testid=audit-result]")).to_contain_text("Clean", timeout=60_000)
     shot(page, "audit")
@@ -266,6 +270,7 @@ def test_actions_need_the_operator_token(page: Any, cluster: dict[str, str]) -> 
     url = cluster["url"]
     assert http(url + "api/nodes/node-1/drain", method="POST")[0] == 401
     assert http(url + "api/nodes/node-1/drain", method="POST", token="wrong-token-wrong-token")[0] == 401
+    assert http(url + "api/audit", method="POST")[0] == 401  # (it re-runs every decision of the log)
     assert http(url + "api/jobs/nope/cancel", method="POST", token=TOKEN)[0] == 404  # the CLI's own check
     status, body = http(url + "api/nodes/nope/drain", method="POST", token=TOKEN)
     assert status == 404 and "no node" in body["error"]

@@ -163,7 +163,7 @@ async def test_the_api_answers_with_json_and_a_strict_content_policy(client: Any
     assert (await c.get("/api/jobs/nope")).status == 404
     assert (await c.get("/api/jobs?sort=colour")).status == 400
     assert (await c.get("/api/audit", allow_redirects=False)).status == 200
-    assert (await c.post("/api/audit")).status == 501  # no deciders handed in: it says so
+    assert (await c.post("/api/audit")).status == 403  # running it is an operator action
     page = await c.get("/")
     assert page.status == 200 and "gpuherd" in await page.text()
     assert (await c.get("/static/vendor/uPlot.iife.min.js")).status == 200
@@ -177,6 +177,44 @@ async def test_actions_are_refused_without_the_token(client: Any) -> None:
     assert (await guarded.post("/api/nodes/n1/drain")).status == 401
     wrong = await guarded.post("/api/jobs/a/cancel", headers={"Authorization": "Bearer not-the-token-at-all"})
     assert wrong.status == 401
+
+
+async def test_running_the_audit_needs_the_operator_token_as_every_action_does() -> None:
+    """POST /api/audit re-runs every decision of the whole log: anyone who could reach the page could
+    start it, again and again, while cancel and drain asked for the token."""
+    runs: list[float] = []
+
+    async def audit() -> dict[str, Any]:
+        runs.append(0.0)
+        return {"ok": True, "deciders": {}}
+
+    guarded = _acting(Actions(cancel=_never, drain=_never))
+    guarded.audit = audit
+    read_only = _acting(Actions(cancel=_never, drain=_never))
+    read_only.audit, read_only.operator_token = audit, None
+    async with TestClient(TestServer(make_app(read_only))) as c:
+        response = await c.post("/api/audit")
+        assert response.status == 403 and "read-only" in (await response.json())["error"]
+    async with TestClient(TestServer(make_app(guarded))) as c:
+        for headers in ({}, {"Authorization": "Bearer not-the-token-at-all"}):
+            response = await c.post("/api/audit", headers=headers)
+            assert response.status == 401, headers
+            assert (await response.json())["error"] == (
+                "a valid operator token is needed (Authorization: Bearer <token>)"
+            )  # the words cancel and drain answer with
+        assert runs == []
+        response = await c.post("/api/audit", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status == 200 and (await response.json())["ok"] is True
+        assert len(runs) == 1
+        assert await (await c.get("/api/audit")).json() == {"ok": True, "deciders": {}}  # (reading it needs none)
+    guarded.audit = None
+    async with TestClient(TestServer(make_app(guarded))) as c:
+        response = await c.post("/api/audit", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status == 501  # no deciders handed in: it says so
+
+
+async def _never(*args: Any) -> None:
+    raise AssertionError("an action ran that should not have")
 
 
 async def test_the_stream_says_when_the_view_changed(client: Any) -> None:

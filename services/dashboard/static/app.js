@@ -83,14 +83,16 @@ function flash(message, error) {
   flash.timer = setTimeout(() => { $flash.hidden = true; }, 5000);
 }
 
+// Every operator action (cancel, drain, undrain, running the audit) sends the token typed into the
+// page as a header, never a cookie: another site cannot make the browser send it.
+function operatorHeaders() {
+  return { "Content-Type": "application/json", Authorization: `Bearer ${$token.value.trim()}` };
+}
+
 async function act(path, reason) {
   flash("sending…"); // (with NATS away the server answers only after its timeout: say something meanwhile)
   try {
-    const { body } = await api(path, {
-      method: "POST",
-      headers: { "Content-Type": "application/json", Authorization: `Bearer ${$token.value.trim()}` },
-      body: JSON.stringify({ reason }),
-    });
+    const { body } = await api(path, { method: "POST", headers: operatorHeaders(), body: JSON.stringify({ reason }) });
     flash(body.done);
   } catch (err) {
     flash(err.message, true);
@@ -419,12 +421,15 @@ views.audit = async () => {
   const { body: last } = await api("/api/audit");
   const { body: reports } = await api("/api/reports");
   const result = h("div", { "data-testid": "audit-result" }, last === null ? h("p", { class: "dim" }, "No audit has run since this dashboard started.") : auditView(last));
-  const run = h("button", { "data-testid": "run-audit", onclick: async () => {
-    run.disabled = true; result.textContent = "re-running every decision...";
-    try { const { body } = await api("/api/audit", { method: "POST" }); result.replaceChildren(auditView(body)); }
-    catch (err) { result.textContent = err.message; }
-    finally { run.disabled = false; }
-  } }, "run the audit");
+  // Running it is an operator action (it re-runs every decision of the log): offered with the token only.
+  const run = !session.actions ? h("p", { class: "dim", "data-testid": "run-audit-read-only" },
+    "Running the audit is an operator action: this dashboard is read-only (start it with --operator-token-file).")
+    : h("button", { "data-testid": "run-audit", onclick: async () => {
+      run.disabled = true; result.textContent = "re-running every decision...";
+      try { const { body } = await api("/api/audit", { method: "POST", headers: operatorHeaders() }); result.replaceChildren(auditView(body)); }
+      catch (err) { result.textContent = err.message; flash(err.message, true); } // (the flash outlives a redraw)
+      finally { run.disabled = false; }
+    } }, "run the audit");
   const pick = (n) => h("select", { onchange: (e) => { frames[n].src = e.target.value ? `/reports/${encodeURIComponent(e.target.value)}` : "about:blank"; } },
     h("option", { value: "" }, "choose a report"), reports.map((r) => h("option", { value: r }, r)));
   const frames = [h("iframe", { class: "report", title: "report A" }), h("iframe", { class: "report", title: "report B" })];
