@@ -449,8 +449,31 @@ def _rejection_reply(reason: str) -> bytes:
     return msgspec.json.encode({"ok": False, "error": reason})
 
 
+INVALID_SOURCE = "_invalid"  # what a rejection records for a source that breaks the pattern
+_SOURCE_RULE = "publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'"
+
+
 def _recorded_source(source: str) -> str:
-    return source if _SOURCE_PATTERN.match(source) else "_invalid"
+    return source if _SOURCE_PATTERN.match(source) else INVALID_SOURCE
+
+
+def _bad_source_reason(source: str, rules: int) -> str:
+    """Rules 11 name the source that was refused: it is recorded as ``_invalid``, so before them a
+    submitter could not tell from the reason which of its subjects was wrong."""
+    if rules < 11:
+        return _SOURCE_RULE
+    shown = source if len(source) <= 80 else source[:80] + "…"
+    return f"the source {shown!r} (from the subject herd.intake.{shown}) is not one: {_SOURCE_RULE}"
+
+
+def _refused_for_its_source(verdict: ev.JobRejected) -> bool:
+    """Whether a recorded rejection refused its source (by any rules): the source itself is not
+    recorded, and no state changes the verdict on it."""
+    if verdict.intake_source != INVALID_SOURCE:
+        return False
+    if verdict.intake_rules < 11:
+        return verdict.reason == _SOURCE_RULE
+    return verdict.reason.startswith("the source ") and verdict.reason.endswith(f" is not one: {_SOURCE_RULE}")
 
 
 def judge(
@@ -494,7 +517,7 @@ def _judge(state: SchedulerState, sub: Submission, *, service: str, sizes: NodeS
         return rejection(state, sub, reason, intake_id=intake_id, service=service)
 
     if not _SOURCE_PATTERN.match(source):
-        return reject("publish to herd.intake.<source> with a source of 1-64 letters, digits, '_' or '-'")
+        return reject(_bad_source_reason(source, rules))
     if len(data) > MAX_SUBMISSION_BYTES:
         return reject(f"submission is {len(data)} bytes; the limit is {MAX_SUBMISSION_BYTES} bytes")
     if rules >= 9 and (problem := _utf8_problem(data)) is not None:
@@ -1032,6 +1055,10 @@ def recheck(
     )
     if not complete:
         return None  # the log kept only the start of it, or not its bytes: nothing to judge again
+    if _refused_for_its_source(verdict):
+        # (Judged again under the recorded ``_invalid``, a valid source, it would have been accepted:
+        # the audit reported every such rejection as one it would not give again.)
+        return None
     # (A rejection records the intake id it was judged under; one not in the payload was its message id.)
     sub = Submission(
         source=verdict.intake_source, seq=verdict.intake_seq, data=payload, at=verdict.at, msg_id=verdict.intake_id

@@ -121,7 +121,18 @@ def test_no_nodes_yet_is_an_actionable_rejection() -> None:
 def test_bad_source_token() -> None:
     v = verdict(GOOD, source="a.b")
     assert isinstance(v.event, ev.JobRejected) and "herd.intake.<source>" in v.event.reason
+    assert "the source 'a.b' (from the subject herd.intake.a.b) is not one" in v.event.reason
     assert v.event.subject() == "herd.rejected._invalid"
+    # The audit gives the same verdict again (judged under the recorded `_invalid`, a valid source, it
+    # once said "would now be accepted"), also of a rejection by the rules before 11, which did not
+    # name the source.
+    assert recheck(cluster(), v.event) is None
+    before = msgspec.structs.replace(v.event, intake_rules=10, reason=v.event.reason.split(": ", 1)[1])
+    assert before.reason.startswith("publish to herd.intake.<source>")
+    assert recheck(cluster(), before) is None
+    assert recheck(cluster(), msgspec.structs.replace(before, intake_rules=11)) is not None  # not rules 11's reason
+    # A system may name itself `_invalid` (it matches the pattern): its submissions are judged as any.
+    assert isinstance(verdict(GOOD, source="_invalid").event, ev.JobSubmitted)
 
 
 def test_a_command_job_is_judged_against_the_nodes_that_run_processes() -> None:

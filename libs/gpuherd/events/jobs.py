@@ -30,8 +30,9 @@ from gpuherd.events.values import Allocation, JobSpec, Locality, Outcome, PartOu
 # ``duration_s`` must be finite (before, a zero compute time was accepted and the elastic service
 # divided by it at every tick); a NUL byte in ``command``, an ``env`` value, ``workdir`` or an
 # array's ``values`` is refused (no process can be started with one, and such a job was
-# requeued forever).
-INTAKE_RULES = 10
+# requeued forever). 11: a submission refused for its source names that source in its reason (it is
+# recorded as ``_invalid``: before, the reason alone did not say which subject was wrong).
+INTAKE_RULES = 11
 
 
 class JobSubmitted(Decision, kw_only=True, frozen=True):
