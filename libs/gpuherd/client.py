@@ -344,6 +344,24 @@ class Client:
             raise SubmissionError(f"no job {job_id!r}: see `gpuherd jobs` for the ids")
         await log_.append([ev.JobCancelRequested(**self._stamp("cancel"), job=job_id, reason=reason)])
 
+    async def job_status(self, job_id: str, *, timeout: float = 2.0) -> dict[str, Any]:
+        """The job as the leading scheduler knows it (``herd.ctl.scheduler.job``): ``status``
+        (``pending``, ``placed``, ``running``, then its outcome), ``attempt``, ``nodes``, ``reason``
+        and its times; ``known`` false when the scheduler does not know it (not submitted, or ended
+        and forgotten). Raises LogUnavailable when no scheduler answers within ``timeout``."""
+        from gpuherd.log.jetstream import JetStreamLog
+
+        _checked_job_id(job_id)
+        # A plain request, no stream needed: a submitter (``submit-<source>``) may ask it, not read the log.
+        log_ = JetStreamLog(self.nc)
+        try:
+            answer = msgspec.json.decode(await log_.request("scheduler.job", job_id.encode(), timeout=timeout))
+        except msgspec.DecodeError as exc:
+            raise LogUnavailable(f"the scheduler's answer about {job_id} was not JSON ({exc})") from None
+        if not isinstance(answer, dict):
+            raise LogUnavailable(f"the scheduler's answer about {job_id} was not an object: {answer!r}")
+        return answer
+
     async def job_exists(self, job_id: str) -> bool:
         """Whether the log holds a job of this id (an array's or a workflow's id is no job)."""
         try:

@@ -2,8 +2,9 @@
 
 The roles every deployment has are here (user names in parentheses):
 
-- **submitter** (``submit-<source>``): publishes submissions to ``herd.intake.<source>`` only and
-  reads the verdicts in its own inboxes. It cannot read the log.
+- **submitter** (``submit-<source>``): publishes submissions to ``herd.intake.<source>``, asks the
+  scheduler where a job stands (``herd.ctl.scheduler.job``), and reads the answers in its own
+  inboxes. It cannot read the log.
 - **reader** (``reader``): the read-only CLI (``jobs``, ``events``, ``replay --audit``, ``status``):
   reads everything, appends nothing.
 - **admin** (``admin``): everything; creates the streams (``gpuherd log init``) and records
@@ -152,7 +153,11 @@ def intake_consumer_permissions(consumer: str) -> tuple[str, ...]:
 
 def submitter_permissions(source: str) -> Permissions:
     check_token("source", source)
-    return Permissions(publish=(f"{INTAKE_PREFIX}.{source}",), subscribe=(inbox(f"submit-{source}"),))
+    # It may ask the scheduler where a job stands (``scheduler.job``: to follow what it submitted), and
+    # nothing else of the live services.
+    return Permissions(
+        publish=(f"{INTAKE_PREFIX}.{source}", f"{CONTROL_PREFIX}.scheduler.job"), subscribe=(inbox(f"submit-{source}"),)
+    )
 
 
 def reader_permissions() -> Permissions:

@@ -26,6 +26,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -224,11 +225,9 @@ class Intake:
         log.error("intake message kept as a dead letter", intake_seq=delivery.seq, reason=reason)
 
     async def _job(self, data: bytes) -> bytes:
-        """``herd.ctl.scheduler.job``: whether the scheduler knows the job named in the request (one
-        waiting, running or ended and not forgotten yet); "no" means only that it does not know it."""
-        job = data.decode(errors="replace")
-        state = self.runner.state
-        return msgspec.json.encode({"ok": True, "known": job in state.jobs or job in state.outcomes})
+        """``herd.ctl.scheduler.job``: the job named in the request, as the leading scheduler knows it
+        (see ``job_status``)."""
+        return msgspec.json.encode(job_status(self.runner.state, data.decode(errors="replace")))
 
     async def _ready(self, data: bytes) -> bytes:
         """``herd.ctl.scheduler.ready``: answered by the leading scheduler once intake is live."""
@@ -242,6 +241,34 @@ class Intake:
                 "queue": len(state.queue),
             }
         )
+
+
+def job_status(state: SchedulerState, job_id: str) -> dict[str, Any]:
+    """A job as the scheduler knows it, for systems that follow their jobs over NATS (a job's events
+    are not all on its own subject: pages hold several jobs' events). ``known`` false means only that
+    the scheduler does not know it (never submitted, or ended long enough ago to be forgotten); an
+    ended job it remembers has its outcome as ``status`` and ``finished_at``."""
+    job = state.jobs.get(job_id)
+    if job is not None:
+        return {
+            "ok": True,
+            "known": True,
+            "job": job_id,
+            "status": job.status,
+            "attempt": job.attempt,
+            "vc": job.spec.vc,
+            "gpus": job.spec.gpus,
+            "submitted_at": job.submitted_at,
+            "placed_at": job.placed_at,
+            "started_at": job.started_at,
+            "finished_at": job.finished_at,
+            "nodes": sorted({a.node for a in job.allocations}),
+            "reason": job.reason,
+        }
+    ended = state.outcomes.get(job_id)
+    if ended is not None:
+        return {"ok": True, "known": True, "job": job_id, "status": ended.outcome, "finished_at": ended.at}
+    return {"ok": True, "known": False, "job": job_id}
 
 
 def timer(lost_after_s: float, tick_s: float) -> ExtraTask:

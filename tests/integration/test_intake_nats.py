@@ -176,9 +176,10 @@ async def test_a_verdict_whose_reply_was_lost_reaches_the_client_through_a_new_c
     assert [j.spec.intake_id for j in state.jobs.values()].count("lost-1") == 1
 
 
-async def test_the_scheduler_says_which_jobs_it_knows(cluster) -> None:
+async def test_the_scheduler_says_which_jobs_it_knows_and_where_they_stand(cluster) -> None:
     """``herd.ctl.scheduler.job``: the client's quick check before a cancel (a job accepted in a
-    batch is stored in a page on another job's subject, which the server's subject index misses)."""
+    batch is stored in a page on another job's subject, which the server's subject index misses),
+    and a way for other systems to follow a job over NATS: its status, attempt, nodes and times."""
     services, log = cluster
     client = await Client.connect(services.url, source="teamA")
     try:
@@ -186,11 +187,26 @@ async def test_the_scheduler_says_which_jobs_it_knows(cluster) -> None:
         await wait_state(log, lambda s: all(job in s.jobs for job in jobs), 20)
         for job in jobs:
             answer = msgspec.json.decode(await log.request("scheduler.job", job.encode(), timeout=5))
-            assert answer == {"ok": True, "known": True}
+            assert answer["ok"] and answer["known"] and answer["job"] == job
+            assert answer["status"] in {"pending", "placed", "running", "completed"}
+            assert answer["gpus"] == GOOD["gpus"] and answer["submitted_at"] > 0
             assert await client.job_exists(job)
+        # Followed until it ends, as another system would: placed on a node, then its outcome.
+        seen: set[str] = set()
+        deadline = asyncio.get_running_loop().time() + 60
+        while (status := await client.job_status(jobs[0]))["status"] != "completed":
+            seen.add(status["status"])
+            if status["status"] in {"placed", "running"}:
+                assert status["nodes"] and status["attempt"] == 0
+            assert asyncio.get_running_loop().time() < deadline, f"never completed: {status}"
+            await asyncio.sleep(0.1)
+        assert status["known"] and status["finished_at"] is not None
         unknown = msgspec.json.decode(await log.request("scheduler.job", b"j-nobody", timeout=5))
-        assert unknown == {"ok": True, "known": False}
+        assert unknown == {"ok": True, "known": False, "job": "j-nobody"}
         assert not await client.job_exists("j-nobody")
+        assert (await client.job_status("j-nobody"))["known"] is False
+        with pytest.raises(SubmissionError):
+            await client.job_status("j.*")  # a wildcard is no job's id
     finally:
         await client.close()
 

@@ -176,7 +176,14 @@ async def test_a_submitter_only_submits_under_its_source_and_gets_its_verdicts(s
     await submitter.nc.flush()
     await asyncio.sleep(0.2)
     assert await _count(admin, "HERD_INTAKE") == before + 1
-    for subject in ("herd.intake.other", "herd.job.j3", "$JS.API.STREAM.INFO.HERD", "herd.ctl.n1.logs"):
+    refused = (
+        "herd.intake.other",
+        "herd.job.j3",
+        "$JS.API.STREAM.INFO.HERD",
+        "herd.ctl.n1.logs",
+        "herd.ctl.scheduler.ready",
+    )
+    for subject in refused:
         assert await submitter.refused(subject), subject
     assert await _count(admin, "HERD_INTAKE") == before + 1
     # Its inboxes are its own: another user cannot listen to them.
@@ -231,6 +238,8 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
         job = await client.submit({"name": "roles", "user": "u", "gpus": 2, "duration_s": 1.0})
         state = await wait_state(admin, lambda s: s.jobs.get(job) and s.jobs[job].status == "completed", timeout=60)
         assert state.jobs[job].status == "completed"
+        # The submitter may follow its job: it asks the scheduler, without reading the log.
+        assert (await client.job_status(job))["status"] == "completed"
         assert not services.crashed(), services.logs()
         # The read-only role's view of it all: status and dead letters.
         reader_env = {
