@@ -10,7 +10,8 @@ real traces hold jobs of weeks, the longest 145 days; a run of decades is a unit
 simulating it ticked the virtual clock for all of it) or whose times lie outside the years
 1677-2262 (what a calendar timestamp holds). Nor is anything changed silently: a row asking for a
 fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would hold (rounded up: gpuherd
-schedules whole GPUs; the fraction stays in ``gpu_request``), counted under ``Trace.changed``.
+schedules whole GPUs; the fraction stays in ``gpu_request``), and a job with no id is named
+``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
 
 Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
 seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
@@ -104,6 +105,7 @@ TOO_LONG = "duration over 365 days"
 MAX_TIME_S = pd.Timestamp.max.timestamp()  # (and -MAX_TIME_S: epoch seconds of 1677-2262)
 TIME_OUT_OF_RANGE = "a time beyond the years 1677-2262"
 ZERO_DURATION = "zero duration (never ran)"
+NO_JOB_ID = "no job id, named row-<n> by its place in the file"
 
 
 class TraceError(GpuherdError):
@@ -178,11 +180,16 @@ def _finish(
     rejected: dict[str, int],
     changes: dict[str, pd.Series] | None = None,
 ) -> Trace:
-    """Check and type the normalized columns; rows that cannot be used are counted by reason."""
+    """Check and type the normalized columns; rows that cannot be used are counted by reason.
+    ``raw``'s index is each row's place in the file (from 0): a job with no id is named ``row-<n>``
+    by it."""
     df = raw.copy()
     for column in COLUMNS:
         if column not in df:
             df[column] = np.nan
+    ids, unnamed = _ids_or_places(df["job_id"])
+    df["job_id"] = ids
+    changes = {**(changes or {}), NO_JOB_ID: unnamed} if unnamed.any() else changes
     checks = [
         ("bad or missing submit time", ~np.isfinite(df["submit_time"].astype("float64"))),
         ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
@@ -226,6 +233,27 @@ def _finish(
     df = df[list(COLUMNS)].astype(COLUMNS)
     df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
     return Trace(name=name, jobs=df, rows_read=rows_read, rejected=rejected, absolute_time=absolute, changed=changed)
+
+
+def _ids_or_places(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """A trace's job ids, each missing or blank one replaced by ``row-<n>`` (its row's place in the
+    file, from 1), and which were. (All of them were one id, "None" or "<NA>", and intake refused
+    all but the first as resubmissions.) A derived id the trace already uses gets "-2", "-3"...,
+    so it stays a job of its own."""
+    ids = ids.astype("string")
+    unnamed = (ids.isna() | ids.str.strip().eq("")).fillna(True).astype(bool)
+    if not unnamed.any():
+        return ids, unnamed
+    taken = set(ids[~unnamed])
+    named = ids.copy()
+    for place in ids.index[unnamed]:
+        base = f"row-{int(place) + 1}"
+        name, n = base, 2
+        while name in taken:
+            name, n = f"{base}-{n}", n + 1
+        taken.add(name)
+        named[place] = name
+    return named, unnamed
 
 
 def _epoch(series: pd.Series) -> pd.Series:
@@ -432,9 +460,12 @@ def load_philly_json(path: str | Path) -> Trace:
     for index, entry in enumerate(jobs):
         job, attempts, detail = _philly_json_job(path, index, len(jobs), entry)
         last = attempts[-1] if attempts else {}
+        jobid = job.get("jobid")
         rows.append(
             {
-                "job_id": str(job.get("jobid", "")),
+                # (No jobid, null or "None", as Philly's log writes what it does not know (its times
+                # too): _finish names the job row-<n> by its place in the list.)
+                "job_id": None if jobid is None or jobid == "None" else str(jobid),
                 "submit_time": job.get("submitted_time"),
                 "start_time": attempts[0].get("start_time") if attempts else None,
                 "end_time": last.get("end_time"),
