@@ -8,10 +8,11 @@ that does not parse is counted under its reason, and
 ``Trace.describe()`` says how many. So is a row that runs longer than ``MAX_DURATION_S`` (a year:
 real traces hold jobs of weeks, the longest 145 days; a run of decades is a unit or a data error, and
 simulating it ticked the virtual clock for all of it) or whose times lie outside the years
-1677-2262 (what a calendar timestamp holds). Nor is anything changed silently: a row asking for a
-fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would hold (rounded up: gpuherd
-schedules whole GPUs; the fraction stays in ``gpu_request``), and a job with no id is named
-``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
+1677-2262 (what a calendar timestamp holds). A CSV's header repeated further down (files joined end
+to end) is counted as a ``repeated header row``, not as a job with bad times. Nor is anything
+changed silently: a row asking for a fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would
+hold (rounded up: gpuherd schedules whole GPUs; the fraction stays in ``gpu_request``), and a job
+with no id is named ``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
 
 Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
 seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
@@ -105,6 +106,7 @@ TOO_LONG = "duration over 365 days"
 MAX_TIME_S = pd.Timestamp.max.timestamp()  # (and -MAX_TIME_S: epoch seconds of 1677-2262)
 TIME_OUT_OF_RANGE = "a time beyond the years 1677-2262"
 ZERO_DURATION = "zero duration (never ran)"
+REPEATED_HEADER = "repeated header row"
 NO_JOB_ID = "no job id, named row-<n> by its place in the file"
 
 
@@ -280,10 +282,11 @@ def _gzipped(path: Path) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
-def _read_csv(path: Path, required: set[str], text: set[str]) -> pd.DataFrame:
+def _read_csv(path: Path, required: set[str], text: set[str]) -> tuple[pd.DataFrame, dict[str, int]]:
     """The CSV at ``path`` (gzip-compressed or not), which must hold the ``required`` columns; the
     ``text`` columns (ids, names) are read as written, never as numbers ("007" is not 7, VC "011"
-    not "11.0")."""
+    not "11.0"). Returns its rows, each indexed by its place in the file (from 0), and the rows
+    left out as no job, by reason: the header repeated (``_repeated_headers``)."""
     _must_be_a_file(path)
     try:
         # (skipinitialspace: "a, b" is the fields "a" and "b", as the header's names are stripped below)
@@ -297,7 +300,59 @@ def _read_csv(path: Path, required: set[str], text: set[str]) -> pd.DataFrame:
     missing = required - set(df.columns)
     if missing:
         raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
-    return df
+    headers = _repeated_headers(path, df, required)
+    if not headers.any():
+        return df, {}
+    df = df[~headers]
+    # (A header's names in a column of numbers made pandas read all of it as text: read again as
+    # numbers what pandas would have read so, a column whose every value is one.)
+    for name in df.columns:
+        if name not in text and not pd.api.types.is_numeric_dtype(df[name]):
+            numbers = pd.to_numeric(df[name], errors="coerce")
+            if numbers.notna().sum() == df[name].notna().sum():
+                df[name] = numbers
+    return df, {REPEATED_HEADER: int(headers.sum())}
+
+
+def _repeated_headers(path: Path, df: pd.DataFrame, required: set[str]) -> pd.Series:
+    """Which rows repeat the header: files joined end to end (``cat a.csv b.csv``) hold each file's
+    header again, which is no job. Such a row has the ``required`` names each in its own column, and
+    each of its other fields is empty or its column's name. A row of the same names in another order
+    is refused: the rows after it are of a file whose fields would be read under other names."""
+    names = [str(name) for name in df.columns]
+    numeric = [pd.api.types.is_numeric_dtype(df[name]) for name in names]
+    if any(is_number and df[name].notna().all() for name, is_number in zip(names, numeric, strict=True)):
+        return pd.Series(False, index=df.index)  # (a number in every row: no row is of names only)
+    cells = pd.DataFrame(
+        {
+            # (A column of numbers holds no name; a byte-order mark may open a joined file's header.)
+            name: (
+                pd.Series(pd.NA, index=df.index, dtype="string")
+                if is_number
+                else df[name].astype("string").str.strip().str.lstrip("\ufeff")
+            )
+            for name, is_number in zip(names, numeric, strict=True)
+        },
+        index=df.index,
+    )
+    empty = cells.isna()
+    of_names = (cells.isin(names) | empty).all(axis=1) & (~empty).sum(axis=1).ge(len(required))
+    in_place = pd.Series(False, index=df.index)
+    for row in df.index[of_names]:
+        fields = cells.loc[row]
+        given = fields.dropna()
+        if not required <= set(given):
+            continue  # (a few names where a job's fields should be: counted by why they are bad)
+        if (given.index == given.to_numpy()).all():
+            in_place[row] = True
+            continue
+        header = ",".join(names)
+        written = ",".join("" if pd.isna(value) else str(value) for value in fields)
+        raise TraceError(
+            f"{path}: row {int(row) + 1:,} repeats the header in another order ({written}, the header is {header}): "
+            "the rows after it would be read under other columns' names; give each file on its own"
+        )
+    return in_place
 
 
 def _fields_beyond_the_header(path: Path, df: pd.DataFrame) -> pd.DataFrame:
@@ -323,7 +378,7 @@ def _fields_beyond_the_header(path: Path, df: pd.DataFrame) -> pd.DataFrame:
 def load_philly_csv(path: str | Path) -> Trace:
     """The Sia artifact's ``philly.csv``: timestamp,duration,num_gpus,gpu_time,cluster."""
     path = Path(path)
-    df = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
+    df, skipped = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
     submit = _epoch(df["timestamp"])
     out = pd.DataFrame(
         {
@@ -335,14 +390,14 @@ def load_philly_csv(path: str | Path) -> Trace:
         }
     )
     out["gpu_request"] = out["gpus"].astype("float64")
-    return _finish(path.stem, out, len(df), absolute=True, rejected={})
+    return _finish(path.stem, out, len(df) + sum(skipped.values()), absolute=True, rejected=skipped)
 
 
 def load_itp(path: str | Path) -> Trace:
     """An ITP cluster file: job_id,submission_time,duration,num_gpu (seconds from the trace start).
     The VC is the cluster the file describes."""
     path = Path(path)
-    df = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"}, text={"job_id"})
+    df, skipped = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"}, text={"job_id"})
     out = pd.DataFrame(
         {
             "job_id": df["job_id"].astype("string"),
@@ -353,7 +408,7 @@ def load_itp(path: str | Path) -> Trace:
     )
     out["gpu_request"] = out["gpus"].astype("float64")
     out["vc"] = path.stem
-    return _finish(f"itp-{path.stem}", out, len(df), absolute=False, rejected={})
+    return _finish(f"itp-{path.stem}", out, len(df) + sum(skipped.values()), absolute=False, rejected=skipped)
 
 
 def load_alibaba_openb(path: str | Path) -> Trace:
@@ -362,12 +417,11 @@ def load_alibaba_openb(path: str | Path) -> Trace:
     for ``gpu_request`` = num_gpu x gpu_milli / 1000. Pods never scheduled have no run time; pods
     still running at the end of the trace keep state ``running`` (their duration is a lower bound)."""
     path = Path(path)
-    df = _read_csv(
+    df, rejected = _read_csv(
         path,
         {"name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time"},
         text={"name", "qos", "pod_phase", "gpu_spec"},
     )
-    rejected: dict[str, int] = {}
     never = df["scheduled_time"].isna()
     if never.any():
         rejected["never scheduled (no run time)"] = int(never.sum())
@@ -408,7 +462,7 @@ def load_helios(path: str | Path) -> Trace:
     job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue.
     Times may be calendar strings or epoch seconds."""
     path = Path(path)
-    df = _read_csv(
+    df, skipped = _read_csv(
         path, {"job_id", "vc", "gpu_num", "submit_time", "duration"}, text={"job_id", "user", "vc", "jobname", "state"}
     )
 
@@ -434,7 +488,7 @@ def load_helios(path: str | Path) -> Trace:
     out["gpu_request"] = out["gpus"].astype("float64")
     if "queue" in df:
         out["queue"] = pd.to_numeric(df["queue"], errors="coerce")
-    return _finish(path.stem, out, len(df), absolute=True, rejected={})
+    return _finish(path.stem, out, len(df) + sum(skipped.values()), absolute=True, rejected=skipped)
 
 
 def load_philly_json(path: str | Path) -> Trace:

@@ -8,9 +8,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from services.analytics.traces import TraceError, load_helios, load_philly_csv, load_philly_json, load_trace
+from services.analytics.traces import (
+    REPEATED_HEADER,
+    TraceError,
+    load_alibaba_openb,
+    load_helios,
+    load_itp,
+    load_philly_csv,
+    load_philly_json,
+    load_trace,
+)
 
 PHILLY_HEADER = "timestamp,duration,num_gpus,gpu_time,cluster"
 SUBMIT = 1507532515.0  # 2017-10-09 07:01:55 UTC
@@ -133,3 +143,65 @@ def test_a_missing_unreadable_or_negative_gpu_count_is_counted_as_such_not_as_ze
     trace = load_philly_csv(path)
     assert trace.rejected == {"bad or missing GPU count": 3, "negative GPU count": 1, "zero GPUs": 1}
     assert len(trace.jobs) == 1
+
+
+# -- files joined end to end: the header again, further down ---------------------------------------------
+
+# One small file of each CSV kind, with the columns of numbers a repeated header turned into text.
+KINDS = {
+    "philly.csv": (
+        load_philly_csv,
+        PHILLY_HEADER,
+        ["2017-10-09 07:01:55,66.0,1,66.0,a", "2017-10-09 07:01:56,7,2,14,b"],
+    ),
+    "cluster09.csv": (load_itp, "job_id,submission_time,duration,num_gpu", ["j1,0,60,1", "j2,5,30.5,2"]),
+    "pods.csv": (
+        load_alibaba_openb,
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time",
+        ["p0,1000,10,1,460,,LS,Running,0,100,10", "p1,2000,10,2,1000,,BE,Succeeded,5,50,5"],
+    ),
+    "cluster_log.csv": (
+        load_helios,
+        "job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue",
+        ["1,u,a,8,64,1,COMPLETED,1507532515,1507532525,1507532585,60,10", "2,u,a,1,8,1,FAILED,5,6,16,10,1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_a_header_repeated_by_joining_files_is_counted_as_such_and_the_rest_read_as_one_file(
+    tmp_path: Path, name: str
+) -> None:
+    # (The header again, as `cat a.csv b.csv` leaves it, was a job of "bad or missing submit time",
+    # and it made pandas read each column of numbers as text.)
+    load, header, rows = KINDS[name]
+    one = tmp_path / "one" / name
+    one.parent.mkdir()
+    one.write_text(f"{header}\n" + "".join(f"{row}\n" for row in rows))
+    joined = tmp_path / name
+    quoted = ",".join(f'"{column}"' for column in header.split(","))  # (as another CSV writer wrote it)
+    joined.write_text(f"{header}\n{rows[0]}\n{header}\n\ufeff{header}\n{quoted}\n{rows[1]}\n", encoding="utf-8")
+    trace = load(joined)
+    assert trace.rejected == {REPEATED_HEADER: 3}
+    assert trace.rows_read == 5 and len(trace.jobs) == 2
+    pd.testing.assert_frame_equal(trace.jobs, load(one).jobs)  # (same values, same types)
+    assert f"not used: 3 {REPEATED_HEADER}" in trace.describe()
+
+
+def test_a_header_repeated_in_another_order_is_refused_naming_the_row(tmp_path: Path) -> None:
+    # (The rows after it are of a file of other column order: read under the first header's names, a
+    # GPU count would be a duration.)
+    path = tmp_path / "cluster09.csv"
+    path.write_text(
+        "job_id,submission_time,duration,num_gpu\nj1,0,60,1\njob_id,submission_time,num_gpu,duration\nj2,5,2,30\n"
+    )
+    with pytest.raises(TraceError, match=r"cluster09\.csv: row 2 repeats the header in another order"):
+        load_itp(path)
+
+
+def test_a_job_whose_fields_hold_a_column_name_is_no_header(tmp_path: Path) -> None:
+    # (A VC named as a column is a job's VC; a row naming some of the columns is a bad job.)
+    path = tmp_path / "philly.csv"
+    path.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,1,66.0,cluster\ntimestamp,duration,,,\n")
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["vc"]) == ["cluster"] and trace.rejected == {"bad or missing submit time": 1}
