@@ -11,8 +11,9 @@ simulating it ticked the virtual clock for all of it) or whose times lie outside
 1677-2262 (what a calendar timestamp holds). A CSV's header repeated further down (files joined end
 to end) is counted as a ``repeated header row``, not as a job with bad times. Nor is anything
 changed silently: a row asking for a fraction of a GPU (0.5, 1.5) is used at the whole GPUs it would
-hold (rounded up: gpuherd schedules whole GPUs; the fraction stays in ``gpu_request``), and a job
-with no id is named ``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
+hold (rounded up: gpuherd schedules whole GPUs; the fraction stays in ``gpu_request``), epoch times
+written in milliseconds, microseconds or nanoseconds are converted to seconds (``_epoch``), and a
+job with no id is named ``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
 
 Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
 seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
@@ -107,6 +108,7 @@ MAX_TIME_S = pd.Timestamp.max.timestamp()  # (and -MAX_TIME_S: epoch seconds of 
 TIME_OUT_OF_RANGE = "a time beyond the years 1677-2262"
 ZERO_DURATION = "zero duration (never ran)"
 REPEATED_HEADER = "repeated header row"
+TIME_IN_ANOTHER_UNIT = "a time in another unit than the rest of its column"
 NO_JOB_ID = "no job id, named row-<n> by its place in the file"
 
 
@@ -181,10 +183,11 @@ def _finish(
     absolute: bool,
     rejected: dict[str, int],
     changes: dict[str, pd.Series] | None = None,
+    refused: dict[str, pd.Series] | None = None,
 ) -> Trace:
-    """Check and type the normalized columns; rows that cannot be used are counted by reason.
-    ``raw``'s index is each row's place in the file (from 0): a job with no id is named ``row-<n>``
-    by it."""
+    """Check and type the normalized columns; rows that cannot be used are counted by reason (a
+    loader's own reasons, ``refused``, first). ``raw``'s index is each row's place in the file (from
+    0): a job with no id is named ``row-<n>`` by it."""
     df = raw.copy()
     for column in COLUMNS:
         if column not in df:
@@ -193,6 +196,7 @@ def _finish(
     df["job_id"] = ids
     changes = {**(changes or {}), NO_JOB_ID: unnamed} if unnamed.any() else changes
     checks = [
+        *(refused or {}).items(),
         ("bad or missing submit time", ~np.isfinite(df["submit_time"].astype("float64"))),
         ("bad or missing duration", ~np.isfinite(df["duration"].astype("float64"))),
         ("negative duration", df["duration"].astype("float64") < 0),
@@ -258,14 +262,72 @@ def _ids_or_places(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
     return named, unnamed
 
 
-def _epoch(series: pd.Series) -> pd.Series:
-    """Times -> epoch seconds (UTC): a number is epoch seconds already, a calendar timestamp is
-    converted (one without a zone is UTC); unparseable -> NaN. (pandas takes a number for
-    nanoseconds: an export with epoch seconds read as jobs submitted 1.5 s after 1970.)"""
+# The unit of epoch times known by their size: a time of 1973-5138 is 1e8-1e11 in seconds, 1e11-1e14
+# in milliseconds, 1e14-1e17 in microseconds and 1e17-1e20 in nanoseconds.
+_EPOCH_UNITS: tuple[tuple[str, float], ...] = (
+    ("seconds", 1.0),
+    ("milliseconds", 1e3),
+    ("microseconds", 1e6),
+    ("nanoseconds", 1e9),
+)
+_EPOCH_LOW = 1e8  # seconds: 1973-03-03. Smaller numbers say nothing of their unit.
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """A column of times read as epoch seconds (``_epoch``)."""
+
+    seconds: pd.Series  # NaN: none, or not readable as a time
+    unit: str  # what the column's numbers count: seconds, milliseconds, microseconds or nanoseconds
+    converted: pd.Series  # rows whose number was converted from ``unit`` to seconds
+    other_unit: pd.Series  # rows whose number is a time in another unit than the column's
+
+
+def _epoch(series: pd.Series) -> _Epoch:
+    """Times -> epoch seconds (UTC). A calendar timestamp is converted (one without a zone is UTC);
+    unparseable -> NaN. A number is epoch time in the unit its column is written in, known from the
+    size of the column's numbers as a whole: each number from 1e8 up is a time of 1973-5138 in
+    exactly one unit (seconds below 1e11, milliseconds below 1e14, microseconds below 1e17,
+    nanoseconds below 1e20), and the unit most of them are in is the column's (seconds on a tie, or
+    when none is that large). Every number of the column is divided into seconds by it; one of
+    another unit's size (seconds among milliseconds) is marked ``other_unit`` for the loader to
+    count, not read as a time a thousand times off. Numbers below 1e8 (a 0 or -1 for "none", seconds from a trace's
+    start) and above 1e20 decide nothing: a column of only small numbers stays seconds, and a time
+    beyond 1677-2262 in its column's unit is still out of range when converted. (pandas takes a
+    number for nanoseconds: epoch seconds were read as jobs submitted 1.5 s after 1970; epoch
+    milliseconds, as exports from Java or JavaScript write them, were all out of range.)"""
     numeric = pd.to_numeric(series, errors="coerce").astype("float64")
     parsed = pd.to_datetime(series.where(numeric.isna()), errors="coerce", utc=True, format="mixed")
-    seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds().astype("float64")
-    return numeric.where(numeric.notna(), seconds)
+    from_text = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds().astype("float64")
+    size = numeric.abs()
+    sized = (size >= _EPOCH_LOW) & (size < _EPOCH_LOW * 1e12)
+    # (0-3: seconds to nanoseconds; -1: a number too small or too large to say.)
+    which = pd.Series(-1, index=series.index)
+    which[sized] = (np.log10(size[sized] / _EPOCH_LOW) // 3).clip(0, 3).astype(int)
+    counts = np.bincount(which[sized].to_numpy(dtype=int), minlength=len(_EPOCH_UNITS))
+    column = int(np.argmax(counts))  # (the first most: seconds on a tie)
+    unit, per_second = _EPOCH_UNITS[column]
+    seconds = numeric / per_second
+    converted = np.isfinite(numeric) & (numeric != 0) & (per_second != 1.0)
+    other_unit = sized & (which != column)
+    return _Epoch(seconds.where(numeric.notna(), from_text), unit, converted, other_unit)
+
+
+def _epoch_times(times: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, pd.Series], dict[str, pd.Series]]:
+    """A trace's time columns as epoch seconds (``_epoch``, column by column), with the rows whose
+    times were converted from another unit (by unit: ``changes`` for ``_finish``) and the rows with a
+    time in another unit than the rest of its column (``refused``)."""
+    seconds = pd.DataFrame(index=times.index)
+    converted: dict[str, pd.Series] = {}
+    other_unit = pd.Series(False, index=times.index)
+    for name in times.columns:
+        read = _epoch(times[name])
+        seconds[name] = read.seconds
+        if read.converted.any():
+            how = f"times in epoch {read.unit}, converted to seconds"
+            converted[how] = converted.get(how, pd.Series(False, index=times.index)) | read.converted
+        other_unit |= read.other_unit
+    return seconds, converted, {TIME_IN_ANOTHER_UNIT: other_unit}
 
 
 def _must_be_a_file(path: Path) -> None:
@@ -379,18 +441,19 @@ def load_philly_csv(path: str | Path) -> Trace:
     """The Sia artifact's ``philly.csv``: timestamp,duration,num_gpus,gpu_time,cluster."""
     path = Path(path)
     df, skipped = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
-    submit = _epoch(df["timestamp"])
+    times, changes, refused = _epoch_times(pd.DataFrame({"submit_time": df["timestamp"]}))
     out = pd.DataFrame(
         {
             "job_id": [f"philly-{i}" for i in range(len(df))],
-            "submit_time": submit,
+            "submit_time": times["submit_time"],
             "duration": pd.to_numeric(df["duration"], errors="coerce"),
             "gpus": pd.to_numeric(df["num_gpus"], errors="coerce"),
             "vc": df["cluster"].astype("string"),
         }
     )
     out["gpu_request"] = out["gpus"].astype("float64")
-    return _finish(path.stem, out, len(df) + sum(skipped.values()), absolute=True, rejected=skipped)
+    rows_read = len(df) + sum(skipped.values())
+    return _finish(path.stem, out, rows_read, absolute=True, rejected=skipped, changes=changes, refused=refused)
 
 
 def load_itp(path: str | Path) -> Trace:
@@ -460,21 +523,20 @@ def load_alibaba_openb(path: str | Path) -> Trace:
 def load_helios(path: str | Path) -> Trace:
     """The Helios ``cluster_log.csv`` schema:
     job_id,user,vc,gpu_num,cpu_num,node_num,state,submit_time,start_time,end_time,duration,queue.
-    Times may be calendar strings or epoch seconds."""
+    Times may be calendar strings or epoch seconds (or milliseconds, microseconds, nanoseconds:
+    ``_epoch``)."""
     path = Path(path)
     df, skipped = _read_csv(
         path, {"job_id", "vc", "gpu_num", "submit_time", "duration"}, text={"job_id", "user", "vc", "jobname", "state"}
     )
-
-    def times(column: str) -> pd.Series:
-        return _epoch(df[column]) if column in df else pd.Series(np.nan, index=df.index)
-
+    given = [column for column in ("submit_time", "start_time", "end_time") if column in df]
+    times, changes, refused = _epoch_times(df[given])
     out = pd.DataFrame(
         {
             "job_id": df["job_id"].astype("string"),
-            "submit_time": times("submit_time"),
-            "start_time": times("start_time"),
-            "end_time": times("end_time"),
+            "submit_time": times["submit_time"],
+            "start_time": times.get("start_time", np.nan),
+            "end_time": times.get("end_time", np.nan),
             "duration": pd.to_numeric(df["duration"], errors="coerce"),
             "gpus": pd.to_numeric(df["gpu_num"], errors="coerce"),
             "cpus": pd.to_numeric(df.get("cpu_num"), errors="coerce"),
@@ -488,7 +550,8 @@ def load_helios(path: str | Path) -> Trace:
     out["gpu_request"] = out["gpus"].astype("float64")
     if "queue" in df:
         out["queue"] = pd.to_numeric(df["queue"], errors="coerce")
-    return _finish(path.stem, out, len(df) + sum(skipped.values()), absolute=True, rejected=skipped)
+    rows_read = len(df) + sum(skipped.values())
+    return _finish(path.stem, out, rows_read, absolute=True, rejected=skipped, changes=changes, refused=refused)
 
 
 def load_philly_json(path: str | Path) -> Trace:
@@ -532,11 +595,12 @@ def load_philly_json(path: str | Path) -> Trace:
         )
     columns = ["job_id", "submit_time", "start_time", "end_time", "gpus", "nodes", "user", "vc", "state"]
     df = pd.DataFrame(rows, columns=columns)
-    for column in ("submit_time", "start_time", "end_time"):
-        df[column] = _epoch(df[column].where(df[column] != "None"))
+    given = df[["submit_time", "start_time", "end_time"]]
+    times, changes, refused = _epoch_times(given.where(given != "None"))
+    df[times.columns] = times
     df["duration"] = df["end_time"] - df["start_time"]
     df["gpu_request"] = df["gpus"].astype("float64")
-    return _finish(path.stem, df, len(jobs), absolute=True, rejected={})
+    return _finish(path.stem, df, len(jobs), absolute=True, rejected={}, changes=changes, refused=refused)
 
 
 def _utf8_text(path: Path, data: bytes) -> str:

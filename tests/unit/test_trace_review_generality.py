@@ -13,6 +13,8 @@ import pytest
 
 from services.analytics.traces import (
     REPEATED_HEADER,
+    TIME_IN_ANOTHER_UNIT,
+    TIME_OUT_OF_RANGE,
     TraceError,
     load_alibaba_openb,
     load_helios,
@@ -205,3 +207,77 @@ def test_a_job_whose_fields_hold_a_column_name_is_no_header(tmp_path: Path) -> N
     path.write_text(f"{PHILLY_HEADER}\n2017-10-09 07:01:55,66.0,1,66.0,cluster\ntimestamp,duration,,,\n")
     trace = load_philly_csv(path)
     assert list(trace.jobs["vc"]) == ["cluster"] and trace.rejected == {"bad or missing submit time": 1}
+
+
+# -- times: epoch milliseconds, microseconds and nanoseconds are converted to seconds -------------------
+
+
+@pytest.mark.parametrize(
+    ("unit", "per_second"), [("milliseconds", 1_000), ("microseconds", 10**6), ("nanoseconds", 10**9)]
+)
+def test_a_philly_csv_with_epoch_times_in_a_finer_unit_is_read_as_seconds(
+    tmp_path: Path, unit: str, per_second: int
+) -> None:
+    # (Every row was "a time beyond the years 1677-2262".)
+    path = tmp_path / "philly.csv"
+    stamps = [int(SUBMIT) * per_second, (int(SUBMIT) + 1) * per_second, (int(SUBMIT) + 3600) * per_second]
+    path.write_text(PHILLY_HEADER + "\n" + "".join(f"{t},66.0,1,66.0,a\n" for t in stamps))
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["submit_time"]) == [SUBMIT, SUBMIT + 1, SUBMIT + 3600]
+    assert not trace.rejected
+    assert trace.changed == {f"times in epoch {unit}, converted to seconds": 3}
+
+
+def test_a_helios_log_in_epoch_milliseconds_keeps_its_run_times_and_waits(tmp_path: Path) -> None:
+    # (Each time column is read by its own numbers; duration and queue stay seconds, as the schema says.)
+    ms = int(SUBMIT) * 1000
+    path = tmp_path / "cluster_log.csv"
+    path.write_text(
+        "job_id,vc,gpu_num,submit_time,start_time,end_time,duration,queue\n"
+        f"a,v,1,{ms},{ms + 10_000},{ms + 70_000},60,10\n"
+        f"b,v,1,{ms + 1000},,,60,\n"  # (never started: no start or end)
+    )
+    jobs = load_helios(path).jobs
+    assert list(jobs["submit_time"]) == [SUBMIT, SUBMIT + 1]
+    assert (jobs.iloc[0]["start_time"], jobs.iloc[0]["end_time"]) == (SUBMIT + 10, SUBMIT + 70)
+    assert list(jobs["duration"]) == [60.0, 60.0] and jobs.iloc[0]["queue"] == 10.0
+
+
+def test_a_philly_json_with_epoch_millisecond_times_is_read_as_seconds(tmp_path: Path) -> None:
+    ms = int(SUBMIT) * 1000
+    attempt = {"start_time": ms + 5000, "end_time": ms + 3_605_000, "detail": [{"gpus": ["0"]}]}
+    job = {"jobid": "a", "vc": "v", "status": "Pass", "submitted_time": ms, "attempts": [attempt]}
+    path = tmp_path / "cluster_job_log.json"
+    path.write_text(json.dumps([job]))
+    trace = load_philly_json(path)
+    row = trace.jobs.iloc[0]
+    assert (row["submit_time"], row["duration"], row["queue"]) == (SUBMIT, 3600.0, 5.0)
+    assert trace.changed == {"times in epoch milliseconds, converted to seconds": 1}
+
+
+def test_small_times_stay_seconds_and_decide_no_unit(tmp_path: Path) -> None:
+    # (Seconds from a trace's start, and a 0 for "not known" in a column of milliseconds, are no
+    # milliseconds: a column of small numbers stays seconds, and a 0 stays 0.)
+    path = tmp_path / "cluster_log.csv"
+    path.write_text("job_id,vc,gpu_num,submit_time,duration\na,v,1,0,10\nb,v,1,86400,10\nc,v,1,9000000,10\n")
+    trace = load_helios(path)
+    assert list(trace.jobs["submit_time"]) == [0.0, 86400.0, 9e6] and not trace.changed
+    ms = int(SUBMIT) * 1000
+    path.write_text(f"job_id,vc,gpu_num,submit_time,duration\na,v,1,{ms},10\nb,v,1,{ms + 2000},10\nc,v,1,0,10\n")
+    assert list(load_helios(path).jobs["submit_time"]) == [0.0, SUBMIT, SUBMIT + 2]
+
+
+def test_a_time_in_another_unit_than_its_column_and_one_beyond_range_are_each_counted_so(tmp_path: Path) -> None:
+    # (A column of milliseconds holding one time in seconds: read as milliseconds, it was a job of
+    # 1970-01-18; 1e13 ms is the year 2286, beyond what a timestamp holds in any unit.)
+    ms = int(SUBMIT) * 1000
+    path = tmp_path / "philly.csv"
+    stamps = [ms, ms + 1000, ms + 2000, int(SUBMIT), int(1e13)]
+    path.write_text(PHILLY_HEADER + "\n" + "".join(f"{t},66.0,1,66.0,a\n" for t in stamps))
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["submit_time"]) == [SUBMIT, SUBMIT + 1, SUBMIT + 2]
+    assert trace.rejected == {TIME_IN_ANOTHER_UNIT: 1, TIME_OUT_OF_RANGE: 1}
+    # (and the other way round: a column of seconds keeps its seconds, its one millisecond time counted)
+    path.write_text(PHILLY_HEADER + "\n" + "".join(f"{t},66.0,1,66.0,a\n" for t in [int(SUBMIT), int(SUBMIT) + 1, ms]))
+    trace = load_philly_csv(path)
+    assert list(trace.jobs["submit_time"]) == [SUBMIT, SUBMIT + 1] and trace.rejected == {TIME_IN_ANOTHER_UNIT: 1}
