@@ -60,15 +60,6 @@ def _simulated(switches: Mapping[str, Any]) -> Simulated | None:
     return Simulated(made, tick_every_s=switches.get("tick_s", 300.0))
 
 
-def _live_decider(args: argparse.Namespace) -> AnalyticsDecider:
-    decider = AnalyticsDecider(ces=_ces(args.ces))
-    if decider.model.get("learner", "lightgbm") == "lightgbm":
-        # Loaded here, at the start, not at the model's first refit: lightgbm brings scipy and
-        # pandas, 1-2 s of imports that stalled every prediction behind that refit, under load.
-        import lightgbm  # noqa: F401
-    return decider
-
-
 SPEC = ServiceSpec(
     name="analytics",
     about="duration predictions, energy saving, reports",
@@ -76,7 +67,7 @@ SPEC = ServiceSpec(
     follows=AnalyticsDecider.FOLLOWS,
     emits=AnalyticsDecider.EMITS,
     decider=AnalyticsDecider,
-    live_decider=_live_decider,
+    live_decider=lambda args: AnalyticsDecider(ces=_ces(args.ces)),
     timer=TimerSpec(ev.AnalyticsTicked, TICK_S, active=lambda decider: decider.ces is not None),
     add_arguments=_arguments,
     tasks=_tasks,
