@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,11 @@ ACTION_TIMEOUT_S = 10.0
 
 STATIC = Path(__file__).parent / "static"
 PUSH_EVERY_S = 0.1  # how often an open page's stream looks for a change
-KEEPALIVE_S = 15.0
+# An open page hears from its stream at least this often: a change, or else a beat. Each says how
+# long NATS has been silent, and a page that hears nothing for a few beats says its data is stale.
+# (A frozen or partitioned NATS keeps every connection open: the stream alone looked live.)
+BEAT_S = 1.0
+NATS_STALE_S = 3.0  # NATS silent this long (the service asks it every second): the page's data is stale
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
@@ -64,6 +69,7 @@ class Backend:
     output: Callable[[str], Awaitable[list[dict[str, Any]]]]
     operator_token: str | None = None
     reports_dir: Path | None = None
+    nats_silent_s: Callable[[], float] = lambda: 0.0  # seconds since NATS last answered
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -210,26 +216,37 @@ class Routes:
 
     # -- live updates -------------------------------------------------------------------------------
 
+    def _link(self) -> dict[str, Any]:
+        """What every message of the stream says: the log position, and whether the data is fresh."""
+        silent = self.backend.nats_silent_s()
+        return {
+            "seq": self.view.state.seq,
+            "ready": self.backend.ready(),
+            "nats_silent_s": round(silent, 1),
+            "stale": silent >= NATS_STALE_S,
+            "beat_s": BEAT_S,
+        }
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: ``change`` (with the log position) whenever the view changed."""
+        """Server-sent events: ``change`` (with the log position) whenever the view changed, and a
+        ``beat`` after ``BEAT_S`` without one; both say how long NATS has been silent."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
-        view, sent, quiet = self.view, -1, 0.0
+        view, sent, said = self.view, -1, time.monotonic()
         try:
             while True:
                 view.settle_queue()  # (a reused answer replaced by a current one is a change too)
                 if view.version != sent:
                     sent = view.version
-                    data = json.dumps({"version": sent, "seq": view.state.seq, "ready": self.backend.ready()})
+                    data = json.dumps({"version": sent} | self._link())
                     await response.write(f"event: change\ndata: {data}\n\n".encode())
-                    quiet = 0.0
-                elif quiet >= KEEPALIVE_S:
-                    await response.write(b": keep-alive\n\n")
-                    quiet = 0.0
+                    said = time.monotonic()
+                elif time.monotonic() - said >= BEAT_S:
+                    await response.write(f"event: beat\ndata: {json.dumps(self._link())}\n\n".encode())
+                    said = time.monotonic()
                 await asyncio.sleep(PUSH_EVERY_S)
-                quiet += PUSH_EVERY_S
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         return response

@@ -1,10 +1,10 @@
 """The live dashboard: a reader of the log that keeps its view in memory and serves it over HTTP.
 
 It reads the log from the start and then follows it, follows telemetry (GPU samples, training
-progress), and answers pages, ``/api/`` and a server-sent event stream from memory. It needs the
-``reader`` NATS role, plus appending operator commands when started with an operator token (the
-``dashboard`` role in ``gpuherd.security``). It makes no decision, so it needs no lease: any number
-of them may run.
+progress), asks NATS for an answer every second (pages say when it has gone silent), and answers
+pages, ``/api/`` and a server-sent event stream from memory. It needs the ``reader`` NATS role, plus
+appending operator commands when started with an operator token (the ``dashboard`` role in
+``gpuherd.security``). It makes no decision, so it needs no lease: any number of them may run.
 
 The scheduler's explanation of the queue and the audit are other services' code: the application
 layer hands it the other services' specs (``peers``), and it takes from them what they offer
@@ -52,6 +52,12 @@ OUTPUT_BYTES = 65536  # the last bytes of each rank's output a job page shows
 # A stopping dashboard waits this long for the requests in progress, twice (to end, then once
 # cancelled): an open page's event stream never ends by itself, and a stop took 2 s with one open.
 PAGES_SHUTDOWN_TIMEOUT_S = 0.1
+# How often the dashboard asks NATS for an answer, and how long it waits for one. A frozen or
+# partitioned server keeps the connection open (the client notices only after minutes of unanswered
+# pings) and the log's follow merely sees no events, as on a quiet cluster: the pages showed "live".
+NATS_PROBE_EVERY_S = 1.0
+NATS_PROBE_TIMEOUT_S = 2.0
+NATS_PROBE_SUBJECT = "$JS.API.INFO"  # (JetStream's account info: cheap, and what the dashboard reads through)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,8 @@ class Dashboard:
         self.operator_token = operator_token
         self.reports_dir = reports_dir
         self.client = Client(getattr(log_, "nc", None), source="dashboard")
+        self.nc = getattr(log_, "nc", None)  # (None: an in-process log, which always answers)
+        self.nats_answered_at = time.monotonic()
 
     def backend(self) -> Backend:
         return Backend(
@@ -139,7 +147,27 @@ class Dashboard:
             output=self.output,
             operator_token=self.operator_token,
             reports_dir=self.reports_dir,
+            nats_silent_s=self.nats_silent_s,
         )
+
+    def nats_silent_s(self) -> float:
+        """Seconds since NATS last answered the dashboard (0 for a log without a server)."""
+        return 0.0 if self.nc is None else time.monotonic() - self.nats_answered_at
+
+    async def watch_nats(self) -> None:
+        """Ask NATS for an answer every ``NATS_PROBE_EVERY_S``, noting when one came. A request, not
+        a ping: nats-py's ``flush`` cancels its pong on a timeout, and a pong arriving after that
+        ends the client's read loop for good."""
+        if self.nc is None:
+            return
+        while True:
+            try:
+                if self.nc.is_connected:  # (an answer with an error in it is an answer too)
+                    await self.nc.request(NATS_PROBE_SUBJECT, b"", timeout=NATS_PROBE_TIMEOUT_S)
+                    self.nats_answered_at = time.monotonic()
+            except Exception as exc:  # timed out, or reconnecting: the silence grows
+                log.debug("nats did not answer", error=repr(exc))
+            await asyncio.sleep(NATS_PROBE_EVERY_S)
 
     async def output(self, job: str) -> list[dict[str, Any]]:
         return await fetch_output(self.log, job, self.view.placements.get(job, []), max_bytes=OUTPUT_BYTES)
@@ -229,6 +257,7 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
         asyncio.create_task(dashboard.follow_telemetry("*.gpus")),
         asyncio.create_task(dashboard.follow_telemetry("*.job.*")),
         asyncio.create_task(dashboard.report_status(port)),
+        asyncio.create_task(dashboard.watch_nats()),
     ]
     if args.url_file:
         Path(args.url_file).write_text(url)

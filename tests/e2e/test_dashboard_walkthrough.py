@@ -9,15 +9,21 @@ scrolled sideways; and every page load logged a 404 (no favicon) in the console.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpuherd.natsd import NatsServer
 from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures, used by name
     CHROMIUM_ARGS,
+    ROOT,
     UPDATE_WAIT_MS,
     browser,
     cluster,
@@ -25,7 +31,9 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures, used by
     open_view,
     shot,
     submit,
+    wait_for,
 )
+from tests.integration.procs import FAST_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # (four browser walks: make test-long, to keep make test short)
 
@@ -127,3 +135,61 @@ def test_the_page_names_an_icon_it_serves(desk: Any, cluster: dict[str, str]) ->
     with urllib.request.urlopen(icon, timeout=10) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("image/")
     assert desk.errors == [], desk.errors  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def lone_dashboard(local_nats: NatsServer, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A dashboard process on a NATS server of this test alone (which the test may freeze)."""
+    url_file = tmp_path / "dashboard.url"
+    argv = [sys.executable, "-m", "apps", "serve", "dashboard", "--nats-url", local_nats.url]
+    argv += ["--port", "0", "--url-file", str(url_file)]
+    assert local_nats.proc is not None
+    with (tmp_path / "dashboard.log").open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **FAST_ENV}, cwd=ROOT)
+    try:
+        url = wait_for(lambda: url_file.exists() and url_file.read_text().strip(), 30, "the dashboard's URL")
+        yield {"url": url, "nats_pid": local_nats.proc.pid, "pid": process.pid}
+    finally:
+        os.kill(local_nats.proc.pid, signal.SIGCONT)
+        os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def desk_alone(browser: Any, lone_dashboard: dict[str, Any]) -> Iterator[Any]:  # noqa: F811
+    yield from _page(browser, {"width": 1280, "height": 900})
+
+
+@needs_browser
+def test_the_live_badge_says_the_data_is_stale_while_nats_is_frozen(
+    desk_alone: Any, lone_dashboard: dict[str, Any]
+) -> None:
+    """With NATS SIGSTOPped every connection stays open: the page heard nothing, and said "live". So
+    it did with the dashboard itself frozen (or a proxy holding its stream)."""
+    from playwright.sync_api import expect
+
+    page = desk_alone
+    open_view(page, lone_dashboard, "overview")
+    live = page.locator("#live")
+    expect(live).to_have_attribute("data-state", "live")
+    os.kill(lone_dashboard["nats_pid"], signal.SIGSTOP)
+    try:
+        expect(live).to_have_attribute("data-state", "stale", timeout=UPDATE_WAIT_MS)
+        expect(live).to_contain_text("NATS silent")
+        shot(page, "walkthrough-stale")
+    finally:
+        os.kill(lone_dashboard["nats_pid"], signal.SIGCONT)
+    expect(live).to_have_attribute("data-state", "live", timeout=UPDATE_WAIT_MS)  # NATS answers again
+    os.kill(lone_dashboard["pid"], signal.SIGSTOP)
+    try:
+        expect(live).to_have_attribute("data-state", "stale", timeout=UPDATE_WAIT_MS)
+        expect(live).to_contain_text("no word from the dashboard")
+    finally:
+        os.kill(lone_dashboard["pid"], signal.SIGCONT)
+    expect(live).to_have_attribute("data-state", "live", timeout=UPDATE_WAIT_MS)
+    assert page.errors == [], page.errors  # type: ignore[attr-defined]

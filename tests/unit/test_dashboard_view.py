@@ -4,6 +4,8 @@ pages in a browser are tested in tests/e2e/test_dashboard_browser.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gpuherd import events as ev
 from gpuherd.log import Record
-from services.dashboard.server import Actions, Backend, make_app
+from services.dashboard.server import NATS_STALE_S, Actions, Backend, make_app
 from services.dashboard.view import HISTORY_BUCKET_S, DashboardView
 from services.scheduler.explain import SchedulerQueue
 from tests.helpers import node, submit
@@ -223,6 +225,41 @@ async def test_the_stream_says_when_the_view_changed(client: Any) -> None:
     first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5)
     assert first.startswith(b"event: change\ndata: ") and b'"seq": 9' in first
     response.close()
+
+
+def _sse(message: bytes) -> tuple[str, dict[str, Any]]:
+    """A server-sent event's name and its JSON data."""
+    fields = dict(line.split(": ", 1) for line in message.decode().strip().split("\n"))
+    return fields["event"], json.loads(fields["data"])
+
+
+async def test_the_stream_beats_while_nothing_changes_and_says_when_nats_went_silent(monkeypatch: Any) -> None:
+    """A frozen NATS (SIGSTOPped, partitioned) keeps every connection open and the stream simply
+    went quiet, as on a quiet cluster: the page's badge said "live" through it. Now the stream beats
+    when nothing changes, and every message says how long NATS has been silent."""
+    monkeypatch.setattr("services.dashboard.server.BEAT_S", 0.2)
+    silent = [0.4]
+    backend = _acting(Actions(cancel=_never, drain=_never))
+    backend.nats_silent_s = lambda: silent[0]
+    async with TestClient(TestServer(make_app(backend))) as c:
+        response = await c.get("/api/stream")
+
+        async def heard() -> tuple[str, dict[str, Any]]:
+            return _sse(await asyncio.wait_for(response.content.readuntil(b"\n\n"), 5))
+
+        event, data = await heard()
+        assert event == "change" and data["seq"] == 9 and data["ready"] is True
+        assert data["stale"] is False and data["nats_silent_s"] == 0.4 and data["beat_s"] == 0.2
+        started = time.monotonic()
+        assert await heard() == ("beat", {k: v for k, v in data.items() if k != "version"})
+        assert time.monotonic() - started >= 0.15  # (a beat once nothing was said for BEAT_S)
+        silent[0] = NATS_STALE_S + 0.5
+        event, data = await heard()
+        assert event == "beat" and data["stale"] is True and data["nats_silent_s"] == NATS_STALE_S + 0.5
+        silent[0] = 0.1  # NATS answers again
+        event, data = await heard()
+        assert event == "beat" and data["stale"] is False
+        response.close()
 
 
 def test_metrics_say_the_queue_per_vc_and_the_connection_at_every_scrape() -> None:

@@ -493,16 +493,43 @@ async function draw() {
   }
 }
 
+// The badge says "live" only while fresh word comes: the server sends a change or, failing one, a beat
+// every beat_s, each saying how long NATS has been silent. A frozen NATS (or a frozen server, or a
+// proxy holding the stream) keeps every connection open, and the badge stayed "live" through it.
+const STALE_BEATS = 3; // no word for this many beats: the page's data may be old
+const RECONNECT_BEATS = 10; // and for this many: open the stream again (a silent one never errors)
+let source = null;
+let heard = { at: 0, beatMs: 1000 };
+
+function showLive(state, text) {
+  $live.textContent = text;
+  $live.className = `live ${state === "live" ? "on" : "off"}`;
+  $live.dataset.state = state;
+}
+
+function onWord(info) {
+  heard = { at: Date.now(), beatMs: (info.beat_s || 1) * 1000 };
+  document.body.dataset.seq = info.seq;
+  if (info.stale) showLive("stale", `stale: NATS silent for ${fmtDur(info.nats_silent_s)}`);
+  else if (!info.ready) showLive("catching-up", `catching up (${num(info.seq)})`);
+  else showLive("live", `live, log at ${num(info.seq)}`);
+}
+
 function connect() {
-  const source = new EventSource("/api/stream");
-  source.addEventListener("change", (e) => {
-    const info = JSON.parse(e.data);
-    $live.textContent = info.ready ? `live, log at ${num(info.seq)}` : `catching up (${num(info.seq)})`;
-    $live.className = `live ${info.ready ? "on" : "off"}`;
-    document.body.dataset.seq = info.seq;
-    draw();
-  });
-  source.onerror = () => { $live.textContent = "reconnecting"; $live.className = "live off"; };
+  if (source) source.close();
+  source = new EventSource("/api/stream");
+  heard = { at: Date.now(), beatMs: heard.beatMs };
+  source.addEventListener("change", (e) => { onWord(JSON.parse(e.data)); draw(); });
+  source.addEventListener("beat", (e) => onWord(JSON.parse(e.data)));
+  source.onerror = () => showLive("reconnecting", "reconnecting");
+}
+
+function watchWord() {
+  const quiet = Date.now() - heard.at;
+  if (quiet >= RECONNECT_BEATS * heard.beatMs) { showLive("reconnecting", "reconnecting"); connect(); }
+  else if (quiet >= STALE_BEATS * heard.beatMs && $live.dataset.state !== "reconnecting") {
+    showLive("stale", `stale: no word from the dashboard for ${fmtDur(quiet / 1000)}`);
+  }
 }
 
 async function start() {
@@ -513,6 +540,7 @@ async function start() {
   window.addEventListener("hashchange", draw);
   await draw();
   connect();
+  setInterval(watchWord, 1000);
 }
 
 start();
