@@ -4,11 +4,15 @@
 What the walk found: the History and Usage plots and a job's progress charts were empty boxes (each
 redraw destroyed the charts it had just drawn); node cards were narrower than their GPU rows, which
 ran over the next card and off the page; on a phone the header took half the screen and every page
-scrolled sideways; and every page load logged a 404 (no favicon) in the console.
+scrolled sideways; every page load logged a 404 (no favicon) in the console. Users' reviews found
+more: at 1,280 px, where the nav wraps to two rows, a long table's sticky header cells sat under the
+page header; and with NATS frozen the badge said "live" (a dashboard and NATS of its own here).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -20,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gpuherd.client import Client
 from gpuherd.natsd import NatsServer
 from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures, used by name
     CHROMIUM_ARGS,
@@ -35,7 +40,7 @@ from tests.e2e.test_dashboard_browser import (  # noqa: F401 - fixtures, used by
 )
 from tests.integration.procs import FAST_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # (four browser walks: make test-long, to keep make test short)
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # (browser walks: make test-long, to keep make test short)
 
 PHONE = {"width": 390, "height": 800}
 
@@ -124,6 +129,59 @@ def test_a_phone_shows_every_page_without_sideways_scrolling(phone: Any, cluster
     phone.evaluate("window.scrollTo(0, 400)")
     assert phone.evaluate("document.querySelector('header').getBoundingClientRect().bottom") <= 0  # it scrolls away
     assert phone.errors == [], phone.errors  # type: ignore[attr-defined]
+
+
+def submit_many(nats_url: str, specs: list[dict[str, Any]]) -> list[str]:
+    """Submit every spec through one client (not a connection each)."""
+
+    async def run() -> list[str]:
+        client = await Client.connect(nats_url, source="browser-test")
+        try:
+            return [await client.submit(spec) for spec in specs]
+        finally:
+            await client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (Playwright's sync API holds this thread's loop)
+        return pool.submit(asyncio.run, run()).result()
+
+
+# Where the page header and a table's sticky header cells are, scrolled (bounding rects).
+STICKY_RECTS = """(() => {
+  const header = document.querySelector('header').getBoundingClientRect();
+  const cells = [...document.querySelectorAll('[data-testid=jobs-table] thead th')].map((th) => {
+    const r = th.getBoundingClientRect();
+    const seen = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+    return { top: r.top, bottom: r.bottom, seen: th.contains(seen) };
+  });
+  return { header: header.bottom, cells, scrolled: window.scrollY };
+})()"""
+
+
+@needs_browser
+def test_a_long_tables_header_cells_stick_below_the_page_header_where_the_nav_wraps(
+    desk: Any,
+    cluster: dict[str, str],  # noqa: F811
+) -> None:
+    """At 1,280 px (the token field and the badge beside the links) the nav wraps to two rows, and
+    the table's header cells stuck 45 px from the top: under the page header, which hid them."""
+    from playwright.sync_api import expect
+
+    rows = [{"name": f"row-{n}", "user": "lin", "gpus": 1, "duration_s": 1} for n in range(60)]
+    submit_many(cluster["nats_url"], rows)
+    open_view(desk, cluster, "jobs?user=lin")
+    expect(desk.locator("[data-testid=jobs-table] tbody tr")).to_have_count(60, timeout=UPDATE_WAIT_MS)
+    header = desk.evaluate("document.querySelector('header').getBoundingClientRect().height")
+    assert header > 60, f"the header is {header}px high: its nav no longer wraps at 1,280 px, the case tested here"
+    desk.evaluate("window.scrollTo(0, 900)")
+    desk.wait_for_timeout(300)
+    rects = desk.evaluate(STICKY_RECTS)
+    shot(desk, "walkthrough-sticky")
+    assert rects["scrolled"] >= 900
+    for cell in rects["cells"]:
+        assert cell["top"] >= rects["header"] - 0.5, rects  # not under the page header
+        assert cell["top"] <= rects["header"] + 0.5, rects  # stuck right below it
+        assert cell["seen"], rects
+    assert desk.errors == [], desk.errors  # type: ignore[attr-defined]
 
 
 @needs_browser

@@ -532,7 +532,18 @@ function watchWord() {
   }
 }
 
+// Sticky table headers stick just below the sticky page header, whose height is measured, not
+// assumed: its nav wraps to two rows at about 1,280 px (with the token field), and the badge's words
+// and the window's width change it (a fixed 45px put the header cells under it).
+function followHeader() {
+  const header = document.querySelector("header");
+  const set = () => document.documentElement.style.setProperty("--header-h", `${header.getBoundingClientRect().height}px`);
+  set();
+  if (window.ResizeObserver) new ResizeObserver(set).observe(header);
+}
+
 async function start() {
+  followHeader();
   try { session = (await api("/api/session")).body; } catch (err) { session = { actions: false }; }
   document.getElementById("operator").hidden = !session.actions;
   $token.value = sessionStorage.getItem("gpuherd-token") || "";
