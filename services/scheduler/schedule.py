@@ -576,6 +576,13 @@ def _beyond_quota(state: SchedulerState, job: JobState) -> bool:
     return vc is not None and vc.gpu_quota is not None and not vc.can_borrow and job.spec.gpus > vc.gpu_quota
 
 
+# From these rules, a quota head's reservation counts a job the same pass placed at the GPUs it was
+# placed on. Before, at the GPUs it asked for: an elastic job started smaller gave back more quota at
+# its end than it held, so the head's start looked nearer and its spare quota larger than they were,
+# and a job let start on that spare held quota the head then needed.
+PASS_PLACEMENT_SIZES_QUOTA_RULES = 13
+
+
 def _reserve_quota(work: Pass, hold: QuotaHold) -> None:
     """When enough of its VC's quota frees up for the quota head (from the expected ends of the VC's
     running jobs and of those placed, by this pass or before, that have not started), and how much
@@ -584,12 +591,16 @@ def _reserve_quota(work: Pass, hold: QuotaHold) -> None:
     vc = head.spec.vc
     starting = [j for j in state.unstarted if state.jobs[j].spec.vc == vc]
     starting += [job.job for job in work.placed_by_vc.get(vc, ())]
+    # (Placed by this pass, a job holds nothing yet in the state: what it was placed on.)
+    sizes: dict[str, int] = {}
+    if state.scheduling.rules >= PASS_PLACEMENT_SIZES_QUOTA_RULES:
+        sizes = {p.job: sum(len(a.gpus) for a in p.allocations) for p in work.out.placed}
     room = hold.quota - work.vc_used.get(vc, 0)
     hold.reserved = True
     for end, job in _by_end(state, state.ends_by_vc.get(vc, ()), starting, _victims_stopping(state, head, vc)):
         if math.isinf(end):
             return  # an end it depends on is unknown: no reservation
-        room += job.held or job.spec.gpus  # (placed by this pass: holds nothing yet in the state)
+        room += job.held or sizes.get(job.job, job.spec.gpus)
         if room >= head.spec.gpus:
             hold.reserved_at, hold.spare = max(end, state.now), room - head.spec.gpus
             return

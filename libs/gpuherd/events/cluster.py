@@ -65,7 +65,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # job waiting for the victims it preempted would then no longer fit (its preemption counted on free GPUs).
 # A rescale not reported done within ``rescale_timeout_s`` (a tick's time) is rolled back, or its
 # attempt stopped where too few committed workers are left (its report is one datagram, and can be lost).
-SCHEDULING_RULES = 12
+# 13: a VC's quota head's reservation counts a job placed by the same pass at the GPUs it was placed on
+# (an elastic job started smaller counted at the size it asked for, and the quota looked freer than it was).
+SCHEDULING_RULES = 13
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
