@@ -286,6 +286,10 @@ def test_commands_recorded_before_they_were_checked_are_marked_unchecked(kind: s
     assert isinstance(event, ev.Command) and event.unchecked and event.v == type(event).VERSION
     fresh = msgspec.structs.replace(event, unchecked=False)
     assert not ev.decode(ev.encode(fresh)).unchecked
+    # A writer cannot exempt a command of today from the checks by setting the flag itself.
+    assert not ev.decode(ev.encode(event)).unchecked
+    forged_v2 = _v1(kind, "cli", **fields).replace(b'"v":1', b'"v":2').replace(b"{", b'{"unchecked":true,', 1)
+    assert not ev.decode(forged_v2).unchecked
 
 
 def test_policies_recorded_before_the_pass_had_versioned_rules_keep_the_first_rules() -> None:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from gpuherd.errors import UNDECODABLE, EventDecodeError
-from gpuherd.events.base import CATALOGUE_GENERATION, EVENT_TYPES, UPCASTERS, Event
+from gpuherd.events.base import CATALOGUE_GENERATION, EVENT_TYPES, UPCASTERS, Command, Event
 
 
 def upcast(raw: dict[str, Any]) -> dict[str, Any]:
@@ -79,6 +79,15 @@ def encode(event: Event) -> bytes:
     return _encoder.encode(event)
 
 
+def _unforged(raw: dict[str, Any]) -> dict[str, Any]:
+    """Only a v1 command, recorded before services checked commands, is applied unchecked: its
+    upcaster says so. The flag stored with a later one was set by its writer, who may not exempt its
+    own command from the check (a policy the rules refuse would have been applied)."""
+    if raw.get("unchecked") and int(raw.get("v", 1)) >= 2:
+        return {**raw, "unchecked": False}
+    return raw
+
+
 def decode(data: bytes) -> Event:
     """Decode one stored event; old versions go through the upcasters."""
     codecs = _codecs.current()
@@ -89,10 +98,12 @@ def decode(data: bytes) -> Event:
     except UNDECODABLE as exc:
         raise EventDecodeError(f"not an event: {exc}") from exc
     if event is not None and event.v == type(event).VERSION:
+        if isinstance(event, Command) and event.unchecked:
+            return msgspec.structs.replace(event, unchecked=False)  # (see _unforged)
         return event
     try:
         raw = _raw_decoder.decode(data)
-        return msgspec.convert(upcast(raw), codecs.union)
+        return msgspec.convert(upcast(_unforged(raw)), codecs.union)
     except msgspec.ValidationError as exc:
         raise EventDecodeError(f"invalid event: {exc}") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a field an upcaster needs is unusable
