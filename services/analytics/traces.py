@@ -14,6 +14,11 @@ changed silently: a row asking for a fraction of a GPU (0.5, 1.5) is used at the
 hold (rounded up: gpuherd schedules whole GPUs; the fraction stays in ``gpu_request``), epoch times
 written in milliseconds, microseconds or nanoseconds are converted to seconds (``_epoch``), and a
 job with no id is named ``row-<n>`` by its place in the file; each counted under ``Trace.changed``.
+Every row that is a job is one job: a row that uses an earlier row's job id with other fields (ids
+reset per day, a resubmission logged under its name) is renamed ``<id>-<n>`` (changed), and a row
+equal to an earlier one in every field (the same file joined twice) is left out as ``SAME_ROW`` (a
+row with no id, as all of a Philly CSV's, only when its equal is in an earlier file of those joined
+end to end: equal rows of one file are jobs no id tells apart, ``_copies``).
 
 Times are seconds. Traces with calendar timestamps (Philly, Helios) keep
 seconds since the Unix epoch (UTC) and set ``absolute_time``; traces that
@@ -110,6 +115,8 @@ ZERO_DURATION = "zero duration (never ran)"
 REPEATED_HEADER = "repeated header row"
 TIME_IN_ANOTHER_UNIT = "a time in another unit than the rest of its column"
 NO_JOB_ID = "no job id, named row-<n> by its place in the file"
+SAME_ROW = "the same row again (every field equal to an earlier row's)"
+REPEATED_ID = "a job id used by an earlier row, renamed <id>-<n>"
 
 
 class TraceError(GpuherdError):
@@ -184,15 +191,21 @@ def _finish(
     rejected: dict[str, int],
     changes: dict[str, pd.Series] | None = None,
     refused: dict[str, pd.Series] | None = None,
+    joined: pd.Series | None = None,
+    ids_in_file: bool = True,
 ) -> Trace:
     """Check and type the normalized columns; rows that cannot be used are counted by reason (a
     loader's own reasons, ``refused``, first). ``raw``'s index is each row's place in the file (from
-    0): a job with no id is named ``row-<n>`` by it."""
+    0): a job with no id is named ``row-<n>`` by it. ``joined``: which of the files joined end to
+    end each row is in (``_read_csv``); ``ids_in_file``: False where the loader named the rows
+    (Philly CSV), so no id tells two equal rows apart."""
     df = raw.copy()
     for column in COLUMNS:
         if column not in df:
             df[column] = np.nan
     ids, unnamed = _ids_or_places(df["job_id"])
+    fields = [column for column in raw.columns if ids_in_file or column != "job_id"]
+    copies = _copies(raw[fields], unnamed | (not ids_in_file), joined)
     df["job_id"] = ids
     changes = {**(changes or {}), NO_JOB_ID: unnamed} if unnamed.any() else changes
     checks = [
@@ -214,6 +227,8 @@ def _finish(
         ("zero GPUs", df["gpus"].astype("float64") == 0),
         (TOO_MANY_GPUS, df["gpus"].astype("float64") > MAX_JOB_GPUS),
         ("ends before it starts", df["end_time"].astype("float64") < df["start_time"].astype("float64")),
+        # (Last: a copy of a row left out for another reason is left out for that reason too.)
+        (SAME_ROW, copies),
     ]
     keep = pd.Series(True, index=df.index)
     for why, bad in checks:
@@ -221,7 +236,10 @@ def _finish(
         if bad.any():
             rejected[why] = rejected.get(why, 0) + int(bad.sum())
         keep &= ~bad
-    df = df[keep]
+    df = df[keep].copy()
+    df["job_id"], repeated = _repeats_renamed(df["job_id"])
+    if repeated.any():
+        changes = {**(changes or {}), REPEATED_ID: repeated}
     # gpuherd schedules whole GPUs: a job asking for part of one holds a whole one (the share asked
     # for stays in gpu_request), where int64 would truncate 0.5 to no GPU at all.
     gpus = df["gpus"].astype("float64")
@@ -239,6 +257,48 @@ def _finish(
     df = df[list(COLUMNS)].astype(COLUMNS)
     df = df.sort_values(["submit_time", "job_id"], kind="stable").reset_index(drop=True)
     return Trace(name=name, jobs=df, rows_read=rows_read, rejected=rejected, absolute_time=absolute, changed=changed)
+
+
+def _copies(fields: pd.DataFrame, unnamed: pd.Series, joined: pd.Series | None) -> pd.Series:
+    """Which rows copy an earlier row (every field the loader reads equal): the same file joined
+    twice, or a log written twice. A row with a job id is one job, so its equal is a copy. Rows with no id
+    (``unnamed``: a Philly CSV's are all) can be equal and still two jobs (philly.csv holds 65, a
+    sweep's jobs of one size submitted in one second): such a row is a copy only when its equal is
+    in an earlier file of those joined end to end (``joined``)."""
+    if not len(fields):
+        return pd.Series(False, index=fields.index)
+    # (One number per distinct row; dropna: a field that is empty in both rows is equal.)
+    group = fields.groupby(list(fields.columns), dropna=False, sort=False).ngroup()
+    again = group.duplicated()
+    if joined is None or not unnamed.any():
+        return again & ~unnamed
+    part = joined.reindex(fields.index)
+    in_a_later_file = part > part.groupby(group).transform("min")
+    return again & (~unnamed | in_a_later_file)
+
+
+def _repeats_renamed(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """The job ids of the rows used (in file order), each one an earlier row uses renamed
+    ``<id>-2``, ``<id>-3``... (an id the trace does not use), and which were. Intake took a second
+    job under one id for the first submitted again (dropped) or, of another spec, refused it. ("-":
+    intake ids and NATS subject tokens keep it (``job_id_for``); "#" would be "_", and intake makes
+    ``<id>#<step>`` ids itself.)"""
+    ids = ids.astype("string")
+    repeated = ids.duplicated(keep="first")
+    if not repeated.any():
+        return ids, repeated
+    taken = set(ids)
+    last: dict[str, int] = {}  # id -> the last n given it
+    renamed = ids.copy()
+    for place in ids.index[repeated]:
+        base = str(ids[place])
+        n = last.get(base, 1) + 1
+        while f"{base}-{n}" in taken:
+            n += 1
+        last[base] = n
+        taken.add(f"{base}-{n}")
+        renamed[place] = f"{base}-{n}"
+    return renamed, repeated
 
 
 def _ids_or_places(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
@@ -344,11 +404,12 @@ def _gzipped(path: Path) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
-def _read_csv(path: Path, required: set[str], text: set[str]) -> tuple[pd.DataFrame, dict[str, int]]:
+def _read_csv(path: Path, required: set[str], text: set[str]) -> tuple[pd.DataFrame, dict[str, int], pd.Series]:
     """The CSV at ``path`` (gzip-compressed or not), which must hold the ``required`` columns; the
     ``text`` columns (ids, names) are read as written, never as numbers ("007" is not 7, VC "011"
-    not "11.0"). Returns its rows, each indexed by its place in the file (from 0), and the rows
-    left out as no job, by reason: the header repeated (``_repeated_headers``)."""
+    not "11.0"). Returns its rows, each indexed by its place in the file (from 0), the rows left
+    out as no job, by reason: the header repeated (``_repeated_headers``), and which of the files
+    joined end to end each row is in (0, 1 after the first repeated header...)."""
     _must_be_a_file(path)
     try:
         # (skipinitialspace: "a, b" is the fields "a" and "b", as the header's names are stripped below)
@@ -363,8 +424,9 @@ def _read_csv(path: Path, required: set[str], text: set[str]) -> tuple[pd.DataFr
     if missing:
         raise TraceError(f"{path}: missing columns {', '.join(sorted(missing))}; it has {', '.join(df.columns)}")
     headers = _repeated_headers(path, df, required)
+    joined = headers.cumsum()[~headers]
     if not headers.any():
-        return df, {}
+        return df, {}, joined
     df = df[~headers]
     # (A header's names in a column of numbers made pandas read all of it as text: read again as
     # numbers what pandas would have read so, a column whose every value is one.)
@@ -373,7 +435,7 @@ def _read_csv(path: Path, required: set[str], text: set[str]) -> tuple[pd.DataFr
             numbers = pd.to_numeric(df[name], errors="coerce")
             if numbers.notna().sum() == df[name].notna().sum():
                 df[name] = numbers
-    return df, {REPEATED_HEADER: int(headers.sum())}
+    return df, {REPEATED_HEADER: int(headers.sum())}, joined
 
 
 def _repeated_headers(path: Path, df: pd.DataFrame, required: set[str]) -> pd.Series:
@@ -440,7 +502,7 @@ def _fields_beyond_the_header(path: Path, df: pd.DataFrame) -> pd.DataFrame:
 def load_philly_csv(path: str | Path) -> Trace:
     """The Sia artifact's ``philly.csv``: timestamp,duration,num_gpus,gpu_time,cluster."""
     path = Path(path)
-    df, skipped = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
+    df, skipped, joined = _read_csv(path, {"timestamp", "duration", "num_gpus", "cluster"}, text={"cluster"})
     times, changes, refused = _epoch_times(pd.DataFrame({"submit_time": df["timestamp"]}))
     out = pd.DataFrame(
         {
@@ -453,14 +515,24 @@ def load_philly_csv(path: str | Path) -> Trace:
     )
     out["gpu_request"] = out["gpus"].astype("float64")
     rows_read = len(df) + sum(skipped.values())
-    return _finish(path.stem, out, rows_read, absolute=True, rejected=skipped, changes=changes, refused=refused)
+    return _finish(
+        path.stem,
+        out,
+        rows_read,
+        absolute=True,
+        rejected=skipped,
+        changes=changes,
+        refused=refused,
+        joined=joined,
+        ids_in_file=False,
+    )
 
 
 def load_itp(path: str | Path) -> Trace:
     """An ITP cluster file: job_id,submission_time,duration,num_gpu (seconds from the trace start).
     The VC is the cluster the file describes."""
     path = Path(path)
-    df, skipped = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"}, text={"job_id"})
+    df, skipped, joined = _read_csv(path, {"job_id", "submission_time", "duration", "num_gpu"}, text={"job_id"})
     out = pd.DataFrame(
         {
             "job_id": df["job_id"].astype("string"),
@@ -471,7 +543,8 @@ def load_itp(path: str | Path) -> Trace:
     )
     out["gpu_request"] = out["gpus"].astype("float64")
     out["vc"] = path.stem
-    return _finish(f"itp-{path.stem}", out, len(df) + sum(skipped.values()), absolute=False, rejected=skipped)
+    rows_read = len(df) + sum(skipped.values())
+    return _finish(f"itp-{path.stem}", out, rows_read, absolute=False, rejected=skipped, joined=joined)
 
 
 def load_alibaba_openb(path: str | Path) -> Trace:
@@ -480,7 +553,7 @@ def load_alibaba_openb(path: str | Path) -> Trace:
     for ``gpu_request`` = num_gpu x gpu_milli / 1000. Pods never scheduled have no run time; pods
     still running at the end of the trace keep state ``running`` (their duration is a lower bound)."""
     path = Path(path)
-    df, rejected = _read_csv(
+    df, rejected, joined = _read_csv(
         path,
         {"name", "num_gpu", "gpu_milli", "creation_time", "deletion_time", "scheduled_time"},
         text={"name", "qos", "pod_phase", "gpu_spec"},
@@ -517,7 +590,7 @@ def load_alibaba_openb(path: str | Path) -> Trace:
         }
     )
     rows_read = len(df) + sum(rejected.values())
-    return _finish("alibaba-openb", out, rows_read, absolute=False, rejected=rejected, changes=changes)
+    return _finish("alibaba-openb", out, rows_read, absolute=False, rejected=rejected, changes=changes, joined=joined)
 
 
 def load_helios(path: str | Path) -> Trace:
@@ -526,7 +599,7 @@ def load_helios(path: str | Path) -> Trace:
     Times may be calendar strings or epoch seconds (or milliseconds, microseconds, nanoseconds:
     ``_epoch``)."""
     path = Path(path)
-    df, skipped = _read_csv(
+    df, skipped, joined = _read_csv(
         path, {"job_id", "vc", "gpu_num", "submit_time", "duration"}, text={"job_id", "user", "vc", "jobname", "state"}
     )
     given = [column for column in ("submit_time", "start_time", "end_time") if column in df]
@@ -551,7 +624,9 @@ def load_helios(path: str | Path) -> Trace:
     if "queue" in df:
         out["queue"] = pd.to_numeric(df["queue"], errors="coerce")
     rows_read = len(df) + sum(skipped.values())
-    return _finish(path.stem, out, rows_read, absolute=True, rejected=skipped, changes=changes, refused=refused)
+    return _finish(
+        path.stem, out, rows_read, absolute=True, rejected=skipped, changes=changes, refused=refused, joined=joined
+    )
 
 
 def load_philly_json(path: str | Path) -> Trace:
@@ -707,8 +782,9 @@ def submissions(trace: Trace, *, start: float = 0.0) -> Iterator[ev.JobSubmitted
     jobs = trace.jobs
     # One id per trace id: two trace ids of one token ("a.b", "a_b") were one intake id, and intake
     # took the second job for the first submitted again (dropped, unsaid). The later one gets "-2",
-    # "-3"... (the first keeps its id, and the estimates given for it). An id the trace itself repeats
-    # stays one id: intake judges a resubmission.
+    # "-3"... (the first keeps its id, and the estimates given for it). (A loaded trace repeats no id:
+    # _finish renames a repeated one. A table that does, built otherwise, stays one id: intake judges
+    # a resubmission.)
     ids: dict[str, str] = {}  # trace id -> its job id
     used: set[str] = set()
     for row in jobs.itertuples(index=False):
