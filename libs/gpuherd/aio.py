@@ -66,18 +66,9 @@ async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], st
 
 
 async def serve_until_signal(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``run(stop)``; SIGTERM and SIGINT set ``stop`` for a clean shutdown (and act as before
-    once it returns: a process forked later, a sweep's run say, must not inherit a handler that
-    only sets a flag nobody reads)."""
+    """Run ``run(stop)``; SIGTERM and SIGINT set ``stop`` for a clean shutdown."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for sig in before:
+    for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await run(stop)
-    finally:
-        for sig, handler in before.items():
-            loop.remove_signal_handler(sig)  # (which sets the default, not the one before)
-            if handler is not None:  # (None: one not set from Python, which stays as asyncio left it)
-                signal.signal(sig, handler)
+    await run(stop)
