@@ -4,10 +4,13 @@ outlives the sweep, whether it finishes, fails or is stopped early."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,22 +140,25 @@ def _wait_for(folder: Path, count: int, within: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _one_vc(folder: Path, cluster: ClusterSpec) -> Any:
+    """A VC's simulation in these tests: it records its process in ``folder`` (``<vc>.<pid>``) and
+    sleeps, or, of a VC named ``fail...``, fails."""
+    (vc,) = cluster.vcs
+    (folder / f"{vc}.{os.getpid()}").touch()
+    if vc.startswith("fail"):
+        raise RuntimeError(f"{vc} broken on purpose")
+    time.sleep(VC_SLEEP_S)
+    raise RuntimeError(f"{vc} was never stopped")
+
+
 @pytest.fixture
 def vc_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Each VC's simulation records its process in the folder given (``<vc>.<pid>``) and sleeps, or,
-    of a VC named ``fail...``, fails. Whatever a test's outcome, every process recorded is killed."""
+    """Each VC's simulation is ``_one_vc`` in the folder given. Whatever a test's outcome, every
+    process recorded is killed."""
     folder = tmp_path / "processes"
     folder.mkdir()
-
-    def one_vc(jobs: Any, cluster: ClusterSpec, **_: Any) -> Any:
-        (vc,) = cluster.vcs
-        (folder / f"{vc}.{os.getpid()}").touch()
-        if vc.startswith("fail"):
-            raise RuntimeError(f"{vc} broken on purpose")
-        time.sleep(VC_SLEEP_S)
-        raise RuntimeError(f"{vc} was never stopped")
-
-    monkeypatch.setattr(sim_run, "_simulate", one_vc)  # (forked processes inherit it)
+    # (Forked processes inherit it.)
+    monkeypatch.setattr(sim_run, "_simulate", lambda jobs, cluster, **_: _one_vc(folder, cluster))
     try:
         yield folder
     finally:
@@ -202,27 +208,41 @@ def test_a_failed_vc_ends_the_other_vcs_of_its_simulation_at_once(vc_processes: 
     assert _still_running(vc_processes, within=0) == [], "the other VC's worker still runs"
 
 
-def test_ctrl_c_ends_a_sweep_its_runs_and_their_workers(vc_processes: Path) -> None:
+def sweep_at_a_terminal(folder: str) -> None:
+    """What the Ctrl-C test runs as a command of its own: a sweep of two runs, each simulating three
+    VCs on two workers, every VC ``_one_vc`` in ``folder``."""
+    sim_run._simulate = lambda jobs, cluster, **_: _one_vc(Path(folder), cluster)  # type: ignore[assignment]
+
     def run(name: str, progress: Any) -> Any:
-        (vc_processes / f"run.{os.getpid()}").touch()
+        (Path(folder) / f"run.{os.getpid()}").touch()
         return simulate([], _vcs("a", "b", "c"), "fifo", model=HELIOS, workers=2)
 
-    def at_a_terminal() -> None:
-        os.setpgid(0, 0)  # a terminal's foreground process group: what Ctrl-C sends SIGINT to
-        list(sweep(["fifo", "sjf"], run, workers=2))
+    list(sweep(["fifo", "sjf"], run, workers=2))
 
-    driver = multiprocessing.get_context("fork").Process(target=at_a_terminal)
-    driver.start()
+
+def test_ctrl_c_ends_a_sweep_its_runs_and_their_workers(vc_processes: Path) -> None:
+    # A fresh interpreter in a process group of its own, with Ctrl-C raising KeyboardInterrupt, as a
+    # command a shell starts (Ctrl-C sends SIGINT to the group). Forked from this session as it was, it
+    # inherited the session's disposition of SIGINT, which in a full run of the suite was "ignore"
+    # (set below Python, so signal.getsignal did not show it): the sweep went on after Ctrl-C. An
+    # ignored SIGINT also survives exec, and Python then leaves it ignored: the code sets it first.
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"from tests.unit.test_sweep import sweep_at_a_terminal; sweep_at_a_terminal({str(vc_processes)!r})"
+    )
+    root = Path(__file__).resolve().parents[2]
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=root, start_new_session=True)
     try:
         _wait_for(vc_processes, 6)  # each run and the two VCs its workers began (the third one waits)
         os.killpg(driver.pid, signal.SIGINT)
-        driver.join(GONE_WITHIN_S)
-        assert driver.exitcode is not None, "the sweep went on after Ctrl-C"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            driver.wait(GONE_WITHIN_S)
+        assert driver.returncode is not None, "the sweep went on after Ctrl-C"
         assert _still_running(vc_processes) == [], "a run or a VC's worker outlived Ctrl-C"
     finally:
-        if driver.is_alive():
+        if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-        driver.join()
+        driver.wait()
 
 
 def test_workers_default_to_one_per_core_and_never_exceed_the_runs() -> None:
