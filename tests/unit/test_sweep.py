@@ -223,9 +223,10 @@ def sweep_at_a_terminal(folder: str) -> None:
 def test_ctrl_c_ends_a_sweep_its_runs_and_their_workers(vc_processes: Path) -> None:
     # A fresh interpreter in a process group of its own, with Ctrl-C raising KeyboardInterrupt, as a
     # command a shell starts (Ctrl-C sends SIGINT to the group). Forked from this session as it was, it
-    # inherited the session's disposition of SIGINT, which in a full run of the suite was "ignore"
-    # (set below Python, so signal.getsignal did not show it): the sweep went on after Ctrl-C. An
-    # ignored SIGINT also survives exec, and Python then leaves it ignored: the code sets it first.
+    # inherited the session's disposition of SIGINT: in a suite started in the background (`make test &`,
+    # which a shell without job control starts with SIGINT ignored) the sweep went on after Ctrl-C, and
+    # the test failed. An ignored SIGINT also survives exec, and Python then leaves it ignored: the code
+    # sets it first.
     code = (
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         f"from tests.unit.test_sweep import sweep_at_a_terminal; sweep_at_a_terminal({str(vc_processes)!r})"
