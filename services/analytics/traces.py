@@ -292,13 +292,17 @@ def _repeats_renamed(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
     renamed = ids.copy()
     for place in ids.index[repeated]:
         base = str(ids[place])
-        n = last.get(base, 1) + 1
-        while f"{base}-{n}" in taken:
-            n += 1
-        last[base] = n
-        taken.add(f"{base}-{n}")
-        renamed[place] = f"{base}-{n}"
+        renamed[place], last[base] = _unused(base, taken, last.get(base, 1) + 1)
     return renamed, repeated
+
+
+def _unused(base: str, taken: set[str], n: int) -> tuple[str, int]:
+    """The first of ``base`` (``n`` 1) and ``<base>-<n>``, from ``n`` up, that ``taken`` lacks, and
+    its ``n``; it is taken from then on."""
+    while (name := base if n == 1 else f"{base}-{n}") in taken:
+        n += 1
+    taken.add(name)
+    return name, n
 
 
 def _ids_or_places(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
@@ -313,12 +317,7 @@ def _ids_or_places(ids: pd.Series) -> tuple[pd.Series, pd.Series]:
     taken = set(ids[~unnamed])
     named = ids.copy()
     for place in ids.index[unnamed]:
-        base = f"row-{int(place) + 1}"
-        name, n = base, 2
-        while name in taken:
-            name, n = f"{base}-{n}", n + 1
-        taken.add(name)
-        named[place] = name
+        named[place], _ = _unused(f"row-{int(place) + 1}", taken, 1)
     return named, unnamed
 
 
