@@ -40,7 +40,14 @@ def add_commands(sub: Any) -> None:
         "power cut loses acknowledged jobs (benchmarks only; also GPUHERD_UNSAFE_FSYNC=1)",
     )
     up.add_argument("--ui-port", type=int, default=8080, help="the dashboard's port (0: any free one; -1: none)")
-    up.add_argument("--ui-token-file", default=None, help="the dashboard's operator token file (default: read-only)")
+    up.add_argument(
+        "--ui-token-file",
+        default=None,
+        help="the dashboard's operator token file (default: DATA_DIR/dashboard.token, made private on the first up)",
+    )
+    up.add_argument(
+        "--ui-read-only", action="store_true", help="a dashboard without operator actions (cancel, drain, audit)"
+    )
     up.set_defaults(func=run_cluster)
 
     sv = sub.add_parser(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -109,6 +111,36 @@ def check_demo_trace(args: argparse.Namespace) -> None:
     args.trace = str(find_trace(args.trace))
 
 
+OPERATOR_TOKEN_FILE = "dashboard.token"
+
+
+def operator_token_file(data_dir: Path) -> Path:
+    """The dashboard's operator token of a local cluster: ``data_dir/dashboard.token``, made on the
+    first ``up`` (a random 32-character token, readable by this user alone) and kept, so a page that
+    remembers the token goes on working after a restart. Without one, a default ``up`` had a read-only
+    dashboard: no cancel, drain or audit from the page. A token file that others may read is refused
+    rather than used: whoever can read it can act on the cluster."""
+    path = data_dir / OPERATOR_TOKEN_FILE
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        fd = None
+    if fd is None:  # made by an earlier up: kept, if still private and usable
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise GpuherdError(
+                f"{path} may be read by other users (mode {mode:o}): make it private (chmod 600 {path}), "
+                "delete it for a new token, or pass --ui-token-file"
+            )
+        if len(path.read_text().strip()) < 16:
+            raise GpuherdError(f"{path} holds no usable token (under 16 characters): delete it for a new one")
+        return path
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(24) + "\n")
+    return path
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     # What the command line names is read first: nothing starts (nor does --fresh delete anything)
     # for a cluster that would stop at once for a file not there.
@@ -118,6 +150,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     refuse_if_in_use(data_dir)  # (before --fresh deletes what it serves from)
     if args.fresh and data_dir.exists():
         shutil.rmtree(data_dir)
+    token_file = args.ui_token_file
+    if token_file is None and args.ui_port >= 0 and not args.ui_read_only:
+        token_file = str(operator_token_file(data_dir))
     layout = ClusterLayout(
         sim_agents=args.agents,
         sim_gpus=args.gpus_per_node,
@@ -127,7 +162,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         policy=args.policy,
         lost_after_s=args.lost_after,
         ui_port=_free_or_any(args.ui_port),
-        ui_token_file=args.ui_token_file,
+        ui_token_file=token_file,
         nats_sync=UNSAFE_SYNC if getattr(args, "fast_unsafe_fsync", False) else None,
     )
     cluster = LocalCluster(data_dir, layout, nats_url=args.nats_url or os.environ.get("NATS_URL"))
@@ -156,7 +191,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         if layout.ui_port is not None:
             ui = cluster.dashboard_url()
             where = ui or f"not serving yet (see {cluster.log_dir / 'dashboard.log'})"
-            console.print(f"dashboard: {where}" + ("" if args.ui_token_file else " (read-only)"))
+            access = f" (operator token for its actions: {token_file})" if token_file else " (read-only)"
+            console.print(f"dashboard: {where}{access}", highlight=False)
         stopping = False
 
         def on_signal(signum: int, frame: object) -> None:
