@@ -164,7 +164,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "nodes": len(state.nodes),
             "by_status": dict(Counter(j.status for j in state.jobs.values())),
         }
-        print_json(summary) if args.json else console.print(summary)
+        if args.json:
+            print_json(summary)
+            return 0
+        nodes = len(state.nodes)
+        console.print(f"the log folded: {len(records):,} events, {nodes:,} node{'s' if nodes != 1 else ''}")
+        table = Table()
+        table.add_column("job status")
+        table.add_column("jobs", justify="right")
+        for status, count in sorted(summary["by_status"].items(), key=lambda item: -item[1]):
+            table.add_row(status, f"{count:,}")
+        table.add_row("all", f"{len(state.jobs):,}", style="bold")
+        console.print(table)
         return 0
     decider = make_decider(args.decider, policy=args.policy)
     with Progress(transient=True, disable=args.json) as progress:
@@ -211,9 +222,13 @@ def add_commands(sub: Any) -> None:
     e.set_defaults(func=cmd_events)
 
     r = sub.add_parser("replay", help="re-fold the log; with --audit, re-run a decider at every decision")
-    r.add_argument("--audit", action="store_true")
-    r.add_argument("--decider", default="scheduler", choices=registry.auditable())
+    r.add_argument(
+        "--audit",
+        action="store_true",
+        help="re-run the decider on the state each decision was made on and list every decision that differs",
+    )
+    r.add_argument("--decider", default="scheduler", choices=registry.auditable(), help="whose decisions to audit")
     r.add_argument("--policy", default="fifo", help="the scheduler's policy until the log records one")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--json", action="store_true", help="print the summary (or the audit's report) as JSON")
     r.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     r.set_defaults(func=cmd_replay)

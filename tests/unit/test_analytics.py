@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -496,6 +497,24 @@ def test_simulated_logs_replay_from_a_file(tmp_path: Path) -> None:
     again = read_log_file(path)
     assert [r.event for r in again] == [r.event for r in result.records]
     assert audit(again, SchedulerDecider(make_policy("sjf"))).ok
+
+
+def test_replay_of_a_log_file_prints_its_jobs_by_status_as_a_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed a Python dict (``{'events': ..., 'by_status': {...}}``), not a table."""
+    from apps.cli import build_parser
+
+    result = simulate(submissions(_contended(tmp_path)), SMALL, "fifo")
+    path = tmp_path / "events.jsonl"
+    write_log_file(result.records, path)
+    args = build_parser().parse_args(["replay", "--log", str(path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out and f"{len(result.records):,} events" in out
+    ended = sum(1 for r in result.records if isinstance(r.event, ev.JobFinished))
+    assert re.search(rf"completed\s+\S\s+{ended:,}\s", out), out
+    assert re.search(rf"all\s+\S\s+{ended:,}\s", out), out
 
 
 @pytest.mark.parametrize("command", ["usage", "history"])
