@@ -29,7 +29,9 @@ class MemoryDecider(ConfiguredDecider[MemoryState, BrokerParams]):
     name = "memory"
     STATE, FOLD = MemoryState, staticmethod(evolve)
     PARAMS, CONVERT = BrokerParams, staticmethod(params_from)
-    STATE_FORMAT = 4  # 3: the rules in force; 4: what was lent at each node's latest memory report
+    # 3: the rules in force; 4: what was lent at each node's latest memory report; 5: what of it
+    # borrowers had allocated (``reported_borrowed_mb``)
+    STATE_FORMAT = 5
     TRIGGERS, CONFIGURED, PARAMS_EXAMPLE = TRIGGERS, ev.MemoryBrokerConfigured, '{"lease_term_s": 300}'
     EMITS = frozenset(
         {

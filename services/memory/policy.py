@@ -9,8 +9,10 @@ the larger of what it uses now and the most it ever used (its observed peak,
 ago has no trustworthy peak yet: its GPUs lend nothing. A free GPU needs only what strays use on
 it. A GPU whose own job borrows memory never lends. What the owner (or strays) uses now is the
 GPU's reported use less the borrowers' part of it: a report counts every process on the GPU,
-borrowers' buffers on it included, but only of shares lent when it was made (a borrower allocates
-its share once it has it); a share granted since is not in it, so it counts in ``lent`` alone.
+borrowers' buffers on it included, but only of shares they had allocated when it was sampled (a
+borrower allocates its share at its next step once it has it): the part the report says is theirs
+(``borrowed_mb``), else every share lent when it was made; a share granted since is not in it, so
+it counts in ``lent`` alone.
 
 **Grants** fill a request from the fastest tier first: NVLink peers, then PCIe neighbors (at most
 ``max_neighbors`` lender GPUs per lease), spread evenly over the lenders of a tier (water-filling:
@@ -27,13 +29,19 @@ none was decided by the first), so a log is audited by the rules it was decided 
 (each change since is a predicate below) a request below ``min_share_mb`` stayed pending
 (``denies_requests_below_min_share``), and a leaving worker's lease was reclaimed at the
 ``JobResized`` (``keeps_leaving_workers_leases``). Under rules 1 and 2 every share lent counted as
-in use in the latest report, granted after it or not (``counts_only_reported_shares_in_use``).
+in use in the latest report, granted after it or not (``counts_only_reported_shares_in_use``); under
+rules 1 to 3 every share lent when the report was made did, allocated by then or not, so a report
+of an owner's or strays' growth before the borrower allocated was read as the borrower's use
+(``state.trusts_reported_borrowed_mb``).
 
 **Revocations**, with hysteresis against grant/revoke flapping: a lender's shares are revoked when
-its own job's *actual* use plus what is lent eats into half the reserve (the forecast with headroom
-only gates new grants), when a job is placed on it (its need is unknown), or when a lease expired
-unrenewed. The newest leases on the lender go first. A revocation carries a deadline; a lease not
-released by then is reclaimed and its task stopped.
+its own job's *actual* use (on a free GPU, its strays') plus what is lent eats into half the
+reserve (the forecast with headroom only gates new grants): the GPU is over-committed, shares not
+yet allocated included, as when strays grew between a grant and the borrower's allocation; when a
+job is placed on it (its need is unknown), or when a lease expired unrenewed. The newest leases on
+the lender go first; a lease revoked on a lender is topped up, once it gave the share back, with
+what is spare then. A revocation carries a deadline; a lease not released by then is reclaimed and
+its task stopped.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import msgspec
 from gpuherd import events as ev
 from gpuherd.fold import ACTIVE, GpuSlot, NodeState
 from gpuherd.fold.leases import LeaseState
-from services.memory.state import MemoryState
+from services.memory.state import MemoryState, trusts_reported_borrowed_mb
 
 MAX_OWNER_HEADROOM = 10.0  # (a forecast of 11 times the owner's peak); more only overflows the arithmetic
 
@@ -128,11 +136,12 @@ def reserve_mb(slot: GpuSlot, params: BrokerParams) -> int:
 
 def own_use_mb(state: MemoryState, node: str, gpu: int, lent: int) -> int:
     """What the GPU's own job (on a free GPU, strays) uses by its latest report: the reported use
-    less the borrowers' part of it, at most the shares lent when the report was made (rules 3;
-    before, ``lent``: what its leases hold now, granted since the report or not)."""
+    less the borrowers' part of it (rules 4: what they had allocated when it was sampled, where the
+    report says; rules 3: the shares lent when the report was made; before, ``lent``: what its
+    leases hold now, granted since the report or not)."""
     used = state.gpu_used_mb(node, gpu) or 0
     if counts_only_reported_shares_in_use(state):
-        lent = state.gpu_reported_lent_mb(node, gpu)
+        lent = state.gpu_reported_borrowed_mb(node, gpu)
     return max(0, used - lent)
 
 
@@ -382,8 +391,16 @@ def _revocations(state: MemoryState, params: BrokerParams) -> Iterator[ev.Event]
             over, why = lent, f"GPU {gpu} is unhealthy"
         else:
             current = own_use_mb(state, node_name, gpu, lent)
-            over = current + lent - (slot.info.memory_mb - reserve_mb(slot, params) // 2)
+            room = slot.info.memory_mb - reserve_mb(slot, params) // 2
+            over = current + lent - room
             why = f"GPU {gpu}'s own use rose to {current} MiB"
+            if trusts_reported_borrowed_mb(state):  # (the reason of rules 1 to 3 stays theirs: audits compare it)
+                held = state.gpu_reported_borrowed_mb(node_name, gpu)
+                why = (
+                    f"GPU {gpu}'s own use rose to {current} MiB besides borrowers' {held} MiB: with "
+                    f"{lent} MiB lent ({max(0, lent - held)} not allocated yet) it is over-committed "
+                    f"by {over} MiB (past the {room} MiB it may hold: its memory less half its reserve)"
+                )
         if over <= 0:
             continue
         # Shares already being revoked on it count as gone; the newest leases give back first.

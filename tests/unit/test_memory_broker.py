@@ -510,7 +510,7 @@ def test_parameters_recorded_before_the_rules_were_versioned_keep_the_first_rule
     old = ev.decode(PARAMS_OF_AN_OLD_BROKER)
     assert isinstance(old, ev.MemoryBrokerConfigured) and old.rules == 1 and old.v == 3
     assert old.params == {"lease_term_s": 900.0}
-    assert ev.MemoryBrokerConfigured().rules == ev.MEMORY_RULES == 3
+    assert ev.MemoryBrokerConfigured().rules == ev.MEMORY_RULES == 4
 
 
 async def _until(predicate, timeout: float = 5.0) -> None:

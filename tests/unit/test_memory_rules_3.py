@@ -50,10 +50,10 @@ def _lent_on_gpu2(log: list[Record]) -> int:
     return _fold(log).lent_mb("n1").get(2, 0)
 
 
-def test_the_broker_decides_by_rules_3() -> None:
-    assert ev.MEMORY_RULES == 3
+def test_the_broker_decides_by_rules_3_or_later() -> None:
+    assert ev.MEMORY_RULES >= 3, "later rules keep rules 3 (they refine what a report says is borrowed)"
     assert MemoryDecider().initial_state().rules == 1, "a log that recorded no rules: still the first"
-    assert _fold(run([])).rules == 3, "a new log begins with the broker's rules recorded"
+    assert _fold(run([])).rules == ev.MEMORY_RULES, "a new log begins with the broker's rules recorded"
 
 
 def test_one_pass_lends_a_free_gpu_with_strays_on_it_no_more_than_it_has() -> None:

@@ -19,7 +19,10 @@ from gpuherd.events.values import MEMORY_TIERS, MemoryShare, MemoryTier
 # 3: of a GPU's reported use, only shares lent when the report was made count as the borrowers'; a
 # share granted since (in the same pass too) is spare no more but hides none of the owner's or
 # strays' use (every share lent did, so a GPU with strays on it was lent past its memory).
-MEMORY_RULES = 3
+# 4: of those shares, a report that says what borrowers had allocated (``GpuMemoryReported.borrowed_mb``)
+# counts only that as theirs: a share granted but not yet allocated hid as much of the owner's or
+# strays' growth, so a lender stayed over-committed and nothing was revoked.
+MEMORY_RULES = 4
 
 
 class MemoryLeaseRequested(Event, kw_only=True, frozen=True):

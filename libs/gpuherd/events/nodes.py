@@ -89,14 +89,29 @@ class GpuHealthChanged(Event, kw_only=True, frozen=True):
 
 class GpuMemoryReported(Event, kw_only=True, frozen=True):
     """A node's GPUs' memory in use (MiB, by GPU index), written by its agent when a GPU's use moved
-    by more than its reporting step. Folded into the view of spare memory the broker lends from:
-    a state change worth recording, unlike the telemetry stream's every sample."""
+    by more than its reporting step (or the borrowers' part of it changed). Folded into the view of
+    spare memory the broker lends from: a state change worth recording, unlike the telemetry
+    stream's every sample.
 
+    v2: ``borrowed_mb``, by GPU index, the part of ``used_mb`` that borrowers on the node had
+    allocated of their leases' shares on that GPU when it was sampled (as their runtimes told the
+    agent before the sample); None where the agent cannot tell (v1 reports, an agent that has not
+    heard since its start from a borrower that held shares). A share granted but not yet allocated
+    is then not mistaken for use, which hid an owner's or strays' growth from the broker."""
+
+    VERSION: ClassVar[int] = 2
+    v: int = 2
     node: str
     used_mb: tuple[int, ...]
+    borrowed_mb: tuple[int, ...] | None = None
 
     def subject(self) -> str:
         return f"herd.node.{self.node}"
+
+
+@upcaster("GpuMemoryReported", 1)
+def _gpu_memory_reported_v1_to_v2(raw: dict[str, Any]) -> dict[str, Any]:
+    return {**raw, "borrowed_mb": None, "v": 2}  # v1 agents did not know what borrowers allocated
 
 
 class NodePowerDownRequested(Decision, kw_only=True, frozen=True):
