@@ -385,7 +385,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--policy", default="fifo", help="one policy or a comma-separated list (fifo,sjf,qssf,srtf,las,...)")
     s.add_argument("--cluster", help="cluster spec file (JSON/YAML); default: derived from the trace's VC peaks")
     s.add_argument("--scale", type=float, default=1.0, help="derived cluster: capacity = scale x VC peak demand")
-    s.add_argument("--gpus-per-node", type=int, default=8)
+    s.add_argument("--gpus-per-node", type=int, default=8, help="derived cluster: GPUs of each node")
     s.add_argument("--can-borrow", action="store_true", help="VCs may borrow idle GPUs of other VCs")
     s.add_argument("--limit", type=int, default=0, help="only the first N jobs (0: all)")
     s.add_argument("--no-predict", action="store_true", help="no duration predictions (QSSF then ranks by GPUs)")
@@ -445,16 +445,18 @@ def add_commands(sub: Any) -> None:
     s.set_defaults(func=cmd_sim)
 
     p = sub.add_parser("predict", help="duration prediction accuracy on traces (time-ordered split)")
-    p.add_argument("traces", nargs="+")
-    p.add_argument("--kind")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("traces", nargs="+", help="trace files (each evaluated on its own)")
+    p.add_argument("--kind", help="trace format, when the file name and columns do not tell")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_predict)
 
     c = sub.add_parser("ces", help="cluster energy saving replayed on a node sequence (time,active,total)")
-    c.add_argument("sequence")
+    c.add_argument(
+        "sequence", help="a CSV of time,active,total nodes over time (e.g. the traces' ces/philly_node_sequence.csv)"
+    )
     c.add_argument("--params", help='CesParams as JSON, e.g. \'{"buffer_nodes": 20, "seasonal": true}\'')
     c.add_argument("--every", type=float, default=600.0, help="seconds between controller decisions")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c.set_defaults(func=cmd_ces)
 
     for name, func, helptext in (
@@ -463,8 +465,10 @@ def add_commands(sub: Any) -> None:
     ):
         e = sub.add_parser(name, help=helptext)
         e.add_argument("source", nargs="?", help="trace file or log file (.jsonl); default: the live log")
-        e.add_argument("--kind")
+        e.add_argument("--kind", help="trace format, when the file name and columns do not tell")
         e.add_argument("--output", "-o", required=True, help="output file (export) or folder (report)")
-        e.add_argument("--nats-url")
-        e.add_argument("--data-dir", default=".gpuherd")
+        e.add_argument("--nats-url", help="the live log's NATS (default: the cluster file's, or NATS_URL)")
+        e.add_argument(
+            "--data-dir", default=".gpuherd", help="the local cluster's data folder (where its cluster file is)"
+        )
         e.set_defaults(func=func)

@@ -226,7 +226,7 @@ def add_commands(sub: Any) -> None:
     vc = sub.add_parser("vc", help="virtual clusters: quotas, borrowing, weights")
     vc_sub = vc.add_subparsers(dest="vc_command", required=True)
     vc_set = vc_sub.add_parser("set", help="create or change a VC (options not given keep their value)")
-    vc_set.add_argument("name")
+    vc_set.add_argument("name", help="the VC's name")
     vc_set.add_argument("--quota", default=None, help="GPUs of its own (a number, or 'none')")
     vc_set.add_argument(
         "--borrow", action=argparse.BooleanOptionalAction, default=None, help="run beyond the quota on idle GPUs"
@@ -237,41 +237,43 @@ def add_commands(sub: Any) -> None:
     vc_set.add_argument("--max-gpus-per-user", help="GPUs one user's jobs may hold at once ('none')")
     vc_set.add_argument("--max-running-per-user", help="jobs of one user placed or running at once ('none')")
     vc_list = vc_sub.add_parser("list", help="VCs, their quota and use")
-    vc_list.add_argument("--json", action="store_true")
+    vc_list.add_argument("--json", action="store_true", help="print JSON instead of a table")
     vc.set_defaults(func=cmd_vc)
 
     pol = sub.add_parser("policy", help="the scheduling policy: show, or set it live")
     pol_sub = pol.add_subparsers(dest="policy_command", required=True)
     pol_set = pol_sub.add_parser("set", help="switch the policy (recorded as PolicyConfigured)")
-    pol_set.add_argument("name")
+    pol_set.add_argument("name", help="fifo, sjf, qssf, srtf, las, ... (see `gpuherd policy show`)")
     pol_set.add_argument("--param", action="append", help="NAME=NUMBER, e.g. half_life_s=3600 (repeatable)")
-    pol_set.add_argument("--no-backfill", action="store_true")
-    pol_show = pol_sub.add_parser("show")
-    pol_show.add_argument("--json", action="store_true")
+    pol_set.add_argument("--no-backfill", action="store_true", help="start jobs strictly in policy order")
+    pol_show = pol_sub.add_parser("show", help="the policy in force, its parameters and the policies there are")
+    pol_show.add_argument("--json", action="store_true", help="print JSON instead of text")
     pol_advise = pol_sub.add_parser(
         "advise", help="replay the recent history under each policy and recommend one, with the table behind it"
     )
     pol_advise.add_argument("source", nargs="?", help="a trace, or a log file (.jsonl); default: the live log")
     pol_advise.add_argument("--kind", help="trace format, when the file name and columns do not tell")
     pol_advise.add_argument("--days", type=float, default=14.0, help="replay the last D days (0: all of it)")
-    pol_advise.add_argument("--policies", default="fifo,sjf,qssf,las,srtf")
+    pol_advise.add_argument(
+        "--policies", default="fifo,sjf,qssf,las,srtf", help="the policies to compare, comma separated"
+    )
     pol_advise.add_argument("--scale", type=float, default=1.0, help="each VC at this x its peak demand in the history")
     pol_advise.add_argument("--cluster", help="cluster spec file (JSON/YAML) instead")
     pol_advise.add_argument("--workers", type=int, default=1, help="simulations at a time")
-    pol_advise.add_argument("--json", action="store_true")
+    pol_advise.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pol.set_defaults(func=cmd_policy)
 
     el = sub.add_parser("elastic", help="the elastic service's parameters: show, or set them live")
     el_sub = el.add_subparsers(dest="elastic_command", required=True)
     el_set = el_sub.add_parser("set", help="record new parameters (ElasticConfigured)")
     el_set.add_argument("--param", action="append", metavar="NAME=VALUE", help="e.g. min_interval_s=30")
-    el_show = el_sub.add_parser("show")
-    el_show.add_argument("--json", action="store_true")
+    el_show = el_sub.add_parser("show", help="the parameters in force")
+    el_show.add_argument("--json", action="store_true", help="print JSON instead of text")
     el.set_defaults(func=cmd_elastic)
 
     for name, helptext in (("drain", "place no new work on a node"), ("undrain", "let a drained node take work")):
         d = sub.add_parser(name, help=helptext)
-        d.add_argument("node")
+        d.add_argument("node", help="the node's name (see `gpuherd nodes`)")
         if name == "drain":
-            d.add_argument("--reason", default="drained by an operator")
+            d.add_argument("--reason", default="drained by an operator", help="recorded with the drain")
         d.set_defaults(func=cmd_drain)

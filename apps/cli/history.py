@@ -202,18 +202,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     rs = sub.add_parser("rescales", help="elastic jobs' rescales: kind, sizes, and each phase's duration")
-    rs.add_argument("--job", default=None)
+    rs.add_argument("--job", default=None, help="only this job's rescales")
     rs.add_argument("--log", help="a log file instead of the live log")
-    rs.add_argument("--json", action="store_true")
+    rs.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rs.set_defaults(func=cmd_rescales)
 
     e = sub.add_parser("events", help="print the event log (filter by job, node, type)")
-    e.add_argument("--job", default=None)
-    e.add_argument("--node", default=None)
+    e.add_argument("--job", default=None, help="only events about this job")
+    e.add_argument("--node", default=None, help="only events about this node")
     e.add_argument("--type", default=None, help="event type(s), comma-separated, e.g. JobPlaced,JobFinished")
     e.add_argument("--last", type=int, default=0, help="only the last N events")
-    e.add_argument("--follow", "-f", action="store_true")
-    e.add_argument("--json", action="store_true")
+    e.add_argument(
+        "--follow", "-f", action="store_true", help="then print new events as they are appended (Ctrl-C ends)"
+    )
+    e.add_argument("--json", action="store_true", help="one JSON object per event")
     e.add_argument(
         "--dead-letter",
         action="store_true",

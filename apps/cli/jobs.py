@@ -365,7 +365,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     s = sub.add_parser("submit", help="submit a job spec, an array or a workflow (JSON or YAML) through intake")
-    s.add_argument("file")
+    s.add_argument("file", help="a job spec, array or workflow: JSON or YAML (see examples/)")
     s.add_argument("--depends", help="KIND:ID[:ID...][,KIND:ID...], KIND afterok, afterany, afternotok or after")
     s.add_argument(
         "--keep-on-invalid-dep",
@@ -377,8 +377,8 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--array-values", help="an array of one job per value, comma separated (GPUHERD_ARRAY_VALUE)")
     s.add_argument("--max-running", type=int, help="an array's elements placed or running at once")
     s.add_argument("--source", default="cli", help="intake source (herd.intake.<source>)")
-    s.add_argument("--timeout", type=float, default=30.0)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for intake's verdict")
+    s.add_argument("--json", action="store_true", help="print the verdict as JSON")
     s.set_defaults(func=cmd_submit)
 
     j = sub.add_parser("jobs", help="list jobs and why they wait")
@@ -388,22 +388,22 @@ def add_commands(sub: Any) -> None:
     j.add_argument("--workflow", default=None, help="only this workflow's jobs (its id, or its name)")
     j.add_argument("--array", default=None, help="only this array's jobs (its id)")
     j.add_argument("--limit", type=int, default=50, help="the latest N (0: all)")
-    j.add_argument("--json", action="store_true")
+    j.add_argument("--json", action="store_true", help="print JSON instead of a table")
     j.set_defaults(func=cmd_jobs)
 
     c = sub.add_parser("cancel", help="cancel a job, or the unfinished jobs of an array or a workflow")
     c.add_argument("job", help="a job id, an array id, or a workflow id (or name)")
-    c.add_argument("--reason", default="cancelled by user")
+    c.add_argument("--reason", default="cancelled by user", help="recorded with the cancellation")
     c.set_defaults(func=cmd_cancel)
 
     w = sub.add_parser("why", help="why a job waits (or where it is), from the scheduler's own pass")
-    w.add_argument("job")
-    w.add_argument("--json", action="store_true")
+    w.add_argument("job", help="a job id (see `gpuherd jobs`)")
+    w.add_argument("--json", action="store_true", help="print JSON instead of text")
     w.set_defaults(func=cmd_why)
 
     lg = sub.add_parser("logs", help="a job's output, from the agents it ran on")
-    lg.add_argument("job")
+    lg.add_argument("job", help="a job id (see `gpuherd jobs`)")
     lg.add_argument("--attempt", type=int, default=None, help="only this attempt (default: all)")
     lg.add_argument("--bytes", type=int, default=65536, help="the last N bytes of each rank's log")
-    lg.add_argument("--json", action="store_true")
+    lg.add_argument("--json", action="store_true", help="print JSON instead of text")
     lg.set_defaults(func=cmd_logs)

@@ -44,5 +44,5 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     n = sub.add_parser("nodes", help="list nodes and their GPUs")
-    n.add_argument("--json", action="store_true")
+    n.add_argument("--json", action="store_true", help="print JSON instead of a table")
     n.set_defaults(func=cmd_nodes)

@@ -154,7 +154,7 @@ def _names(text: str) -> list[str]:
 
 def add_commands(sub: Any) -> None:
     st = sub.add_parser("status", help="services (role, lag, decisions), the NATS cluster and its streams")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(func=cmd_status)
 
     lg = sub.add_parser("log", help="the event log's streams")

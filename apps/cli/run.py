@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     up = sub.add_parser("up", help="start NATS (unless NATS_URL), the services and node agents")
-    up.add_argument("--agents", type=int, default=2)
+    up.add_argument("--agents", type=int, default=2, help="simulated node agents (sim executor)")
     up.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each sim agent")
     up.add_argument("--cpu-agents", type=int, default=2, help="agents that run real processes on CPU")
     up.add_argument("--cpu-gpus", type=int, default=4, help="virtual GPUs of each cpu agent (2 NVLink islands)")
@@ -29,7 +29,7 @@ def add_commands(sub: Any) -> None:
         "--demo", choices=["philly"], default=None, help="submit a demo workload and report, then keep serving"
     )
     up.add_argument("--exit-after-demo", action="store_true", help="stop the cluster once the demo has reported")
-    up.add_argument("--demo-jobs", type=int, default=300)
+    up.add_argument("--demo-jobs", type=int, default=300, help="trace jobs the demo submits")
     up.add_argument("--demo-seconds", type=float, default=45.0, help="wall time the demo's arrivals span")
     up.add_argument("--trace", default=None, help="path of philly.csv (default: ../shared/traces/philly/philly.csv)")
     up.add_argument("--fresh", action="store_true", help="start from an empty data folder")
@@ -55,6 +55,6 @@ def add_commands(sub: Any) -> None:
         help="run one service or a node agent in the foreground (what each container of the deployment runs)",
         description="Run one gpuherd process; the arguments after the name are its own (see `gpuherd serve NAME -h`).",
     )
-    sv.add_argument("service", choices=[s.name for s in registry.specs()])
-    sv.add_argument("args", nargs=argparse.REMAINDER)
+    sv.add_argument("service", choices=[s.name for s in registry.specs()], help="the service or agent to run")
+    sv.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments (see `gpuherd serve NAME -h`)")
     sv.set_defaults(func=cmd_serve)
