@@ -65,6 +65,17 @@ class LeaseReleased(Message, tag="lease-released", kw_only=True, frozen=True):
     reason: str = "revoked"
 
 
+class LeaseHeld(Message, tag="lease-held", kw_only=True, frozen=True):
+    """What the runtime holds of a lease now: MiB allocated on each lender GPU (device memory only;
+    a share it could not allocate, or keeps in host memory, is not in it). Sent whenever it read
+    the lease file, so the agent's memory reports tell the borrowers' part of a lender's use from
+    its owner's or strays' (a share granted but not yet allocated is none of it)."""
+
+    rank: int = 0
+    lease: str
+    held_mb: dict[int, int] = msgspec.field(default_factory=dict)
+
+
 class ProfileReady(Message, tag="profile", kw_only=True, frozen=True):
     """A rank wrote its per-layer profile (``file``, in the task folder) answering ``request``."""
 
@@ -73,7 +84,7 @@ class ProfileReady(Message, tag="profile", kw_only=True, frozen=True):
     file: str
 
 
-AgentMessage = Progress | RescaleReport | WorkerExit | LeaseReleased | ProfileReady
+AgentMessage = Progress | RescaleReport | WorkerExit | LeaseReleased | LeaseHeld | ProfileReady
 
 MAX_MESSAGE_BYTES = 65536
 _decoder = msgspec.json.Decoder(AgentMessage)

@@ -170,7 +170,9 @@ class Agent:
         self.state: AgentState = new_state(node)
         self.caught_up = asyncio.Event()
         self.writer = AgentWriter(log_, AgentEvents(node), clock)
-        self.messages = JobMessages(node, lambda: self.state, executor, self.writer, log_)
+        # What borrowers' runtimes say they hold (messages) goes into the memory reports (upkeep).
+        holdings = leases.LeaseHoldings(started_at=self.writer.clock())
+        self.messages = JobMessages(node, lambda: self.state, executor, self.writer, log_, holdings=holdings)
         self.upkeep = NodeUpkeep(
             node,
             self.boot_id,
@@ -180,6 +182,7 @@ class Agent:
             log_,
             heartbeat_s=heartbeat_s,
             telemetry_s=telemetry_s,
+            holdings=holdings,
         )
         self.power = PowerSwitch(node, lambda: self.state, self.writer, power_hook)
         self._exited: set[TaskKey] = set()  # tasks that ended by themselves

@@ -17,6 +17,7 @@ from gpuherd.fold import ACTIVE
 from gpuherd.log import TelemetryBus
 from gpuherd.obs import get_logger
 from services.nodeagent.executors import Executor, TaskKey
+from services.nodeagent.leases import LeaseHoldings
 from services.nodeagent.reconcile import checked_rescale, launch_for
 from services.nodeagent.state import AgentState
 from services.nodeagent.taskfiles import WorkerDeath
@@ -35,8 +36,11 @@ class JobMessages:
         executor: Executor,
         writer: AgentWriter,
         telemetry: TelemetryBus,
+        *,
+        holdings: LeaseHoldings | None = None,
     ) -> None:
         self.node = node
+        self.holdings = holdings  # what borrowers hold on lender GPUs, for the memory reports
         self._state = state
         self.executor = executor
         self.writer = writer
@@ -53,6 +57,8 @@ class JobMessages:
             self._on_worker_exit(key, message)
         elif isinstance(message, control.LeaseReleased):
             self._on_lease_released(message)
+        elif isinstance(message, control.LeaseHeld):
+            self._on_lease_held(message)
         elif isinstance(message, control.ProfileReady) and key in self.executor.running():
             self._on_profile(key, message)
 
@@ -145,6 +151,14 @@ class JobMessages:
         )
         log.info("lease released", lease=message.lease, gpus=message.gpus)
         self.writer.append_soon(event)
+
+    def _on_lease_held(self, message: control.LeaseHeld) -> None:
+        lease = self._state().leases.get(message.lease)
+        if lease is None or lease.job != message.job or lease.attempt != message.attempt:
+            log.warning("ignored what a runtime holds of no lease of its own here", lease=message.lease)
+            return
+        if self.holdings is not None:
+            self.holdings.said(message.lease, message.held_mb)
 
     def pass_profile_request(self, event: ev.ProfileRequested) -> None:
         """Leave the request where the job's leader rank looks for it (a request for a job not

@@ -44,6 +44,7 @@ class NodeUpkeep:
         *,
         heartbeat_s: float,
         telemetry_s: float,
+        holdings: leases.LeaseHoldings | None = None,
     ) -> None:
         self.node = node
         self.boot_id = boot_id
@@ -55,6 +56,7 @@ class NodeUpkeep:
         self.telemetry_s = telemetry_s
         self._reported_unhealthy: set[int] = set()
         self._memory = leases.MemoryReporter()
+        self.holdings = holdings or leases.LeaseHoldings(started_at=writer.clock())
         self._memory_reports = 0
 
     def warm_pool(self) -> dict[str, float | int]:
@@ -95,13 +97,15 @@ class NodeUpkeep:
     async def samples(self) -> None:
         while True:
             await asyncio.sleep(self.telemetry_s)
+            # What borrowers hold, as they said before the sample: any allocation said is in it.
+            borrowed = self.holdings.borrowed_mb(self._state().leases, self.node, self._gpu_count())
             samples = await asyncio.to_thread(self.executor.sample)
             if not samples:
                 continue
             me = self._state().me
             holders = {s.info.index: s.job for s in me.gpus} if me is not None else {}
             await self._report_health(samples)
-            await self._report_memory(samples)
+            await self._report_memory(samples, borrowed)
             await self._renew_leases()
             payload = {
                 "node": self.node,
@@ -112,13 +116,19 @@ class NodeUpkeep:
             with contextlib.suppress(Exception):
                 await self.telemetry.publish_telemetry(f"{self.node}.gpus", msgspec.json.encode(payload))
 
-    async def _report_memory(self, samples: list) -> None:
-        used = self._memory.changed(self._state(), self.node, [s.memory_used_mb for s in samples])
+    def _gpu_count(self) -> int:
+        me = self._state().me
+        return len(me.gpus) if me is not None else 0
+
+    async def _report_memory(self, samples: list, borrowed: tuple[int, ...] | None) -> None:
+        if borrowed is not None and len(borrowed) != len(samples):
+            borrowed = None  # (the node's GPUs changed between the two reads)
+        used = self._memory.changed(self._state(), self.node, [s.memory_used_mb for s in samples], borrowed)
         if used is None:
             return
         self._memory_reports += 1
         stamp = self.writer.stamp("memory", self.boot_id, str(self._memory_reports))
-        await self.writer.append(ev.GpuMemoryReported(**stamp, node=self.node, used_mb=used))
+        await self.writer.append(ev.GpuMemoryReported(**stamp, node=self.node, used_mb=used, borrowed_mb=borrowed))
 
     async def _renew_leases(self) -> None:
         state = self._state()

@@ -274,6 +274,33 @@ def agent_socket(monkeypatch):
     sock.close()
 
 
+def _messages(sock: socket.socket) -> list[dict]:
+    """Every message the runtime sent to the agent so far, in order."""
+    out = []
+    sock.settimeout(0.2)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            out.append(json.loads(sock.recv(65536)))
+    return out
+
+
+def test_the_runtime_tells_its_agent_what_it_holds_on_each_lender_gpu_at_every_read(tmp_path, agent_socket):
+    """On CPU every share is host memory: it holds nothing on a lender GPU. A share opened on a GPU
+    counts (its device buffer, rounded to MiB) under its lender's index; a revoked one no more."""
+    path = lease_file(tmp_path)
+    tiers = MemoryTiers("cpu", min_bytes=64 * 1024)
+    tiers.follow_leases(path, gpu=0)
+    assert [(m["kind"], m["lease"], m["held_mb"]) for m in _messages(agent_socket)] == [("lease-held", "L1", {})]
+    tiers.pools[0].device = torch.device("cuda", 0)  # as the nvlink share's pool would be on a GPU host
+    assert tiers.held_on_lenders_mb() == {1: 2}
+    tiers.pools[0].device = torch.device("cpu")
+    revoke(path)
+    os.utime(path, ns=(0, 10**18))  # a new mtime, whatever the file system's resolution
+    tiers.poll()
+    assert [m["kind"] for m in _messages(agent_socket)] == ["lease-released", "lease-held"]
+    assert tiers.held_on_lenders_mb() == {}
+
+
 def test_a_revoked_neighbor_share_moves_to_host_is_acknowledged_and_training_stays_exact(tmp_path, agent_socket):
     path = lease_file(tmp_path)
     tiers = MemoryTiers("cpu", min_bytes=64 * 1024)
@@ -284,12 +311,10 @@ def test_a_revoked_neighbor_share_moves_to_host_is_acknowledged_and_training_sta
     model = train(4, tiers, revoke_after=2, lease_file=path)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
     assert [p.name for p in tiers.pools] == ["lease:host:None:0"]
-    message = json.loads(agent_socket.recv(65536))
-    assert message["kind"] == "lease-released" and message["lease"] == "L1" and message["gpus"] == [1]
+    released = [m for m in _messages(agent_socket) if m["kind"] != "lease-held"]
+    assert [(m["kind"], m["lease"], m["gpus"]) for m in released] == [("lease-released", "L1", [1])]
     tiers.poll()  # the same revocation is answered once
-    with pytest.raises(TimeoutError):
-        agent_socket.settimeout(0.2)
-        agent_socket.recv(65536)
+    assert _messages(agent_socket) == []
 
 
 def test_a_whole_lease_revoked_spills_to_plain_ram_and_releases_it_all(tmp_path, agent_socket):
@@ -301,8 +326,8 @@ def test_a_whole_lease_revoked_spills_to_plain_ram_and_releases_it_all(tmp_path,
     os.utime(path, ns=(0, 10**18))  # a new mtime, whatever the file system's resolution
     tiers.poll()
     assert tiers.pools == []
-    message = json.loads(agent_socket.recv(65536))
-    assert message["kind"] == "lease-released" and message["gpus"] == []
+    released = [m for m in _messages(agent_socket) if m["kind"] != "lease-held"]
+    assert [(m["kind"], m["gpus"]) for m in released] == [("lease-released", [])]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -618,7 +618,18 @@ class MemoryTiers:
         if released:
             gpus = [] if ending else [g for g in released if g is not None]
             send(control.LeaseReleased, lease=lease_id, gpus=tuple(gpus), reason="revoked")
+        send(control.LeaseHeld, lease=lease_id, held_mb=self.held_on_lenders_mb())
         return done
+
+    def held_on_lenders_mb(self) -> dict[int, int]:
+        """MiB this runtime holds of its lease on each lender GPU: the device buffers of the shares it
+        opened there (the agent reports them as the borrowers' part of the lender's use)."""
+        held: dict[int, int] = {}
+        for pool in self.pools:
+            kind, _, gpu, *_ = [*pool.name.split(":"), "", ""]  # lease:<tier>:<lender GPU>:<k>
+            if kind == "lease" and gpu.isdigit() and pool.device.type == "cuda":
+                held[int(gpu)] = held.get(int(gpu), 0) + -(-pool.nbytes // MiB)
+        return held
 
     def _evacuate(self, name: str) -> None:
         """Move every block out of pool ``name`` (to a host pool with room, else plain RAM) and free it."""
