@@ -14,6 +14,7 @@ from rich.table import Table
 from apps.cli.common import (
     client_call,
     console,
+    fmt_datetime,
     fmt_time,
     open_cli_log,
     parse_duration,
@@ -28,6 +29,7 @@ from gpuherd.errors import GpuherdError
 from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, fold
 from gpuherd.log import Record
 from gpuherd.output import fetch_output
+from services.scheduler.explain import NEXT_PASS, Wait, wait_history
 from services.scheduler.forecast import forecast_starts
 
 
@@ -193,8 +195,11 @@ def cmd_why(args: argparse.Namespace) -> int:
         answer["why"] = "nothing holds it back: it is placed on the scheduler's next pass"
     else:
         answer["why"] = where_it_is(job) or job.status
+    # "Why did my job wait?": a job that waits no more is answered by its waits, replayed (a waiting
+    # one by the pass above; with --history, by its waits so far too).
+    waits = wait_history(records, job.job) if pending is None or args.history else []
     if args.json:
-        print_json(answer)
+        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if pending is None or args.history else {}))
         return 0
     if pending is not None:
         console.print(
@@ -208,7 +213,42 @@ def cmd_why(args: argparse.Namespace) -> int:
         # (the reason only where it says more than the status: a completed job has none, "completed: completed")
         why = "" if answer["why"].strip() in ("", job.status) else f": {plain(answer['why'])}"
         console.print(f"{plain(job.job)} ({plain(job.spec.name)}) is {job.status}{why}")
+    _print_waits(waits)
     return 0
+
+
+def _print_waits(waits: list[Wait]) -> None:
+    """Each wait of a job: when, how it ended, and the scheduler's reasons through it."""
+    for n, wait in enumerate(waits, 1):
+        until = wait.until
+        lasted = f"{until - wait.since:,.0f}s" if until is not None else "so far"
+        head = f"wait {n}" + (f" (attempt {wait.attempt})" if wait.attempt else "")
+        if until is not None and until - wait.since < 1.0 and all(s.kind == NEXT_PASS for s in wait.spans):
+            console.print(f"{head}: none - {plain(wait.ended_by)} on the pass after it was queued ({fmt_time(until)})")
+            continue
+        when = fmt_datetime if (until or wait.since) - wait.since >= 86400 else fmt_time  # (a date once it spans days)
+        console.print(
+            f"{head}: {fmt_datetime(wait.since)} -> {fmt_datetime(until) if until is not None else 'now'} ({lasted}); "
+            f"{plain(wait.ended_by)}"
+        )
+        if wait.placed_by:
+            console.print(f"  placed by {plain(wait.placed_by)}")
+        if not wait.spans:
+            continue
+        sampled = wait.passes_replayed < wait.passes_in_wait
+        table = Table(
+            title=f"the scheduler's reasons, from {wait.passes_replayed:,} passes replayed"
+            + (f" (of {wait.passes_in_wait:,}, evenly spread)" if sampled else ""),
+            title_justify="left",
+        )
+        for col, style in (("from", {}), ("for", {"justify": "right"}), ("reason", {}), ("what it said", TEXT_COLUMN)):
+            table.add_column(col, **style)
+        for span in wait.spans:
+            said = plain(span.detail)
+            if span.last_detail != span.detail:
+                said += f" ... last: {plain(span.last_detail)}"
+            table.add_row(when(span.start), f"{span.end - span.start:,.0f}s", plain(span.kind), said)
+        console.print(table)
 
 
 # An id is whole on one line, whatever the width (`why`, `logs`, `cancel` take it: "j93…" could not be
@@ -396,8 +436,12 @@ def add_commands(sub: Any) -> None:
     c.add_argument("--reason", default="cancelled by user", help="recorded with the cancellation")
     c.set_defaults(func=cmd_cancel)
 
-    w = sub.add_parser("why", help="why a job waits (or where it is), from the scheduler's own pass")
+    w = sub.add_parser("why", help="why a job waits, or why it waited: the scheduler's own pass, replayed")
     w.add_argument("job", help="a job id (see `gpuherd jobs`)")
+    w.add_argument(
+        "--history", action="store_true", help="a waiting job: also its waits so far (a job that waits no more: always)"
+    )
+    w.add_argument("--log", help="a log file (a simulation's events.jsonl) instead of the live log")
     w.add_argument("--json", action="store_true", help="print JSON instead of text")
     w.set_defaults(func=cmd_why)
 
