@@ -281,28 +281,37 @@ class IslandIndex:
         self._put_back.clear()
         self._replaced = None
 
-    def best_island(self, spec: JobSpec) -> NodeView | None:
+    def best_island(self, spec: JobSpec, avoid: frozenset[str] = frozenset()) -> NodeView | None:
         """The node with the best-fitting free island for the whole job: the smallest island that
-        holds it, then the fewest free GPUs on the node, then the name (the score's order)."""
+        holds it, then the fewest free GPUs on the node, then the name (the score's order). Nodes
+        in ``avoid`` are passed over (their true claims are set aside and pushed back after)."""
         flags = [flag for flag in (False, True) if can_run(spec, flag)]
-        for size in sorted({size for flag, size in self._heaps if flag in flags and size >= spec.gpus}):
-            best: tuple[int, str] | None = None
-            for flag in flags:
-                heap = self._heaps.get((flag, size))
-                while heap:
-                    entry = heap[0]
-                    if _claims(self.nodes, entry, flag, size):
-                        break
-                    heapq.heappop(heap)
-                    if self._replaced and _claims(self._replaced, entry, flag, size):
-                        self._put_back.append(((flag, size), entry))
-                    else:
-                        self.entries -= 1
-                if heap and (best is None or heap[0] < best):
-                    best = heap[0]
-            if best is not None:
-                return self.nodes[best[1]]
-        return None
+        passed_over: list[tuple[tuple[bool, int], tuple[int, str]]] = []
+        try:
+            for size in sorted({size for flag, size in self._heaps if flag in flags and size >= spec.gpus}):
+                best: tuple[int, str] | None = None
+                for flag in flags:
+                    heap = self._heaps.get((flag, size))
+                    while heap:
+                        entry = heap[0]
+                        if _claims(self.nodes, entry, flag, size):
+                            if entry[1] not in avoid:
+                                break
+                            passed_over.append(((flag, size), heapq.heappop(heap)))
+                            continue
+                        heapq.heappop(heap)
+                        if self._replaced and _claims(self._replaced, entry, flag, size):
+                            self._put_back.append(((flag, size), entry))
+                        else:
+                            self.entries -= 1
+                    if heap and (best is None or heap[0] < best):
+                        best = heap[0]
+                if best is not None:
+                    return self.nodes[best[1]]
+            return None
+        finally:
+            for key, entry in passed_over:
+                heapq.heappush(self._heaps[key], entry)
 
 
 def _claims(nodes: dict[str, NodeView], entry: tuple[int, str], runs_processes: bool, size: int) -> bool:
@@ -315,16 +324,24 @@ def _claims(nodes: dict[str, NodeView], entry: tuple[int, str], runs_processes: 
     )
 
 
-def place(spec: JobSpec, nodes: dict[str, NodeView], index: IslandIndex | None = None) -> Placement | None:
+def place(
+    spec: JobSpec,
+    nodes: dict[str, NodeView],
+    index: IslandIndex | None = None,
+    avoid: frozenset[str] = frozenset(),
+) -> Placement | None:
     """The best-scoring placement of the whole gang, or None if it does not fit now. ``index``
-    (over ``nodes``) finds a one-node placement without scanning every node."""
+    (over ``nodes``) finds a one-node placement without scanning every node. Nodes in ``avoid``
+    are not used (a backfill job kept off the nodes a waiting gang needs)."""
     if index is not None and spec.nodes in (None, 1):
-        home = index.best_island(spec)
+        home = index.best_island(spec, avoid)
         if home is not None:
             allocs = _gang([(home, spec.gpus)])
             s = score(allocs, nodes)
             return Placement(allocs, s.locality, _describe(s, spec))
     eligible = [v for v in nodes.values() if v.free and can_run(spec, v.runs_processes)]
+    if avoid:
+        eligible = [v for v in eligible if v.name not in avoid]
     if spec.nodes in (None, 1):
         single = _best_single(spec.gpus, eligible)
         if single is not None:

@@ -172,6 +172,28 @@ def test_the_island_index_finds_what_a_full_scan_finds() -> None:
             index.add(free[alloc.node])
 
 
+def test_a_placement_that_avoids_nodes_is_the_best_on_the_others_and_the_index_forgets_none() -> None:
+    import random
+
+    from services.scheduler.placement import IslandIndex
+
+    rng = random.Random(7)
+    for _ in range(30):
+        free = {}
+        for n in range(30):
+            islands = tuple(t for t in (tuple(i for i in range(b, b + 4) if rng.random() < 0.6) for b in (0, 4)) if t)
+            if islands:
+                free[f"n{n:02d}"] = view(f"n{n:02d}", *islands, rack=f"r{n % 3}")
+        index = IslandIndex(free)
+        for _ in range(20):
+            job = spec(rng.choice([1, 2, 3, 4, 6]), rng.choice([None, None, 2]))
+            best = place(job, free, index)
+            avoid = frozenset(rng.sample(sorted(free), 3) + ([best.allocations[0].node] if best else []))
+            others = {name: v for name, v in free.items() if name not in avoid}
+            assert place(job, free, index, avoid=avoid) == place(job, others)
+            assert place(job, free, index) == best == place(job, free), "the avoided nodes' claims are back"
+
+
 def test_a_view_cache_moved_to_another_state_keeps_no_claim_about_the_first() -> None:
     # A decider's cache sees another state after a snapshot or a lost lease: there, n2 runs
     # processes, so a claim that n2 has one free sim GPU must not place a sim job on it.
