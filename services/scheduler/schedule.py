@@ -25,9 +25,12 @@ It runs in numbered phases, one function each (the shape of Kueue's scheduling c
    becomes the *head*, and its start is reserved (EASY backfill) at the earliest time enough GPUs
    free up by the expected ends of running jobs;
 4. **reservation**: a job behind the head may start now only if it ends before the head's
-   reserved start, or uses GPUs the head will not need then. When any duration involved is
-   unknown there is no reservation time, and nothing overtakes the head (conservative). With
-   backfill off, nothing overtakes the head either;
+   reserved start, or uses GPUs the head will not need then. For a gang split over nodes, its start
+   is when enough nodes each have its per-node share free, and what it needs then is nodes: a job
+   that runs past its start must leave it enough of them, and is placed off the nodes kept for it
+   when its best placement would not (``NodeHold``). When any duration involved is unknown there
+   is no reservation time, and nothing overtakes the head (conservative). With backfill off,
+   nothing overtakes the head either;
 5. **commit**: the placement takes its GPUs from the pass's views, gets a rendezvous, and is
    recorded as ``JobPlaced``;
 6. **preemption**: the first waiting job that does not fit (the head) may take GPUs of running
@@ -127,6 +130,38 @@ class QuotaHold:
 
 
 @dataclass
+class NodeHold:
+    """The head's reservation for a gang split over nodes (rules 14): GPUs free at its reserved start
+    on each node that can run it (``free_at``), and how many of those hold its per-node share. A job
+    behind it that runs past that start may use any GPUs that leave ``wanted`` such nodes."""
+
+    per_node: int
+    wanted: int  # nodes the head needs
+    free_at: dict[str, int]
+    qualifying: int  # nodes of ``free_at`` with at least ``per_node``
+    kept: frozenset[str]  # ``wanted`` of those, where a backfill job goes only if nowhere else
+
+    def shortens(self, placement: Placement) -> bool:
+        """Whether taking ``placement``'s GPUs until after the start leaves too few nodes for the head."""
+        return self.qualifying - self._lost(placement) < self.wanted
+
+    def take(self, placement: Placement) -> None:
+        self.qualifying -= self._lost(placement)
+        for alloc in placement.allocations:
+            if alloc.node in self.free_at:
+                self.free_at[alloc.node] -= len(alloc.gpus)
+
+    def _lost(self, placement: Placement) -> int:
+        """Nodes that would fall below the per-node share at the start."""
+        lost = 0
+        for alloc in placement.allocations:
+            before = self.free_at.get(alloc.node)
+            if before is not None and before >= self.per_node > before - len(alloc.gpus):
+                lost += 1
+        return lost
+
+
+@dataclass
 class Pass:
     """What one pass works with, and what it has decided so far."""
 
@@ -145,7 +180,9 @@ class Pass:
     reading: KeptOrder | None = None  # the pass's reading of the kept order (it may set VCs aside)
     smallest: dict[str, int] = field(default_factory=dict)  # VC -> the fewest GPUs a waiting job of it asks
     out: Plan = field(default_factory=Plan)
-    extra: int = 0  # GPUs the head will not need at its reserved start
+    extra: int = 0  # GPUs the head will not need at its reserved start (for a ``node_hold``, at most that many)
+    node_hold: NodeHold | None = None  # the head's nodes at its reserved start, for a gang split over nodes
+    failed_beside: set[tuple] = field(default_factory=set)  # shapes that fit nowhere but the head's nodes
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
     # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
     # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
@@ -263,9 +300,10 @@ def consider(work: Pass, job: JobState, position: int, borrowed: int) -> None:
         _delays_head(work, job, position)
         return
     placement = find_placement(work, job, shape, position)
-    if placement is None or not check_reservation(work, job, position):
-        return
-    commit(work, job, placement, borrowed)
+    if placement is not None:
+        placement = check_reservation(work, job, placement, shape, position)
+    if placement is not None:
+        commit(work, job, placement, borrowed)
 
 
 # -- phase 1: candidates ------------------------------------------------------------------------------
@@ -437,7 +475,7 @@ def find_placement(work: Pass, job: JobState, shape: tuple, position: int) -> Pl
     out = work.out
     if kind == "gang" and out.head is None:
         out.head = job.job
-        out.reserved_at, work.extra = _reservation(work, job)
+        out.reserved_at, work.extra, work.node_hold = _reservation(work, job)
     return None
 
 
@@ -458,16 +496,42 @@ def _smaller_placement(work: Pass, job: JobState, available: int) -> Placement |
 # -- phase 4: reservation ------------------------------------------------------------------------------
 
 
-def check_reservation(work: Pass, job: JobState, position: int) -> bool:
-    """Behind the head, a job that fits starts only if it does not delay the head's reserved start."""
+def check_reservation(work: Pass, job: JobState, placement: Placement, shape: tuple, position: int) -> Placement | None:
+    """Behind the head, a job that fits starts only if it does not delay the head's reserved start:
+    where it would (None), it waits. For a gang head split over nodes, a job that runs past that
+    start must leave the head enough nodes then; if its best placement does not, it is placed
+    beside the head's nodes."""
     if work.out.head is None:
-        return True
+        return placement
     if not _may_backfill(work, job):
         _delays_head(work, job, position)
-        return False
-    if not _ends_in_time(work, job):
+        return None
+    if _ends_in_time(work, job):
+        return placement
+    hold = work.node_hold
+    if hold is not None and hold.shortens(placement):
+        beside = _placement_beside(work, job, hold, shape)
+        if beside is None or hold.shortens(beside):
+            _delays_head(work, job, position)
+            return None
+        placement = beside
+    if hold is not None:
+        hold.take(placement)
+        work.extra -= sum(len(a.gpus) for a in placement.allocations)
+    else:
         work.extra -= job.spec.gpus  # it takes GPUs the head will not need: fewer are spare now
-    return True
+    return placement
+
+
+def _placement_beside(work: Pass, job: JobState, hold: NodeHold, shape: tuple) -> Placement | None:
+    """The job's best placement off the nodes kept for the head, or None. (Free GPUs only shrink
+    during a pass, and the kept nodes stay the same: a shape that fits nowhere else will not later.)"""
+    if shape in work.failed_beside:
+        return None
+    placement = place(job.spec, work.free, work.index, avoid=hold.kept)
+    if placement is None:
+        work.failed_beside.add(shape)
+    return placement
 
 
 # -- phase 5: commit -----------------------------------------------------------------------------------
@@ -724,24 +788,63 @@ def _view(node: NodeState, usable: set[int]) -> NodeView:
 PASS_PLACEMENTS_RESERVE_RULES = 12
 
 
-def _reservation(work: Pass, head: JobState) -> tuple[float | None, int]:
+# From these rules, a gang split over nodes reserves the nodes it needs at its reserved start
+# (``NodeHold``): a job behind it that runs past that start may use GPUs that leave it enough nodes
+# with its per-node share, and is placed off the nodes kept for it where its best placement would
+# not. Rules 11 to 13 counted no GPU spare for such a head, so only jobs that end before its start
+# overtook it, even on nodes it can never use.
+NODE_HOLD_RULES = 14
+
+
+def _reservation(work: Pass, head: JobState) -> tuple[float | None, int, NodeHold | None]:
     """When enough GPUs free up for the head (from the expected ends of running jobs, and of placed
-    ones, by this pass or before), and how many GPUs are spare then. None when an end it depends on
-    is unknown. Rules 11 count only the GPUs the head can use: of nodes whose executor can run it,
-    and for a gang split over nodes, per node."""
+    ones, by this pass or before), and how many GPUs are spare then (for a gang split over nodes, at
+    most how many: its ``NodeHold`` tells which). None when an end it depends on is unknown. Rules
+    11 count only the GPUs the head can use: of nodes whose executor can run it, and for a gang
+    split over nodes, per node."""
     state, free = work.state, work.free
     placed: dict[str, tuple[ev.Allocation, ...]] = {}
     if state.scheduling.rules >= PASS_PLACEMENTS_RESERVE_RULES:
         placed = {p.job: p.allocations for p in work.out.placed}
     if state.scheduling.rules < 11:
-        return _reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False), placed)
+        return (
+            *_reservation_by_count(state, head, free, sum(v.free for v in free.values()), (True, False), placed),
+            None,
+        )
     kinds = tuple(flag for flag in (True, False) if can_run(head.spec, flag))
     if head.spec.nodes is not None:
-        # Spare GPUs are not told apart by node, and one the head needs may be on any of them: only
-        # jobs that end before its start overtake it.
-        return _reservation_by_node(state, head, free, kinds, placed), 0
+        reserved_at, free_at = _reservation_by_node(state, head, free, kinds, placed)
+        if reserved_at is None or state.scheduling.rules < NODE_HOLD_RULES:
+            # (Rules 11 to 13: spare GPUs were not told apart by node, so none were spare.)
+            return reserved_at, 0, None
+        hold = _node_hold(head, free_at, free)
+        return reserved_at, _spare_beside(work, hold), hold
     available = sum(n for flag, n in work.free_total.items() if flag in kinds)
-    return _reservation_by_count(state, head, free, available, kinds, placed)
+    return (*_reservation_by_count(state, head, free, available, kinds, placed), None)
+
+
+def _node_hold(head: JobState, free_at: dict[str, int], free: dict[str, NodeView]) -> NodeHold:
+    """The head's nodes at its reserved start. Kept for it: as many of the nodes with its per-node
+    share then as it needs, those with the fewest GPUs free now first (the fewest kept from backfill)."""
+    spec = head.spec
+    assert spec.nodes is not None
+    per_node = spec.gpus // spec.nodes
+    enough = [name for name, gpus in free_at.items() if gpus >= per_node]
+    kept = heapq.nsmallest(spec.nodes, enough, key=lambda name: (free[name].free, name))
+    return NodeHold(per_node, spec.nodes, free_at, len(enough), frozenset(kept))
+
+
+def _spare_beside(work: Pass, hold: NodeHold) -> int:
+    """At most how many GPUs free now a job running past the head's start may take: all of them if
+    more nodes than the head needs have its share then, else all but those of its nodes' shares."""
+    spare = sum(work.free_total.values())
+    if hold.qualifying > hold.wanted:
+        return spare
+    for name, at_start in hold.free_at.items():
+        if at_start >= hold.per_node:
+            now = work.free[name].free
+            spare -= now - min(now, at_start - hold.per_node)
+    return spare
 
 
 def _reservation_by_count(
@@ -776,21 +879,21 @@ def _reservation_by_node(
     free: dict[str, NodeView],
     kinds: tuple[bool, ...],
     placed: dict[str, tuple[ev.Allocation, ...]],
-) -> float | None:
+) -> tuple[float | None, dict[str, int]]:
     """Rules 11, for a gang split over ``head.spec.nodes`` nodes: the first end by which enough nodes
-    (of the executor ``kinds`` that can run it) each have its per-node share free. By count, GPUs
-    freeing up on nodes too small for that share made a start that never came, and what was let
-    overtake it for that start delayed it."""
+    (of the executor ``kinds`` that can run it) each have its per-node share free, and the GPUs free
+    on each of those nodes then. By count, GPUs freeing up on nodes too small for that share made a
+    start that never came, and what was let overtake it for that start delayed it."""
     spec = head.spec
     free_by_node = {name: view.free for name, view in free.items() if view.runs_processes in kinds}
     if fits_by_count(spec, free_by_node.values()):
-        return state.now  # it fits now; the shape is what waits
+        return state.now, free_by_node  # it fits now; the shape is what waits
     per_node = spec.gpus // spec.nodes  # type: ignore[operator]  # (nodes is set)
     starting = [*state.unstarted, *placed]
     ends = _by_end(state, state.ends, starting, _victims_stopping(state, head))
     for end, group in itertools.groupby(ends, key=lambda e: e[0]):
         if math.isinf(end):
-            return None
+            return None, free_by_node
         reached = False  # (the fit changes only when a node reaches the per-node share)
         for _, job in group:
             for node_name, gpus in _healthy_gpus_by_node(state, job, placed):
@@ -800,8 +903,8 @@ def _reservation_by_node(
                 free_by_node[node_name] = before + gpus
                 reached |= before < per_node <= before + gpus
         if reached and fits_by_count(spec, free_by_node.values()):
-            return max(end, state.now)
-    return None
+            return max(end, state.now), free_by_node
+    return None, free_by_node
 
 
 def _by_end(

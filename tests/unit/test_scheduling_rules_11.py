@@ -112,8 +112,13 @@ def test_a_gangs_reservation_counts_the_gpus_that_free_up_per_node() -> None:
     assert (result.head, result.reserved_at) == ("H", 100.0), "n2 can never hold H: a's end at t=100 is its start"
     assert [p.job for p in decisions(_per_node_shape_log(ev.SCHEDULING_RULES), ev.JobPlaced)] == ["c", "a"]
     assert result.pending["d"].kind == "reserved"
-    ended = drive([finish("c", at=50.0), finish("a", at=100.0)], _per_node_shape_log(ev.SCHEDULING_RULES))
-    assert [(p.job, p.at) for p in decisions(ended, ev.JobPlaced)][2:] == [("H", 100.0), ("d", 100.0)]
+    for rules in (13, ev.SCHEDULING_RULES):
+        ended = drive([finish("c", at=50.0), finish("a", at=100.0)], _per_node_shape_log(rules))
+        started = [(p.job, p.at, p.allocations[0].node) for p in decisions(ended, ev.JobPlaced)][2:]
+        if rules < 14:  # (no GPU was spare for H: d waited for its start)
+            assert started == [("H", 100.0, "n1"), ("d", 100.0, "n2")]
+        else:  # (rules 14: n2, which H can never use, takes d once c has ended)
+            assert started == [("d", 50.0, "n2"), ("H", 100.0, "n1")]
 
 
 def test_rules_10_reserved_a_gang_by_count_and_their_logs_audit_as_decided() -> None:

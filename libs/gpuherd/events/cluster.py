@@ -67,7 +67,9 @@ class VcConfigured(Command, kw_only=True, frozen=True):
 # attempt stopped where too few committed workers are left (its report is one datagram, and can be lost).
 # 13: a VC's quota head's reservation counts a job placed by the same pass at the GPUs it was placed on
 # (an elastic job started smaller counted at the size it asked for, and the quota looked freer than it was).
-SCHEDULING_RULES = 13
+# 14: a gang split over nodes reserves the nodes it needs at its reserved start: a job behind it that runs
+# past that start may use GPUs that leave it enough nodes with its per-node share (before, none).
+SCHEDULING_RULES = 14
 
 
 class PolicyConfigured(Command, kw_only=True, frozen=True):
