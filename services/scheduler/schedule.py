@@ -182,7 +182,7 @@ class Pass:
     out: Plan = field(default_factory=Plan)
     extra: int = 0  # GPUs the head will not need at its reserved start (for a ``node_hold``, at most that many)
     node_hold: NodeHold | None = None  # the head's nodes at its reserved start, for a gang split over nodes
-    failed_beside: set[tuple] = field(default_factory=set)  # shapes that fit nowhere but the head's nodes
+    failed_beside: set[tuple] = field(default_factory=set)  # shapes no placement off the head's nodes lets start
     ports: dict[str, set[int]] | None = None  # rendezvous ports in use, once a placement needs one
     # Free GPUs only shrink during a pass, so a gang shape that did not fit will not fit later in
     # it, and why it does not fit (no node, drained) depends on the shape alone: both are memoized.
@@ -512,6 +512,7 @@ def check_reservation(work: Pass, job: JobState, placement: Placement, shape: tu
     if hold is not None and hold.shortens(placement):
         beside = _placement_beside(work, job, hold, shape)
         if beside is None or hold.shortens(beside):
+            work.failed_beside.add(shape)  # (refusing is safe: each retry of a gang shape scans every node)
             _delays_head(work, job, position)
             return None
         placement = beside
@@ -525,13 +526,10 @@ def check_reservation(work: Pass, job: JobState, placement: Placement, shape: tu
 
 def _placement_beside(work: Pass, job: JobState, hold: NodeHold, shape: tuple) -> Placement | None:
     """The job's best placement off the nodes kept for the head, or None. (Free GPUs only shrink
-    during a pass, and the kept nodes stay the same: a shape that fits nowhere else will not later.)"""
+    during a pass, and the kept nodes stay the same: a shape refused so is not placed again.)"""
     if shape in work.failed_beside:
         return None
-    placement = place(job.spec, work.free, work.index, avoid=hold.kept)
-    if placement is None:
-        work.failed_beside.add(shape)
-    return placement
+    return place(job.spec, work.free, work.index, avoid=hold.kept)
 
 
 # -- phase 5: commit -----------------------------------------------------------------------------------
