@@ -197,9 +197,10 @@ def cmd_why(args: argparse.Namespace) -> int:
         answer["why"] = where_it_is(job) or job.status
     # "Why did my job wait?": a job that waits no more is answered by its waits, replayed (a waiting
     # one by the pass above; with --history, by its waits so far too).
-    waits = wait_history(records, job.job) if pending is None or args.history else []
+    history = pending is None or getattr(args, "history", False)
+    waits = wait_history(records, job.job) if history else []
     if args.json:
-        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if pending is None or args.history else {}))
+        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if history else {}))
         return 0
     if pending is not None:
         console.print(
