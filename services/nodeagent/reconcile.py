@@ -299,7 +299,7 @@ def reconcile(
             out += simulated_rescale(job, node, now, events)
         elif elastic:
             out += hand_plan(job, key, tasks, again=False)
-            out += new_workers(job, node, workers.launched)
+            out += new_workers(job, node, workers)
             out += lost_workers(job, key, workers.dead, now, events)
         return out
     if key in tasks.exited:
@@ -326,10 +326,13 @@ def hand_plan(job: JobState, key: TaskKey, tasks: Tasks, *, again: bool) -> list
     return [WritePlan(key, plan)]
 
 
-def new_workers(job: JobState, node: str, launched: Set[int]) -> list[Action]:
-    """The workers of this node's GPUs that a rescale added to a running elastic task."""
+def new_workers(job: JobState, node: str, workers: TaskWorkers) -> list[Action]:
+    """The workers of this node's GPUs that a rescale added to a running elastic task: on GPUs that
+    never had one, and on those whose worker left at an earlier rescale (a rollback of the shrink it
+    left at names it again, as a joiner: without a new worker there, the generation could never
+    form, and the job would wait for the scheduler's ``rescale_timeout_s`` to roll back again)."""
     mine = job.allocations[job.nodes.index(node)].gpus
-    new = tuple(g for g in mine if g not in launched)
+    new = tuple(g for g in mine if g not in workers.launched or g in workers.left)
     return [StartWorkers(launch_for(job, node, resume=False, elapsed_s=0.0, gpus=new))] if new else []
 
 

@@ -4,9 +4,11 @@
 control socket (``GPUHERD_AGENT_ADDR``). It never blocks and never fails the
 job: with no agent (a script started by hand) it does nothing.
 
-A datagram sent while the agent restarts is lost. The one report the job cannot do without, a
-rescale's completion (the scheduler rolls back a rescale never reported done), is therefore also
-left in the task's folder (``RESCALE_COMPLETED_FILE``), where the agent finds it.
+A datagram sent while the agent restarts is lost. The reports the job cannot do without are
+therefore also left in the task's folder, where the agent finds them: a rescale's completion (the
+scheduler rolls back a rescale never reported done; ``RESCALE_COMPLETED_FILE``), and a worker's
+leaving (a later generation that names its GPU again, a rollback of the shrink it left at, needs a
+new worker there; ``left_file``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ _sock: socket.socket | None = None
 
 # In the task's folder (``GPUHERD_TASK_DIR``): the last completed rescale's report (a ``RescaleReport``).
 RESCALE_COMPLETED_FILE = "rescale-completed.json"
+# In the task's folder: the ``RescaleReport`` of the worker of one GPU that left (``left_file``).
+LEFT_PATTERN = "left-*.json"
+
+
+def left_file(gpu: int) -> str:
+    """The file in the task's folder where the worker of ``gpu`` says it left (the last one that did)."""
+    return f"left-{gpu}.json"
 
 
 def _address() -> bytes | None:
@@ -55,7 +64,11 @@ def send(kind: type[control.Message], **fields: Any) -> bool:
     except msgspec.ValidationError:
         return False  # (a bug in the sender: the agent would refuse it anyway)
     if isinstance(message, control.RescaleReport) and message.event == "completed":
-        _keep_completion(message)
+        _keep(message, RESCALE_COMPLETED_FILE)
+    elif isinstance(message, control.RescaleReport) and message.event == "left":
+        gpu = _own_gpu()
+        if gpu is not None:
+            _keep(message, left_file(gpu))
     if address is None:
         return False
     try:
@@ -68,13 +81,19 @@ def send(kind: type[control.Message], **fields: Any) -> bool:
         return False  # the agent is restarting or gone: training goes on
 
 
-def _keep_completion(message: control.RescaleReport) -> None:
-    """Leave the completion in the task's folder, replaced whole (the agent reads the old report or
-    the new one); a folder that cannot be written to costs only the copy."""
+def _own_gpu() -> int | None:
+    """The GPU of this elastic worker (its id is ``<node>/<gpu>``); None for a process that is not one."""
+    _, _, gpu = os.environ.get(jobenv.ELASTIC_WORKER, "").rpartition("/")
+    return int(gpu) if gpu.isdecimal() else None
+
+
+def _keep(message: control.RescaleReport, name: str) -> None:
+    """Leave the report in the task's folder as ``name``, replaced whole (the agent reads the old
+    report or the new one); a folder that cannot be written to costs only the copy."""
     folder = os.environ.get(jobenv.TASK_DIR)
     if not folder:
         return
-    path = Path(folder) / RESCALE_COMPLETED_FILE
+    path = Path(folder) / name
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(control.encode_message(message))

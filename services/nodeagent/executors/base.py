@@ -58,6 +58,9 @@ class TaskWorkers(msgspec.Struct, frozen=True, kw_only=True):
 
     launched: frozenset[int] = frozenset()  # the GPUs with a worker started (at the start or by a grow)
     dead: tuple[WorkerDeath, ...] = ()  # the current worker of each GPU, if it died, as the task's shim recorded it
+    # The GPUs whose current worker left at a rescale (it said so): it takes no part in any later
+    # generation, so one that names its GPU again needs a new worker there.
+    left: frozenset[int] = frozenset()
     # The last rescale a worker of the task reported completed (its datagram may not have reached the agent).
     rescaled: RescaleReport | None = None
 

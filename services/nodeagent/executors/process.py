@@ -34,7 +34,7 @@ from gpuherd.control import MessageError, RescaleReport, decode_message
 from gpuherd.events import MAX_OUTPUT_TAIL
 from gpuherd.jobenv import ElasticPlan
 from gpuherd.obs import get_logger
-from gpuherd.train.report import RESCALE_COMPLETED_FILE
+from gpuherd.train.report import LEFT_PATTERN, RESCALE_COMPLETED_FILE, left_file
 from services.nodeagent import taskfiles
 from services.nodeagent.executors.base import Executor, TaskExit, TaskKey, TaskLaunch, TaskWorkers
 from services.nodeagent.pool import WarmPool
@@ -169,7 +169,7 @@ class ProcessExecutor(Executor):
             self._adopt(key, task_dir, launch.gpus)  # never start twice what ran before a restart
             return
         task_dir.mkdir(parents=True, exist_ok=True)
-        leftovers = [*task_dir.glob(taskfiles.GROWN_PATTERN), *task_dir.glob("*.exit")]
+        leftovers = [*task_dir.glob(taskfiles.GROWN_PATTERN), *task_dir.glob("*.exit"), *task_dir.glob(LEFT_PATTERN)]
         done = (
             taskfiles.EXIT_FILE,
             taskfiles.SHIM_FILE,
@@ -422,7 +422,10 @@ class ProcessExecutor(Executor):
         launched = frozenset(p.gpu for p in procs if p.gpu is not None)
         dead = _read(task_dir / taskfiles.DEAD_WORKERS_FILE, tuple[WorkerDeath, ...]) or ()
         return TaskWorkers(
-            launched=launched, dead=_deaths_of_current_workers(dead, procs), rescaled=_rescale_completed(task_dir)
+            launched=launched,
+            dead=_deaths_of_current_workers(dead, procs),
+            rescaled=_rescale_completed(task_dir),
+            left=_current_workers_that_left(task_dir, procs),
         )
 
     # -- internals ----------------------------------------------------------------------------------
@@ -568,6 +571,22 @@ def _rescale_completed(task_dir: Path) -> RescaleReport | None:
     except (OSError, MessageError):
         return None
     return message if isinstance(message, RescaleReport) else None
+
+
+def _current_workers_that_left(task_dir: Path, procs: list[ProcLaunch]) -> frozenset[int]:
+    """The GPUs whose current worker (its last launched) said it left (``gpuherd.train.report``):
+    it left at a generation after the one it started in. A worker started on the GPU since (a grow
+    or rollback that named it again) started in that later generation, and has not left."""
+    current = {p.gpu: p.generation for p in procs if p.gpu is not None}  # (later launches replace earlier)
+    left: set[int] = set()
+    for gpu, started_in in current.items():
+        try:
+            message = decode_message((task_dir / left_file(gpu)).read_bytes())
+        except (OSError, MessageError):
+            continue
+        if isinstance(message, RescaleReport) and message.event == "left" and message.generation > (started_in or 0):
+            left.add(gpu)
+    return frozenset(left)
 
 
 def _deaths_of_current_workers(dead: tuple[WorkerDeath, ...], procs: list[ProcLaunch]) -> tuple[WorkerDeath, ...]:
