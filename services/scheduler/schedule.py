@@ -682,7 +682,7 @@ def _delays_quota_head(work: Pass, job: JobState, hold: QuotaHold, position: int
     if not work.explain:
         return
     head = hold.job
-    when = "" if hold.reserved_at is None else f" (reserved from t={hold.reserved_at:.0f})"
+    when = _reserved_when(work.state.now, hold.reserved_at)
     kind: PendingKind = "reserved" if work.backfill else "order"
     detail = f"would delay {head.job}, the first job of VC {head.spec.vc} its quota holds back{when}"
     work.wait(job, kind, detail, position)
@@ -739,9 +739,29 @@ def _delays_head(work: Pass, job: JobState, position: int) -> None:
     out = work.out
     assert out.head is not None
     head = work.state.jobs[out.head]
-    when = "" if out.reserved_at is None else f" (reserved from t={out.reserved_at:.0f})"
+    when = _reserved_when(work.state.now, out.reserved_at)
     kind: PendingKind = "reserved" if work.backfill else "order"
-    work.wait(job, kind, f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{when}", position)
+    shape = f" on {head.spec.nodes} nodes" if head.spec.nodes and head.spec.nodes > 1 else ""
+    work.wait(job, kind, f"would delay {head.job}, which waits for {head.spec.gpus} GPUs{shape}{when}", position)
+
+
+def _reserved_when(now: float, reserved_at: float | None) -> str:
+    """When a head's start is reserved, as a person reads it: how long from now, and the clock
+    time (a raw epoch "t=1506761235" said neither)."""
+    if reserved_at is None:
+        return ""
+    return f" (its start is reserved in {_span(reserved_at - now)}, at t={reserved_at:.0f})"
+
+
+def _span(seconds: float) -> str:
+    """A duration in its two largest units: 45s, 12m 5s, 3h 20m, 2d 4h."""
+    total = max(0, round(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    first = next((i for i, (n, _) in enumerate(parts) if n), len(parts) - 1)
+    return " ".join(f"{n}{unit}" for n, unit in parts[first : first + 2] if n or unit == parts[first][1])
 
 
 def _shape(job: JobState) -> tuple:

@@ -69,9 +69,9 @@ def test_later_jobs_of_its_vc_start_only_if_they_end_before_the_quota_heads_rese
     assert result.pending["big"].kind == "quota"
     for held in ("long", "unknown"):
         assert result.pending[held].kind == "reserved"
-        assert "would delay big, the first job of VC v its quota holds back (reserved from t=1000)" in (
-            result.pending[held].detail
-        )
+        detail = result.pending[held].detail
+        assert "would delay big, the first job of VC v its quota holds back (its start is reserved in " in detail
+        assert state.now == 10 and detail.endswith("reserved in 16m 30s, at t=1000)"), detail
 
 
 def test_logs_of_the_first_rules_are_decided_by_them() -> None:

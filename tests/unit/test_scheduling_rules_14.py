@@ -69,7 +69,10 @@ def test_a_long_job_is_placed_beside_the_heads_nodes_where_its_best_fit_is_one_o
         assert [(p.job, [a.node for a in p.allocations]) for p in result.placed] == [("d", ["n3"])]
     explained = _passes(state)[0]
     assert explained.pending["e"].kind == "reserved"
-    assert "would delay H" in explained.pending["e"].detail
+    # (it named neither the head's nodes nor when: "which waits for 16 GPUs (reserved from t=100)")
+    assert explained.pending["e"].detail == (
+        "would delay H, which waits for 16 GPUs on 2 nodes (its start is reserved in 1m 40s, at t=100)"
+    )
 
 
 def test_a_job_on_a_head_node_beyond_its_per_node_share_overtakes_it() -> None:
