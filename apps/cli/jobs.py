@@ -9,6 +9,7 @@ import typing
 from typing import Any
 
 import msgspec
+from rich.progress import Progress
 from rich.table import Table
 
 from apps.cli.common import (
@@ -198,7 +199,11 @@ def cmd_why(args: argparse.Namespace) -> int:
     # "Why did my job wait?": a job that waits no more is answered by its waits, replayed (a waiting
     # one by the pass above; with --history, by its waits so far too).
     history = pending is None or getattr(args, "history", False)
-    waits = wait_history(records, job.job) if history else []
+    waits: list[Wait] = []
+    if history:
+        with Progress(transient=True, disable=args.json) as progress:
+            task = progress.add_task("replaying its waits", total=len(records))
+            waits = wait_history(records, job.job, progress=lambda i: progress.update(task, completed=i))
     if args.json:
         print_json(answer | ({"waits": msgspec.to_builtins(waits)} if history else {}))
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -133,11 +134,11 @@ class Wait(msgspec.Struct, frozen=True):
     placed_by: str = ""
 
 
-def wait_history(records: list[Record], job: str) -> list[Wait]:
+def wait_history(records: list[Record], job: str, progress: Callable[[int], None] | None = None) -> list[Wait]:
     """Every wait of ``job`` in the log, each explained by the scheduler's own pass replayed on the
     state of the log as the scheduler folded it, after each record it would have decided on while
     the job waited (``MAX_PASSES_REPLAYED`` of them, evenly spread, for a longer wait): why the job
-    waited, when, and what finally placed it."""
+    waited, when, and what finally placed it. ``progress`` is told the records folded so far."""
     decider = SchedulerDecider(make_policy("fifo"))
     windows = _waiting_windows(records, job)
     if not windows:
@@ -158,6 +159,8 @@ def wait_history(records: list[Record], job: str) -> list[Wait]:
     since, attempt, passes, possible = 0.0, 0, 0, 0
     for i, record in enumerate(records):
         state = decider.evolve(state, record.seq, record.event)
+        if progress is not None and i % 1000 == 0:
+            progress(i)
         if current is None:
             break
         first, last = current
