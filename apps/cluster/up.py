@@ -70,7 +70,12 @@ def what_to_try(args: argparse.Namespace, dashboard: str | None) -> str:
     lines = [
         "",
         "[bold]The cluster keeps serving until Ctrl-C[/bold] (which stops every process cleanly).",
-        f"dashboard: {dashboard}" if dashboard else "dashboard: not serving (see its log)",
+        (f"dashboard: {dashboard}" if dashboard else "dashboard: not serving (see its log)")
+        + (
+            f" (its operator token, for cancel, drain and the audit: {args.ui_token_file})"
+            if dashboard and args.ui_token_file
+            else ""
+        ),
         "try, in another terminal in this folder:",
         f"  {gpuherd} jobs                                   # jobs, where they run, why they wait",
         f"  {gpuherd} why JOB                                # why a job waits, when it should start",
@@ -152,7 +157,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         shutil.rmtree(data_dir)
     token_file = args.ui_token_file
     if token_file is None and args.ui_port >= 0 and not args.ui_read_only:
-        token_file = str(operator_token_file(data_dir))
+        token_file = args.ui_token_file = str(operator_token_file(data_dir))  # (what_to_try names it too)
     layout = ClusterLayout(
         sim_agents=args.agents,
         sim_gpus=args.gpus_per_node,

@@ -71,3 +71,11 @@ def test_a_token_file_others_may_read_or_too_short_is_refused(tmp_path: Path) ->
     path.write_text("short\n")
     with pytest.raises(GpuherdError, match="no usable token"):
         up.operator_token_file(data)
+
+
+def test_what_to_try_after_the_demo_names_the_token_file(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["--data-dir", str(tmp_path), "up", "--ui-token-file", "/x/dashboard.token"])
+    assert "dashboard: http://127.0.0.1:8080/ (its operator token" in up.what_to_try(args, "http://127.0.0.1:8080/")
+    assert "/x/dashboard.token" in up.what_to_try(args, "http://127.0.0.1:8080/")
+    args = build_parser().parse_args(["--data-dir", str(tmp_path), "up", "--ui-read-only"])
+    assert "token" not in up.what_to_try(args, "http://127.0.0.1:8080/")
