@@ -299,8 +299,10 @@ def reconcile(
             out += simulated_rescale(job, node, now, events)
         elif elastic:
             out += hand_plan(job, key, tasks, again=False)
-            out += new_workers(job, node, workers)
-            out += lost_workers(job, key, workers.dead, now, events)
+            rejoining = dead_rejoining(job, node, workers.dead)
+            out += new_workers(job, node, workers, rejoining)
+            # A rejoining GPU's death is old news (the new worker started now replaces it).
+            out += lost_workers(job, key, [d for d in workers.dead if d.gpu not in rejoining], now, events)
         return out
     if key in tasks.exited:
         return out
@@ -326,14 +328,33 @@ def hand_plan(job: JobState, key: TaskKey, tasks: Tasks, *, again: bool) -> list
     return [WritePlan(key, plan)]
 
 
-def new_workers(job: JobState, node: str, workers: TaskWorkers) -> list[Action]:
+def new_workers(job: JobState, node: str, workers: TaskWorkers, rejoining: Set[int]) -> list[Action]:
     """The workers of this node's GPUs that a rescale added to a running elastic task: on GPUs that
-    never had one, and on those whose worker left at an earlier rescale (a rollback of the shrink it
+    never had one, on those whose worker left at an earlier rescale (a rollback of the shrink it
     left at names it again, as a joiner: without a new worker there, the generation could never
-    form, and the job would wait for the scheduler's ``rescale_timeout_s`` to roll back again)."""
+    form, and the job would wait for the scheduler's ``rescale_timeout_s`` to roll back again), and
+    on those whose worker died before the generation named it again (``rejoining``)."""
     mine = job.allocations[job.nodes.index(node)].gpus
-    new = tuple(g for g in mine if g not in workers.launched or g in workers.left)
+    new = tuple(g for g in mine if g not in workers.launched or g in workers.left or g in rejoining)
     return [StartWorkers(launch_for(job, node, resume=False, elapsed_s=0.0, gpus=new))] if new else []
+
+
+def dead_rejoining(job: JobState, node: str, dead: Sequence[WorkerDeath]) -> frozenset[int]:
+    """The GPUs of this node whose current worker died and that the job's current generation names
+    again as joiners: a grow back onto a GPU the recovery from that death gave up, or a rollback to
+    a worker that died as it left at a shrink. A joiner is new to the generation, so that worker,
+    started in an earlier one, is none of it: the GPU needs a new worker, and the death is no news
+    (reported already, or of a worker the job had let go). A death without its worker's generation
+    (a shim of a version before it) cannot be told apart: it counts as it did."""
+    joiners = set(job.joiners)
+    return frozenset(
+        d.gpu
+        for d in dead
+        if d.gpu is not None
+        and d.generation is not None
+        and d.generation < job.generation
+        and ev.worker_id(node, d.gpu) in joiners
+    )
 
 
 def ended(key: TaskKey, tasks: Tasks, now: float, events: AgentEvents, job: JobState | None) -> ev.TaskEnded:
