@@ -172,7 +172,9 @@ class Agent:
         self.writer = AgentWriter(log_, AgentEvents(node), clock)
         # What borrowers' runtimes say they hold (messages) goes into the memory reports (upkeep).
         holdings = leases.LeaseHoldings(started_at=self.writer.clock())
-        self.messages = JobMessages(node, lambda: self.state, executor, self.writer, log_, holdings=holdings)
+        self.messages = JobMessages(
+            node, lambda: self.state, executor, self.writer, log_, holdings=holdings, reconcile_job=self._reconcile_soon
+        )
         self.upkeep = NodeUpkeep(
             node,
             self.boot_id,
@@ -429,6 +431,12 @@ class Agent:
             self._dirty.add(job_id)
             return
         self._reconciling[job_id] = asyncio.create_task(self._reconcile_loop(job_id), name=f"reconcile-{job_id}")
+
+    def _reconcile_soon(self, job_id: str) -> None:
+        """Reconcile a job at its workers' word, once the log is caught up (until then the state is
+        partial, and the catch-up reconciles every job anyway)."""
+        if self.caught_up.is_set():
+            self.kick(job_id)
 
     async def _reconcile_loop(self, job_id: str) -> None:
         try:

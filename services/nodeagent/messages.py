@@ -38,9 +38,12 @@ class JobMessages:
         telemetry: TelemetryBus,
         *,
         holdings: LeaseHoldings | None = None,
+        reconcile_job: Callable[[str], None] | None = None,
     ) -> None:
         self.node = node
         self.holdings = holdings  # what borrowers hold on lender GPUs, for the memory reports
+        # Asks the agent to reconcile a job soon: a worker of it left (None: no agent to ask).
+        self.reconcile_job = reconcile_job
         self._state = state
         self.executor = executor
         self.writer = writer
@@ -113,8 +116,19 @@ class JobMessages:
             )
         else:
             log.info("elastic worker", job=key.job, message=message.event, generation=generation, reason=message.reason)
+            if message.event == "left":
+                self._on_left(key)
             return
         self.writer.append_soon(event)
+
+    def _on_left(self, key: TaskKey) -> None:
+        """A worker left at a rescale (its ``left-<gpu>.json`` is in the task's folder by now): a
+        generation that names its GPU again (a rollback of that shrink, which may have reached the
+        agent before the worker left) needs a new worker there, which reconciling starts now rather
+        than at the job's next event."""
+        job = self._state().jobs.get(key.job)
+        if self.reconcile_job is not None and job is not None and job.attempt == key.attempt:
+            self.reconcile_job(key.job)
 
     def _checked_rescale(self, key: TaskKey, message: control.RescaleReport) -> tuple[int, int, float | None] | None:
         """The report's worlds and throughput as the log may record them (``checked_rescale``), or
