@@ -475,6 +475,11 @@ class JetStreamLog(EventLog):
                 fresh = info is None or not (int(info.state.last_seq or 0) or _recorded_slots(info))
                 self._slots = PAGE_SLOTS if fresh else _slots_of(info)
                 config.metadata = {**(config.metadata or {}), POSITIONS_METADATA: str(self._slots)}
+            if info is not None and (info.config.num_replicas or 1) > (config.num_replicas or 1):
+                # Set up for fewer copies than the stream has (a command, the dashboard or a client
+                # without GPUHERD_REPLICAS): never take copies away from the log. As admin that update
+                # made a cluster's R3 streams R1; as anyone else it was refused, and the caller hung.
+                config.num_replicas = info.config.num_replicas
             if info is not None and _same_config(info, config):
                 return
             try:
