@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 INFRA = Path(__file__).resolve().parents[1] / "infra"
-_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{([A-Za-z0-9_]+)(?:(:?[-+])([^}]*))?\}")
 
 
 def dotenv() -> dict[str, str]:
@@ -22,10 +22,17 @@ def dotenv() -> dict[str, str]:
     return values
 
 
+def _substitute(value: str | None, operator: str | None, word: str) -> str:
+    if operator is not None and operator.endswith("+"):
+        return word if value else ""
+    return value or word
+
+
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's ``${VAR:-default}`` interpolation, as `docker compose` does it with infra/.env."""
+    """Compose's ``${VAR:-default}`` and ``${VAR:+replacement}`` interpolation, as `docker compose`
+    does it with infra/.env."""
     if isinstance(value, str):
-        return _VAR.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+        return _VAR.sub(lambda m: _substitute(env.get(m.group(1)), m.group(2), m.group(3) or ""), value)
     if isinstance(value, list):
         return [interpolate(v, env) for v in value]
     if isinstance(value, dict):

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.compose_file import load_compose
+from tests.compose_file import INFRA, dotenv, interpolate, load_compose
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +35,24 @@ def test_only_the_nats_client_port_is_published_beyond_the_host(compose: dict[st
             if (name, port) == ("nats-1", "4222"):
                 continue
             assert host == "127.0.0.1", f"{name} publishes :{port} on every interface of the host"
+
+
+@pytest.mark.parametrize("ca", ["", "./nats/certs/ca.pem"])
+def test_every_gpuherd_container_trusts_the_nats_ca_when_the_servers_speak_tls(ca: str) -> None:
+    """NATS_CONFIG=server-tls.conf makes the servers refuse plain clients and certificates of
+    another CA (tests/integration/test_permissions.py::test_tls_with_the_dev_ca): every gpuherd
+    container (init, services, agents, dashboard) gets NATS_CA, a file it can read, from infra/.env's
+    NATS_CA; with it empty, none is given one (plain NATS)."""
+    assert "NATS_CA" in dotenv(), "infra/.env says where the CA is (empty: plain NATS)"
+    env = dotenv() | {"NATS_CA": ca, "NATS_CONFIG": "server-tls.conf" if ca else "server.conf"}
+    compose = interpolate(yaml.safe_load((INFRA / "docker-compose.yml").read_text()), env)
+    gpuherd = {n: s for n, s in compose["services"].items() if "gpuherd" in str(s.get("image", ""))}
+    assert {"init", "scheduler", "dashboard", "sim-1", "gpu-1"} <= set(gpuherd)
+    for name, service in gpuherd.items():
+        inside = service["environment"].get("NATS_CA")
+        if not ca:
+            assert not inside, name
+            continue
+        assert inside, f"{name}: no NATS_CA, so it cannot connect to servers that speak only TLS"
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
+        assert mounts.get(inside) == ca, f"{name}: NATS_CA={inside} is not the CA of infra/.env ({mounts})"
