@@ -1,6 +1,7 @@
 """What a job's processes (and their shim) tell their node agent (``gpuherd.control``), turned into
 events: rescales done or failed, workers that died, leases given back, profiles; progress goes
-to telemetry, and the leader rank's last report into the part's ``TaskEnded``."""
+to telemetry, and the leader rank's last report into the part's ``TaskEnded``. A worker that left
+at a rescale makes the agent reconcile its job (a generation may need a new worker on its GPU)."""
 
 from __future__ import annotations
 
