@@ -4,12 +4,15 @@ ops work against it (what each needs from the environment)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import yaml
 
 from tests.compose_file import INFRA, dotenv, interpolate, load_compose
+
+README = INFRA.parent / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +59,24 @@ def test_every_gpuherd_container_trusts_the_nats_ca_when_the_servers_speak_tls(c
         assert inside, f"{name}: no NATS_CA, so it cannot connect to servers that speak only TLS"
         mounts = {v.split(":")[1]: v.split(":")[0] for v in service.get("volumes", [])}
         assert mounts.get(inside) == ca, f"{name}: NATS_CA={inside} is not the CA of infra/.env ({mounts})"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_the_readme_adds_a_nats_user_by_recreating_the_servers_one_at_a_time() -> None:
+    """A new user's password reaches a NATS server only through its container's environment
+    (secrets.env, read when the container is created): `nats-server --signal reload` then fails on
+    the accounts.conf that names it ("variable reference ... can not be found", checked on a real
+    server), and `make up` recreates all three servers at once. The README says to recreate them
+    one at a time, each after the one before has caught up."""
+    deploy, operate = _section("Deploying with docker compose"), _section("Operating it")
+    adding = deploy[deploy.index("Adding a node or a submitter") :].split("\n\n")[0]
+    assert "recreate" in adding, adding
+    assert not re.search(r"and reload the servers \(`nats-server --signal reload`\)\.", adding), adding
+    assert re.search(r"up -d --no-deps --force-recreate nats-\d", operate), "no rolling restart of NATS"
+    assert "localhost:8222/healthz`" in operate, "wait for the full /healthz (streams current) between servers"
