@@ -80,3 +80,25 @@ def test_the_readme_adds_a_nats_user_by_recreating_the_servers_one_at_a_time() -
     assert not re.search(r"and reload the servers \(`nats-server --signal reload`\)\.", adding), adding
     assert re.search(r"up -d --no-deps --force-recreate nats-\d", operate), "no rolling restart of NATS"
     assert "localhost:8222/healthz`" in operate, "wait for the full /healthz (streams current) between servers"
+
+
+def test_the_dashboard_shows_the_report_the_analytics_service_writes(compose: dict[str, Any]) -> None:
+    """The analytics service writes its characterization report to its volume; the dashboard had
+    neither --report-dir nor that volume, so its Audit & analysis page listed no report."""
+
+    def option(service: dict[str, Any], name: str) -> str | None:
+        command = service["command"]
+        return command[command.index(name) + 1] if name in command else None
+
+    def mounts(service: dict[str, Any]) -> dict[str, str]:
+        """Where each named volume is mounted (container path -> volume)."""
+        return {str(v).split(":")[1]: str(v).split(":")[0] for v in service.get("volumes", [])}
+
+    analytics, dashboard = compose["services"]["analytics"], compose["services"]["dashboard"]
+    written, shown = option(analytics, "--report-dir"), option(dashboard, "--report-dir")
+    assert written is not None and shown == written, "the dashboard shows the folder the analytics service writes"
+    volume_of = {path: volume for path, volume in mounts(analytics).items() if written.startswith(path + "/")}
+    assert volume_of, "the report is on a volume"
+    ((path, volume),) = volume_of.items()
+    assert mounts(dashboard).get(path) == volume, "the dashboard mounts the same volume at the same path"
+    assert any(str(v).startswith(f"{volume}:{path}:ro") for v in dashboard["volumes"]), "read-only: it only reads it"
