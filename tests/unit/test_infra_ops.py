@@ -35,7 +35,7 @@ def test_only_the_nats_client_port_is_published_beyond_the_host(compose: dict[st
     password, so it is published on 127.0.0.1 at most (Prometheus scrapes on the compose network)."""
     for name, service in compose["services"].items():
         for host, port in _published(service):
-            if (name, port) == ("nats-1", "4222"):
+            if name.startswith("nats-") and port == "4222":
                 continue
             assert host == "127.0.0.1", f"{name} publishes :{port} on every interface of the host"
 
@@ -102,3 +102,17 @@ def test_the_dashboard_shows_the_report_the_analytics_service_writes(compose: di
     ((path, volume),) = volume_of.items()
     assert mounts(dashboard).get(path) == volume, "the dashboard mounts the same volume at the same path"
     assert any(str(v).startswith(f"{volume}:{path}:ro") for v in dashboard["volumes"]), "read-only: it only reads it"
+
+
+def test_every_nats_server_takes_clients_from_beyond_the_host(compose: dict[str, Any]) -> None:
+    """Only nats-1's client port was published: a submitter from elsewhere lost the cluster whenever
+    nats-1 restarted (a rolling restart or upgrade, as the README's operating section does it),
+    though nats-2 and nats-3 served on. Each server's is published, on a host port of its own."""
+    servers = {name: service for name, service in compose["services"].items() if name.startswith("nats-")}
+    assert len(servers) == 3
+    published = {
+        name: [s for s in service.get("ports", []) if str(s).endswith(":4222")] for name, service in servers.items()
+    }
+    assert all(len(ports) == 1 for ports in published.values()), published
+    host_ports = {str(ports[0]).split(":")[-2] for ports in published.values()}
+    assert len(host_ports) == 3, f"one host port per server: {published}"
