@@ -116,3 +116,22 @@ def test_every_nats_server_takes_clients_from_beyond_the_host(compose: dict[str,
     assert all(len(ports) == 1 for ports in published.values()), published
     host_ports = {str(ports[0]).split(":")[-2] for ports in published.values()}
     assert len(host_ports) == 3, f"one host port per server: {published}"
+
+
+def test_the_readmes_status_command_reads_every_servers_durability(compose: dict[str, Any]) -> None:
+    """`gpuherd status` reads how each server fsyncs from its monitoring endpoint; none was published,
+    so the README's status command printed "durability: unknown". Each server's is on 127.0.0.1, and
+    the README's command names them all."""
+    monitors = {
+        str(port).split(":")[1]: name
+        for name, service in compose["services"].items()
+        if name.startswith("nats-")
+        for port in service.get("ports", [])
+        if str(port).startswith("127.0.0.1:") and str(port).endswith(":8222")
+    }
+    assert sorted(monitors.values()) == ["nats-1", "nats-2", "nats-3"], monitors
+    command = next(line for line in README.read_text().splitlines() if "gpuherd status" in line and "MONITOR" in line)
+    named = re.search(r"NATS_MONITOR_URL=(\S+)", command)
+    assert named is not None, command
+    ports = {url.rsplit(":", 1)[1].rstrip("/") for url in named.group(1).split(",")}
+    assert ports == set(monitors), (ports, monitors)
