@@ -9,7 +9,7 @@ what an agent would append is returned to append. The agents read the scheduler'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,13 +36,16 @@ from services.nodeagent.reconcile import (
 # (when, what, payload): the simulation keeps these on its clock and hands them back to ``fire``.
 Timer = tuple[float, str, tuple]
 
-_POWER_EVENTS = (ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.NodeWakeRequested)
+# (Looked up by type, once per record: no subclass of an event type is ever written.)
+_POWER_EVENTS = frozenset({ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.NodeWakeRequested})
 # Job events an agent has nothing to do about: the job is not placed anywhere by them.
-_NOT_FOR_AGENTS = (ev.JobSubmitted, ev.JobDurationPredicted, ev.ProfileRequested, ev.ProfileReported)
+_NOT_FOR_AGENTS = frozenset({ev.JobSubmitted, ev.JobDurationPredicted, ev.ProfileRequested, ev.ProfileReported})
+# Job events after which a task's exits are no longer needed, and a draining node may be empty.
+_ENDS_ATTEMPT = frozenset({ev.JobFinished, ev.JobRequeued})
 
 
 def concerns_agents(event: ev.Event) -> bool:
-    return not isinstance(event, _NOT_FOR_AGENTS)
+    return type(event) not in _NOT_FOR_AGENTS
 
 
 @dataclass
@@ -73,40 +76,47 @@ class SimAgents:
 
     def nodes_of(self, state: ClusterState, job_id: str) -> list[str]:
         """The nodes an event about ``job_id`` concerns: where it holds GPUs, where it runs tasks."""
+        return list(self._nodes_of(state, job_id))
+
+    def _nodes_of(self, state: ClusterState, job_id: str) -> dict[str, None]:
         job = state.jobs.get(job_id)
-        nodes = dict.fromkeys(a.node for a in job.allocations) if job is not None else {}
-        if job is not None:
-            nodes.update(dict.fromkeys(a.node for a in job.releasing))
-        nodes.update(self.running_on.get(job_id, {}))
-        return list(nodes)
+        nodes = dict.fromkeys([a.node for a in job.allocations]) if job is not None else {}
+        if job is not None and job.releasing:
+            nodes.update(dict.fromkeys([a.node for a in job.releasing]))
+        running = self.running_on.get(job_id)
+        if running:
+            nodes.update(running)
+        return nodes
 
     def observe(
-        self, record: Record, state: ClusterState, before: list[str], now: float
+        self, record: Record, state: ClusterState, before: Sequence[str], now: float
     ) -> tuple[list[ev.Event], list[Timer]]:
         """What the agents append (and the timers they set) once ``record`` is folded into ``state``;
         ``before``: the nodes its job concerned before it was folded."""
         event = record.event
         out: list[ev.Event] = []
         timers: list[Timer] = []
-        job_id = getattr(event, "job", None)
-        if not concerns_agents(event):
+        kind = type(event)
+        if kind in _NOT_FOR_AGENTS:
             return out, timers
+        job_id = getattr(event, "job", None)
         if job_id is not None:
-            nodes = dict.fromkeys(before)
-            nodes.update(dict.fromkeys(self.nodes_of(state, job_id)))
+            nodes = self._nodes_of(state, job_id)
+            if before:
+                nodes = {**dict.fromkeys(before), **nodes}
             for node in nodes:
                 self._reconcile(state, node, job_id, now, out, timers)
-            if isinstance(event, ev.JobFinished) and self.elastic is not None:
+            if kind is ev.JobFinished and self.elastic is not None:
                 self.elastic.forget(job_id)
-            if isinstance(event, ev.JobFinished | ev.JobRequeued):
+            if kind in _ENDS_ATTEMPT:
                 for node in nodes:  # a draining node may now be empty
                     self._power(state, node, now, out, timers)
                 for node in nodes:  # what its tasks' exits were is no longer needed
                     exited = self.exited.get(node)
                     if exited:
                         exited.difference_update([k for k in exited if k.job == job_id])
-        elif isinstance(event, _POWER_EVENTS):
-            self._power(state, event.node, now, out, timers)
+        elif kind in _POWER_EVENTS:
+            self._power(state, event.node, now, out, timers)  # type: ignore[attr-defined]
         return out, timers
 
     def _reconcile(

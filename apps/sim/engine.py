@@ -60,7 +60,8 @@ def _few_collections() -> Iterator[None]:
         gc.set_threshold(*before)
 
 
-_MOVES = (ev.JobFinished, ev.JobRequeued, ev.JobResized, ev.RescaleCompleted)
+# (Looked up by type, per record: no subclass of an event type is ever written.)
+_MOVES = frozenset({ev.JobFinished, ev.JobRequeued, ev.JobResized, ev.RescaleCompleted})
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,13 @@ class Simulation:
         checkpoint_cost: Callable[[int], float] | None = None,
         per_moment: bool = False,
         keep_log: bool = True,
-        sinks: Sequence[Callable[[Record], None]] = (),
+        sinks: Sequence[Callable[[Sequence[Record]], None]] = (),
         elastic_runs: ElasticRuns | None = None,
     ) -> None:
         self.now = 0.0
         # ``keep_log`` False: a record is dropped once every core, the agents and ``sinks`` (which see
-        # every record, in order) have had it; a long run then holds its states, not its history.
+        # every record, in order, a run of records at a time) have had it; a long run then holds its
+        # states, not its history.
         self.keep_log = keep_log
         self.sinks = tuple(sinks)
         self.appended = 0  # records appended so far (the last seq)
@@ -111,6 +113,7 @@ class Simulation:
         if "scheduler" not in by_name:
             raise SimulationError("a simulation needs the scheduler's decider")
         self.scheduler = by_name["scheduler"]
+        self._others = [core for core in self.cores if core is not self.scheduler]  # (what it waits for per moment)
         # None: the caller plays the agents. ``checkpoint_cost``: a preempted job's restore, by its GPUs.
         self.agents = (
             SimAgents(boot_s=boot_s, checkpoint_cost=checkpoint_cost, elastic=elastic_runs) if agents else None
@@ -133,13 +136,13 @@ class Simulation:
     def _push(self, at: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._heap, (at, next(self._order), kind, payload))
 
-    def _append(self, events: list[ev.Event]) -> tuple[int, ...]:
-        if not events:
-            return ()
+    def _append(self, events: list[ev.Event]) -> range:
+        """Append ``events`` to the log; their sequences (a range: nothing is built per record)."""
         first = self.appended + 1
-        self._records.extend(Record(seq, event) for seq, event in enumerate(events, first))
-        self.appended += len(events)
-        return tuple(range(first, self.appended + 1))
+        if events:
+            self._records.extend(map(Record, range(first, first + len(events)), events))
+            self.appended += len(events)
+        return range(first, self.appended + 1)
 
     def _drain(self) -> None:
         """What the live runners and agents do between two moments of the clock: fold every record
@@ -152,34 +155,40 @@ class Simulation:
                 return
 
     def _fold_new(self) -> None:
+        # (Run once per record of the whole simulation: what does not change per record is read once.)
         records = self._records
         state = self.scheduler.state
+        cores = self.cores
+        agents = self.agents
+        sinks = self.sinks
+        first = self._fed
         while self._fed < len(records):
             record = records[self._fed]
             self._fed += 1
             event = record.event
-            agents = self.agents if self.agents is not None and concerns_agents(event) else None
-            job_id = getattr(event, "job", None) if agents is not None else None
-            # (Where the job was matters to the agents only when the event moves it, or ends it.)
-            before = agents.nodes_of(state, job_id) if job_id is not None and isinstance(event, _MOVES) else []
-            for core in self.cores:
-                self._fold(core, record)
-            if agents is not None:
-                out, timers = agents.observe(record, state, before, self.now)
+            concerned = agents is not None and concerns_agents(event)
+            if concerned:
+                job_id = getattr(event, "job", None)
+                # (Where the job was matters to the agents only when the event moves it, or ends it.)
+                before = agents.nodes_of(state, job_id) if job_id is not None and type(event) in _MOVES else ()  # type: ignore[union-attr]
+            for core in cores:
+                try:
+                    core.fold(record)
+                except Exception as exc:
+                    raise self._failed(core, record, exc) from exc
+            if concerned:
+                out, timers = agents.observe(record, state, before, self.now)  # type: ignore[union-attr]
                 for at, kind, payload in timers:
                     self._push(at, kind, payload)
-                self._append(out)
-            for sink in self.sinks:
-                sink(record)
+                if out:
+                    self._append(out)
+        if sinks and self._fed > first:
+            fed = records[first:] if first else records
+            for sink in sinks:
+                sink(fed)
         if not self.keep_log:
             records.clear()
             self._fed = 0
-
-    def _fold(self, core: DecisionCore[Any], record: Record) -> None:
-        try:
-            core.fold(record)
-        except Exception as exc:
-            raise self._failed(core, record, exc) from exc
 
     def _decide(self) -> bool:
         """One batch of every decider that is ready; False if none was. Deciding once per moment, the
@@ -189,7 +198,7 @@ class Simulation:
         for core in self.cores:
             if not core.ready():
                 continue
-            if self.per_moment and core is self.scheduler and any(c.ready() for c in self.cores if c is not core):
+            if self.per_moment and core is self.scheduler and self._others and any(c.ready() for c in self._others):
                 continue
             decided = True
             try:

@@ -97,6 +97,20 @@ def _charge(job: _Job, at: float) -> None:
 
 _NO_ATTEMPT = -1  # an ended job's: no report matches it
 
+# The event types ``JobTable.add`` reads (it only notes the time of the others).
+_READ_OR_SUBCLASS = (
+    ev.JobSubmitted,
+    ev.JobRejected,
+    ev.JobPlaced,
+    ev.JobStarted,
+    ev.RescaleCompleted,
+    ev.JobPreempted,
+    ev.JobRequeued,
+    ev.JobFinished,
+    ev.JobDurationPredicted,
+)
+_READ = frozenset(_READ_OR_SUBCLASS)
+
 
 class JobTable:
     """The job table folded one event at a time, so a simulation can build it as it runs and keep
@@ -109,9 +123,17 @@ class JobTable:
         self.rows_read = 0
         self.log_end: float | None = None  # the newest event's time, of any event added
 
+    def add_records(self, records: Iterable[Record]) -> None:
+        """``add`` each record's event, in order (a simulation's sink: one call per run of records)."""
+        add = self.add
+        for record in records:
+            add(record.event)
+
     def add(self, event: ev.Event) -> None:
         if self.log_end is None or event.at > self.log_end:
             self.log_end = event.at
+        if type(event) not in _READ and not isinstance(event, _READ_OR_SUBCLASS):
+            return  # (most events of a simulation: task ends, ticks; none of the branches below reads them)
         if isinstance(event, ev.JobSubmitted):
             self.rows_read += 1
             if event.job not in self.jobs:
