@@ -63,6 +63,7 @@ class _Waiting:
     item: Record | Any
     arrived: float
     external: bool
+    coalescible: bool = False  # a record that only makes a pass (asked of the decider once, as it is folded)
 
 
 @dataclass
@@ -105,8 +106,9 @@ class DecisionCore(Generic[S]):
             if cause is not None:
                 self._decided.add(cause)
         if decider.follows(event):
-            self._pending.append(_Waiting(record, arrived, False))
-            self._passes += decider.coalescible(event)
+            coalescible = decider.coalescible(event)
+            self._pending.append(_Waiting(record, arrived, False, coalescible))
+            self._passes += coalescible
         if self._head is not None and record.seq >= self._head:
             self._head = None
             decided = self._decided
@@ -115,7 +117,7 @@ class DecisionCore(Generic[S]):
                 for w in self._pending
                 if w.external or w.item.seq not in decided  # type: ignore[union-attr]
             )
-            self._passes = sum(decider.coalescible(w.item.event) for w in self._pending if not w.external)
+            self._passes = sum(w.coalescible for w in self._pending if not w.external)
             self._decided = set()
 
     def offer(self, external: Any, arrived: float = 0.0) -> None:
@@ -162,7 +164,7 @@ class DecisionCore(Generic[S]):
                 size += len(answer.events)
             else:
                 record: Record = waiting.item  # type: ignore[assignment]
-                coalescible = decider.coalescible(record.event)
+                coalescible = waiting.coalescible
                 if coalescible:
                     self._passes -= 1
                     if self._passes > 0:
@@ -192,7 +194,7 @@ class DecisionCore(Generic[S]):
         """A pass joins the batch of the independent inputs waiting ahead of it (answers, events of
         distinct keys), decided on their state: the jobs just folded are placed in this round trip,
         not after the batch ahead of them has made one."""
-        return not waiting.external and self.decider.coalescible(waiting.item.event)  # type: ignore[union-attr]
+        return not waiting.external and waiting.coalescible
 
     def _overlaps(self, outputs: list[ev.Event], record_keys: set[str]) -> bool:
         """Whether a pass's outputs decide about a key the batch already decides about."""
@@ -201,8 +203,7 @@ class DecisionCore(Generic[S]):
 
     def _drop_passes(self) -> None:
         """Forget every waiting input that only makes a pass: the one being decided makes it."""
-        coalescible = self.decider.coalescible
-        kept = collections.deque(w for w in self._pending if w.external or not coalescible(w.item.event))  # type: ignore[union-attr]
+        kept = collections.deque(w for w in self._pending if w.external or not w.coalescible)
         self.coalesced += len(self._pending) - len(kept)
         self._pending = kept
         self._passes = 0
