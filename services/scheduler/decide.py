@@ -46,7 +46,7 @@ from services.scheduler.policy import Fifo, Policy, check_policy, make_policy, p
 from services.scheduler.ranks import RankIndex
 from services.scheduler.resize import on_failed, on_proposal, on_worker_lost, overdue_rescales
 from services.scheduler.schedule import Plan, VictimMemo, plan
-from services.scheduler.state import SchedulerState, evolve, new_state
+from services.scheduler.state import SchedulerState, SchedulingConfig, evolve, new_state
 
 log = get_logger("gpuherd.scheduler")
 
@@ -186,7 +186,8 @@ class SchedulerDecider(Decider[SchedulerState]):
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Fifo()
-        self._policy_cache: tuple[tuple, Policy] | None = None
+        # The config the policy was last built for (held: its id stays its own), its key, the policy.
+        self._policy_cache: tuple[SchedulingConfig, tuple, Policy] | None = None
         self._views = ViewCache()
         self._ranks = RankIndex()
         self._victimless = VictimMemo()
@@ -224,15 +225,19 @@ class SchedulerDecider(Decider[SchedulerState]):
                 return []
             route = Route()
         decisions = route.react(state, event) if route.react is not None else []
-        passes = route.passes if isinstance(route.passes, bool) else route.passes(state, self.policy_for(state), event)
+        passes = route.passes
+        if passes is not True and passes is not False:  # (a check of the state, the policy and the event)
+            passes = passes(state, self.policy_for(state), event)
         if not passes:
             return decisions
-        if any(type(d) is ev.NodeLost for d in decisions):
-            return decisions  # pass once the loss is folded: this state still shows the node up
-        if any(type(d) is ev.JobResized for d in decisions):
-            return decisions  # (an overdue rescale's rollback) its fold makes the pass, which sees its port
-        decisions += doomed(state, decisions)
-        decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)}
+        if decisions:  # (most passes follow an event with no reaction of its own: nothing to look through)
+            if any(type(d) is ev.NodeLost for d in decisions):
+                return decisions  # pass once the loss is folded: this state still shows the node up
+            if any(type(d) is ev.JobResized for d in decisions):
+                return decisions  # (an overdue rescale's rollback) its fold makes the pass, which sees its port
+        if state.doomed:
+            decisions += doomed(state, decisions)
+        decided = {d.job for d in decisions if isinstance(d, ev.JobFinished | ev.JobRequeued)} if decisions else set()
         return decisions + self._schedule(state, decided)
 
     # -- submissions from intake ------------------------------------------------------------------------
@@ -267,10 +272,13 @@ class SchedulerDecider(Decider[SchedulerState]):
         (also for one that cannot be built from what the log or a snapshot holds: recorded unchecked,
         before commands were checked, or applied under looser checks, e.g. LAS with queues=1e12)."""
         config = state.scheduling
+        cached = self._policy_cache
+        if cached is not None and cached[0] is config:
+            return cached[2]  # (asked at every pass: a config never changes once made, a new one replaces it)
         if config.policy is None:
             return self.policy
         key = (config.policy, tuple(sorted(config.params.items())))
-        if self._policy_cache is None or self._policy_cache[0] != key:
+        if cached is None or cached[1] != key:
             try:
                 policy = make_policy(config.policy, policy_params(config.policy, config.params))
             except Exception as exc:  # whatever the log holds, it must not stop the scheduler at every pass
@@ -282,8 +290,10 @@ class SchedulerDecider(Decider[SchedulerState]):
                     default=self.policy.name,
                 )
                 policy = self.policy
-            self._policy_cache = (key, policy)
-        return self._policy_cache[1]
+            self._policy_cache = (config, key, policy)
+        else:
+            self._policy_cache = (config, key, cached[2])  # (the same parameters in a new config: a snapshot)
+        return self._policy_cache[2]
 
     def plan(self, state: SchedulerState, skip: frozenset[str] | set[str] = frozenset()) -> Plan:
         """This state's scheduling pass, explained: placements, preemptions, and why the rest wait."""
