@@ -273,7 +273,7 @@ def reconcile(
     leaving = job is not None and job.status in ACTIVE and not mine and any(a.node == node for a in job.releasing)
     key = TaskKey(job_id, job.attempt) if job is not None else None
     out: list[Action] = []
-    for k in sorted(k for k in tasks.unrecorded if k.job == job_id):
+    for k in sorted(k for k in tasks.unrecorded if k.job == job_id) if tasks.unrecorded else ():
         out += deaths_before_end(job, k, tasks, now, events)
         out.append(RecordEnd(k, ended(k, tasks, now, events, job)))
     for running in sorted(k for k in tasks.running if k.job == job_id) if tasks.running else ():
