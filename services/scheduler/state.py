@@ -318,8 +318,10 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
     for name in state.touched:
         state.node_changes.pop(name, None)
         state.node_changes[name] = state.nodes[name].version
-    if isinstance(e, ev.PolicyConfigured):
-        if e.unchecked or policy_problem(e.policy, e.params) is None:  # else refused, nothing changes
+    # (By exact type, as the core fold's handlers and the scheduler's routes are: this runs per event.)
+    kind = type(e)
+    if kind is ev.PolicyConfigured:
+        if e.unchecked or policy_problem(e.policy, e.params) is None:  # type: ignore[attr-defined]  # else refused
             trusted = state.scheduling.trusts_declared
             state.scheduling = SchedulingConfig(
                 policy=e.policy, backfill=e.backfill, params=dict(e.params), rules=e.rules
@@ -327,7 +329,7 @@ def evolve(state: SchedulerState, seq: int, e: ev.Event, *, policy_problem: Poli
             if state.scheduling.trusts_declared != trusted:  # every expected end moves
                 for active in list(state.active):
                     _follow_end(state, state.jobs[active], True)
-    elif isinstance(e, ev.JobRejected):
+    elif kind is ev.JobRejected:
         state.rejected += 1
         recent = state.recent_rejections
         recent.pop(e.intake_seq, None)
@@ -341,7 +343,8 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     """Keep the indexes in step with what the core did to ``job``."""
     status, held, preempt_reason, preempted_for = before if before is not None else (None, 0, None, "")
     spec = job.spec
-    created = isinstance(e, ev.JobSubmitted) and before is None and e.job in state.jobs
+    kind = type(e)  # (by exact type, as the core fold's handlers are)
+    created = kind is ev.JobSubmitted and before is None and e.job in state.jobs  # type: ignore[attr-defined]
     if created and spec.intake_id is not None:
         state.intake_index[intake_key(e.intake_source, spec.intake_id)] = e.job  # type: ignore[union-attr]
     was_queued, queued = status == "pending", job.status == "pending" and job.job in state.jobs
@@ -383,7 +386,7 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
         _follow_deadline(state, job)
     for _, at, used in state.accounted:
         _charge(state, job, at, used)
-    if preempt_reason is None and job.preempt_reason is not None and isinstance(e, ev.JobPreempted):
+    if preempt_reason is None and job.preempt_reason is not None and kind is ev.JobPreempted:
         state.preempted_at.setdefault(job.job, []).append(e.at)
         state.stopping_for.setdefault(job.preempted_for, {})[job.job] = None
     elif preempt_reason is not None and (job.preempt_reason is None or job.job not in state.jobs):
@@ -394,9 +397,9 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
                 del state.stopping_for[preempted_for]
     if job.rescale is not None and job.job in state.active:
         state.rescaling[job.job] = None
-    else:
-        state.rescaling.pop(job.job, None)
-    if isinstance(e, ev.JobDurationPredicted) and job.job in state.jobs:
+    elif job.job in state.rescaling:
+        del state.rescaling[job.job]
+    if kind is ev.JobDurationPredicted and job.job in state.jobs:
         state.predicted[job.job] = e.seconds
         if e.sigma > 0 or e.user_history:
             state.predicted_spread[job.job] = (e.sigma, e.user_history)
