@@ -141,13 +141,20 @@ def _field_with_nul(spec: ev.JobSpec) -> str | None:
     """Intake rules 10: the path of a string that reaches a process (its arguments, environment, working
     directory; an array's values become an environment variable) and holds a NUL byte, if any: the
     process cannot be started with it, and a job whose start fails that way was retried forever."""
-    strings = [(f"command[{n}]", arg) for n, arg in enumerate(spec.command or ())]
-    strings += [(f"env.{name}", value) for name, value in (spec.env or {}).items()]
-    strings += [("workdir", spec.workdir or "")]
+    # (Looked through in place, the first found named: every submission is, and nearly none holds one.)
+    for n, arg in enumerate(spec.command or ()):
+        if "\0" in arg:
+            return f"command[{n}]"
+    for name, value in (spec.env or {}).items():
+        if "\0" in value:
+            return f"env.{name}"
+    if "\0" in (spec.workdir or ""):
+        return "workdir"
     if spec.array is not None:
-        values = spec.array.values or ()
-        strings += [(f"array.values[{n}]", value) for n, value in enumerate(values) if isinstance(value, str)]
-    return next((field for field, text in strings if "\0" in text), None)
+        for n, value in enumerate(spec.array.values or ()):
+            if isinstance(value, str) and "\0" in value:
+                return f"array.values[{n}]"
+    return None
 
 
 def _spec_problem(
@@ -961,6 +968,11 @@ def _plan_workflow(
 def _resolve_all(state: SchedulerState, planned: _Planned) -> list[_Job] | str:
     """Every job's dependencies as ids the scheduler knows (a workflow's step names resolved), or
     why they cannot be: an unknown id, a job depending on itself, a cycle of steps."""
+    for job in planned.jobs:
+        if job.spec.depends_on is not None:
+            break
+    else:
+        return list(planned.jobs)  # (most submissions: nothing to resolve, no step to order)
     by_name = planned.by_name or {}
     made = {job.job for job in planned.jobs}
     step_of = {job.job: job.step for job in planned.jobs if job.step is not None}
