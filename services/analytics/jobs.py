@@ -132,27 +132,31 @@ class JobTable:
     def add(self, event: ev.Event) -> None:
         if self.log_end is None or event.at > self.log_end:
             self.log_end = event.at
-        if type(event) not in _READ and not isinstance(event, _READ_OR_SUBCLASS):
-            return  # (most events of a simulation: task ends, ticks; none of the branches below reads them)
-        if isinstance(event, ev.JobSubmitted):
+        # By exact type (this runs for every event of a simulation); a subclass is read as its base.
+        kind: type[ev.Event] | None = type(event)
+        if kind not in _READ:
+            kind = next((base for base in _READ_OR_SUBCLASS if isinstance(event, base)), None)
+            if kind is None:
+                return  # (most events of a simulation: task ends, ticks; none of the branches below reads them)
+        if kind is ev.JobSubmitted:
             self.rows_read += 1
-            if event.job not in self.jobs:
-                self.jobs[event.job] = _Job.submitted(event)
+            if event.job not in self.jobs:  # type: ignore[attr-defined]
+                self.jobs[event.job] = _Job.submitted(event)  # type: ignore[attr-defined,arg-type]
             return
-        if isinstance(event, ev.JobRejected):
+        if kind is ev.JobRejected:
             self.rows_read += 1
             self.rejected += 1
-            self.rejected_for[event.reason] += 1
+            self.rejected_for[event.reason] += 1  # type: ignore[attr-defined]
             return
-        job = self.jobs.get(getattr(event, "job", ""))
+        job = self.jobs.get(event.job)  # type: ignore[attr-defined]
         if job is None:
             return
         # (An int compare per event carrying an attempt: this runs for every event of a simulation.)
-        if isinstance(event, ev.JobPlaced):
+        if kind is ev.JobPlaced:
             if job.end is None:  # (a job that ended is never placed again: the core fold ignores it)
                 job.attempt = event.attempt
                 job.size = sum(len(a.gpus) for a in event.allocations)
-        elif isinstance(event, ev.JobStarted):
+        elif kind is ev.JobStarted:
             if event.attempt == job.attempt and job.attempt_start is None and job.state != "running":
                 job.attempt_start = event.at
                 job.size_since = event.at
@@ -160,7 +164,7 @@ class JobTable:
                 job.state = "running"
                 if job.start is None:
                     job.start = event.at
-        elif isinstance(event, ev.RescaleCompleted):
+        elif kind is ev.RescaleCompleted:
             if event.attempt != job.attempt:
                 return
             times = event.times
@@ -169,21 +173,21 @@ class JobTable:
             job.rescales += 1
             still = max(0.0, times.get("first_step", event.at) - times.get("quiesced", event.at))
             job.paused_gpu_s += still * max(event.world, event.world_before)
-        elif isinstance(event, ev.JobPreempted):
+        elif kind is ev.JobPreempted:
             if event.attempt == job.attempt:
                 job.preemptions += 1
-        elif isinstance(event, ev.JobRequeued):
+        elif kind is ev.JobRequeued:
             if event.attempt == job.attempt:
                 _close_attempt(job, event.at)
                 job.state = "pending"
                 job.attempt = event.attempt + 1
-        elif isinstance(event, ev.JobFinished):
+        elif kind is ev.JobFinished:
             if event.attempt == job.attempt:  # (the scheduler decides it for the attempt in force)
                 _close_attempt(job, event.at)
                 job.end = event.at
                 job.state = event.outcome
                 job.attempt = _NO_ATTEMPT
-        elif isinstance(event, ev.JobDurationPredicted) and job.start is None:
+        elif kind is ev.JobDurationPredicted and job.start is None:
             job.predicted_s = event.seconds  # (the one in force when it first started)
 
     def trace(self, name: str = "log") -> Trace:
