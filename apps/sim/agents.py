@@ -9,7 +9,7 @@ what an agent would append is returned to append. The agents read the scheduler'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -74,11 +74,9 @@ class SimAgents:
             self.views[node] = Tasks(tasks.ends.keys(), exited, {}, asked=self.asked)  # (live views)
         return self.tasks[node], self.exited[node], self.events[node]
 
-    def nodes_of(self, state: ClusterState, job_id: str) -> list[str]:
-        """The nodes an event about ``job_id`` concerns: where it holds GPUs, where it runs tasks."""
-        return list(self._nodes_of(state, job_id))
-
-    def _nodes_of(self, state: ClusterState, job_id: str) -> dict[str, None]:
+    def nodes_of(self, state: ClusterState, job_id: str) -> dict[str, None]:
+        """The nodes an event about ``job_id`` concerns (in order, as keys): where it holds GPUs,
+        where it runs tasks."""
         job = state.jobs.get(job_id)
         nodes = dict.fromkeys([a.node for a in job.allocations]) if job is not None else {}
         if job is not None and job.releasing:
@@ -89,7 +87,7 @@ class SimAgents:
         return nodes
 
     def observe(
-        self, record: Record, state: ClusterState, before: Sequence[str], now: float
+        self, record: Record, state: ClusterState, before: Iterable[str], now: float
     ) -> tuple[list[ev.Event], list[Timer]]:
         """What the agents append (and the timers they set) once ``record`` is folded into ``state``;
         ``before``: the nodes its job concerned before it was folded."""
@@ -101,7 +99,7 @@ class SimAgents:
             return out, timers
         job_id = getattr(event, "job", None)
         if job_id is not None:
-            nodes = self._nodes_of(state, job_id)
+            nodes = self.nodes_of(state, job_id)
             if before:
                 nodes = {**dict.fromkeys(before), **nodes}
             for node in nodes:

@@ -149,8 +149,10 @@ class Simulation:
         there is (the agents react to each), then let each decider that is ready decide one batch and
         append it, and again, until nothing new is appended. (A live runner folds what has arrived
         before it decides, and folds what arrives while its append is on its way.)"""
+        records = self._records
         while True:
-            self._fold_new()
+            if self._fed < len(records):  # (often nothing new: the decider's outputs were folded already)
+                self._fold_new()
             if not self._decide():
                 return
 
@@ -206,7 +208,7 @@ class Simulation:
             except Exception as exc:
                 raise self._failed(core, None, exc) from exc
             if batch:
-                outputs = outputs_of(batch)
+                outputs = batch[0].outputs if len(batch) == 1 else outputs_of(batch)
                 self.decisions += len(outputs)
                 core.appended(self._append(outputs))
         return decided
@@ -269,7 +271,8 @@ class Simulation:
                     moment.append(heapq.heappop(self._heap)[2:])
                     if moment[-1][0] == "submit":
                         self._next_submission(jobs)
-                moment.sort(key=lambda item: item[0] == "submit")  # tasks end (and timers tick) first
+                if len(moment) > 1:
+                    moment.sort(key=lambda item: item[0] == "submit")  # tasks end (and timers tick) first
             for kind, payload in moment:
                 if kind == "submit":
                     self._submit(payload)
@@ -300,12 +303,10 @@ class Simulation:
         return len(state.queue) + len(state.active)
 
     def _busy(self) -> bool:
-        return self._open_jobs() > 0 or self._more_jobs
+        return self._more_jobs or self._open_jobs() > 0  # (asked after every moment: the cheap test first)
 
     def _needed(self, timer: Timer) -> bool:
-        if timer.needed is None:
-            return self._busy()
-        return self._busy() and timer.needed(self._timer_cores[timer.decider].state)
+        return self._busy() and (timer.needed is None or timer.needed(self._timer_cores[timer.decider].state))
 
     def _schedule_tick(self, n: int, timer: Timer) -> None:
         if n not in self._ticking and self._needed(timer):

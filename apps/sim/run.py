@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import multiprocessing
+import operator
 import os
 import signal
 import sys
@@ -333,8 +334,9 @@ def _simulate(
     hasher = hashlib.blake2b(digest_size=12)
     if digest:
         encode = msgspec.msgpack.Encoder().encode
+        event_of = operator.attrgetter("event")
         # (One update per run of records: the digest of the concatenation is the same.)
-        sinks.append(lambda records: hasher.update(b"".join([encode(record.event) for record in records])))
+        sinks.append(lambda records: hasher.update(b"".join(map(encode, map(event_of, records)))))
     sim = Simulation(
         deciders,
         timers=timers,
