@@ -189,6 +189,9 @@ class Agent:
         self.power = PowerSwitch(node, lambda: self.state, self.writer, power_hook)
         self._exited: set[TaskKey] = set()  # tasks that ended by themselves
         self._unrecorded: dict[TaskKey, TaskExit] = {}  # of those, the ends not recorded yet
+        # Tasks of those whose job was resized onto this node again before their end was recorded:
+        # started again only once it is, and only after a completed end (see ``_remember``).
+        self._resized_while_ending: set[TaskKey] = set()
         self._traces: dict[str, str] = {}  # job -> traceparent of its placement
         self._reconciling: dict[str, asyncio.Task[None]] = {}
         self._dirty: set[str] = set()
@@ -382,7 +385,13 @@ class Agent:
         elif isinstance(event, ev.JobFinished | ev.JobRequeued):
             self._forget(event.job)
         elif isinstance(event, ev.JobResized) and any(a.node == self.node for a in event.allocations):
-            self._exited.discard(TaskKey(event.job, event.attempt))  # back on this node: start it again
+            key = TaskKey(event.job, event.attempt)
+            if key in self._unrecorded:
+                # Its end is not recorded yet: started again now, the next reconcile would record a
+                # failed end and restart the task in one pass, for an attempt that end stops.
+                self._resized_while_ending.add(key)
+            else:
+                self._exited.discard(key)  # back on this node: start it again
         elif reclaimed is not None and reclaimed.node == self.node and getattr(event, "deadline_missed", False):
             key = TaskKey(reclaimed.job, reclaimed.attempt)
             self._deadline_missed[key] = f"stopped: it kept leased memory past its deadline ({event.reason})"
@@ -412,6 +421,7 @@ class Agent:
         if current is None:
             self._traces.pop(job_id, None)
         self._exited = {k for k in self._exited if k.job != job_id or k.attempt == current}
+        self._resized_while_ending = {k for k in self._resized_while_ending if k.job != job_id or k.attempt == current}
         self._planned = {k: v for k, v in self._planned.items() if k.job != job_id or k.attempt == current}
         self._files = {k: v for k, v in self._files.items() if k[0].job != job_id or k[0].attempt == current}
         self.messages.forget(job_id, current)
@@ -497,6 +507,11 @@ class Agent:
             case RecordEnd(key, event):
                 await self.writer.append(event)
                 self._unrecorded.pop(key, None)
+                if key in self._resized_while_ending:
+                    self._resized_while_ending.discard(key)
+                    if event.outcome == "completed":  # (its workers left at a shrink: a grow brings it back)
+                        self._exited.discard(key)
+                        self.kick(key.job)
                 log.info("task ended", job=key.job, attempt=key.attempt, outcome=event.outcome, reason=event.reason)
             case StartTask():
                 return await self._start(action)
