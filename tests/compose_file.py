@@ -43,3 +43,13 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 def load_compose(name: str = "docker-compose.yml") -> Any:
     """A compose file of infra/, interpolated."""
     return interpolate(yaml.safe_load((INFRA / name).read_text()), dotenv())
+
+
+def published(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host address, container port) of each port a compose service publishes (no address given:
+    every interface of the host)."""
+    out = []
+    for port in service.get("ports", []):
+        parts = str(port).split(":")
+        out.append((parts[0] if len(parts) == 3 else "0.0.0.0", parts[-1]))
+    return out

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.compose_file import INFRA, dotenv, interpolate, load_compose
+from tests.compose_file import INFRA, dotenv, interpolate, load_compose, published
 
 README = INFRA.parent / "README.md"
 
@@ -20,21 +20,12 @@ def compose() -> dict[str, Any]:
     return load_compose()
 
 
-def _published(service: dict[str, Any]) -> list[tuple[str, str]]:
-    """(host address, container port) of each published port (no address: every interface)."""
-    out = []
-    for port in service.get("ports", []):
-        parts = str(port).split(":")
-        out.append((parts[0] if len(parts) == 3 else "0.0.0.0", parts[-1]))
-    return out
-
-
 def test_only_the_nats_client_port_is_published_beyond_the_host(compose: dict[str, Any]) -> None:
     """Submitters reach NATS (authenticated) from elsewhere; everything else a container serves
     (metrics with per-user GPU usage, health, the dashboard, Prometheus, Grafana) answers without a
     password, so it is published on 127.0.0.1 at most (Prometheus scrapes on the compose network)."""
     for name, service in compose["services"].items():
-        for host, port in _published(service):
+        for host, port in published(service):
             if name.startswith("nats-") and port == "4222":
                 continue
             assert host == "127.0.0.1", f"{name} publishes :{port} on every interface of the host"

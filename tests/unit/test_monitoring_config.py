@@ -23,7 +23,7 @@ from apps import registry
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState
 from gpuherd.metrics import ServiceMetrics
-from tests.compose_file import INFRA, load_compose
+from tests.compose_file import INFRA, load_compose, published
 
 PROMETHEUS_DIR = INFRA / "prometheus"
 GRAFANA_DIR = INFRA / "grafana"
@@ -114,15 +114,6 @@ def _load(path: Path) -> Any:
 def _mounts(service: dict[str, Any]) -> dict[str, str]:
     """A service's bind mounts as {host path as written: container path}."""
     return {v.split(":")[0]: v.split(":")[1] for v in service.get("volumes", []) if v.startswith("./")}
-
-
-def _published(service: dict[str, Any]) -> list[tuple[str, str]]:
-    """(host address, container port) of each published port."""
-    out = []
-    for port in service.get("ports", []):
-        parts = str(port).split(":")
-        out.append((parts[0] if len(parts) == 3 else "0.0.0.0", parts[-1]))
-    return out
 
 
 def _targets(config: dict[str, Any]) -> list[tuple[str, str, str, dict[str, str]]]:
@@ -253,7 +244,7 @@ def test_grafana_provisioning_matches_the_compose_mounts(
     providers = _load(GRAFANA_DIR / "provisioning" / "dashboards" / "gpuherd.yml")["providers"]
     assert [p["options"]["path"] for p in providers] == [mounts["./grafana/dashboards"]]
     prom = compose["services"]["prometheus"]
-    container_port = {port for _, port in _published(prom)}
+    container_port = {port for _, port in published(prom)}
     assert datasource["url"] in {f"http://prometheus:{port}" for port in container_port}
     assert any(host == "prometheus" for _, host, _, _ in _targets(prometheus)), "Prometheus scrapes itself"
 
@@ -265,8 +256,8 @@ def test_monitoring_services_are_pinned_and_local_only(compose: dict[str, Any]) 
     services = compose["services"]
     for name in ("prometheus", "grafana", "dashboard"):
         service = services[name]
-        published = _published(service)
-        assert published and all(host == "127.0.0.1" for host, _ in published), f"{name}: {published}"
+        ports = published(service)
+        assert ports and all(host == "127.0.0.1" for host, _ in ports), f"{name}: {ports}"
         assert "healthcheck" in service, name
     assert re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", services["prometheus"]["image"])
     assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", services["grafana"]["image"])
@@ -321,7 +312,7 @@ def test_every_scrape_target_is_a_compose_service_on_its_metrics_port(
     for job, host, port, _labels in targets:
         assert host in services, f"{job}: {host} is not a service of infra/docker-compose.yml"
         env = services[host].get("environment", {})
-        expected = env.get("GPUHERD_METRICS_PORT") or {p for _, p in _published(services[host])}
+        expected = env.get("GPUHERD_METRICS_PORT") or {p for _, p in published(services[host])}
         assert port in expected, f"{job}: {host}:{port}, the service listens on {expected}"
     scraped = {host for _, host, _, _ in targets}
     processes = {name for name, s in services.items() if s.get("command", [""])[0] == "serve"}

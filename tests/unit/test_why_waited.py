@@ -4,6 +4,7 @@ the scheduler's own pass on the state of each moment it waited, and the decision
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def test_a_preempted_job_has_a_wait_per_queueing(tmp_path: Path) -> None:
     assert len(waits) == 1 + requeued.count(job)
     assert [w.attempt for w in waits] == list(range(len(waits)))
     assert all(w.ended_by.startswith("placed on") for w in waits)
-    assert all(a.until is not None and a.until <= b.since for a, b in zip(waits, waits[1:], strict=False))
+    assert all(a.until is not None and a.until <= b.since for a, b in itertools.pairwise(waits))
 
 
 def test_a_long_wait_is_replayed_at_evenly_spread_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
