@@ -148,8 +148,10 @@ def _exists(state: ClusterState, allocations: tuple[ev.Allocation, ...]) -> bool
             if not state.partial:
                 return False
             continue
-        if not all(0 <= i < len(node.gpus) for i in alloc.gpus):
-            return False
+        count = len(node.gpus)
+        for index in alloc.gpus:  # (a loop, not all() over a generator: every placement is checked)
+            if not 0 <= index < count:
+                return False
     return True
 
 
@@ -318,7 +320,10 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.borrowed = e.borrowed
     job.generation = 0
     job.committed = e.allocations
-    job.state_from = ev.workers_of(e.allocations)[0] if e.allocations and e.allocations[0].gpus else ""
+    # (The first of ``ev.workers_of``, not all of them: one string, not one per GPU.)
+    job.state_from = (
+        ev.worker_id(e.allocations[0].node, e.allocations[0].gpus[0]) if e.allocations and e.allocations[0].gpus else ""
+    )
     job.joiners = ()
     job.releasing = ()
     job.rescale = None
