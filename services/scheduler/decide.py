@@ -313,7 +313,8 @@ class SchedulerDecider(Decider[SchedulerState]):
             victimless=self._victimless,
             explain=False,
         )
-        return [*result.preempted, *result.placed, *wake_up(state, result, self._views.asleep)]
+        asleep = self._views.asleep  # (nearly always none: then there is nothing to wake)
+        return [*result.preempted, *result.placed, *(wake_up(state, result, asleep) if asleep else ())]
 
 
 # -- operator commands --------------------------------------------------------------------------------
