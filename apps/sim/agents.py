@@ -39,13 +39,13 @@ Timer = tuple[float, str, tuple]
 # (Looked up by type, once per record: no subclass of an event type is ever written.)
 _POWER_EVENTS = frozenset({ev.NodePowerDownRequested, ev.NodePowerUpRequested, ev.NodeWakeRequested})
 # Job events an agent has nothing to do about: the job is not placed anywhere by them.
-_NOT_FOR_AGENTS = frozenset({ev.JobSubmitted, ev.JobDurationPredicted, ev.ProfileRequested, ev.ProfileReported})
+NOT_FOR_AGENTS = frozenset({ev.JobSubmitted, ev.JobDurationPredicted, ev.ProfileRequested, ev.ProfileReported})
 # Job events after which a task's exits are no longer needed, and a draining node may be empty.
 _ENDS_ATTEMPT = frozenset({ev.JobFinished, ev.JobRequeued})
 
 
 def concerns_agents(event: ev.Event) -> bool:
-    return type(event) not in _NOT_FOR_AGENTS
+    return type(event) not in NOT_FOR_AGENTS
 
 
 @dataclass
@@ -87,17 +87,17 @@ class SimAgents:
         return nodes
 
     def observe(
-        self, record: Record, state: ClusterState, before: Iterable[str], now: float
+        self, record: Record, state: ClusterState, job_id: str | None, before: Iterable[str], now: float
     ) -> tuple[list[ev.Event], list[Timer]]:
         """What the agents append (and the timers they set) once ``record`` is folded into ``state``;
-        ``before``: the nodes its job concerned before it was folded."""
+        ``job_id``: the job it is about, if any; ``before``: the nodes its job concerned before it
+        was folded."""
         event = record.event
         out: list[ev.Event] = []
         timers: list[Timer] = []
         kind = type(event)
-        if kind in _NOT_FOR_AGENTS:
+        if kind in NOT_FOR_AGENTS:
             return out, timers
-        job_id = getattr(event, "job", None)
         if job_id is not None:
             nodes = self.nodes_of(state, job_id)
             if before:

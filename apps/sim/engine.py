@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from apps.sim.agents import SimAgents, concerns_agents
+from apps.sim.agents import NOT_FOR_AGENTS, SimAgents
 from apps.sim.elastic import ElasticRuns
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
@@ -168,7 +168,7 @@ class Simulation:
             record = records[self._fed]
             self._fed += 1
             event = record.event
-            concerned = agents is not None and concerns_agents(event)
+            concerned = agents is not None and type(event) not in NOT_FOR_AGENTS
             if concerned:
                 job_id = getattr(event, "job", None)
                 # (Where the job was matters to the agents only when the event moves it, or ends it.)
@@ -179,7 +179,7 @@ class Simulation:
                 except Exception as exc:
                     raise self._failed(core, record, exc) from exc
             if concerned:
-                out, timers = agents.observe(record, state, before, self.now)  # type: ignore[union-attr]
+                out, timers = agents.observe(record, state, job_id, before, self.now)  # type: ignore[union-attr]
                 for at, kind, payload in timers:
                     self._push(at, kind, payload)
                 if out:
