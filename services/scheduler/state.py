@@ -344,18 +344,21 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
     status, held, preempt_reason, preempted_for = before if before is not None else (None, 0, None, "")
     spec = job.spec
     kind = type(e)  # (by exact type, as the core fold's handlers are)
-    created = kind is ev.JobSubmitted and before is None and e.job in state.jobs  # type: ignore[attr-defined]
+    # (Read once: nothing below adds or removes a job, or changes which are placed or running.)
+    job_id = job.job
+    kept = job_id in state.jobs  # (not: it finished, and leaves the state)
+    created = kind is ev.JobSubmitted and before is None and kept
     if created and spec.intake_id is not None:
         state.intake_index[intake_key(e.intake_source, spec.intake_id)] = e.job  # type: ignore[union-attr]
-    was_queued, queued = status == "pending", job.status == "pending" and job.job in state.jobs
+    was_queued, queued = status == "pending", job.status == "pending" and kept
     if was_queued != queued:
         if queued:
-            state.queued_by_vc.setdefault(spec.vc, {})[job.job] = None
+            state.queued_by_vc.setdefault(spec.vc, {})[job_id] = None
             _count_up(state.queued_priorities, spec.priority, 1)
             _count_up(state.queued_sizes.setdefault(spec.vc, {}), spec.gpus, 1)
         else:
             by_vc = state.queued_by_vc[spec.vc]
-            del by_vc[job.job]
+            del by_vc[job_id]
             if not by_vc:
                 del state.queued_by_vc[spec.vc]
             _count_down(state.queued_priorities, spec.priority, 1)
@@ -363,57 +366,57 @@ def _follow_job(state: SchedulerState, job: JobState, before: tuple | None, e: e
             _count_down(sizes, spec.gpus, 1)
             if not sizes:
                 del state.queued_sizes[spec.vc]
-    was_active, active = status in ("placed", "running"), job.job in state.active
+    was_active, active = status in ("placed", "running"), job_id in state.active
     if was_active or active:
         state.active_changes[spec.vc] = state.seq
     if was_active != active:
         _count_up(state.active_priorities, spec.priority, 1 if active else -1)
         _count_up(state.user_active, user_key(spec.vc, spec.user), 1 if active else -1)
         if active:
-            state.active_by_vc.setdefault(spec.vc, {})[job.job] = None
+            state.active_by_vc.setdefault(spec.vc, {})[job_id] = None
         else:
             of_vc = state.active_by_vc[spec.vc]
-            del of_vc[job.job]
+            del of_vc[job_id]
             if not of_vc:
                 del state.active_by_vc[spec.vc]
     now_held = job.held if active else 0
     if now_held != (held if was_active else 0):
         _count_up(state.vc_used, spec.vc, now_held - (held if was_active else 0))
         _count_up(state.user_gpus, user_key(spec.vc, spec.user), now_held - (held if was_active else 0))
-    if created or spec.depends_on is not None or spec.array_of is not None or job.job not in state.jobs:
+    if created or spec.depends_on is not None or spec.array_of is not None or not kept:
         follow_dependencies(state, job, created=created, was_active=was_active, active=active)
     if spec.time_limit_s is not None:
         _follow_deadline(state, job)
     for _, at, used in state.accounted:
         _charge(state, job, at, used)
     if preempt_reason is None and job.preempt_reason is not None and kind is ev.JobPreempted:
-        state.preempted_at.setdefault(job.job, []).append(e.at)
-        state.stopping_for.setdefault(job.preempted_for, {})[job.job] = None
-    elif preempt_reason is not None and (job.preempt_reason is None or job.job not in state.jobs):
+        state.preempted_at.setdefault(job_id, []).append(e.at)
+        state.stopping_for.setdefault(job.preempted_for, {})[job_id] = None
+    elif preempt_reason is not None and (job.preempt_reason is None or not kept):
         victims = state.stopping_for.get(preempted_for)
         if victims is not None:
-            victims.pop(job.job, None)
+            victims.pop(job_id, None)
             if not victims:
                 del state.stopping_for[preempted_for]
-    if job.rescale is not None and job.job in state.active:
-        state.rescaling[job.job] = None
-    elif job.job in state.rescaling:
-        del state.rescaling[job.job]
-    if kind is ev.JobDurationPredicted and job.job in state.jobs:
-        state.predicted[job.job] = e.seconds
+    if job.rescale is not None and active:
+        state.rescaling[job_id] = None
+    elif job_id in state.rescaling:
+        del state.rescaling[job_id]
+    if kind is ev.JobDurationPredicted and kept:
+        state.predicted[job_id] = e.seconds
         if e.sigma > 0 or e.user_history:
-            state.predicted_spread[job.job] = (e.sigma, e.user_history)
+            state.predicted_spread[job_id] = (e.sigma, e.user_history)
         else:
-            state.predicted_spread.pop(job.job, None)
+            state.predicted_spread.pop(job_id, None)
     if was_queued or queued:
-        state.queue_changes.pop(job.job, None)
-        state.queue_changes[job.job] = state.seq
-    if job.job not in state.jobs:  # finished: what the scheduler kept of it goes too
-        state.queue_changes.pop(job.job, None)
-        state.predicted.pop(job.job, None)
-        state.predicted_spread.pop(job.job, None)
-        state.preempted_at.pop(job.job, None)
-    if was_active != active or type(e) in _MOVES_END:
+        state.queue_changes.pop(job_id, None)
+        state.queue_changes[job_id] = state.seq
+    if not kept:  # finished: what the scheduler kept of it goes too
+        state.queue_changes.pop(job_id, None)
+        state.predicted.pop(job_id, None)
+        state.predicted_spread.pop(job_id, None)
+        state.preempted_at.pop(job_id, None)
+    if was_active != active or kind in _MOVES_END:
         _follow_end(state, job, active)
 
 
