@@ -262,17 +262,16 @@ def cause_seq_of(event: ev.Event, service: str) -> int | None:
 
 def stamp(service: str, drafts: Sequence[ev.Event], cause: Record, state: HasClock) -> list[ev.Event]:
     """Give drafts their deterministic id, time and provenance."""
+    # (Every decision of every decider is stamped here: no dict of fields per draft.)
+    replace = msgspec.structs.replace
+    now, cause_seq, cause_id = state.now, cause.seq, cause.event.id
     out = []
     for n, draft in enumerate(drafts):
-        fields: dict[str, Any] = {
-            "id": decision_id(service, cause.seq, n),
-            "at": state.now,
-            "source": service,
-        }
+        id_ = decision_id(service, cause_seq, n)
         if isinstance(draft, ev.Decision):
-            fields["based_on"] = state.seq
-            fields["cause"] = cause.event.id
-        out.append(msgspec.structs.replace(draft, **fields))
+            out.append(replace(draft, id=id_, at=now, source=service, based_on=state.seq, cause=cause_id))
+        else:
+            out.append(replace(draft, id=id_, at=now, source=service))
     return out
 
 
