@@ -120,9 +120,15 @@ class SimAgents:
     def _reconcile(
         self, state: ClusterState, node: str, job_id: str, now: float, out: list[ev.Event], timers: list[Timer]
     ) -> None:
-        tasks, _, events = self._of(node)
+        tasks = self.tasks.get(node)  # (every reconcile: the node's executor, once it has one, is read directly)
+        if tasks is None:
+            tasks = self._of(node)[0]
+        events = self.events[node]
         job = state.jobs.get(job_id)
-        modelled = self.elastic is not None and job is not None and self.elastic.models(job)
+        # (Only an elastic job can be modelled: most jobs are not, and are not asked.)
+        modelled = (
+            self.elastic is not None and job is not None and job.spec.elastic is not None and self.elastic.models(job)
+        )
         for action in reconcile(state, node, job_id, self.views[node], now, events, simulated=True):
             if isinstance(action, StartTask):
                 end = tasks.start(action.launch, now)
