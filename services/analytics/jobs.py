@@ -135,9 +135,9 @@ class JobTable:
         # By exact type (this runs for every event of a simulation); a subclass is read as its base.
         kind: type[ev.Event] | None = type(event)
         if kind not in _READ:
-            kind = next((base for base in _READ_OR_SUBCLASS if isinstance(event, base)), None)
-            if kind is None:
+            if not isinstance(event, _READ_OR_SUBCLASS):
                 return  # (most events of a simulation: task ends, ticks; none of the branches below reads them)
+            kind = next(base for base in _READ_OR_SUBCLASS if isinstance(event, base))
         if kind is ev.JobSubmitted:
             self.rows_read += 1
             if event.job not in self.jobs:  # type: ignore[attr-defined]
