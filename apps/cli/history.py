@@ -178,7 +178,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         console.print(table)
         return 0
     decider = make_decider(args.decider, policy=args.policy)
-    with Progress(transient=True, disable=args.json) as progress:
+    # (on a terminal only: piped, a finished bar left an empty line before the report)
+    with Progress(console=console, transient=True, disable=args.json or not console.is_terminal) as progress:
         task = progress.add_task("re-running decisions", total=len(records))
         report = audit(records, decider, progress=lambda i: progress.update(task, completed=i))
     if args.json:

@@ -201,7 +201,8 @@ def cmd_why(args: argparse.Namespace) -> int:
     history = pending is None or getattr(args, "history", False)
     waits: list[Wait] = []
     if history:
-        with Progress(transient=True, disable=args.json) as progress:
+        # (on a terminal only: piped, a finished bar left an empty line before the answer)
+        with Progress(console=console, transient=True, disable=args.json or not console.is_terminal) as progress:
             task = progress.add_task("replaying its waits", total=len(records))
             waits = wait_history(records, job.job, progress=lambda i: progress.update(task, completed=i))
     if args.json:

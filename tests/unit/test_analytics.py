@@ -515,6 +515,10 @@ def test_replay_of_a_log_file_prints_its_jobs_by_status_as_a_table(
     ended = sum(1 for r in result.records if isinstance(r.event, ev.JobFinished))
     assert re.search(rf"completed\s+\S\s+{ended:,}\s", out), out
     assert re.search(rf"all\s+\S\s+{ended:,}\s", out), out
+    args = build_parser().parse_args(["replay", "--audit", "--log", str(path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("audited "), "piped, the finished progress bar left an empty line first"
 
 
 @pytest.mark.parametrize("command", ["usage", "history"])
