@@ -1,5 +1,7 @@
 """Topology-aware placement on hand-built topologies."""
 
+import random
+
 from gpuherd import events as ev
 from gpuherd.fold import ClusterState, apply, islands_of
 from services.scheduler.placement import NodeView, Score, place, score, take, views
@@ -146,18 +148,22 @@ def test_views_come_from_state_with_busy_and_unhealthy_gpus_left_out() -> None:
     assert views(state)["n1"].islands == ((1, 2, 3), (4, 6, 7))
 
 
-def test_the_island_index_finds_what_a_full_scan_finds() -> None:
-    import random
+def _random_views(rng: random.Random, nodes: int) -> dict[str, NodeView]:
+    """Nodes of two 4-GPU islands, each GPU free with odds 0.6, in 3 racks (fully busy nodes left out)."""
+    free = {}
+    for n in range(nodes):
+        islands = tuple(t for t in (tuple(i for i in range(b, b + 4) if rng.random() < 0.6) for b in (0, 4)) if t)
+        if islands:
+            free[f"n{n:02d}"] = view(f"n{n:02d}", *islands, rack=f"r{n % 3}")
+    return free
 
+
+def test_the_island_index_finds_what_a_full_scan_finds() -> None:
     from services.scheduler.placement import IslandIndex
 
     rng = random.Random(5)
     for _ in range(30):
-        free = {}
-        for n in range(40):
-            islands = tuple(t for t in (tuple(i for i in range(b, b + 4) if rng.random() < 0.6) for b in (0, 4)) if t)
-            if islands:
-                free[f"n{n:02d}"] = view(f"n{n:02d}", *islands, rack=f"r{n % 3}")
+        free = _random_views(rng, 40)
         index = IslandIndex(free)
         for _ in range(25):  # place one-node jobs one after another, as a pass does
             job = spec(rng.choice([1, 1, 2, 3, 4]))
@@ -173,17 +179,11 @@ def test_the_island_index_finds_what_a_full_scan_finds() -> None:
 
 
 def test_a_placement_that_avoids_nodes_is_the_best_on_the_others_and_the_index_forgets_none() -> None:
-    import random
-
     from services.scheduler.placement import IslandIndex
 
     rng = random.Random(7)
     for _ in range(30):
-        free = {}
-        for n in range(30):
-            islands = tuple(t for t in (tuple(i for i in range(b, b + 4) if rng.random() < 0.6) for b in (0, 4)) if t)
-            if islands:
-                free[f"n{n:02d}"] = view(f"n{n:02d}", *islands, rack=f"r{n % 3}")
+        free = _random_views(rng, 30)
         index = IslandIndex(free)
         for _ in range(20):
             job = spec(rng.choice([1, 2, 3, 4, 6]), rng.choice([None, None, 2]))
