@@ -28,6 +28,7 @@ from services.nodeagent.reconcile import (
     Tasks,
     WritePlan,
     WriteTaskFile,
+    dead_rejoining,
     reconcile,
 )
 from services.nodeagent.state import AgentState, evolve, new_state
@@ -384,8 +385,11 @@ def test_plans_files_workers_and_leases_go_only_to_the_current_task_and_only_whe
             case StartWorkers(launch):
                 assert launch.key == current and current in tasks.running and not simulated
                 mine = job.allocations[job.nodes.index(ME)].gpus
-                launched = tasks.workers.get(current, TaskWorkers()).launched
-                assert launch.gpus == tuple(g for g in mine if g not in launched) and launch.gpus
+                workers = tasks.workers.get(current, TaskWorkers())
+                # A GPU gets a worker if it never had one, if its worker left at a rescale, or if its
+                # worker died and the generation names it again as a joiner (the rule of b41b401).
+                again = workers.left | dead_rejoining(job, ME, workers.dead)
+                assert launch.gpus == tuple(g for g in mine if g not in workers.launched or g in again) and launch.gpus
             case RequestLease(event):
                 assert job.spec.memory is not None and job.status == "running"
                 assert event.lease not in tasks.asked and event.attempt == job.attempt and event.node == ME
