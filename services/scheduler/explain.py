@@ -150,7 +150,9 @@ def wait_history(records: list[Record], job: str, progress: Callable[[int], None
             step = len(candidates) / MAX_PASSES_REPLAYED
             candidates = [candidates[int(n * step)] for n in range(MAX_PASSES_REPLAYED - 1)] + [candidates[-1]]
         replayed.update(candidates)
-    by_id = {r.event.id: r for r in records}
+    # The causes of the placements that ended a wait, by id (what each was decided on).
+    causes = {getattr(records[last + 1].event, "cause", "") for _, last in windows if last + 1 < len(records)}
+    by_id = {r.event.id: r for r in records if r.event.id in causes}
     state = decider.initial_state()
     waits: list[Wait] = []
     spans: list[WaitSpan] = []
@@ -172,8 +174,8 @@ def wait_history(records: list[Record], job: str, progress: Callable[[int], None
             if i in replayed:
                 passes += 1
                 spans = _with_pass(spans, decider.plan(state), job, record.event.at)
-        if i == last + 1 or (i == last and i == len(records) - 1):
-            waits.append(_ended_wait(since, attempt, spans, passes, possible, record, job, by_id, ended=i == last + 1))
+        if i == last + 1:
+            waits.append(_ended_wait(since, attempt, spans, passes, possible, record, job, by_id, ended=True))
             current = next(window, None)
     if current is not None:  # the log ends while it waits
         waits.append(_ended_wait(since, attempt, spans, passes, possible, records[-1], job, by_id, ended=False))

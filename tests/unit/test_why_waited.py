@@ -98,3 +98,15 @@ def test_why_of_a_log_file_prints_the_waits(tmp_path: Path, capsys: pytest.Captu
     args = build_parser().parse_args(["why", _job_of(records, 0), "--log", str(path)])
     assert args.func(args) == 0
     assert "wait 1: none - placed on" in capsys.readouterr().out
+
+
+def test_a_log_that_ends_while_the_job_waits_says_so(tmp_path: Path) -> None:
+    records = _log(tmp_path, [(0, 5000.0, 4), (10, 100.0, 2)])
+    second = _job_of(records, 1)
+    placed = next(i for i, r in enumerate(records) if isinstance(r.event, ev.JobPlaced) and r.event.job == second)
+    for cut in (placed, placed - 1):  # the log ends just before the placement, or one record earlier
+        (wait,) = wait_history(records[:cut], second)
+        assert wait.until is None and wait.ended_by == "still waiting at the log's end"
+        assert wait.spans and wait.spans[0].kind != NEXT_PASS
+    (wait,) = wait_history(records[: placed + 1], second)  # the placement is the log's last record
+    assert wait.ended_by.startswith("placed on") and wait.placed_by
