@@ -44,10 +44,6 @@ NOT_FOR_AGENTS = frozenset({ev.JobSubmitted, ev.JobDurationPredicted, ev.Profile
 _ENDS_ATTEMPT = frozenset({ev.JobFinished, ev.JobRequeued})
 
 
-def concerns_agents(event: ev.Event) -> bool:
-    return type(event) not in NOT_FOR_AGENTS
-
-
 @dataclass
 class SimAgents:
     """Every node's agent, with a ``sim`` executor each."""

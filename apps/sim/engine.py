@@ -208,7 +208,7 @@ class Simulation:
             except Exception as exc:
                 raise self._failed(core, None, exc) from exc
             if batch:
-                outputs = batch[0].outputs if len(batch) == 1 else outputs_of(batch)
+                outputs = outputs_of(batch)
                 self.decisions += len(outputs)
                 core.appended(self._append(outputs))
         return decided
