@@ -329,10 +329,17 @@ class Client:
         )
 
     async def _log(self) -> Any:
+        """The log on this client's connection, with the deployment's settings: under
+        ``GPUHERD_STREAMS=require`` (a user without the right to manage streams) it only checks that
+        the streams exist, and says at once what is missing."""
+        from gpuherd.log import settings_from_env
         from gpuherd.log.jetstream import JetStreamLog
 
-        log_ = JetStreamLog(self.nc)
-        await log_.ensure_streams()
+        log_ = JetStreamLog(self.nc, settings_from_env())
+        if log_.settings.streams == "require":
+            await log_.require_streams(timeout=0.0)
+        else:
+            await log_.ensure_streams()
         return log_
 
     async def cancel(self, job_id: str, reason: str = "") -> None:

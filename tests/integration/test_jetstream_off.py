@@ -131,6 +131,35 @@ def test_gpuherd_jobs_with_streams_required_but_missing_names_them_at_once(
     assert "cannot reach" not in message, message
 
 
+async def test_a_client_under_streams_required_only_checks_them_and_creates_none(
+    local_nats: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submitter's client (cancel, job lookups) follows GPUHERD_STREAMS as services and commands
+    do: a user without the right to manage streams is told what is missing, and nothing is created."""
+    from gpuherd.client import Client
+
+    monkeypatch.setenv("GPUHERD_STREAMS", "require")
+    nc = await nats.connect(local_nats.url)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LogError) as raised:
+            await Client(nc, "ci").cancel("some-job")
+        assert time.monotonic() - started < AT_ONCE_S
+        assert "HERD_INTAKE" in str(raised.value) and "gpuherd log init" in str(raised.value), raised.value
+        assert await nc.jetstream().streams_info() == []  # (not created behind the user's back)
+    finally:
+        await nc.close()
+
+
+def test_streams_setting_other_than_create_or_require_is_refused() -> None:
+    from gpuherd.log import settings_from_env
+
+    assert settings_from_env({}).streams == "create"
+    assert settings_from_env({"GPUHERD_STREAMS": "require", "GPUHERD_REPLICAS": "3"}).replicas == 3
+    with pytest.raises(LogError, match="GPUHERD_STREAMS='requires'"):
+        settings_from_env({"GPUHERD_STREAMS": "requires"})
+
+
 async def test_a_jetstream_without_meta_leader_is_waited_for_and_the_wait_said_early(tmp_path: Path) -> None:
     cluster = NatsCluster(tmp_path, size=3)
     lone, *others = cluster.servers

@@ -1,6 +1,12 @@
 """The event log: narrow interfaces (``interfaces``), a JetStream and an in-memory implementation,
 and the log as a file (simulations)."""
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gpuherd.errors import LogError
 from gpuherd.log.inprocess import InProcessLog
 from gpuherd.log.interfaces import (
     Connection,
@@ -35,6 +41,9 @@ from gpuherd.log.streams import (
     TRACEPARENT,
     reply_inboxes,
 )
+
+if TYPE_CHECKING:
+    from gpuherd.log.jetstream import JetStreamSettings
 
 __all__ = [
     "CONTROL_PREFIX",
@@ -71,24 +80,37 @@ __all__ = [
     "TelemetryBus",
     "open_log",
     "reply_inboxes",
+    "settings_from_env",
 ]
 
 
-async def open_log(url: str, *, name: str = "gpuherd", persistent: bool = True, **settings: object) -> EventLog:
-    """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client).
-
-    ``GPUHERD_LEADERSHIP_TTL`` and ``GPUHERD_REPLICAS`` set the lease TTL and stream replicas
-    when the streams are first created (3 replicas in the compose cluster)."""
+def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) -> JetStreamSettings:
+    """The log's settings as this deployment sets them: ``GPUHERD_LEADERSHIP_TTL`` and
+    ``GPUHERD_REPLICAS`` (the lease TTL and stream replicas when the streams are first created; 3
+    replicas in the compose cluster), ``GPUHERD_STREAMS`` (``create``, or ``require`` for a user
+    without the right to manage streams). ``settings`` override them."""
     import os
 
-    from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings
+    from gpuherd.log.jetstream import JetStreamSettings
 
-    settings.setdefault("leadership_ttl_s", float(os.environ.get("GPUHERD_LEADERSHIP_TTL", "6")))
-    settings.setdefault("replicas", int(os.environ.get("GPUHERD_REPLICAS", "1")))
-    settings.setdefault("streams", os.environ.get("GPUHERD_STREAMS", "create"))
+    env = os.environ if env is None else env
+    settings.setdefault("leadership_ttl_s", float(env.get("GPUHERD_LEADERSHIP_TTL", "6")))
+    settings.setdefault("replicas", int(env.get("GPUHERD_REPLICAS", "1")))
+    streams = env.get("GPUHERD_STREAMS", "create")
+    if streams not in ("create", "require"):
+        raise LogError(f"GPUHERD_STREAMS={streams!r}: set it to create (the default) or require")
+    settings.setdefault("streams", streams)
+    return JetStreamSettings(**settings)  # type: ignore[arg-type]
+
+
+async def open_log(url: str, *, name: str = "gpuherd", persistent: bool = True, **settings: object) -> EventLog:
+    """Open the JetStream log at ``url`` (imported lazily so simulations need no NATS client), with
+    the deployment's settings (``settings_from_env``)."""
+    from gpuherd.log.jetstream import JetStreamLog
+
     return await JetStreamLog.open(
         url,
         name=name,
-        settings=JetStreamSettings(**settings),
+        settings=settings_from_env(**settings),
         persistent=persistent,  # type: ignore[arg-type]
     )
