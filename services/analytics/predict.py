@@ -152,11 +152,29 @@ class BurstPosterior(NamedTuple):
     within: float
 
 
+class BurstUpdate(NamedTuple):
+    """The normal-normal update of a model mu (spread ``sigma``) with the median of a burst's finished
+    mates (each of spread ``within``): what it takes from the spread and the burst, worked out once
+    for every mu of that spread."""
+
+    prior: float  # the weight of the model's mu: 1 / sigma**2
+    pull: float  # the finished mates' weight times their median
+    total: float  # both weights
+    sigma: float  # the updated spread
+
+    @classmethod
+    def of(cls, sigma: float, posterior: BurstPosterior) -> BurstUpdate:
+        w0, w1 = 1.0 / sigma**2, posterior.finished / posterior.within**2
+        return cls(w0, w1 * posterior.median, w0 + w1, math.sqrt(1.0 / (w0 + w1)))
+
+    def mu(self, mu: float) -> float:
+        return (self.prior * mu + self.pull) / self.total
+
+
 def _with_burst(mu: float, sigma: float, posterior: BurstPosterior) -> tuple[float, float]:
-    """Normal-normal update: the model's mu (spread sigma) with the median of the finished
-    burst-mates (each of spread ``within``)."""
-    w0, w1 = 1.0 / sigma**2, posterior.finished / posterior.within**2
-    return (w0 * mu + w1 * posterior.median) / (w0 + w1), math.sqrt(1.0 / (w0 + w1))
+    """The model's mu (spread sigma) updated with the median of the finished burst-mates."""
+    update = BurstUpdate.of(sigma, posterior)
+    return update.mu(mu), update.sigma
 
 
 def _seconds(mu: float) -> float:
@@ -169,10 +187,11 @@ Moved = Callable[[tuple[float, float], float, float], bool]
 
 @dataclass(slots=True)
 class _Weighing:
-    """What one end's revisions work out once: each burst's posterior, each error key's spread."""
+    """What one end's revisions work out once: each burst's posterior, and its update of the jobs of
+    each error key (with the revised spread as recorded: every job of the key shares it)."""
 
     posteriors: dict[str, BurstPosterior | None] = field(default_factory=dict)
-    sigmas: dict[str, float] = field(default_factory=dict)
+    updates: dict[tuple[str, str], tuple[BurstUpdate, float]] = field(default_factory=dict)
 
 
 class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -407,15 +426,21 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         from the groups its burst keeps: the work grows with the groups and the jobs whose prediction
         moved, not with the burst's size (a sweep may hold thousands of jobs, and each of their ends
         revises the rest). In no particular order."""
-        burst_id = self.ended_in.get(ended, "")
-        burst = self.bursts.get(burst_id)
-        if burst is None:
-            return {}
-        weighed = _Weighing()
+        burst = self.bursts.get(self.ended_in.get(ended, ""))
+        if burst is None or not burst.finished or not burst.groups:
+            return {}  # (nothing to weigh, or nothing weighed moves: no finished mate)
+        posterior = self._burst_posterior(burst)
+        # The groups of one error key share the update but for their mu (a sweep's groups nearly all
+        # share one key): it is worked out once per key, not per group.
+        updates: dict[str, tuple[BurstUpdate, float]] = {}
         out: dict[str, Prediction] = {}
         for group in burst.groups.values():
-            posterior = self._moves(burst_id, group.mu, group.error_key, group.in_force, moved, weighed)
-            if posterior is not None:
+            weighed = updates.get(group.error_key)
+            if weighed is None:
+                update = BurstUpdate.of(self.sigma(group.error_key), posterior)
+                weighed = updates[group.error_key] = (update, round(update.sigma, 4))
+            update, sigma = weighed
+            if moved(group.in_force, _seconds(update.mu(group.mu)), sigma):
                 for job in group.jobs:
                     out[job] = self._prediction(self.pending[job], posterior)
         return out
@@ -432,11 +457,12 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         posterior = weighed.posteriors[burst_id]
         if posterior is None:
             return None
-        sigma = weighed.sigmas.get(error_key)
-        if sigma is None:
-            sigma = weighed.sigmas[error_key] = self.sigma(error_key)
-        mu, sigma = _with_burst(mu, sigma, posterior)
-        return posterior if moved(before, _seconds(mu), round(sigma, 4)) else None
+        update_key = (burst_id, error_key)
+        if update_key not in weighed.updates:
+            update = BurstUpdate.of(self.sigma(error_key), posterior)
+            weighed.updates[update_key] = (update, round(update.sigma, 4))
+        update, sigma = weighed.updates[update_key]
+        return posterior if moved(before, _seconds(update.mu(mu)), sigma) else None
 
     def recorded(self, job: str, seconds: float, sigma: float) -> None:
         """A prediction of ``job`` was recorded: the one in force when its mates' ends revise it."""
