@@ -88,6 +88,13 @@ def _unforged(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def as_decoded(event: Event) -> bool:
+    """Whether ``event``, read by a typed decoder of the union (``any_event``), is what ``decode``
+    makes of the same bytes: of its class's current version, and no command claiming the exemption
+    only v1 commands have (``_unforged``). Where it is not, decode its bytes with ``decode``."""
+    return event.v == type(event).VERSION and not (isinstance(event, Command) and event.unchecked)
+
+
 def decode(data: bytes) -> Event:
     """Decode one stored event; old versions go through the upcasters."""
     codecs = _codecs.current()

@@ -32,9 +32,14 @@ events appended alone (a leader's fence is), or is found by reading (``subject_s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import msgspec
+
+from gpuherd.errors import UNDECODABLE
+from gpuherd.events import Event, any_event
+from gpuherd.events.codec import as_decoded
 
 PAGE_SLOTS = 1000
 PAGE_HEADER = "Gpuherd-Page"  # the number of events in a page; absent: the message is one event
@@ -46,12 +51,25 @@ FREE_IDS = frozenset({"job", "lease", "vc", "rejected"})
 def pageable(page_subject: str, subject: str) -> bool:
     """Whether an event on ``subject`` may travel in a page stored on ``page_subject``: the same
     subject, or one that differs only in the id of an aggregate whose id is free (``FREE_IDS``)."""
-    if subject == page_subject:
-        return True
-    page_tokens, tokens = page_subject.split("."), subject.split(".")
-    if len(tokens) != len(page_tokens) or len(tokens) < 3 or tokens[1] not in FREE_IDS:
-        return False
-    return tokens[:2] == page_tokens[:2] and tokens[3:] == page_tokens[3:]
+    return page_admits(page_subject)(subject)
+
+
+def page_admits(page_subject: str) -> Callable[[str], bool]:
+    """``pageable`` for one page's subject, asked of each of its events: the page's subject is split
+    once per page, not once per event."""
+    page_tokens = page_subject.split(".")
+    if len(page_tokens) < 3 or page_tokens[1] not in FREE_IDS:
+        return page_subject.__eq__
+    kind = f"{page_tokens[0]}.{page_tokens[1]}."  # (no token holds a dot: a prefix match is a match of both)
+    rest = page_tokens[3:]
+
+    def admits(subject: str) -> bool:
+        if subject == page_subject:
+            return True
+        # The same kind, any id, then the same tokens (and as many) as the page's subject.
+        return subject.startswith(kind) and subject[len(kind) :].split(".")[1:] == rest
+
+    return admits
 
 
 class _Page(msgspec.Struct):
@@ -79,6 +97,52 @@ def decode_page(data: bytes) -> list[tuple[bytes, str | None]]:
     if len(traces) != len(page.events):
         raise msgspec.ValidationError(f"a page of {len(page.events)} events carries {len(traces)} traces")
     return [(bytes(raw), trace) for raw, trace in zip(page.events, traces, strict=True)]
+
+
+E = TypeVar("E")
+
+
+class _EventPage(msgspec.Struct, Generic[E]):
+    events: list[E]
+    traces: list[str | None] | None = None
+
+
+class _TypedPageDecoder:
+    """A decoder of a whole page into events, made again when the catalogue's union changed (a plugin
+    service's events, imported later)."""
+
+    def __init__(self) -> None:
+        self.union: Any = None
+        self.decoder: msgspec.json.Decoder[Any] | None = None
+
+    def current(self) -> msgspec.json.Decoder[Any]:
+        union = any_event()
+        if self.decoder is None or union is not self.union:
+            self.decoder = msgspec.json.Decoder(_EventPage[union])  # type: ignore[valid-type]
+            self.union = union
+        return self.decoder
+
+
+_typed_pages = _TypedPageDecoder()
+
+
+def decode_page_events(data: bytes) -> list[tuple[Event, str | None]] | None:
+    """The events of a page and their traceparents, decoded in one pass: what decoding each of
+    ``decode_page``'s events with ``gpuherd.events.decode`` gives, where that is the same. None where
+    it may not be (an event of an older version to upcast, one that does not decode, a page that is
+    no page): the caller then takes the event-by-event path, which says what is wrong where."""
+    try:
+        page = _typed_pages.current().decode(data)
+    except UNDECODABLE:  # (a ValidationError is a DecodeError)
+        return None
+    events: list[Event] = page.events
+    if not all(map(as_decoded, events)):
+        return None
+    if page.traces is None:
+        return [(event, None) for event in events]
+    if len(page.traces) != len(events):
+        return None
+    return list(zip(events, page.traces, strict=True))
 
 
 def page_id(event_ids: Sequence[str]) -> str:
