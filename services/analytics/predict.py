@@ -181,6 +181,23 @@ def _seconds(mu: float) -> float:
     return round(math.exp(min(mu, 25.0)), 1)
 
 
+def _with_burst_basis(basis: str, posterior: BurstPosterior) -> str:
+    return f"{basis}; {posterior.finished} of its burst finished"
+
+
+def _as_prediction(pending: Pending, mu: float, sigma: float, basis: str, seconds: float) -> Prediction:
+    """The prediction of mu (``seconds``: its median) and ``sigma`` for the job ``pending`` stands for."""
+    return Prediction(
+        seconds=seconds,
+        basis=basis,
+        mu=round(mu, 6),
+        sigma=round(sigma, 4),
+        version=pending.version,
+        digest=pending.digest,
+        user_history=pending.user_history,
+    )
+
+
 # Whether a revised (seconds, sigma) differs enough from the prediction in force to be recorded.
 Moved = Callable[[tuple[float, float], float, float], bool]
 
@@ -440,9 +457,14 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
                 update = BurstUpdate.of(self.sigma(group.error_key), posterior)
                 weighed = updates[group.error_key] = (update, round(update.sigma, 4))
             update, sigma = weighed
-            if moved(group.in_force, _seconds(update.mu(group.mu)), sigma):
+            mu = update.mu(group.mu)
+            seconds = _seconds(mu)
+            if moved(group.in_force, seconds, sigma):
+                # (What ``_prediction`` works out for each of them: they share mu and error key.)
                 for job in group.jobs:
-                    out[job] = self._prediction(self.pending[job], posterior)
+                    pending = self.pending[job]
+                    basis = _with_burst_basis(pending.basis, posterior)
+                    out[job] = _as_prediction(pending, mu, update.sigma, basis, seconds)
         return out
 
     def _moves(
@@ -538,16 +560,8 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
                 posterior = self._burst_posterior(burst)
         if posterior is not None:
             mu, sigma = _with_burst(mu, sigma, posterior)
-            basis = f"{basis}; {posterior.finished} of its burst finished"
-        return Prediction(
-            seconds=_seconds(mu),
-            basis=basis,
-            mu=round(mu, 6),
-            sigma=round(sigma, 4),
-            version=pending.version,
-            digest=pending.digest,
-            user_history=pending.user_history,
-        )
+            basis = _with_burst_basis(basis, posterior)
+        return _as_prediction(pending, mu, sigma, basis, _seconds(mu))
 
     def _join_burst(self, job: str, f: Features) -> str:
         key = f.burst_key()
