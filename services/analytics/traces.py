@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -766,11 +767,20 @@ def load_trace(path: str | Path, kind: str | None = None) -> Trace:
 # -- out of the table ---------------------------------------------------------------------------
 
 _TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+MAX_JOB_ID = 128  # intake's limit on an intake id, which a trace job's id is
 
 
-def job_id_for(trace_id: str) -> str:
-    """A gpuherd job id for a trace job (a NATS subject token: no dots or spaces)."""
-    return _TOKEN.sub("_", trace_id)
+def job_id_for(trace_id: str, n: int = 1) -> str:
+    """A gpuherd job id for a trace job (a NATS subject token: no dots or spaces); ``n`` > 1: the
+    id of the n-th trace id that gives the same token (``<id>-n``). An id longer than intake takes
+    keeps its start and ends with a hash of the whole trace id, so two long ids stay two jobs (cut,
+    intake would refuse the job, and the simulation would count it rejected)."""
+    token = _TOKEN.sub("_", trace_id)
+    suffix = f"-{n}" if n > 1 else ""
+    if len(token) + len(suffix) <= MAX_JOB_ID:
+        return token + suffix
+    hashed = hashlib.blake2b(trace_id.encode(), digest_size=8).hexdigest()
+    return f"{token[: MAX_JOB_ID - len(hashed) - 1 - len(suffix)]}_{hashed}{suffix}"
 
 
 def submissions(trace: Trace, *, start: float = 0.0) -> Iterator[ev.JobSubmitted]:
@@ -793,7 +803,7 @@ def submissions(trace: Trace, *, start: float = 0.0) -> Iterator[ev.JobSubmitted
             job = job_id_for(trace_id)
             n = 2
             while job in used:
-                job = f"{job_id_for(trace_id)}-{n}"
+                job = job_id_for(trace_id, n)
                 n += 1
             ids[trace_id] = job
             used.add(job)

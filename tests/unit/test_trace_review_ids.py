@@ -53,6 +53,26 @@ def test_a_simulation_runs_every_trace_job(tmp_path: Path) -> None:
     assert (result.table.jobs["state"] == "completed").all()
 
 
+def test_ids_longer_than_intake_takes_are_shortened_and_stay_distinct(tmp_path: Path) -> None:
+    """A trace id of 128 characters takes intake's whole limit, so its "-2" twin went over it, and
+    a longer id was refused outright: each job was counted rejected instead of run."""
+    long_a, long_b = "a" * 200, "a" * 199 + "b"  # (one start, one job each)
+    exact = "e" * 128
+    path = tmp_path / "cluster_log.csv"
+    # "e...e." and "e...e_" are one token of 128 characters: the second is renamed "<it>-2", over 128.
+    rows = [(long_a, 0), (long_b, 1), (exact, 2), ("e" * 127 + ".", 3), ("e" * 127 + "_", 4)]
+    path.write_text(
+        "job_id,user,vc,gpu_num,state,submit_time,start_time,end_time,duration\n"
+        + "".join(f"{job},u,a,1,COMPLETED,{at},{at},{at + 100},100\n" for job, at in rows)
+    )
+    jobs = [s.job for s in submissions(load_helios(path))]
+    assert len(set(jobs)) == len(rows)
+    assert all(len(job) <= 128 for job in jobs), [len(job) for job in jobs]
+    assert jobs[2] == exact  # (one that fits keeps its id)
+    result = simulate(submissions(load_helios(path)), ClusterSpec(vcs={"a": VcSpec(nodes=1)}), "fifo")
+    assert result.rejected == 0 and (result.table.jobs["state"] == "completed").all()
+
+
 # -- jobs the trace gives no id ----------------------------------------------------------------------
 
 
