@@ -281,6 +281,7 @@ class JetStreamLog(EventLog):
         self._kv: dict[str, Any] = {}
         # Positions per stored message: PAGE_SLOTS, or 1 on a log from before pages (None: not read yet).
         self._slots: int | None = None
+        self._acks: _PublishAcks | None = None  # (made by the first append_pipelined)
         self._owns_connection = False
         self._connected_since = time.time()
         # How long setting up (or finding) the streams waits for a JetStream that does not answer yet.
@@ -694,23 +695,33 @@ class JetStreamLog(EventLog):
         )
 
     async def append_pipelined(self, events: Sequence[ev.Event], window: int = 256) -> list[int]:
+        """Each event on its own (one message, deduplicated by its id), ``window`` unacknowledged at
+        most; their positions. The acknowledgements come on one subscription of this log's
+        (``_PublishAcks``): a JetStream publish per event, a request each, cost its caller a task,
+        a timer, a reply inbox and a JSON parse into nats-py's PubAck."""
         slots = await self._positions()
-        semaphore = asyncio.Semaphore(window)
-        seqs: list[int] = [0] * len(events)
-
-        async def one(i: int, event: ev.Event) -> None:
-            try:
-                ack = await self.js.publish(event.subject(), ev.encode(event), headers=self._headers(event, None, None))
-                seqs[i] = ack.seq * slots
-            finally:
-                semaphore.release()
-
-        tasks = []
-        for i, event in enumerate(events):
-            await semaphore.acquire()
-            tasks.append(asyncio.ensure_future(one(i, event)))
-        await asyncio.gather(*tasks)
-        return seqs
+        if self._acks is None:
+            self._acks = _PublishAcks(self.nc)
+        acks = self._acks
+        timeout = self.settings.request_timeout_s
+        in_flight = asyncio.Semaphore(window)
+        waiting: list[asyncio.Future[int]] = []
+        try:
+            for event in events:
+                if in_flight.locked():  # (acknowledgements stopped coming: a publish's timeout)
+                    await asyncio.wait_for(in_flight.acquire(), timeout)
+                else:
+                    await in_flight.acquire()
+                reply, ack = await acks.expect()
+                ack.add_done_callback(lambda _: in_flight.release())
+                waiting.append(ack)
+                headers = self._headers(event, None, None)
+                await self.nc.publish(event.subject(), ev.encode(event), reply=reply, headers=headers)
+            async with asyncio.timeout(timeout):
+                seqs = await asyncio.gather(*waiting)
+        finally:
+            acks.forget(waiting)
+        return [seq * slots for seq in seqs]
 
     async def read(
         self, start: int = 1, *, stop: int | None = None, follow: bool = False, linger_s: float = 0.0
@@ -1021,6 +1032,51 @@ def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
     if int(error.get("code") or 0) >= 500:
         return LogUnavailable(message)
     return LogError(message)
+
+
+class _PublishAcks:
+    """JetStream's acknowledgements of publishes, on one subscription to a wildcard inbox: a future
+    per publish, answered as nats-py's ``JetStreamContext.publish`` answers (the stored sequence; an
+    APIError for a refusal; NoStreamResponseError where no stream took the subject)."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox()
+        self._sub: Any = None
+        self._numbers = itertools.count()
+        self._waiting: dict[str, asyncio.Future[int]] = {}  # reply subject -> its publish's sequence
+
+    async def expect(self) -> tuple[str, asyncio.Future[int]]:
+        """A reply subject for one publish, and the future its acknowledgement answers."""
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._answer)
+        reply = f"{self._prefix}.{next(self._numbers)}"
+        ack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[reply] = ack
+        return reply, ack
+
+    def forget(self, acks: Sequence[asyncio.Future[int]]) -> None:
+        """Stop waiting for ``acks`` (answered, or given up on: a late answer is dropped)."""
+        for ack in acks:
+            if not ack.done():
+                ack.cancel()
+        if len(self._waiting) > 0:
+            self._waiting = {reply: ack for reply, ack in self._waiting.items() if not ack.done()}
+
+    async def _answer(self, msg: Msg) -> None:
+        ack = self._waiting.pop(msg.subject, None)
+        if ack is None or ack.done():
+            return
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":  # no responders
+            ack.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            answer = msgspec.json.decode(msg.data)
+            if "error" in answer:
+                nats.js.errors.APIError.from_error(answer["error"])  # (raises the error's class)
+            ack.set_result(int(answer["seq"]))
+        except Exception as exc:  # (an answer that is no acknowledgement is the publish's failure)
+            ack.set_exception(exc)
 
 
 # A request's inbox is kept at most this long for its verdict: its sender gave up long before, and an

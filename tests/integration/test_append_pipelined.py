@@ -1,0 +1,62 @@
+"""``append_pipelined`` on a real nats-server: each event its own message, acknowledged on one
+subscription of the log; positions in order, a repeat is deduplicated to the first's, refusals raise."""
+
+from __future__ import annotations
+
+import uuid
+from types import SimpleNamespace
+
+import msgspec
+import nats.js.errors
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.log import open_log
+from gpuherd.log.jetstream import _PublishAcks
+
+
+def cancel() -> ev.JobCancelRequested:
+    return ev.JobCancelRequested(id=uuid.uuid4().hex, at=1.0, source="test", job=uuid.uuid4().hex[:10], reason="")
+
+
+async def test_pipelined_events_are_stored_in_order_once(nats_url: str) -> None:
+    log_ = await open_log(nats_url, name="pipelined")
+    try:
+        start = await log_.last_seq() + 1
+        events = [cancel() for _ in range(700)]
+        seqs = await log_.append_pipelined(events, window=64)  # more events than the window holds
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(events)
+        assert [r.event for r in await log_.read_all(start)] == events
+        assert await log_.append_pipelined(events[:10]) == seqs[:10]  # already stored: the same positions
+        assert len(await log_.read_all(start)) == len(events)
+        assert await log_.append_pipelined([]) == []
+    finally:
+        await log_.close()
+
+
+async def test_an_acknowledgement_answers_as_jetstreams_publish_does() -> None:
+    acks = _PublishAcks(SimpleNamespace(new_inbox=lambda: "_INBOX.t", subscribe=_subscribe))  # type: ignore[arg-type]
+    answers = {
+        "stored": msgspec.json.encode({"stream": "HERD", "seq": 7}),
+        "refused": msgspec.json.encode({"error": {"code": 400, "err_code": 10071, "description": "wrong last"}}),
+        "garbled": b"not json",
+    }
+    futures = {}
+    for name, data in answers.items():
+        reply, futures[name] = await acks.expect()
+        await acks._answer(SimpleNamespace(subject=reply, data=data, headers=None))  # type: ignore[arg-type]
+    reply, futures["no stream"] = await acks.expect()
+    await acks._answer(SimpleNamespace(subject=reply, data=b"", headers={"Status": "503"}))  # type: ignore[arg-type]
+    assert futures["stored"].result() == 7
+    with pytest.raises(nats.js.errors.BadRequestError):
+        futures["refused"].result()
+    with pytest.raises(msgspec.DecodeError):
+        futures["garbled"].result()
+    with pytest.raises(nats.js.errors.NoStreamResponseError):
+        futures["no stream"].result()
+    acks.forget(list(futures.values()))
+    assert not acks._waiting
+
+
+async def _subscribe(subject: str, cb: object) -> object:
+    return SimpleNamespace(subject=subject)
