@@ -352,7 +352,8 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
         return  # a stale attempt's report: that attempt was already requeued
     _account(state, job, e.at)
     _release(state, job)
-    _dequeue(state, e.job)
+    if job.status == "pending":  # (the queue holds the pending jobs alone: an end of a placed one skips its search)
+        _dequeue(state, e.job)
     _deactivate(state, job)
     job.status = e.outcome
     job.finished_at = e.at
