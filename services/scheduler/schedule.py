@@ -613,13 +613,16 @@ def preempt(work: Pass) -> None:
 def _full_vcs(state: SchedulerState, vc_used: dict[str, int]) -> set[str]:
     """VCs with waiting jobs that may not borrow and have too little quota left for the smallest of
     them: none of their waiting jobs can start."""
-    full = set()
-    for name, sizes in state.queued_sizes.items():
-        vc = state.vcs.get(name)
-        bounded = vc is not None and vc.gpu_quota is not None and not vc.can_borrow
-        if bounded and vc.gpu_quota - vc_used.get(name, 0) < min(sizes):  # type: ignore[union-attr,operator]
-            full.add(name)
-    return full
+    vcs = state.vcs
+    # (A comprehension, not set.add per VC: this runs at every pass.)
+    return {
+        name
+        for name, sizes in state.queued_sizes.items()
+        if (vc := vcs.get(name)) is not None
+        and vc.gpu_quota is not None
+        and not vc.can_borrow
+        and vc.gpu_quota - vc_used.get(name, 0) < min(sizes)
+    }
 
 
 # From these rules, a waiting job larger than its VC's whole quota (accepted before the quota was
