@@ -56,7 +56,7 @@ from gpuherd import events as ev
 from gpuherd.aio import patiently
 from gpuherd.errors import UNDECODABLE, ConcurrencyError, EventDecodeError, LeadershipLost, LogError, LogUnavailable
 from gpuherd.log.interfaces import DurableConsumer, EventLog, Leadership, RequestHandler, Traces, trace_of
-from gpuherd.log.ordered import ordered_messages, stream_time
+from gpuherd.log.ordered import ordered_messages
 from gpuherd.log.pages import (
     PAGE_HEADER,
     PAGE_SLOTS,
@@ -734,11 +734,10 @@ class JetStreamLog(EventLog):
             return
         first_message = max(start // slots, 1)
         last_message = None if stop is None else stop // slots
-        async for seq, msg in ordered_messages(
+        async for seq, stored_at, msg in ordered_messages(
             self.nc, self.js, HERD, first_message, stop=last_message, follow=follow, linger_s=linger_s
         ):
             position = seq * slots
-            stored_at = stream_time(msg.reply) if msg.reply else None
             headers = msg.headers
             if headers and PAGE_HEADER in headers:
                 for index, (event, trace) in enumerate(_unpack(msg, slots, seq)):
@@ -836,10 +835,9 @@ class JetStreamLog(EventLog):
         cutoff = None if since_s is None else time.time() - since_s
         if cutoff is not None:
             start = int(info.state.first_seq) or 1
-        async for seq, msg in ordered_messages(
+        async for seq, at, msg in ordered_messages(
             self.nc, self.js, HERD_TELEMETRY, start, stop=None, follow=True, filter_subject=filter_subject
         ):
-            at = stream_time(msg.reply)
             if cutoff is not None and at < cutoff:
                 continue
             yield Delivery(
@@ -901,7 +899,7 @@ class JetStreamLog(EventLog):
             return []
         return [
             msgspec.json.decode(msg.data, type=DeadLetter)
-            async for _, msg in ordered_messages(self.nc, self.js, HERD_DEAD, first, stop=last, follow=False)
+            async for _, _, msg in ordered_messages(self.nc, self.js, HERD_DEAD, first, stop=last, follow=False)
         ]
 
     # -- key-value -------------------------------------------------------------------------

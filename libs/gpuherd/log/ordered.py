@@ -52,16 +52,13 @@ CLEANUP_TIMEOUT_S = 0.1
 INACTIVE_THRESHOLD_S = 30.0
 
 
-def stream_seq(reply: str) -> int:
-    """The stream sequence in a JetStream ack subject (v1: 9 tokens, v2 with domain and hash: 12)."""
+def stored_position(reply: str) -> tuple[int, float]:
+    """The stream sequence and the stored timestamp (Unix seconds) in a JetStream ack subject (v1: 9
+    tokens, v2 with domain and hash: 12), read with one split: a reader hands on both of each message."""
     tokens = reply.split(".")
-    return int(tokens[5] if len(tokens) == 9 else tokens[7])
-
-
-def stream_time(reply: str) -> float:
-    """The stored timestamp (Unix seconds) in a JetStream ack subject."""
-    tokens = reply.split(".")
-    return int(tokens[7] if len(tokens) == 9 else tokens[9]) / 1e9
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[7]) / 1e9
+    return int(tokens[7]), int(tokens[9]) / 1e9
 
 
 async def ordered_messages(
@@ -74,9 +71,9 @@ async def ordered_messages(
     follow: bool,
     filter_subject: str | None = None,
     linger_s: float = 0.0,
-) -> AsyncIterator[tuple[int, Any]]:
-    """Yield (stream sequence, message) from ``start``: up to ``stop``, or forever with ``follow``
-    (lingering ``linger_s`` between pulls while events flow: see the module's doc)."""
+) -> AsyncIterator[tuple[int, float, Any]]:
+    """Yield (stream sequence, stored time in Unix seconds, message) from ``start``: up to ``stop``, or
+    forever with ``follow`` (lingering ``linger_s`` between pulls while events flow: see the module's doc)."""
     buffer: collections.deque[Any] = collections.deque()
     arrived = asyncio.Event()
 
@@ -134,7 +131,7 @@ async def ordered_messages(
                         continue
                     consumer = await _drop_consumer(js, stream, consumer)  # 409 and friends: start over
                     break
-                seq = stream_seq(msg.reply)
+                seq, stored_at = stored_position(msg.reply)
                 remaining -= 1
                 got += 1
                 if seq < next_seq:
@@ -142,7 +139,7 @@ async def ordered_messages(
                 if seq > next_seq and filter_subject is None:
                     consumer = await _drop_consumer(js, stream, consumer)  # a gap: not the ordered view any more
                     break
-                yield seq, msg
+                yield seq, stored_at, msg
                 next_seq = seq + 1
                 if stop is not None and seq >= stop:
                     return

@@ -394,8 +394,10 @@ class DeciderRunner(Generic[S]):
             self.caught_up.set()
         log.info("consuming", decider=self.name, from_seq=self.state.seq + 1, head=head)
         async for record in self.log.read(self.state.seq + 1, follow=True, linger_s=self.read_linger_s):
-            self._check_fence(record)
-            if isinstance(record.event, ev.Unreadable):
+            kind = type(record.event)  # (exact: the codec decodes exact types, and none subclasses these two)
+            if kind is ev.LeadershipTaken:
+                self._check_fence(record)
+            elif kind is ev.Unreadable:
                 await report_unreadable(self.log, record, self.name, self.metrics)
             self.core.fold(record, time.perf_counter())
             self.snapshots.folded()
