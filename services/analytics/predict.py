@@ -357,10 +357,18 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
 
     # -- features ---------------------------------------------------------------------------------
 
-    def features(self, f: Features, burst_id: str | None = None, previous_at: float | None = None) -> list[float]:
+    def features(
+        self,
+        f: Features,
+        burst_id: str | None = None,
+        previous_at: float | None = None,
+        *,
+        ladder: float | None = None,
+    ) -> list[float]:
         """The feature vector of a job submitted now (``FEATURES``' order). ``burst_id``: the burst it
         joined, and ``previous_at``: the latest submission of its burst key before it (None: none);
-        without a burst, a job asked about without joining, the open burst's latest is that."""
+        without a burst, a job asked about without joining, the open burst's latest is that.
+        ``ladder``: its back-off median, where the caller has worked it out (``_ladder``)."""
         x = [math.log2(max(f.gpus, 1)), float(f.nodes or 0)]
         if f.at > CALENDAR_TIME_FROM_S:  # (traces that give offsets have no time of day)
             day = f.at / 86400.0
@@ -392,7 +400,7 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         # of every training row was NaN, and the trees never learned from it.)
         gap = f.at - previous_at if previous_at is not None else _NAN
         x += [math.log1p(max(gap, 0.0)) if gap == gap else _NAN, math.log1p(size), med]
-        x.append(self._ladder(f)[0])
+        x.append(self._ladder(f)[0] if ladder is None else ladder)
         return x
 
     # -- predicting ---------------------------------------------------------------------------------
@@ -402,16 +410,18 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         last = self.bursts.get(self.open_burst.get(f.burst_key(), ""))
         previous_at = last.last_at if last is not None else None
         burst_id = self._join_burst(job, f)
-        x = self.features(f, burst_id, previous_at)
-        mu, basis = self._mu(f, x)
+        ladder = self._ladder(f)  # (a feature, and what the trees correct: worked out once)
+        x = self.features(f, burst_id, previous_at, ladder=ladder[0])
+        mu, basis = self._mu(x, ladder)
         pending = self._pending(f, x, mu, basis, burst_id)
         self.pending[job] = pending
         return self._prediction(pending)
 
     def predict(self, f: Features) -> Prediction:
         """What ``submit`` would predict, without remembering the job."""
-        x = self.features(f, None)
-        mu, basis = self._mu(f, x)
+        ladder = self._ladder(f)
+        x = self.features(f, None, ladder=ladder[0])
+        mu, basis = self._mu(x, ladder)
         return self._prediction(self._pending(f, x, mu, basis, ""))
 
     def _pending(self, f: Features, x: list[float], mu: float, basis: str, burst_id: str) -> Pending:
@@ -530,8 +540,9 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         n = len(self.errors)
         return max(math.sqrt(max(self.error_sq, 0.0) / n), 0.05) if n >= 20 else 1.5
 
-    def _mu(self, f: Features, x: list[float]) -> tuple[float, str]:
-        base, basis = self._ladder(f)
+    def _mu(self, x: list[float], ladder: tuple[float, str]) -> tuple[float, str]:
+        """The model's log-duration of the features ``x`` (with their back-off median and its basis)."""
+        base, basis = ladder
         if self.booster and self.learner == "lightgbm":
             value = base + self.compiled().predict(x)
             return value, f"gbdt v{self.version} on {min(self.observed, self.train_window):,} jobs + {basis}"
