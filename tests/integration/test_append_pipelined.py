@@ -3,6 +3,7 @@ subscription of the log; positions in order, a repeat is deduplicated to the fir
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from types import SimpleNamespace
 
@@ -30,6 +31,19 @@ async def test_pipelined_events_are_stored_in_order_once(nats_url: str) -> None:
         assert await log_.append_pipelined(events[:10]) == seqs[:10]  # already stored: the same positions
         assert len(await log_.read_all(start)) == len(events)
         assert await log_.append_pipelined([]) == []
+    finally:
+        await log_.close()
+
+
+async def test_pipelined_appends_at_once_share_one_subscription(nats_url: str) -> None:
+    log_ = await open_log(nats_url, name="pipelined-together")
+    try:
+        batches = [[cancel() for _ in range(50)] for _ in range(4)]
+        results = await asyncio.gather(*(log_.append_pipelined(batch, window=8) for batch in batches))
+        assert all(len(set(seqs)) == 50 for seqs in results)
+        assert len({seq for seqs in results for seq in seqs}) == 200
+        assert len(log_.nc._subs) == len({id(sub) for sub in log_.nc._subs.values()})
+        assert sum(sub.subject.startswith(log_._acks._prefix) for sub in log_.nc._subs.values()) == 1
     finally:
         await log_.close()
 

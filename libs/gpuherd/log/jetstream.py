@@ -1041,13 +1041,17 @@ class _PublishAcks:
         self._nc = nc
         self._prefix = nc.new_inbox()
         self._sub: Any = None
+        # Appends that start while the subscription is being made wait for it (not make a second one).
+        self._subscribing = asyncio.Lock()
         self._numbers = itertools.count()
         self._waiting: dict[str, asyncio.Future[int]] = {}  # reply subject -> its publish's sequence
 
     async def expect(self) -> tuple[str, asyncio.Future[int]]:
         """A reply subject for one publish, and the future its acknowledgement answers."""
         if self._sub is None:
-            self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._answer)
+            async with self._subscribing:
+                if self._sub is None:
+                    self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._answer)
         reply = f"{self._prefix}.{next(self._numbers)}"
         ack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiting[reply] = ack
