@@ -8,6 +8,7 @@ import uuid
 from types import SimpleNamespace
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import pytest
 
@@ -74,3 +75,23 @@ async def test_an_acknowledgement_answers_as_jetstreams_publish_does() -> None:
 
 async def _subscribe(subject: str, cb: object) -> object:
     return SimpleNamespace(subject=subject)
+
+
+async def test_an_append_nobody_acknowledges_times_out_as_jetstreams_publish_did(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's own TimeoutError, as ``js.publish`` raised: a caller catching ``nats.errors.Error``
+    (or the built-in TimeoutError) still catches it; and nothing is left waiting."""
+    log_ = await open_log(nats_url, name="pipelined-unanswered", request_timeout_s=0.3)
+    try:
+
+        async def lost(*args: object, **kwargs: object) -> None:  # (a publish whose acknowledgement never comes)
+            return None
+
+        monkeypatch.setattr(log_.nc, "publish", lost)
+        for window in (1, 8):  # (waiting for room in the window; waiting for the last acknowledgements)
+            with pytest.raises(nats.errors.TimeoutError):
+                await log_.append_pipelined([cancel() for _ in range(3)], window=window)
+            assert not log_._acks._waiting
+    finally:
+        await log_.close()

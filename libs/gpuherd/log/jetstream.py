@@ -719,6 +719,8 @@ class JetStreamLog(EventLog):
                 await self.nc.publish(event.subject(), ev.encode(event), reply=reply, headers=headers)
             async with asyncio.timeout(timeout):
                 seqs = await asyncio.gather(*waiting)
+        except TimeoutError as exc:  # (nats-py's own, as js.publish raised: a caller may catch nats.errors.Error)
+            raise nats.errors.TimeoutError from exc
         finally:
             acks.forget(waiting)
         return [seq * slots for seq in seqs]
