@@ -8,6 +8,7 @@ import uuid
 from types import SimpleNamespace
 
 import msgspec
+import nats
 import nats.errors
 import nats.js.errors
 import pytest
@@ -95,3 +96,20 @@ async def test_an_append_nobody_acknowledges_times_out_as_jetstreams_publish_did
             assert not log_._acks._waiting
     finally:
         await log_.close()
+
+
+async def test_closing_a_log_on_a_shared_connection_ends_its_acknowledgement_subscription(nats_url: str) -> None:
+    """A log made on a connection it does not own (a client's) leaves that connection as it found it."""
+    from gpuherd.log.jetstream import JetStreamLog
+
+    nc = await nats.connect(nats_url)
+    try:
+        log_ = JetStreamLog(nc)
+        await log_.ensure_streams()
+        before = len(nc._subs)  # (nats-py's own reply subscription for requests is the connection's)
+        assert len(await log_.append_pipelined([cancel() for _ in range(3)])) == 3
+        assert len(nc._subs) == before + 1
+        await log_.close()
+        assert len(nc._subs) == before and not nc.is_closed
+    finally:
+        await nc.close()

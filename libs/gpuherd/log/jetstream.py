@@ -327,6 +327,9 @@ class JetStreamLog(EventLog):
         return self
 
     async def close(self) -> None:
+        if self._acks is not None:  # (on a connection another owns, it would outlive this log)
+            await self._acks.close()
+            self._acks = None
         if self._owns_connection and not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
@@ -1058,6 +1061,13 @@ class _PublishAcks:
         ack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiting[reply] = ack
         return reply, ack
+
+    async def close(self) -> None:
+        """Unsubscribe; an append still waiting gets no answer (it times out)."""
+        sub, self._sub = self._sub, None
+        if sub is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):  # (a connection closing meanwhile takes it anyway)
+                await sub.unsubscribe()
 
     def forget(self, acks: Sequence[asyncio.Future[int]]) -> None:
         """Stop waiting for ``acks`` (answered, or given up on: a late answer is dropped)."""
