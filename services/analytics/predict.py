@@ -161,11 +161,13 @@ class BurstUpdate(NamedTuple):
     pull: float  # the finished mates' weight times their median
     total: float  # both weights
     sigma: float  # the updated spread
+    recorded_sigma: float  # the updated spread as a prediction records it (what ``Moved`` compares)
 
     @classmethod
     def of(cls, sigma: float, posterior: BurstPosterior) -> BurstUpdate:
         w0, w1 = 1.0 / sigma**2, posterior.finished / posterior.within**2
-        return cls(w0, w1 * posterior.median, w0 + w1, math.sqrt(1.0 / (w0 + w1)))
+        updated = math.sqrt(1.0 / (w0 + w1))
+        return cls(w0, w1 * posterior.median, w0 + w1, updated, round(updated, 4))
 
     def mu(self, mu: float) -> float:
         return (self.prior * mu + self.pull) / self.total
@@ -208,7 +210,7 @@ class _Weighing:
     each error key (with the revised spread as recorded: every job of the key shares it)."""
 
     posteriors: dict[str, BurstPosterior | None] = field(default_factory=dict)
-    updates: dict[tuple[str, str], tuple[BurstUpdate, float]] = field(default_factory=dict)
+    updates: dict[tuple[str, str], BurstUpdate] = field(default_factory=dict)
 
 
 class Pending(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -459,17 +461,15 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         posterior = self._burst_posterior(burst)
         # The groups of one error key share the update but for their mu (a sweep's groups nearly all
         # share one key): it is worked out once per key, not per group.
-        updates: dict[str, tuple[BurstUpdate, float]] = {}
+        updates: dict[str, BurstUpdate] = {}
         out: dict[str, Prediction] = {}
         for group in burst.groups.values():
-            weighed = updates.get(group.error_key)
-            if weighed is None:
-                update = BurstUpdate.of(self.sigma(group.error_key), posterior)
-                weighed = updates[group.error_key] = (update, round(update.sigma, 4))
-            update, sigma = weighed
+            update = updates.get(group.error_key)
+            if update is None:
+                update = updates[group.error_key] = BurstUpdate.of(self.sigma(group.error_key), posterior)
             mu = update.mu(group.mu)
             seconds = _seconds(mu)
-            if moved(group.in_force, seconds, sigma):
+            if moved(group.in_force, seconds, update.recorded_sigma):
                 # (What ``_prediction`` works out for each of them: they share mu and error key.)
                 for job in group.jobs:
                     pending = self.pending[job]
@@ -489,12 +489,10 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         posterior = weighed.posteriors[burst_id]
         if posterior is None:
             return None
-        update_key = (burst_id, error_key)
-        if update_key not in weighed.updates:
-            update = BurstUpdate.of(self.sigma(error_key), posterior)
-            weighed.updates[update_key] = (update, round(update.sigma, 4))
-        update, sigma = weighed.updates[update_key]
-        return posterior if moved(before, _seconds(update.mu(mu)), sigma) else None
+        update = weighed.updates.get((burst_id, error_key))
+        if update is None:
+            update = weighed.updates[burst_id, error_key] = BurstUpdate.of(self.sigma(error_key), posterior)
+        return posterior if moved(before, _seconds(update.mu(mu)), update.recorded_sigma) else None
 
     def recorded(self, job: str, seconds: float, sigma: float) -> None:
         """A prediction of ``job`` was recorded: the one in force when its mates' ends revise it."""
