@@ -253,10 +253,16 @@ def _partitions(
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """End a pool's workers now: ``shutdown`` would wait for the VCs they run, and for every VC not
     begun (Python 3.14's ``kill_workers``)."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
+    # (shutdown forgets both.) The pool's manager thread reaps the workers it sees die: joined here
+    # at the same time, a worker could stay listed as running after it was gone (two waitpid calls,
+    # one of them answered "no such child"), so that thread is let finish first.
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.kill()
+    if manager is not None:
+        manager.join(_STOP_S)
     for process in processes:
         process.join(_STOP_S)
 
