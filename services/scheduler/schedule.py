@@ -1033,15 +1033,20 @@ def _borrows(state: SchedulerState, job: JobState, borrowing: dict[str, set[str]
 
 
 class VictimMemo:
-    """Quota heads that outranked no placed or running job of their own VC, kept by a decider
-    between its passes under a policy whose outranking only fades with time (``outranking_fades``,
-    or none but by priority). Such a head outranks none of them at a later pass either, until an
-    event names one of them (``SchedulerState.active_changes``) or the head's claim changes: the
-    pass then skips the scan (two of three scans of an SRTF simulation of philly's first jobs)."""
+    """What each VC's quota head outranked of its own VC's placed and running jobs, kept by a
+    decider between its passes under a policy whose outranking only fades with time
+    (``outranking_fades``, or none but by priority). Until an event names one of the VC's active
+    jobs (``SchedulerState.active_changes``) or the head's claim changes, the jobs the head
+    outranks at a later pass are some of those it outranked before: time only wears a running
+    job's claim down. A later pass asks only those (none: it skips the scan), instead of every job
+    of the VC. Kept only where each job outranked was also one the head could take: a job held back
+    by the hourly cap may be taken later with no event naming it. (SRTF on philly's first 30,000
+    jobs: half a million scans, 25 jobs each, most of them finding jobs too few to fit the head.)"""
 
     def __init__(self) -> None:
         self._of: tuple[SchedulerState, Policy, object] | None = None  # what the entries hold for
-        self._none: dict[str, tuple[str, object, int]] = {}  # VC -> (head, its claim, VC's change seq)
+        # VC -> (head, its claim, the VC's change seq, the jobs it outranked, in the order to take them)
+        self._seen: dict[str, tuple[str, object, int, tuple[str, ...]]] = {}
 
     def holds_for(self, state: SchedulerState, policy: Policy) -> bool:
         """Whether this policy allows the memo; forgets it all for another state, policy or scheduling."""
@@ -1049,15 +1054,19 @@ class VictimMemo:
             return False
         of = self._of
         if of is None or of[0] is not state or of[1] is not policy or of[2] is not state.scheduling:
-            self._of, self._none = (state, policy, state.scheduling), {}
+            self._of, self._seen = (state, policy, state.scheduling), {}
         return True
 
-    def outranks_none(self, state: SchedulerState, job: JobState, claim: object) -> bool:
-        seen = self._none.get(job.spec.vc)
-        return seen is not None and seen == (job.job, claim, state.active_changes.get(job.spec.vc, 0))
+    def outranked_before(self, state: SchedulerState, job: JobState, claim: object) -> tuple[str, ...] | None:
+        """The only jobs of its VC ``job`` can outrank now (None: not known, scan them all)."""
+        seen = self._seen.get(job.spec.vc)
+        if seen is None or seen[:3] != (job.job, claim, state.active_changes.get(job.spec.vc, 0)):
+            return None
+        return seen[3]
 
-    def found_none(self, state: SchedulerState, job: JobState, claim: object) -> None:
-        self._none[job.spec.vc] = (job.job, claim, state.active_changes.get(job.spec.vc, 0))
+    def found(self, state: SchedulerState, job: JobState, claim: object, outranked: tuple[str, ...]) -> None:
+        """``job`` outranks exactly ``outranked`` of its VC now, and may take every one of them."""
+        self._seen[job.spec.vc] = (job.job, claim, state.active_changes.get(job.spec.vc, 0), outranked)
 
 
 def _victims(
@@ -1071,21 +1080,30 @@ def _victims(
 ) -> list[JobState]:
     """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
     claim: object = None
+    jobs = state.jobs
+    pool: Iterable[JobState]
     if same_vc and memo is not None:
         # What ``job`` claims by: its priority, and the policy's measure of it (SRTF: its remaining time).
         claim = (job.spec.priority, policy.outranking_claim(job, state) if policy.preemptive else None)
-        if memo.outranks_none(state, job, claim):
-            return []
+        before = memo.outranked_before(state, job, claim)
+        if before is not None:
+            if not before:
+                return []
+            pool = (jobs[j] for j in before)
+        else:
+            pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {}))
+    elif same_vc:
+        pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {}))
+    else:
+        pool = state.active_jobs()
     vc = state.vcs.get(job.spec.vc)
     within_quota = vc is not None and vc.gpu_quota is not None and vc_used.get(vc.vc, 0) + job.spec.gpus <= vc.gpu_quota
     out = []
     cap = state.scheduling.param("max_preemptions_per_hour")
-    jobs = state.jobs
-    pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {})) if same_vc else state.active_jobs()
     priority = job.spec.priority
     ranks_above = policy.outranked_by(job, state) if policy.preemptive else None
     borrowing: dict[str, set[str]] = {}  # VC -> its jobs that borrow now, once a job of it is asked about
-    any_outranked = False
+    held_back = False  # an outranked job it may not take now (stopping, or preempted too often)
     for running in pool:
         theirs = running.spec.priority
         outranked = (
@@ -1095,7 +1113,6 @@ def _victims(
         )
         if not outranked:
             continue
-        any_outranked = True
         # (Whether it is stopping already, asked of the few it outranks: most passes outrank few.)
         if (
             running.preempt_reason is None
@@ -1103,17 +1120,19 @@ def _victims(
             and state.preemptions_within(running.job, 3600.0) < cap
         ):
             out.append(running)
-    if same_vc and memo is not None and not any_outranked:
-        memo.found_none(state, job, claim)  # (not when the cap or a stop held them back: those pass)
+        else:
+            held_back = True
     # Lowest priority first, then the least work lost, then the youngest.
-    return sorted(
-        out,
+    out.sort(
         key=lambda j: (
             j.spec.priority,
             state.now - (j.started_at if j.started_at is not None else state.now),
             -j.order,
-        ),
+        )
     )
+    if same_vc and memo is not None and not held_back:
+        memo.found(state, job, claim, tuple(j.job for j in out))
+    return out
 
 
 def _fewest_victims(
@@ -1121,6 +1140,8 @@ def _fewest_victims(
 ) -> list[JobState]:
     """The shortest prefix of ``victims`` whose GPUs, with the free ones, fit the gang, and that
     gives back at least ``quota_over`` GPUs of quota."""
+    if not victims:
+        return []  # (most heads at most passes: the free GPUs are not summed for them)
     freed: dict[str, set[int]] = {}
     available = sum(v.free for v in free.values())
     released = 0
