@@ -73,9 +73,39 @@ def _placed_or_running(state: ElasticState, job_id: str) -> bool:
     return job is not None and job.status in ACTIVE
 
 
+# The events this state folds beyond the core fold, by exact type (as the core fold dispatches):
+# nearly every event is none of them, and the checks below ran for each (about a tenth of the
+# service's time under load, with the unions they built per event).
+_OWN = frozenset({ev.ProfileReported, ev.RescaleCompleted, ev.RescaleProposed, ev.JobResized, ev.ElasticConfigured})
+_ACTIVATIONS = (ev.JobPlaced, ev.JobFinished, ev.JobRequeued)  # (the fold's only (de)activations)
+_RUNNING_CHANGES = (ev.JobStarted, ev.JobFinished, ev.JobRequeued)
+_JOB_LIFE = frozenset({*_ACTIVATIONS, *_RUNNING_CHANGES})
+
+
 def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -> ElasticState:
     """Fold ``event``; ``params_ok``: an ElasticConfigured in it can be applied."""
     apply(state, seq, event)
+    kind = type(event)
+    if kind in _OWN:
+        _fold_own(state, event, params_ok=params_ok)
+    elif kind not in _JOB_LIFE:
+        return state
+    if isinstance(event, ev.JobFinished):
+        for table in (state.models, state.shrunk_at, state.proposed, state.throughput):
+            table.pop(event.job, None)
+    if isinstance(event, _ACTIVATIONS):
+        job = state.jobs.get(event.job)
+        if event.job in state.active and job is not None and job.spec.elastic is not None:
+            state.elastic_active[event.job] = None
+        else:
+            state.elastic_active.pop(event.job, None)
+    if isinstance(event, _RUNNING_CHANGES):
+        jobs = state.jobs
+        state.elastic_running = sum(1 for j in state.elastic_active if jobs[j].status == "running")
+    return state
+
+
+def _fold_own(state: ElasticState, event: ev.Event, *, params_ok: bool) -> None:
     if isinstance(event, ev.ProfileReported) and event.rank == 0 and _placed_or_running(state, event.job):
         model = job_model(event.profile)
         if model is not None:
@@ -95,16 +125,3 @@ def evolve(state: ElasticState, seq: int, event: ev.Event, *, params_ok: bool) -
     elif isinstance(event, ev.ElasticConfigured) and params_ok:
         state.params = dict(event.params)
         state.rules = state.recorded_rules = event.rules
-    elif isinstance(event, ev.JobFinished):
-        for table in (state.models, state.shrunk_at, state.proposed, state.throughput):
-            table.pop(event.job, None)
-    if isinstance(event, ev.JobPlaced | ev.JobFinished | ev.JobRequeued):  # (the fold's only (de)activations)
-        job = state.jobs.get(event.job)
-        if event.job in state.active and job is not None and job.spec.elastic is not None:
-            state.elastic_active[event.job] = None
-        else:
-            state.elastic_active.pop(event.job, None)
-    if isinstance(event, ev.JobStarted | ev.JobFinished | ev.JobRequeued):
-        jobs = state.jobs
-        state.elastic_running = sum(1 for j in state.elastic_active if jobs[j].status == "running")
-    return state
