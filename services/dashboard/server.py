@@ -80,6 +80,13 @@ def _error(status: int, message: str) -> web.Response:
     return _json({"ok": False, "error": message}, status)
 
 
+def _no_job(job_id: str, ended_kept: int) -> str:
+    return (
+        f"no job {job_id!r}: see /api/jobs for the ids (the dashboard remembers the latest {ended_kept:,} jobs "
+        f"to end; `gpuherd why {job_id}` reads the whole log)"
+    )
+
+
 @web.middleware
 async def _secure(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
     response = await handler(request)
@@ -152,13 +159,13 @@ class Routes:
     async def job(self, request: web.Request) -> web.Response:
         found = self.view.job(request.match_info["job"])
         if found is None:
-            return _error(404, f"no job {request.match_info['job']!r}: see /api/jobs for the ids")
+            return _error(404, _no_job(request.match_info["job"], self.view.ended_kept))
         return _json(found)
 
     async def output(self, request: web.Request) -> web.Response:
         job_id = request.match_info["job"]
         if job_id not in self.view.state.jobs:
-            return _error(404, f"no job {job_id!r}: see /api/jobs for the ids")
+            return _error(404, _no_job(job_id, self.view.ended_kept))
         return _json(await self.backend.output(job_id))
 
     async def nodes(self, request: web.Request) -> web.Response:

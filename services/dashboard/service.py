@@ -43,7 +43,7 @@ from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.service_args import add_yield_arguments, read_linger_s, yield_cpu
 from services.dashboard.server import Actions, Backend, make_app
 from services.dashboard.spec import SPEC
-from services.dashboard.view import DashboardView
+from services.dashboard.view import ENDED_KEPT, DashboardView
 
 log = get_logger("gpuherd.dashboard")
 DEFAULT_PORT = 8080
@@ -98,9 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="a file holding the operator token; without one the dashboard is read-only",
     )
     parser.add_argument("--report-dir", default=None, help="a folder of reports (gpuherd report / sim) to show")
+    parser.add_argument(
+        "--ended-kept",
+        type=_not_negative,
+        default=ENDED_KEPT,
+        metavar="N",
+        help=f"ended jobs the pages remember, the latest N to end (default {ENDED_KEPT:,}); the log keeps them all",
+    )
     parser.add_argument("--url-file", default=None, help="write the URL it serves on to this file once ready")
     add_yield_arguments(parser, read_linger_s=SPEC.read_linger_s, nice=SPEC.nice)
     return parser
+
+
+def _not_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def read_token(path: str | None) -> str | None:
@@ -121,11 +135,12 @@ class Dashboard:
         operator_token: str | None = None,
         reports_dir: Path | None = None,
         read_linger_s: float = 0.0,
+        ended_kept: int = ENDED_KEPT,
     ) -> None:
         self.log = log_
         self.read_linger_s = read_linger_s  # (see EventStore.read): nothing waits on it within milliseconds
         self.tools = tools
-        self.view = DashboardView(tools.queue() if tools.queue is not None else None)
+        self.view = DashboardView(tools.queue() if tools.queue is not None else None, ended_kept=ended_kept)
         self.metrics = ServiceMetrics("dashboard")
         self.metrics.watch_cluster(lambda: self.view.state)
         self.metrics.watch_connection(log_.is_connected)
@@ -245,6 +260,7 @@ async def serve(args: argparse.Namespace, tools: Tools, stop: asyncio.Event) -> 
         operator_token=token,
         reports_dir=Path(args.report_dir) if args.report_dir else None,
         read_linger_s=read_linger_s(args),
+        ended_kept=args.ended_kept,
     )
     runner = web.AppRunner(make_app(dashboard.backend()), access_log=None, shutdown_timeout=PAGES_SHUTDOWN_TIMEOUT_S)
     await runner.setup()

@@ -35,6 +35,10 @@ CAUSES_KEPT = 20_000  # recent event ids -> time, to measure decision latency
 SAMPLES_PER_GPU = 120
 PROGRESS_POINTS = 300
 PROGRESS_JOBS = 500  # jobs whose progress is kept (the most recently reporting)
+# Ended jobs the view remembers, with their timelines: the oldest ended are forgotten first, so the
+# dashboard's memory (and each job list it serves) stays bounded however long the cluster runs. Its
+# counts of ended jobs and its usage page still cover them all; the log keeps every job.
+ENDED_KEPT = 20_000
 USAGE_USERS_PLOTTED = 8  # the heaviest users get a line on the usage page (the table lists them all)
 
 # The events a job's timeline shows, and what each says in a word.
@@ -109,8 +113,13 @@ class GpuSample(msgspec.Struct, array_like=True, gc=False):
 
 
 class DashboardView:
-    def __init__(self, queue: QueueExplainer | None = None) -> None:
+    def __init__(self, queue: QueueExplainer | None = None, *, ended_kept: int = ENDED_KEPT) -> None:
+        if ended_kept < 0:
+            raise ValueError(f"ended jobs kept must be 0 or more, not {ended_kept}")
         self.state = ClusterState(retain_finished=True)
+        self.ended_kept = ended_kept
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ended jobs remembered, oldest end first
+        self.forgotten = 0  # ended jobs no longer remembered
         self.queue: QueueExplainer = queue if queue is not None else SubmissionOrder(self.state)
         self.timelines: dict[str, list[TimelineEntry]] = {}
         self.rescales: dict[str, list[dict[str, Any]]] = {}
@@ -158,6 +167,8 @@ class DashboardView:
                 self._cause_at.popitem(last=False)
         what = _TIMELINE.get(type(event))
         job = getattr(event, "job", None)
+        if job is not None and job not in state.jobs:
+            return  # (a forgotten job's late event, or a submission refused: no page shows it)
         if what is not None and job is not None:
             cause = getattr(event, "cause", "")
             entry = TimelineEntry(
@@ -177,6 +188,30 @@ class DashboardView:
             event, ev.MemoryLeaseGranted | ev.MemoryLeaseRevoked | ev.MemoryLeaseReleased | ev.MemoryLeaseReclaimed
         ):
             self._lease(event)
+        elif type(event) is ev.JobFinished and event.job not in self._ended:
+            self._ended[event.job] = None
+            while len(self._ended) > self.ended_kept:
+                self._forget(self._ended.popitem(last=False)[0])
+
+    def _forget(self, job_id: str) -> None:
+        """An ended job leaves the view, with all that only its pages showed."""
+        job = self.state.jobs.pop(job_id, None)
+        self.timelines.pop(job_id, None)
+        self.rescales.pop(job_id, None)
+        self.leases.pop(job_id, None)
+        self.placements.pop(job_id, None)
+        self.progress.pop(job_id, None)
+        member = job.spec.workflow_of if job is not None else None
+        if member is not None and member.workflow in self.workflows:
+            steps = self.workflows[member.workflow][1]
+            jobs = steps.get(member.step, [])
+            if job_id in jobs:
+                jobs.remove(job_id)
+            if not jobs:
+                steps.pop(member.step, None)
+            if not steps:
+                del self.workflows[member.workflow]
+        self.forgotten += 1
 
     def fold_all(self, records: Iterable[Record]) -> None:
         for record in records:
@@ -304,7 +339,7 @@ class DashboardView:
             "now": state.now,
             "gpus": gpus,
             "jobs": {"running": jobs["running"], "placed": jobs["placed"], "waiting": len(state.queue)}
-            | {"ended": dict(state.ended)},
+            | {"ended": dict(state.ended), "forgotten": self.forgotten},
             "placements_per_min": len(self.placed_at) * 60.0 / RECENT_S,
             "decision_latency_s": {"p50": _quantile(ordered, 0.5), "p99": _quantile(ordered, 0.99), "n": len(ordered)},
             "audit": self.last_audit,

@@ -617,3 +617,48 @@ async def test_the_services_page_skips_a_malformed_status_entry_and_says_so(monk
     assert [s["service"] for s in answer["services"]] == ["scheduler"]
     assert sorted(u["key"] for u in answer["unreadable"]) == ["elastic.h-2", "memory.h-3"]
     assert all(u["error"] for u in answer["unreadable"])
+
+
+def test_the_view_forgets_the_oldest_ended_jobs_beyond_those_it_keeps_and_nothing_else() -> None:
+    from tests.unit.test_workflows import job, pipeline, simulate
+
+    records = simulate([(1.0, pipeline()), (2.0, job("sweep", duration=5, array={"count": 3}))]).records
+    full, kept = DashboardView(SchedulerQueue()), DashboardView(SchedulerQueue(), ended_kept=2)
+    full.fold_all(records)
+    kept.fold_all(records)
+    ended = [r.event.job for r in records if isinstance(r.event, ev.JobFinished)]
+    assert len(ended) == 6 == len(full.state.jobs)
+    assert set(kept.state.jobs) == set(ended[-2:]), "the two that ended last"
+    for gone in ended[:-2]:
+        assert kept.job(gone) is None
+        assert all(gone not in per_job for per_job in (kept.timelines, kept.placements, kept.leases, kept.rescales))
+    for remembered in ended[-2:]:
+        assert kept.job(remembered) == full.job(remembered)
+    assert kept.jobs()[0] == 2
+    # What covers every job still does: the counts of ended jobs, and the usage page.
+    assert kept.overview()["jobs"]["ended"] == full.overview()["jobs"]["ended"] == {"completed": 6}
+    assert kept.overview()["jobs"]["forgotten"] == 4 and full.overview()["jobs"]["forgotten"] == 0
+    assert kept.usage_view() == full.usage_view()
+    # A workflow keeps the steps whose jobs it remembers, and goes once it remembers none.
+    for _, steps in kept.workflows.values():
+        assert steps and all(ids and set(ids) <= set(kept.state.jobs) for ids in steps.values())
+    assert len(kept.workflow_list()) == len(kept.workflows)
+
+
+def test_jobs_that_have_not_ended_are_never_forgotten_and_a_forgotten_job_s_late_event_keeps_nothing() -> None:
+    view = DashboardView(ended_kept=0)
+    view.fold_all(history())  # a ended; c placed; b waits
+    assert set(view.state.jobs) == {"b", "c"} and view.forgotten == 1
+    late = ev.TaskEnded(id="late-a", at=400.0, source="agent.n1", job="a", attempt=0, node="n1", outcome="completed")
+    view.fold(99, late)
+    assert "a" not in view.timelines and "a" not in view.state.jobs
+
+
+def test_the_dashboard_refuses_a_negative_number_of_ended_jobs_to_keep() -> None:
+    from services.dashboard.service import build_parser
+
+    with pytest.raises(ValueError, match="0 or more"):
+        DashboardView(ended_kept=-1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--ended-kept", "-1"])
+    assert build_parser().parse_args(["--ended-kept", "5"]).ended_kept == 5
