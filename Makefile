@@ -51,7 +51,8 @@ infra/secrets.env:
 ## test: every test but the long ones (kept under 12 minutes); test-long: those (the demo, the workflow
 ## e2e, the short nemesis and the power cut, real elastic jobs and warm-pool grows, bit-identical elastic
 ## training, real jobs on CPU agents and on leased memory, the pool under host memory pressure, the dashboard's
-## browser walks at desktop and phone widths); .ci/run runs both. Each prints its 15 slowest tests (the budget).
+## browser walks at desktop and phone widths, one chaos round, the atheris run, `gpuherd profile`); .ci/run
+## runs both. Each prints its 15 slowest tests (the budget).
 test: install lint nemesis-tools
 	$(VENV)/bin/pytest -q -m "not long" --durations=15
 
@@ -70,7 +71,7 @@ test-gpu:
 	$(GPU_VENV)/bin/python -m pip install -q -e ".[test]"
 	PY=$(GPU_VENV)/bin/python bench/gpu_all.sh
 
-## chaos: the chaos suite, longer (CHAOS_ROUNDS faults of each kind; make test runs it with 1)
+## chaos: the chaos suite, longer (CHAOS_ROUNDS faults of each kind; make test-long runs it with 1)
 chaos: install
 	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(VENV)/bin/pytest -q -s tests/chaos
 

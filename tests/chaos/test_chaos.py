@@ -90,6 +90,7 @@ async def workload(url: str, rng: random.Random, n: int) -> list[str]:
         await client.close()
 
 
+@pytest.mark.long
 async def test_chaos(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     cluster = NatsCluster(tmp_path / "nats").start()

@@ -279,6 +279,7 @@ def test_operator_commands_and_why(running_cluster, tmp_path) -> None:
     assert nodes["node-1"]["status"] == "up" and nodes["node-2"]["status"] == "drained"
 
 
+@pytest.mark.long
 def test_profile_command_writes_table_json_and_roofline(tmp_path) -> None:
     env = dict(ENV, XDG_CACHE_HOME=str(tmp_path / "cache"))
     args = ["profile", "examples/train_cnn.py:SmallResNet", "--input", "3,32,32", "--batch", "4"]

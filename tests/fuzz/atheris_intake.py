@@ -3,7 +3,7 @@ the scheduler, and stored bytes decoded as events. Run directly for as long as y
 
     python tests/fuzz/atheris_intake.py -runs=1000000 -dict=tests/fuzz/intake.dict corpus/ tests/fuzz/seeds/
 
-``tests/fuzz/test_atheris.py`` runs it briefly in ``make test`` when atheris is installed.
+``tests/fuzz/test_atheris.py`` runs it briefly in ``make test-long`` when atheris is installed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ DICTIONARY = Path(__file__).with_name("intake.dict")  # the spec's field names a
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.long
 def test_atheris_finds_no_crash_in_intake_or_decoding(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
