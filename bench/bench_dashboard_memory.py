@@ -85,7 +85,7 @@ def main() -> int:
     table = Table(title=f"dashboard view of {args.jobs:,} ended jobs ({len(events):,} events)")
     for column in ("view", "jobs remembered", "memory held MB", "fold s", "/api/jobs page ms"):
         table.add_column(column, justify="right")
-    for name, row in ((f"latest {ENDED_KEPT:,} ended (now)", bounded), ("every job (baseline)", every)):
+    for name, row in ((f"latest {ENDED_KEPT:,} ended", bounded), ("every job (before)", every)):
         table.add_row(
             name,
             f"{row['jobs_remembered']:,}",
