@@ -142,6 +142,9 @@ class DashboardView:
         self.usage = Accounting(by=("vc", "user"), per="hour")
         # Workflows: id -> (name, its steps in order: step -> its jobs), from their submissions.
         self.workflows: dict[str, tuple[str, dict[str, list[str]]]] = {}
+        # How the jobs forgotten of a workflow still remembered ended, by step: a failed step forgotten
+        # still makes its workflow failed.
+        self._forgotten_ends: dict[str, dict[str, Counter[str]]] = {}
 
     # -- folding ---------------------------------------------------------------------------------
 
@@ -189,6 +192,8 @@ class DashboardView:
         ):
             self._lease(event)
         elif type(event) is ev.JobFinished and event.job not in self._ended:
+            if state.jobs[event.job].status not in TERMINAL:
+                return  # (an end of an attempt already requeued: the fold left the job waiting)
             self._ended[event.job] = None
             while len(self._ended) > self.ended_kept:
                 self._forget(self._ended.popitem(last=False)[0])
@@ -202,15 +207,18 @@ class DashboardView:
         self.placements.pop(job_id, None)
         self.progress.pop(job_id, None)
         member = job.spec.workflow_of if job is not None else None
-        if member is not None and member.workflow in self.workflows:
+        if job is not None and member is not None and member.workflow in self.workflows:
             steps = self.workflows[member.workflow][1]
             jobs = steps.get(member.step, [])
             if job_id in jobs:
                 jobs.remove(job_id)
+                ends = self._forgotten_ends.setdefault(member.workflow, {})
+                ends.setdefault(member.step, Counter())[job.status] += 1
             if not jobs:
                 steps.pop(member.step, None)
             if not steps:
                 del self.workflows[member.workflow]
+                self._forgotten_ends.pop(member.workflow, None)
         self.forgotten += 1
 
     def fold_all(self, records: Iterable[Record]) -> None:
@@ -535,6 +543,8 @@ class DashboardView:
             if not jobs:
                 continue
             states = Counter(j.status for j in jobs)
+            for ends in self._forgotten_ends.get(workflow, {}).values():
+                states += ends
             out.append(
                 {
                     "workflow": workflow,
@@ -542,7 +552,7 @@ class DashboardView:
                     "user": jobs[0].spec.user,
                     "submitted": min(j.submitted_at for j in jobs),
                     "steps": len(steps),
-                    "jobs": len(jobs),
+                    "jobs": sum(states.values()),
                     "states": dict(states),
                     "status": _overall(states),
                 }
@@ -570,7 +580,7 @@ class DashboardView:
                     depends.append(
                         {"kind": kind, "step": step_of[dep]} if dep in step_of else {"kind": kind, "job": dep}
                     )
-            states = Counter(j.status for j in jobs)
+            states = Counter(j.status for j in jobs) + self._forgotten_ends.get(workflow, {}).get(step, Counter())
             out.append(
                 {
                     "step": step,

@@ -662,3 +662,40 @@ def test_the_dashboard_refuses_a_negative_number_of_ended_jobs_to_keep() -> None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--ended-kept", "-1"])
     assert build_parser().parse_args(["--ended-kept", "5"]).ended_kept == 5
+
+
+def test_a_stale_attempt_s_end_does_not_make_the_view_forget_a_job_that_waits_again() -> None:
+    events = [
+        node("n1", 4),
+        submit("a", 4, at=10.0),
+        submit("other", 1, at=11.0),
+        ev.JobPlaced(id="p-a-0", at=12.0, job="a", attempt=0, allocations=(ev.Allocation("n1", (0, 1, 2, 3)),)),
+        ev.JobStarted(id="s-a-0", at=13.0, job="a", attempt=0, node="n1"),
+        ev.JobRequeued(id="r-a-0", at=20.0, job="a", attempt=0, reason="preempted"),
+        # (Of attempt 0, already requeued: the fold ignores it.)
+        ev.JobFinished(id="f-a-0", at=21.0, job="a", attempt=0, outcome="failed"),
+        ev.JobFinished(id="f-other", at=22.0, job="other", attempt=0, outcome="cancelled"),
+    ]
+    view = DashboardView(ended_kept=1)
+    view.fold_all([Record(seq, event) for seq, event in enumerate(events, 1)])
+    assert "a" in view.state.queue and "a" in view.state.jobs, "a waits: it was forgotten as if it had ended"
+    assert view.forgotten == 0 and view.vcs()
+
+
+def test_a_workflow_whose_timed_out_step_was_forgotten_still_says_it_timed_out() -> None:
+    from tests.unit.test_workflows import simulate
+
+    steps = [
+        {"name": "prep", "gpus": 1, "duration_s": 10, "time_limit_s": 5},
+        {"name": "train", "gpus": 1, "duration_s": 30, "depends_on": {"afterany": ["prep"]}},
+    ]
+    records = simulate([(1.0, {"workflow": "pipe", "user": "ana", "intake_id": "p-1", "steps": steps})]).records
+    full, kept = DashboardView(SchedulerQueue()), DashboardView(SchedulerQueue(), ended_kept=1)
+    full.fold_all(records)
+    kept.fold_all(records)
+    (whole,) = full.workflow_list()
+    (remembered,) = kept.workflow_list()
+    assert whole["status"] == remembered["status"] == "timeout"
+    assert whole["states"] == remembered["states"] == {"timeout": 1, "completed": 1}
+    graph = kept.workflow(remembered["workflow"])
+    assert graph is not None and [s["step"] for s in graph["steps"]] == ["train"], "a step it remembers no job of goes"
