@@ -69,6 +69,11 @@ class ServiceMetrics:
             "gpuherd_dead_letters", "Messages this service gave up on (kept in HERD_DEAD)", registry=r
         )
         self.intake = Counter("gpuherd_intake_submissions", "Intake submissions judged", ["verdict"], registry=r)
+        self.snapshots_missed = Counter(
+            "gpuherd_snapshots_missed",
+            "Snapshots of this service's state that could not be stored (a restart folds from the last one stored)",
+            registry=r,
+        )
         self.nats_connected = Gauge("gpuherd_nats_connected", "1 while connected to NATS", registry=r)
         self.healthy = True  # set False by a loop that found itself broken
 

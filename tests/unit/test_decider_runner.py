@@ -352,3 +352,32 @@ async def test_stage_trace_times_each_batch_in_order(tmp_path, monkeypatch) -> N
         assert stored[out_id].event.job == job
         assert trace.last_seq == stored[out_id].seq
     assert [t.outputs[0][0][1] for t in traces] == ["a", "b"]
+
+
+class SnapshotsRefused(InProcessLog):
+    """A log whose snapshot bucket refuses every snapshot (too large for the server, say)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.snapshot_tries = 0
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
+        if bucket == SNAPSHOT_BUCKET:
+            self.snapshot_tries += 1
+            raise OSError("maximum payload exceeded")
+        await super().kv_put(bucket, key, value)
+
+
+async def test_a_snapshot_that_cannot_be_stored_is_tried_again_a_cadence_later_not_at_every_pause() -> None:
+    # Tried at every quiescent moment, a refused snapshot had the whole state encoded and sent again
+    # after each event: a state too large to store cost its service a full encoding per decision.
+    log = SnapshotsRefused(duplicate_window=0)
+    runner, stop, task = await start(log, snapshot_every=20)
+    await log.append([node("n1", 2)])
+    for i in range(60):
+        await log.append([submit(f"j{i}", 1)])
+        await until(lambda: runner.state.seq >= log._records[-1].seq and runner.core.quiescent())
+    stop.set()
+    await task
+    assert 1 <= log.snapshot_tries <= 60 * 2 // 20 + 1, log.snapshot_tries
+    assert runner.metrics.snapshots_missed._value.get() == log.snapshot_tries

@@ -208,6 +208,8 @@ class DeciderRunner(Generic[S]):
             self.log, self.name, self.decider.STATE_FORMAT, state.seq, self.decider.encode_state(state)
         )
         if size is None:
+            self.snapshots.missed()
+            self.metrics.snapshots_missed.inc()
             return
         self.snapshot_bytes = size
         self.snapshots.taken(state.seq)

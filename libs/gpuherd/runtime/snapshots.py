@@ -98,3 +98,9 @@ class Cadence:
 
     def taken(self, seq: int) -> None:
         self.seq, self.at, self.since = seq, time.monotonic(), 0
+
+    def missed(self) -> None:
+        """A snapshot could not be stored: the next try is a whole cadence later. (Tried again at every
+        quiescent moment, a state too large for the server was encoded and sent after every event.)
+        The last one stored stays what a restart starts from."""
+        self.at, self.since = time.monotonic(), 0
