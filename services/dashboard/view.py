@@ -206,8 +206,7 @@ class DashboardView:
         self.leases.pop(job_id, None)
         self.placements.pop(job_id, None)
         self.progress.pop(job_id, None)
-        member = job.spec.workflow_of if job is not None else None
-        if job is not None and member is not None and member.workflow in self.workflows:
+        if job is not None and (member := job.spec.workflow_of) is not None and member.workflow in self.workflows:
             steps = self.workflows[member.workflow][1]
             jobs = steps.get(member.step, [])
             if job_id in jobs:

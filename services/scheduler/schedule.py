@@ -1081,17 +1081,16 @@ def _victims(
     """Running jobs ``job`` outranks (``same_vc``: of its own VC only), in the order to take them."""
     claim: object = None
     jobs = state.jobs
-    pool: Iterable[JobState]
+    before: tuple[str, ...] | None = None  # the only jobs it can outrank, where the memo knows them
     if same_vc and memo is not None:
         # What ``job`` claims by: its priority, and the policy's measure of it (SRTF: its remaining time).
         claim = (job.spec.priority, policy.outranking_claim(job, state) if policy.preemptive else None)
         before = memo.outranked_before(state, job, claim)
-        if before is not None:
-            if not before:
-                return []
-            pool = (jobs[j] for j in before)
-        else:
-            pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {}))
+        if before == ():
+            return []
+    pool: Iterable[JobState]
+    if before is not None:
+        pool = (jobs[j] for j in before)
     elif same_vc:
         pool = (jobs[j] for j in state.active_by_vc.get(job.spec.vc, {}))
     else:
