@@ -621,16 +621,26 @@ def _start_ticks(pid: int) -> int:
     return process_start_ticks(pid) or 0
 
 
+LEFTOVERS_GONE_S = 5.0  # a process in uninterruptible sleep (a GPU driver call) may take a while to die
+
+
 def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
     """SIGKILL what the task's shim started: its ranks' process group (while a process of the task
     is in it: a group whose processes are all gone may be another's by now), every process whose
     environment names the task, and the warm pool's workers it took. Returns how many processes
-    were found."""
+    were found. It returns once they are gone (or after ``LEFTOVERS_GONE_S``): a SIGKILL takes
+    effect when its target next runs, and until it has exited it holds its GPU memory and ports,
+    which the task placed next on those GPUs would find taken."""
     found: set[int] = set()
-    for _ in range(3):  # (one being forked while its parent was killed shows up in the next pass)
-        processes = _task_processes(task_dir)
-        if not processes:
+    deadline = time.monotonic() + LEFTOVERS_GONE_S
+    # Scan again until none is left: one being forked while its parent was killed shows up in a
+    # later pass, and one killed but not yet exited is still listed (and signalled again, harmlessly).
+    while processes := _task_processes(task_dir):
+        if time.monotonic() > deadline:
+            log.warning("processes of a task outlived their SIGKILL", dir=str(task_dir), pids=sorted(processes))
             break
+        if found >= processes.keys():
+            time.sleep(0.01)
         found |= processes.keys()
         if info is not None and info.pgid is not None and info.pgid > 1 and info.pgid in processes.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -640,15 +650,21 @@ def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
                 os.kill(pid, signal.SIGKILL)
     # Workers from the warm pool lead groups of their own (the task's folder names them even if
     # the shim died before it wrote them down).
-    for proc in _launched_procs(task_dir):
-        if proc.pid is not None:
-            _kill_group(proc.pid, proc.pid_start)
+    pool_workers = [(proc.pid, proc.pid_start) for proc in _launched_procs(task_dir) if proc.pid is not None]
+    for pid, start_ticks in pool_workers:
+        _kill_group(pid, start_ticks)
+    while any(_kill_target_alive(*worker) for worker in pool_workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return len(found)
+
+
+def _kill_target_alive(pid: int, start_ticks: int) -> bool:
+    return pid > 1 and process_alive(pid, start_ticks)
 
 
 def _kill_group(pid: int, start_ticks: int) -> None:
     """SIGKILL the process group led by ``pid``, if that very process still runs (a pid may be reused)."""
-    if pid > 1 and process_alive(pid, start_ticks):
+    if _kill_target_alive(pid, start_ticks):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 
