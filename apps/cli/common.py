@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,41 @@ async def load_records(args: argparse.Namespace) -> list[Record]:
         return await log_.read_all()
     finally:
         await log_.close()
+
+
+class LogReader:
+    """The log read a record at a time, as often as a command needs: every read runs from the start
+    to ``last``, where the log ended at the first read, so each sees the same records. Nothing of
+    the log is held (a year's log does not fit in a CLI's memory). From ``--log FILE`` (a
+    simulation's) or from NATS; ``async with LogReader.open(args) as reader``."""
+
+    def __init__(self, last: int, read: Callable[[], AsyncIterator[Record]]) -> None:
+        self.last = last
+        self._read = read
+
+    def read(self) -> AsyncIterator[Record]:
+        return self._read()
+
+    @staticmethod
+    @contextlib.asynccontextmanager
+    async def open(args: argparse.Namespace) -> AsyncIterator[LogReader]:
+        path = getattr(args, "log", None)
+        if path:
+            from gpuherd.log.files import count_log_file, iter_log_file
+
+            async def from_file() -> AsyncIterator[Record]:
+                for record in iter_log_file(path):
+                    yield record
+
+            list(itertools.islice(iter_log_file(path), 1))  # (a missing file is said before anything runs)
+            yield LogReader(count_log_file(path), from_file)
+            return
+        log_ = await open_cli_log(args)
+        try:
+            last = await log_.last_seq()
+            yield LogReader(last, lambda: log_.read(1, stop=last))
+        finally:
+            await log_.close()
 
 
 def read_records(args: argparse.Namespace) -> list[Record]:

@@ -6,13 +6,15 @@ import argparse
 import asyncio
 import sys
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import msgspec
 from rich.progress import Progress
 from rich.table import Table
 
 from apps.cli.common import (
+    LogReader,
     client_call,
     console,
     fmt_datetime,
@@ -23,22 +25,34 @@ from apps.cli.common import (
     print_json,
     read_cluster,
 )
-from apps.registry import make_decider, replay_state
+from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, fold
+from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, apply, fold
 from gpuherd.log import Record
 from gpuherd.output import fetch_output
-from services.scheduler.explain import NEXT_PASS, Wait, wait_history
+from gpuherd.runtime.decider import Decider
+from services.scheduler.explain import NEXT_PASS, NEXT_PASS_WHY, Wait, WaitFinder, WaitReplay
 from services.scheduler.forecast import forecast_starts
 
 
-def why_waiting(records: list[Record], *, forecast: bool = True) -> tuple[str, dict[str, Any], dict[str, float]]:
+async def _cluster_and_queue(args: argparse.Namespace) -> tuple[ClusterState, Decider[Any], Any]:
+    """One read of the log, folded two ways as it goes (nothing of the log is held): the core fold,
+    every job it ever held, and the scheduler's own (its queue, as its pass sees it)."""
+    state = ClusterState()
+    scheduler = make_decider("scheduler")
+    queue = scheduler.initial_state()
+    async with LogReader.open(args) as reader:
+        async for record in reader.read():
+            apply(state, record.seq, record.event)
+            queue = scheduler.evolve(queue, record.seq, record.event)
+    return state, scheduler, queue
+
+
+def why_waiting(scheduler: Any, state: Any, *, forecast: bool = True) -> tuple[str, dict[str, Any], dict[str, float]]:
     """The policy in force, why each waiting job waits (the scheduler's own pass, on the state its
     own fold makes of the log), and when each is expected to start (``forecast_starts``)."""
-    scheduler = make_decider("scheduler")
-    state = replay_state(scheduler, records)
     policy = scheduler.policy_for(state)
     if not state.queue:
         return policy.name, {}, {}
@@ -175,46 +189,89 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+class _JobWhy(NamedTuple):
+    """What ``gpuherd why`` learns of a job from its two reads of the log."""
+
+    job: JobState
+    now: float  # the log's time at its end
+    waiting: int  # jobs waiting at the log's end
+    policy: str
+    pending: Any  # why the scheduler's pass leaves it waiting (None: it does not wait, or is placed next)
+    estimated_start: float | None
+    waits: list[Wait]
+    reasons: bool  # whether ``waits`` hold the scheduler's reasons (its passes replayed)
+
+
+async def _job_why(args: argparse.Namespace, progress: Progress) -> _JobWhy:
+    """Two reads of the log, a record at a time (nothing of it is held, whatever its length): the
+    first finds the job's waits, the second folds the log as the scheduler does and replays its pass
+    within them. A job waiting at the log's end has its reasons replayed only with ``--history``
+    (its pass now says why it waits), or when that pass would place it (a third read)."""
+    async with LogReader.open(args) as reader:
+        finder = WaitFinder(args.job)
+        await _each_record(reader, finder.see, progress, "finding its waits")
+        if not finder.windows:
+            raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
+        waiting_now = finder.windows[-1].end is None
+        reasons = not waiting_now or getattr(args, "history", False)
+        replay = WaitReplay(args.job, finder.windows, replay_passes=reasons)
+        await _each_record(reader, replay.fold, progress, "replaying its waits" if reasons else "folding the log")
+        state, decider, job = replay.state, replay.decider, replay.job_state
+        if job is None:  # (its submission was one the fold ignores: a job id the log held already)
+            raise GpuherdError(f"no job {args.job!r} was ever held: see `gpuherd events` for its submission")
+        pending, start, policy = None, None, ""
+        if job.status == "pending":
+            policy_in_force = decider.policy_for(state)
+            policy = policy_in_force.name
+            pending = decider.plan(state).pending.get(job.job)
+            start = forecast_starts(state, policy_in_force, [job.job]).get(job.job)
+        if pending is None and not reasons:  # placed on the next pass: how it waited so far is the answer
+            replay, reasons = WaitReplay(args.job, finder.windows), True
+            await _each_record(reader, replay.fold, progress, "replaying its waits")
+        return _JobWhy(job, state.now, len(state.queue), policy, pending, start, replay.waits(), reasons)
+
+
+async def _each_record(reader: LogReader, take: Callable[[Record], None], progress: Progress, what: str) -> None:
+    task = progress.add_task(what, total=reader.last)
+    async for record in reader.read():
+        take(record)
+        if record.seq % 1024 == 0:
+            progress.update(task, completed=record.seq)
+    progress.update(task, completed=reader.last)
+
+
 def cmd_why(args: argparse.Namespace) -> int:
-    state, records = read_cluster(args)
-    job = state.jobs.get(args.job)
-    if job is None:
-        raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
-    policy, why, starts = why_waiting(records) if job.status == "pending" else ("", {}, {})
-    pending = why.get(job.job)
+    # (on a terminal only: piped, a finished bar left an empty line before the answer)
+    with Progress(console=console, transient=True, disable=args.json or not console.is_terminal) as progress:
+        found = asyncio.run(_job_why(args, progress))
+    job, pending = found.job, found.pending
     answer: dict[str, Any] = {"job": job.job, "status": job.status, "attempt": job.attempt}
     if pending is not None:
         answer |= {
             "kind": pending.kind,
             "why": pending.detail,
             "position": pending.position,
-            "waiting": len(state.queue),
-            "policy": policy,
-            "estimated_start": starts.get(job.job),
+            "waiting": found.waiting,
+            "policy": found.policy,
+            "estimated_start": found.estimated_start,
         }
     elif job.status == "pending":
-        answer["why"] = "nothing holds it back: it is placed on the scheduler's next pass"
+        answer["why"] = NEXT_PASS_WHY
     else:
         answer["why"] = where_it_is(job) or job.status
     # "Why did my job wait?": a job that waits no more is answered by its waits, replayed (a waiting
     # one by the pass above; with --history, by its waits so far too).
-    history = pending is None or getattr(args, "history", False)
-    waits: list[Wait] = []
-    if history:
-        # (on a terminal only: piped, a finished bar left an empty line before the answer)
-        with Progress(console=console, transient=True, disable=args.json or not console.is_terminal) as progress:
-            task = progress.add_task("replaying its waits", total=len(records))
-            waits = wait_history(records, job.job, progress=lambda i: progress.update(task, completed=i))
+    waits = found.waits if found.reasons else []
     if args.json:
-        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if history else {}))
+        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if found.reasons else {}))
         return 0
     if pending is not None:
         console.print(
             f"{plain(job.job)} ({plain(job.spec.name)}) waits: "
             f"[bold]{plain(pending.kind)}[/bold] - {plain(pending.detail)}\n"
-            f"position {pending.position} of {len(state.queue)} waiting jobs in {policy} order; "
-            f"waiting {state.now - job.waiting_since:.0f}s\n"
-            f"expected to start: {_starts_in(starts.get(job.job), state.now)}"
+            f"position {pending.position} of {found.waiting} waiting jobs in {found.policy} order; "
+            f"waiting {found.now - job.waiting_since:.0f}s\n"
+            f"expected to start: {_starts_in(found.estimated_start, found.now)}"
         )
     else:
         # (the reason only where it says more than the status: a completed job has none, "completed: completed")
@@ -288,8 +345,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 0:  # jobs[-args.limit:] would drop the first jobs instead
         raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
     statuses = _statuses_asked(args.status)  # (before the log is read: a typo is no empty table)
-    state, records = read_cluster(args)
-    _, pending, starts = why_waiting(records, forecast=statuses is None or "pending" in statuses)
+    state, scheduler, queue = asyncio.run(_cluster_and_queue(args))
+    _, pending, starts = why_waiting(scheduler, queue, forecast=statuses is None or "pending" in statuses)
     if args.workflow or args.array:
         jobs = members(state, args.workflow or args.array)
         if not jobs:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
 
 from gpuherd import events as ev
 from gpuherd.explain import QueueAnswer, Waiting
+from gpuherd.fold import JobState
 from gpuherd.log import Record
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.forecast import forecast_starts
@@ -134,72 +135,145 @@ class Wait(msgspec.Struct, frozen=True):
     placed_by: str = ""
 
 
-def wait_history(records: list[Record], job: str, progress: Callable[[int], None] | None = None) -> list[Wait]:
-    """Every wait of ``job`` in the log, each explained by the scheduler's own pass replayed on the
-    state of the log as the scheduler folded it, after each record it would have decided on while
-    the job waited (``MAX_PASSES_REPLAYED`` of them, evenly spread, for a longer wait): why the job
-    waited, when, and what finally placed it. ``progress`` is told the records folded so far."""
-    decider = SchedulerDecider(make_policy("fifo"))
-    windows = _waiting_windows(records, job)
+class WaitWindow(msgspec.Struct):
+    """Where in the log one wait of a job lies: from the record that made it wait (``first``, its
+    submission or a requeue) up to the record that ended the wait (``end``, a placement or an end;
+    None: the log ends while it waits). ``passes``: the records in it the scheduler decides on;
+    ``cause``: the id of the event the placement that ended it was decided on."""
+
+    first: int
+    end: int | None = None
+    passes: int = 0
+    cause: str = ""
+
+
+class WaitFinder:
+    """The first of the two reads ``gpuherd why`` makes of the log: each wait of ``job``, found a
+    record at a time (``see``) without folding anything; ``windows`` once the log is read."""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.windows: list[WaitWindow] = []
+        self._current: WaitWindow | None = None
+        self._follows = SchedulerDecider(make_policy("fifo")).follows
+
+    def see(self, record: Record) -> None:
+        event = record.event
+        current = self._current
+        if getattr(event, "job", None) == self.job:
+            kind = type(event)
+            if current is None and kind in (ev.JobSubmitted, ev.JobRequeued):
+                current = self._current = WaitWindow(first=record.seq)
+                self.windows.append(current)
+            elif current is not None and kind in (ev.JobPlaced, ev.JobFinished):
+                current.end, current.cause = record.seq, getattr(event, "cause", "")
+                self._current = None
+                return
+        if current is not None:
+            current.passes += self._follows(event)
+
+
+def waiting_windows(records: Iterable[Record], job: str) -> list[WaitWindow]:
+    """Each wait of ``job`` in ``records`` (``WaitFinder``)."""
+    finder = WaitFinder(job)
+    for record in records:
+        finder.see(record)
+    return finder.windows
+
+
+class WaitReplay:
+    """The second read: the log folded by the scheduler's own fold, a record at a time, with its
+    pass replayed on the state after each record it would have decided on while ``job`` waited
+    (``MAX_PASSES_REPLAYED`` of them, evenly spread, for a longer wait). ``state`` is the
+    scheduler's state so far; ``job_state`` the job as last seen (kept once it ended, which the
+    scheduler's state forgets). ``replay_passes`` False: fold only (the waits have no reasons)."""
+
+    def __init__(self, job: str, windows: list[WaitWindow], *, replay_passes: bool = True) -> None:
+        self.job = job
+        self.decider = SchedulerDecider(make_policy("fifo"))
+        self.state: SchedulerState = self.decider.initial_state()
+        self.job_state: JobState | None = None
+        self._windows = iter(windows)
+        self._current = next(self._windows, None)
+        self._replay = replay_passes
+        self._causes = {w.cause for w in windows if w.cause}
+        self._described: dict[str, str] = {}  # cause id -> the event in a few words
+        self._waits: list[Wait] = []
+        self._start_wait()
+
+    def _start_wait(self) -> None:
+        self._spans: list[WaitSpan] = []
+        self._since, self._attempt, self._passes, self._possible = 0.0, 0, 0, 0
+        window = self._current
+        if window is None or window.passes <= MAX_PASSES_REPLAYED:
+            self._sampled: set[int] | None = None  # every pass
+        else:
+            step = window.passes / MAX_PASSES_REPLAYED
+            self._sampled = {int(n * step) for n in range(MAX_PASSES_REPLAYED - 1)} | {window.passes - 1}
+
+    def fold(self, record: Record) -> None:
+        event, seq, job = record.event, record.seq, self.job
+        state = self.state = self.decider.evolve(self.state, seq, event)
+        if getattr(event, "job", None) == job:
+            self.job_state = state.jobs.get(job, self.job_state)  # (an end updates it, then drops it)
+        if event.id in self._causes:
+            self._described[event.id] = _described(event)
+        window = self._current
+        if window is None or seq < window.first:
+            return
+        if seq == window.first:
+            self._since = event.at
+            self._attempt = state.jobs[job].attempt if job in state.jobs else 0
+        if window.end is None or seq < window.end:
+            if self.decider.follows(event):
+                ordinal = self._possible
+                self._possible += 1
+                if self._replay and (self._sampled is None or ordinal in self._sampled):
+                    self._passes += 1
+                    self._spans = _with_pass(self._spans, self.decider.plan(state), job, event.at)
+            return
+        self._waits.append(self._ended_wait(event, ended=True))
+        self._current = next(self._windows, None)
+        self._start_wait()
+
+    def waits(self) -> list[Wait]:
+        """The job's waits, the one it is in at the log's end (so far) included."""
+        if self._current is None:
+            return self._waits
+        return [*self._waits, self._ended_wait(None, ended=False)]
+
+    def _ended_wait(self, event: ev.Event | None, *, ended: bool) -> Wait:
+        """The wait that ``event`` ended (``ended``), or that goes on at the log's end."""
+        since, attempt, spans, passes, possible = self._since, self._attempt, self._spans, self._passes, self._possible
+        if not ended or event is None:
+            return Wait(since, None, attempt, "still waiting at the log's end", list(spans), passes, possible)
+        if spans:
+            spans[-1] = msgspec.structs.replace(spans[-1], end=event.at)
+        if isinstance(event, ev.JobPlaced):
+            nodes = ", ".join(dict.fromkeys(a.node for a in event.allocations))
+            cause = self._described.get(event.cause)
+            why = f" on {cause}" if cause is not None else ""
+            placed_by = f"{event.id}, decided{why} (log position {event.based_on})"
+            return Wait(since, event.at, attempt, f"placed on {nodes}", spans, passes, possible, placed_by)
+        outcome = getattr(event, "outcome", "ended")
+        reason = getattr(event, "reason", "")
+        how = f"{outcome} without being placed" + (f": {reason}" if reason else "")
+        return Wait(since, event.at, attempt, how, spans, passes, possible)
+
+
+def wait_history(records: Sequence[Record], job: str, progress: Callable[[int], None] | None = None) -> list[Wait]:
+    """Every wait of ``job`` in ``records``, each explained by the scheduler's own pass replayed on
+    the state of the log as the scheduler folded it (``WaitReplay``): why the job waited, when, and
+    what finally placed it. ``progress`` is told the records folded so far."""
+    windows = waiting_windows(records, job)
     if not windows:
         return []
-    replayed: set[int] = set()
-    for first, last in windows:  # (records first..last, as positions in ``records``)
-        candidates = [i for i in range(first, last + 1) if decider.follows(records[i].event)]
-        if len(candidates) > MAX_PASSES_REPLAYED:
-            step = len(candidates) / MAX_PASSES_REPLAYED
-            candidates = [candidates[int(n * step)] for n in range(MAX_PASSES_REPLAYED - 1)] + [candidates[-1]]
-        replayed.update(candidates)
-    # The causes of the placements that ended a wait, by id (what each was decided on).
-    causes = {getattr(records[last + 1].event, "cause", "") for _, last in windows if last + 1 < len(records)}
-    by_id = {r.event.id: r for r in records if r.event.id in causes}
-    state = decider.initial_state()
-    waits: list[Wait] = []
-    spans: list[WaitSpan] = []
-    window = iter(windows)
-    current = next(window, None)
-    since, attempt, passes, possible = 0.0, 0, 0, 0
+    replay = WaitReplay(job, windows)
     for i, record in enumerate(records):
-        state = decider.evolve(state, record.seq, record.event)
+        replay.fold(record)
         if progress is not None and i % 1000 == 0:
             progress(i)
-        if current is None:
-            break
-        first, last = current
-        if i == first:
-            spans, passes, possible = [], 0, 0
-            since, attempt = record.event.at, state.jobs[job].attempt if job in state.jobs else 0
-        if first <= i <= last:
-            possible += decider.follows(record.event)
-            if i in replayed:
-                passes += 1
-                spans = _with_pass(spans, decider.plan(state), job, record.event.at)
-        if i == last + 1:
-            waits.append(_ended_wait(since, attempt, spans, passes, possible, record, job, by_id, ended=True))
-            current = next(window, None)
-    if current is not None:  # the log ends while it waits
-        waits.append(_ended_wait(since, attempt, spans, passes, possible, records[-1], job, by_id, ended=False))
-    return waits
-
-
-def _waiting_windows(records: list[Record], job: str) -> list[tuple[int, int]]:
-    """The positions in ``records`` of each wait of ``job``: from the record that made it wait (its
-    submission, a requeue) to the record before the one that ended the wait (a placement, an end)."""
-    windows: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, record in enumerate(records):
-        event = record.event
-        if getattr(event, "job", None) != job:
-            continue
-        kind = type(event)
-        if kind in (ev.JobSubmitted, ev.JobRequeued) and start is None:
-            start = i
-        elif start is not None and kind in (ev.JobPlaced, ev.JobFinished):
-            windows.append((start, i - 1))
-            start = None
-    if start is not None:
-        windows.append((start, len(records) - 1))
-    return windows
+    return replay.waits()
 
 
 def _with_pass(spans: list[WaitSpan], plan: Any, job: str, at: float) -> list[WaitSpan]:
@@ -218,36 +292,6 @@ def _with_pass(spans: list[WaitSpan], plan: Any, job: str, at: float) -> list[Wa
             spans[-1] = msgspec.structs.replace(spans[-1], end=at)
         spans.append(WaitSpan(start=at, end=at, kind=kind, detail=detail, last_detail=detail, passes=1))
     return spans
-
-
-def _ended_wait(
-    since: float,
-    attempt: int,
-    spans: list[WaitSpan],
-    passes: int,
-    possible: int,
-    record: Record,
-    job: str,
-    by_id: dict[str, Record],
-    *,
-    ended: bool,
-) -> Wait:
-    """The wait that ``record`` ended (``ended``), or that goes on at the log's end."""
-    event = record.event
-    if not ended:
-        return Wait(since, None, attempt, "still waiting at the log's end", spans, passes, possible)
-    if spans:
-        spans[-1] = msgspec.structs.replace(spans[-1], end=event.at)
-    if isinstance(event, ev.JobPlaced):
-        nodes = ", ".join(dict.fromkeys(a.node for a in event.allocations))
-        cause = by_id.get(event.cause)
-        why = f" on {_described(cause.event)}" if cause is not None else ""
-        placed_by = f"{event.id}, decided{why} (log position {event.based_on})"
-        return Wait(since, event.at, attempt, f"placed on {nodes}", spans, passes, possible, placed_by)
-    outcome = getattr(event, "outcome", "ended")
-    reason = getattr(event, "reason", "")
-    how = f"{outcome} without being placed" + (f": {reason}" if reason else "")
-    return Wait(since, event.at, attempt, how, spans, passes, possible)
 
 
 def _described(event: ev.Event) -> str:

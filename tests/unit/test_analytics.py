@@ -698,12 +698,10 @@ def _five_jobs() -> list[Any]:
 
 
 def test_jobs_limit_shows_the_latest_and_refuses_a_negative_count(monkeypatch: Any, capsys: Any) -> None:
-    from apps.cli import build_parser, jobs
+    from apps.cli import build_parser, common
     from gpuherd.errors import GpuherdError
-    from gpuherd.fold import fold
 
-    records = _five_jobs()
-    monkeypatch.setattr(jobs, "read_cluster", lambda args: (fold((r.seq, r.event) for r in records), records))
+    monkeypatch.setattr(common, "open_cli_log", _five_jobs_log)
     args = build_parser().parse_args(["jobs", "--limit", "2"])
     assert args.func(args) == 0
     shown = capsys.readouterr().out

@@ -15,6 +15,7 @@ from apps.cli import build_parser
 from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
+from gpuherd.errors import GpuherdError
 from gpuherd.log.files import write_log_file
 from services.analytics.traces import load_philly_csv, submissions
 from services.scheduler import explain
@@ -110,3 +111,52 @@ def test_a_log_that_ends_while_the_job_waits_says_so(tmp_path: Path) -> None:
         assert wait.spans and wait.spans[0].kind != NEXT_PASS
     (wait,) = wait_history(records[: placed + 1], second)  # the placement is the log's last record
     assert wait.ended_by.startswith("placed on") and wait.placed_by
+
+
+def test_why_of_a_job_waiting_at_the_log_s_end_replays_its_waits_only_with_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = _log(tmp_path, [(0, 5000.0, 4), (10, 100.0, 2)])
+    second = _job_of(records, 1)
+    placed = next(i for i, r in enumerate(records) if isinstance(r.event, ev.JobPlaced) and r.event.job == second)
+    path = tmp_path / "cut.jsonl"
+    write_log_file(records[: placed - 1], path)  # before the pass that placed it: it waits for the GPUs
+
+    def why(*more: str) -> dict:
+        args = build_parser().parse_args(["why", second, "--log", str(path), "--json", *more])
+        assert args.func(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    now = why()
+    assert now["status"] == "pending" and now["position"] == 1 and now["waiting"] == 1
+    assert "GPU" in now["why"] and "waits" not in now  # (its pass now says why: nothing is replayed)
+    history = why("--history")
+    assert {k: v for k, v in history.items() if k != "waits"} == now
+    (wait,) = history["waits"]
+    assert wait["until"] is None and wait["passes_replayed"] == wait["passes_in_wait"] > 0
+    assert wait["spans"] and wait["spans"][0]["kind"] == now["kind"]
+
+
+def test_why_of_a_job_the_log_never_held_says_so(tmp_path: Path) -> None:
+    records = _log(tmp_path, [(0, 100.0, 1)])
+    path = tmp_path / "events.jsonl"
+    write_log_file(records, path)
+    args = build_parser().parse_args(["why", "j-none", "--log", str(path)])
+    with pytest.raises(GpuherdError, match="no job 'j-none'"):
+        args.func(args)
+
+
+def test_why_of_a_job_the_next_pass_places_replays_its_wait_so_far(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = _log(tmp_path, [(0, 100.0, 1)])
+    job = _job_of(records, 0)
+    submitted = next(i for i, r in enumerate(records) if isinstance(r.event, ev.JobSubmitted))
+    path = tmp_path / "cut.jsonl"
+    write_log_file(records[: submitted + 1], path)  # the log ends on its submission: nothing holds it back
+    args = build_parser().parse_args(["why", job, "--log", str(path), "--json"])
+    assert args.func(args) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["status"] == "pending" and answer["why"].startswith("nothing holds it back")
+    (wait,) = answer["waits"]
+    assert wait["until"] is None and [span["kind"] for span in wait["spans"]] == [NEXT_PASS]

@@ -6,7 +6,7 @@ Simulations write their log this way so it can be replayed and audited like a li
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gpuherd import events as ev
@@ -31,14 +31,26 @@ def write_log_file(records: Iterable[Record], path: str | Path) -> int:
 
 
 def read_log_file(path: str | Path) -> list[Record]:
+    return list(iter_log_file(path))
+
+
+def iter_log_file(path: str | Path) -> Iterator[Record]:
+    """The file's records, a line at a time (a reader that folds as it reads holds none of them)."""
     path = Path(path)
     if not path.is_file():
         raise LogFileError(f"{path}: no such log file")
-    records = []
     with path.open("rb") as f:
         for seq, line in enumerate(f, 1):
             try:
-                records.append(Record(seq, ev.decode(line)))
+                yield Record(seq, ev.decode(line))
             except EventDecodeError as exc:
                 raise LogFileError(f"{path}:{seq}: {exc}") from None
-    return records
+
+
+def count_log_file(path: str | Path) -> int:
+    """How many records the file holds (its lines), without decoding them."""
+    count = 0
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 20):
+            count += chunk.count(b"\n")
+    return count
