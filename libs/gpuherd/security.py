@@ -130,6 +130,7 @@ def decider_permissions(
         *read_log(),
         f"{DEAD_LETTER_PREFIX}.{name}",
         kv_write(SNAPSHOT_BUCKET, name),
+        kv_write(SNAPSHOT_BUCKET, f"{name}.parts.>"),  # (a snapshot too large for one message)
         kv_write(LEADERSHIP_BUCKET, f"decider.{name}"),
         kv_write(STATUS_BUCKET, f"{name}.>"),
         leadership_subject(name),  # its runtime's fence (LeadershipTaken)

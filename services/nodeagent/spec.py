@@ -41,6 +41,7 @@ def permissions(node: str) -> Permissions:
         f"{DEAD_LETTER_PREFIX}.{user}",
         kv_write(LEADERSHIP_BUCKET, f"agent.{node}"),
         kv_write(SNAPSHOT_BUCKET, f"agent.{node}"),
+        kv_write(SNAPSHOT_BUCKET, f"agent.{node}.parts.>"),
         kv_write(STATUS_BUCKET, f"{user}.>"),
     )
     return Permissions(publish=publish, subscribe=(inbox(user), f"{CONTROL_PREFIX}.{node}.>"), allow_responses=True)

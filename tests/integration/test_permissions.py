@@ -21,6 +21,7 @@ from apps.deployment import accounts, nats_users
 from gpuherd import events as ev
 from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
 from gpuherd.natsd import NatsServer
+from gpuherd.runtime.snapshots import PART_BYTES, load_snapshot, save_snapshot
 from gpuherd.security import password_env
 
 pytestmark = pytest.mark.slow
@@ -139,6 +140,11 @@ async def test_each_agent_appends_only_its_own_nodes_events(secured: Any, connec
     # Its own lease and inbox work (request-reply through JetStream).
     ack = await agent.js.publish("$KV.herd_leases.agent.n1", b"me")
     assert ack.seq > 0
+    own = JetStreamLog(agent.nc)  # and its snapshot, in parts when it is large
+    await own.require_streams(timeout=10)
+    big = secrets.token_bytes(PART_BYTES + 1)
+    assert await save_snapshot(own, "agent.n1", 1, 5, big) is not None
+    assert await agent.refused("$KV.herd_snapshots.agent.n2.parts.0.0")
     await admin.nc.close()
 
 
@@ -151,7 +157,13 @@ async def test_each_service_appends_only_its_decisions(secured: Any, connect: An
         "analytics": ["herd.job.j2", "herd.node.n1", "herd.clock.analytics"],
     }
     forbidden = {
-        "scheduler": ["herd.lease.l2", "herd.job.j2.by.n1", "herd.clock.memory", "$KV.herd_snapshots.memory"],
+        "scheduler": [
+            "herd.lease.l2",
+            "herd.job.j2.by.n1",
+            "herd.clock.memory",
+            "$KV.herd_snapshots.memory",
+            "$KV.herd_snapshots.memory.parts.0.0",
+        ],
         "elastic": ["herd.node.n1", "herd.lease.l2", "herd.rejected.ci", "$KV.herd_leases.decider.scheduler"],
         "memory": ["herd.job.j2", "herd.node.n1", "herd.cluster.policy"],
         "analytics": ["herd.lease.l2", "herd.cluster.policy", "herd.job.j2.by.n1"],
@@ -165,6 +177,13 @@ async def test_each_service_appends_only_its_decisions(secured: Any, connect: An
             assert await conn.refused(subject), (service, subject)
         ack = await conn.js.publish(f"$KV.herd_snapshots.{service}", b"snap")
         assert ack.seq > 0
+        # A snapshot too large for one message goes in parts, which its role may write too.
+        own = JetStreamLog(conn.nc)
+        await own.require_streams(timeout=10)
+        big = secrets.token_bytes(PART_BYTES + 1)
+        assert await save_snapshot(own, service, 1, 5, big) is not None, service
+        snap = await load_snapshot(own, service, 1)
+        assert snap is not None and snap.state == big, service
     await admin.nc.close()
 
 

@@ -222,6 +222,9 @@ class InProcessLog(EventLog):
     async def kv_entries(self, bucket: str) -> dict[str, bytes]:
         return {key: value for (b, key), value in self._kv.items() if b == bucket}
 
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        self._kv.pop((bucket, key), None)
+
     def leadership(self, name: str, holder: str) -> Leadership:
         return _InProcessLeadership(self, name, holder)
 

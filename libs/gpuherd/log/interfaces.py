@@ -195,6 +195,10 @@ class KeyValue(abc.ABC):
     async def kv_entries(self, bucket: str) -> dict[str, bytes]:
         """Every live key of ``bucket`` and its value."""
 
+    @abc.abstractmethod
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        """Remove ``key`` and its history (none there: nothing happens)."""
+
 
 class Leadership(abc.ABC):
     """The right to act as ``name`` (a decider, a node's agent): at most one holder at a time; it

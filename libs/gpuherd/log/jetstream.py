@@ -937,6 +937,9 @@ class JetStreamLog(EventLog):
                     out[key] = entry.value
         return out
 
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        await self._kv[bucket].purge(key)
+
     def leadership(self, name: str, holder: str) -> Leadership:
         return _JetStreamLeadership(self, name, holder)
 

@@ -4,10 +4,19 @@ A snapshot carries the folder's state format and the sequence it was folded to. 
 format, or one that does not read, is ignored (and the state rebuilt from the log): it can always
 be rebuilt, so it is never trusted beyond what it says it is. Nor is one folded beyond the log's
 head (``beyond_the_log``): it was taken of another log.
+
+A snapshot larger than ``PART_BYTES`` (compressed) is stored in parts, and the key holds their
+manifest, written last: a state that outgrows what one NATS message may carry (the server's
+``max_payload``, 1 MB unless raised) is still snapshotted. Parts go to one of two slots
+(``<key>.parts.<slot>.<n>``), the one the manifest does not name, so a save that fails or dies
+half-way leaves the last snapshot whole, and the parts stored never exceed two snapshots'. A reader
+checks the parts against the manifest's checksum; one that finds them rewritten under it (two saves
+while it read) reads the manifest again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -29,10 +38,36 @@ class Snapshot(msgspec.Struct):
     state: bytes
 
 
+PART_BYTES = 512 * 1024  # one part of a large snapshot: well under NATS's default max_payload (1 MB)
+PARTS_MAGIC = b"gpuherd-snapshot-parts\n"  # a manifest's first bytes (a snapshot's are zlib's)
+READ_TRIES = 3  # manifests read while parts change under a reader
+
+
+class SnapshotParts(msgspec.Struct):
+    """What the key of a snapshot stored in parts holds: where its parts are, how to check them,
+    and how many parts each slot holds (what a later save overwrites or removes)."""
+
+    slot: int  # 0 or 1
+    parts: int
+    size: int  # bytes in all
+    crc: int  # zlib.crc32 of them
+    stored: list[int]  # parts held in each slot
+
+
+def part_key(key: str, slot: int, n: int) -> str:
+    return f"{key}.parts.{slot}.{n}"
+
+
+def _manifest(data: bytes | None) -> SnapshotParts | None:
+    if data is None or not data.startswith(PARTS_MAGIC):
+        return None
+    return msgspec.msgpack.decode(data[len(PARTS_MAGIC) :], type=SnapshotParts)
+
+
 async def load_snapshot(store: KeyValue, key: str, state_format: int) -> Snapshot | None:
     """The snapshot under ``key`` if there is one of ``state_format`` that reads; else None."""
     try:
-        data = await patiently(lambda: store.kv_get(SNAPSHOT_BUCKET, key), what="snapshot", patience_s=60)
+        data = await _stored(store, key)
     except LogUnavailable:
         return None  # only a cache: rebuilt from the log instead
     if data is None:
@@ -46,6 +81,30 @@ async def load_snapshot(store: KeyValue, key: str, state_format: int) -> Snapsho
         log.warning("snapshot of another state format; rebuilding from the log", key=key, snapshot_format=snap.v)
         return None
     return snap
+
+
+async def _stored(store: KeyValue, key: str) -> bytes | None:
+    """The snapshot's bytes as saved: the value under ``key``, or the parts its manifest names."""
+
+    async def get(name: str) -> bytes | None:
+        return await patiently(lambda: store.kv_get(SNAPSHOT_BUCKET, name), what="snapshot", patience_s=60)
+
+    for _ in range(READ_TRIES):
+        data = await get(key)
+        try:
+            manifest = _manifest(data)
+        except UNDECODABLE as exc:
+            log.warning("snapshot manifest unreadable; rebuilding from the log", key=key, error=str(exc))
+            return None
+        if manifest is None:
+            return data
+        parts = [await get(part_key(key, manifest.slot, n)) for n in range(manifest.parts)]
+        whole = b"".join(part or b"" for part in parts)
+        if len(whole) == manifest.size and zlib.crc32(whole) == manifest.crc:
+            return whole
+        await asyncio.sleep(0.1)  # rewritten under it by two saves: their manifest is written last
+    log.warning("snapshot parts do not match their manifest; rebuilding from the log", key=key, tries=READ_TRIES)
+    return None
 
 
 def beyond_the_log(key: str, seq: int, head: int) -> bool:
@@ -67,14 +126,38 @@ def beyond_the_log(key: str, seq: int, head: int) -> bool:
 
 async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, state: bytes) -> int | None:
     """Store a snapshot; its size in bytes, or None when it could not be stored (a missed snapshot
-    costs a longer catch-up, nothing else)."""
+    costs a longer catch-up, nothing else). One over ``PART_BYTES`` is stored in parts."""
     data = zlib.compress(msgspec.msgpack.encode(Snapshot(v=state_format, seq=seq, state=state)), 1)
     try:
-        await store.kv_put(SNAPSHOT_BUCKET, key, data)
+        try:
+            before = _manifest(await store.kv_get(SNAPSHOT_BUCKET, key))
+        except UNDECODABLE:
+            before = None  # (its parts, if any, are overwritten in time)
+        stored = list(before.stored) if before is not None else [0, 0]
+        if len(data) <= PART_BYTES:
+            await store.kv_put(SNAPSHOT_BUCKET, key, data)
+            await _purge_parts(store, key, stored, keep=(0, 0))
+            return len(data)
+        slot = 1 - before.slot if before is not None else 0  # (the other slot holds the last snapshot)
+        parts = -(-len(data) // PART_BYTES)
+        for n in range(parts):
+            await store.kv_put(SNAPSHOT_BUCKET, part_key(key, slot, n), data[n * PART_BYTES : (n + 1) * PART_BYTES])
+        await _purge_parts(store, key, stored, keep=(parts, stored[1]) if slot == 0 else (stored[0], parts))
+        stored[slot] = parts
+        manifest = SnapshotParts(slot=slot, parts=parts, size=len(data), crc=zlib.crc32(data), stored=stored)
+        await store.kv_put(SNAPSHOT_BUCKET, key, PARTS_MAGIC + msgspec.msgpack.encode(manifest))
     except Exception as exc:
         log.warning("snapshot not saved", key=key, error=repr(exc), bytes=len(data))
         return None
     return len(data)
+
+
+async def _purge_parts(store: KeyValue, key: str, stored: list[int], keep: tuple[int, int]) -> None:
+    """Remove the parts of each slot beyond the first ``keep[slot]`` (what a smaller snapshot in
+    that slot, or one stored whole, no longer uses)."""
+    for slot in (0, 1):
+        for n in range(keep[slot], stored[slot]):
+            await store.kv_purge(SNAPSHOT_BUCKET, part_key(key, slot, n))
 
 
 @dataclass
