@@ -28,8 +28,9 @@ from rich.markup import escape
 
 from gpuherd.client import Client
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import ClusterState, fold
+from gpuherd.fold import ClusterState, apply, fold
 from gpuherd.log import EventLog, Record, open_log
+from gpuherd.runtime.decider import Decider
 
 # Tables of many columns stay whole where no terminal says how wide it is (a pipe, a log, CI): rich
 # would take 80 columns and cut job ids short.
@@ -161,6 +162,25 @@ class LogReader:
 
 def read_records(args: argparse.Namespace) -> list[Record]:
     return asyncio.run(load_records(args))
+
+
+def log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> Any:
+    """The log folded as it is read, nothing of it held: by the core fold (every job the log ever
+    held, as the CLI shows history too), or by ``decider``'s own fold (its state)."""
+
+    async def run() -> Any:
+        async with LogReader.open(args) as reader:
+            if decider is None:
+                cluster = ClusterState()
+                async for record in reader.read():
+                    apply(cluster, record.seq, record.event)
+                return cluster
+            state = decider.initial_state()
+            async for record in reader.read():
+                state = decider.evolve(state, record.seq, record.event)
+            return state
+
+    return asyncio.run(run())
 
 
 def read_cluster(args: argparse.Namespace) -> tuple[ClusterState, list[Record]]:

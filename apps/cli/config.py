@@ -16,13 +16,14 @@ from rich.table import Table
 from apps.cli.common import (
     client_call,
     console,
+    log_state,
     name_values,
     parse_duration,
     policy_names,
     print_json,
     read_records,
 )
-from apps.registry import make_decider, replay_state
+from apps.registry import make_decider
 from gpuherd.errors import GpuherdError
 from gpuherd.security import check_token
 from services.elastic.policy import params_from as elastic_params
@@ -54,7 +55,7 @@ def cmd_vc(args: argparse.Namespace) -> int:
         if args.weight is not None and not math.isfinite(args.weight):
             raise GpuherdError(f"--weight must be a finite number, got {args.weight}")
         # Options not given keep what the VC has (a VcConfigured is its whole configuration).
-        current = replay_state(make_decider("scheduler"), read_records(args)).vcs.get(args.name)
+        current = log_state(args, make_decider("scheduler")).vcs.get(args.name)
         config = {
             "gpu_quota": _option(args.quota, int, current.gpu_quota if current else None),
             "can_borrow": args.borrow if args.borrow is not None else (current.can_borrow if current else True),
@@ -73,7 +74,7 @@ def cmd_vc(args: argparse.Namespace) -> int:
         client_call(args, lambda c: c.configure_vc(args.name, **config))
         console.print(f"VC {args.name}: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in config.items()))
         return 0
-    state = replay_state(make_decider("scheduler"), read_records(args))
+    state = log_state(args, make_decider("scheduler"))
     used = state.vc_used
     if args.json:
         print_json(
@@ -120,7 +121,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         client_call(args, lambda c: c.configure_policy(args.name, backfill=not args.no_backfill, params=params))
         console.print(f"policy {args.name}{' without' if args.no_backfill else ' with'} backfill {params or ''}")
         return 0
-    state = replay_state(make_decider("scheduler"), read_records(args))
+    state = log_state(args, make_decider("scheduler"))
     config = state.scheduling
     if args.json:
         print_json(msgspec.to_builtins(config))
@@ -202,7 +203,7 @@ def cmd_elastic(args: argparse.Namespace) -> int:
         client_call(args, lambda c: c.configure_elastic(params))
         console.print(f"elastic service parameters: {params}")
         return 0
-    state = replay_state(make_decider("elastic"), read_records(args))
+    state = log_state(args, make_decider("elastic"))
     params = msgspec.to_builtins(elastic_params(state.params or {}))
     if args.json:
         print_json(params)

@@ -19,11 +19,11 @@ from apps.cli.common import (
     console,
     fmt_datetime,
     fmt_time,
+    log_state,
     open_cli_log,
     parse_duration,
     plain,
     print_json,
-    read_cluster,
 )
 from apps.registry import make_decider
 from gpuherd import events as ev
@@ -167,7 +167,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """A job, or every unfinished job of an array or a workflow."""
 
     if client_call(args, lambda c: c.job_exists(args.job)):
-        state, _ = read_cluster(args)
+        state = log_state(args)
         job = state.jobs.get(args.job)
         if job is not None and job.status in TERMINAL:
             # (The scheduler would refuse it in the log, unseen: "cancel requested", exit 0, said otherwise.)
@@ -175,7 +175,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         client_call(args, lambda c: c.cancel(args.job, args.reason))
         console.print(f"cancel requested for {plain(args.job)}")
         return 0
-    state, _ = read_cluster(args)
+    state = log_state(args)
     jobs = members(state, args.job)
     if not jobs:
         raise GpuherdError(f"no job, array or workflow {args.job!r}: see `gpuherd jobs` for the ids")

@@ -8,11 +8,11 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from apps.cli.common import console, plain, print_json, read_cluster
+from apps.cli.common import console, log_state, plain, print_json
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    state, _ = read_cluster(args)
+    state = log_state(args)
     nodes = sorted(state.nodes.values(), key=lambda n: n.node)
     if args.json:
         print_json([msgspec.to_builtins(n) for n in nodes])
