@@ -81,3 +81,19 @@ async def test_parts_that_do_not_match_their_manifest_are_not_trusted(monkeypatc
     with capture_logs() as logs:
         assert await load_snapshot(log, KEY, FORMAT) is None  # rebuilt from the log instead
     assert any("do not match their manifest" in entry["event"] for entry in logs)
+
+
+class CannotPurge(InProcessLog):
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        raise ConnectionError("gone")
+
+
+async def test_parts_that_cannot_be_removed_are_said_and_the_snapshot_still_counts() -> None:
+    log = CannotPurge()
+    assert await save_snapshot(log, KEY, FORMAT, 10, state_of(PART_BYTES + 1000)) is not None  # (two parts)
+    with capture_logs() as logs:
+        assert await save_snapshot(log, KEY, FORMAT, 20, b"small again") is not None  # stored, whatever is left
+    (said,) = [entry for entry in logs if entry["event"] == "parts of an older snapshot not removed"]
+    assert said["keys"] == [part_key(KEY, 0, 0), part_key(KEY, 0, 1)]
+    snap = await load_snapshot(log, KEY, FORMAT)
+    assert snap is not None and snap.state == b"small again"
