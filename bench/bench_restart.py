@@ -68,11 +68,12 @@ def synthetic_jobs(n: int, gpus: int, seed: int, start: float, load: float = 0.7
     return out
 
 
-def history(jobs: int, nodes: int, seed: int) -> tuple[list[ev.Event], str]:
-    """The log of ``jobs`` jobs run to the end, ending about now; and a node of it."""
+def history(jobs: int, nodes: int, seed: int, load: float = 0.75) -> tuple[list[ev.Event], str]:
+    """The log of ``jobs`` jobs (arriving at ``load`` of the capacity) run to the end, ending about
+    now; and a node of it."""
     cluster = ClusterSpec(vcs={"default": VcSpec(nodes=nodes)}, can_borrow=True)
-    horizon = jobs * 4.0 * 1830.0 / (0.75 * cluster.total_gpus)  # ~ the arrivals' span, and a margin
-    submissions = synthetic_jobs(jobs, cluster.total_gpus, seed, time.time() - horizon)
+    horizon = jobs * 4.0 * 1830.0 / (min(load, 0.75) * cluster.total_gpus)  # ~ the arrivals' span, and a margin
+    submissions = synthetic_jobs(jobs, cluster.total_gpus, seed, time.time() - horizon, load)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating the history: {jobs:,} jobs on {nodes:,} nodes", total=jobs)
         result = simulate(

@@ -1,15 +1,15 @@
 """``gpuherd why`` on a long log: its time and peak memory as the log grows.
 
 Histories of ``--jobs`` jobs (and of a quarter of them) run to the end by the simulator (1-8 GPU
-jobs arriving at 75% of the cluster's capacity) are written as log files. For the job that waited
-longest in each, ``gpuherd why JOB --log FILE --json`` runs in a process of its own: it reads the
-log twice, a record at a time, and folds it once. The baseline, in a process of its own too, is
-what ``why`` did before: the whole log read into memory, folded by the core fold, then by the
-scheduler's fold for its waits. Each row gives the wall time and the process's peak RSS (from
-``wait4``); both answers must give the same waits. Target: ``why``'s memory does not grow with
-the log (the baseline's grows with every event).
+jobs arriving at ``--load`` of the cluster's capacity, 95%: queues form) are written as log files.
+For the job that waited longest in each, ``gpuherd why JOB --log FILE --json`` runs in a process of
+its own: it reads the log twice, a record at a time, and folds it once. The baseline, in a process
+of its own too, is what ``why`` did before: the whole log read into memory, folded by the core
+fold, then by the scheduler's fold for its waits. Each row gives the wall time and the process's
+peak RSS; both answers must give the same waits. Target: ``why``'s memory does not grow with the
+log (the baseline's grows with every event).
 
-Usage: python bench/bench_why.py [--jobs 40000] [--nodes 200] [--json]
+Usage: python bench/bench_why.py [--jobs 40000] [--nodes 200] [--load 0.95] [--json]
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def run(code: str, *args: str) -> tuple[dict[str, Any], float, float]:
     return json.loads(done.stdout), seconds, peak_kb / 1024
 
 
-def measure(jobs: int, nodes: int, seed: int, folder: Path) -> dict[str, Any]:
-    events, _ = history(jobs, nodes, seed)
+def measure(jobs: int, nodes: int, seed: int, load: float, folder: Path) -> dict[str, Any]:
+    events, _ = history(jobs, nodes, seed, load)
     path = folder / f"events-{jobs}.jsonl"
     write_log_file((Record(seq, event) for seq, event in enumerate(events, 1)), path)
     job = longest_wait(events)
@@ -116,10 +116,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=40_000)
     parser.add_argument("--nodes", type=int, default=200)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--load", type=float, default=0.95, help="arrivals as a share of capacity (queues form near 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the figures instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-why-") as folder:
-        rows = [measure(n, args.nodes, args.seed, Path(folder)) for n in (args.jobs // 4, args.jobs)]
+        rows = [measure(n, args.nodes, args.seed, args.load, Path(folder)) for n in (args.jobs // 4, args.jobs)]
     small, large = rows
     figures = {
         "rows": rows,
