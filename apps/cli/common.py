@@ -25,10 +25,11 @@ import msgspec
 import nats.errors
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 
 from gpuherd.client import Client
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import ClusterState, apply, fold
+from gpuherd.fold import ClusterState, apply
 from gpuherd.log import EventLog, Record, open_log
 from gpuherd.runtime.decider import Decider
 
@@ -160,6 +161,16 @@ class LogReader:
             await log_.close()
 
 
+async def each_record(reader: LogReader, take: Callable[[Record], None], progress: Progress, what: str) -> None:
+    """One read of the log, each record to ``take``, with a progress bar saying ``what``."""
+    task = progress.add_task(what, total=reader.last)
+    async for record in reader.read():
+        take(record)
+        if record.seq % 1024 == 0:
+            progress.update(task, completed=record.seq)
+    progress.update(task, completed=reader.last)
+
+
 def read_records(args: argparse.Namespace) -> list[Record]:
     return asyncio.run(load_records(args))
 
@@ -167,26 +178,28 @@ def read_records(args: argparse.Namespace) -> list[Record]:
 def log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> Any:
     """The log folded as it is read, nothing of it held: by the core fold (every job the log ever
     held, as the CLI shows history too), or by ``decider``'s own fold (its state)."""
+    return counted_log_state(args, decider)[0]
 
-    async def run() -> Any:
+
+def counted_log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> tuple[Any, int]:
+    """``log_state``, and how many events the log held."""
+
+    async def run() -> tuple[Any, int]:
+        events = 0
         async with LogReader.open(args) as reader:
             if decider is None:
                 cluster = ClusterState()
                 async for record in reader.read():
                     apply(cluster, record.seq, record.event)
-                return cluster
+                    events += 1
+                return cluster, events
             state = decider.initial_state()
             async for record in reader.read():
                 state = decider.evolve(state, record.seq, record.event)
-            return state
+                events += 1
+            return state, events
 
     return asyncio.run(run())
-
-
-def read_cluster(args: argparse.Namespace) -> tuple[ClusterState, list[Record]]:
-    """The log and its fold (every job it ever held: the CLI shows history too)."""
-    records = read_records(args)
-    return fold((r.seq, r.event) for r in records), records
 
 
 def client_call(args: argparse.Namespace, call: Callable[[Client], Awaitable[Any]], *, source: str = "cli") -> Any:

@@ -16,13 +16,23 @@ from rich.progress import Progress
 from rich.table import Table
 
 from apps import registry
-from apps.cli.common import console, fmt_time, open_cli_log, plain, print_json, read_cluster, read_records
+from apps.cli.common import (
+    LogReader,
+    console,
+    counted_log_state,
+    each_record,
+    fmt_time,
+    open_cli_log,
+    plain,
+    print_json,
+    read_records,
+)
 from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
 from gpuherd.log import Record
-from gpuherd.runtime.audit import audit
+from gpuherd.runtime.audit import Audit, AuditReport
 
 
 async def _replay(records: Iterable[Record]) -> AsyncIterator[Record]:
@@ -155,11 +165,20 @@ def cmd_rescales(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _audited(args: argparse.Namespace, check: Audit, progress: Progress) -> AuditReport:
+    """Two reads of the log (``Audit``), a record at a time: what it holds is the decider's own
+    decisions, not the log."""
+    async with LogReader.open(args) as reader:
+        await each_record(reader, check.see, progress, "reading its decisions")
+        await each_record(reader, check.fold, progress, "re-running decisions")
+    return check.finish()
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
-    state, records = read_cluster(args)
     if not args.audit:
+        state, events = counted_log_state(args)
         summary = {
-            "events": len(records),
+            "events": events,
             "jobs": len(state.jobs),
             "nodes": len(state.nodes),
             "by_status": dict(Counter(j.status for j in state.jobs.values())),
@@ -168,7 +187,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print_json(summary)
             return 0
         nodes = len(state.nodes)
-        console.print(f"the log folded: {len(records):,} events, {nodes:,} node{'s' if nodes != 1 else ''}")
+        console.print(f"the log folded: {events:,} events, {nodes:,} node{'s' if nodes != 1 else ''}")
         table = Table()
         table.add_column("job status")
         table.add_column("jobs", justify="right")
@@ -180,8 +199,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     decider = make_decider(args.decider, policy=args.policy)
     # (on a terminal only: piped, a finished bar left an empty line before the report)
     with Progress(console=console, transient=True, disable=args.json or not console.is_terminal) as progress:
-        task = progress.add_task("re-running decisions", total=len(records))
-        report = audit(records, decider, progress=lambda i: progress.update(task, completed=i))
+        report = asyncio.run(_audited(args, Audit(decider), progress))
     if args.json:
         print_json(msgspec.to_builtins(report) | {"ok": report.ok})
         return 0 if report.ok else 1

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import sys
 import typing
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
@@ -17,6 +16,7 @@ from apps.cli.common import (
     LogReader,
     client_call,
     console,
+    each_record,
     fmt_datetime,
     fmt_time,
     log_state,
@@ -30,7 +30,6 @@ from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
 from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, apply, fold
-from gpuherd.log import Record
 from gpuherd.output import fetch_output
 from gpuherd.runtime.decider import Decider
 from services.scheduler.explain import NEXT_PASS, NEXT_PASS_WHY, Wait, WaitFinder, WaitReplay
@@ -209,13 +208,13 @@ async def _job_why(args: argparse.Namespace, progress: Progress) -> _JobWhy:
     (its pass now says why it waits), or when that pass would place it (a third read)."""
     async with LogReader.open(args) as reader:
         finder = WaitFinder(args.job)
-        await _each_record(reader, finder.see, progress, "finding its waits")
+        await each_record(reader, finder.see, progress, "finding its waits")
         if not finder.windows:
             raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
         waiting_now = finder.windows[-1].end is None
         reasons = not waiting_now or getattr(args, "history", False)
         replay = WaitReplay(args.job, finder.windows, replay_passes=reasons)
-        await _each_record(reader, replay.fold, progress, "replaying its waits" if reasons else "folding the log")
+        await each_record(reader, replay.fold, progress, "replaying its waits" if reasons else "folding the log")
         state, decider, job = replay.state, replay.decider, replay.job_state
         if job is None:  # (its submission was one the fold ignores: a job id the log held already)
             raise GpuherdError(f"no job {args.job!r} was ever held: see `gpuherd events` for its submission")
@@ -227,17 +226,8 @@ async def _job_why(args: argparse.Namespace, progress: Progress) -> _JobWhy:
             start = forecast_starts(state, policy_in_force, [job.job]).get(job.job)
         if pending is None and not reasons:  # placed on the next pass: how it waited so far is the answer
             replay, reasons = WaitReplay(args.job, finder.windows), True
-            await _each_record(reader, replay.fold, progress, "replaying its waits")
+            await each_record(reader, replay.fold, progress, "replaying its waits")
         return _JobWhy(job, state.now, len(state.queue), policy, pending, start, replay.waits(), reasons)
-
-
-async def _each_record(reader: LogReader, take: Callable[[Record], None], progress: Progress, what: str) -> None:
-    task = progress.add_task(what, total=reader.last)
-    async for record in reader.read():
-        take(record)
-        if record.seq % 1024 == 0:
-            progress.update(task, completed=record.seq)
-    progress.update(task, completed=reader.last)
 
 
 def cmd_why(args: argparse.Namespace) -> int:

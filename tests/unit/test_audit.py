@@ -79,3 +79,30 @@ def test_a_forged_decision_claiming_to_be_based_on_nothing_is_reported() -> None
     log.append(Record(len(log) + 1, forged))
     report = audit(log, SchedulerDecider())
     assert [(m.event_id, m.kind) for m in report.mismatches] == [(forged.id, "unattributable")]
+
+
+def test_an_audit_reads_the_log_twice_and_holds_only_the_deciders_decisions() -> None:
+    from gpuherd.runtime.audit import Audit
+
+    log = drive(HISTORY)
+    check = Audit(SchedulerDecider())
+    for record in iter(log):  # (each read a stream: nothing asks for the log as a whole)
+        check.see(record)
+    assert all(r.event.source == "scheduler" for batch in check._batches.values() for r in batch)
+    for record in iter(log):
+        check.fold(record)
+    report = check.finish()
+    assert report == audit(log, SchedulerDecider()) and report.ok and report.events == len(log)
+    assert not check._causes, "each cause was let go once its batch was decided again"
+
+
+def test_a_decision_caused_by_an_event_after_its_based_on_is_unattributable() -> None:
+    log = drive(HISTORY)
+    placed = next(r.event for r in log if isinstance(r.event, ev.JobPlaced))
+    ids = {r.event.id for r in log}
+    # A cause the state it claims to be decided on had not folded (and that caused nothing else).
+    later = next(r for r in log if r.seq > placed.based_on and f"scheduler:{r.seq}:0" not in ids)
+    forged = msgspec.structs.replace(placed, id=f"scheduler:{later.seq}:0", cause=later.event.id)
+    log.append(Record(log[-1].seq + 1, forged))
+    report = audit(log, SchedulerDecider())
+    assert [(m.event_id, m.kind) for m in report.mismatches] == [(forged.id, "unattributable")]

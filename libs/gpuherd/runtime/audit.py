@@ -5,7 +5,8 @@ For each batch of decisions (all caused by one event), the audit folds the log u
 result exactly as the runtime does, and compares. Answers to inputs from outside the log (intake
 verdicts) are re-judged on the state at their ``based_on`` by the decider's ``recheck``. Any
 difference, or an event that claims the decider as source but is none of its decisions, is a
-mismatch. An untampered log has none.
+mismatch. An untampered log has none. The log is read twice, a record at a time (``Audit``): a
+year's log need not fit in memory, only the decider's own decisions.
 
 Fencing is checked too: a decision stored after a ``LeadershipTaken`` of its service but made on a
 state from before it (``based_on`` earlier) came from a former leader that lost the lead: a
@@ -64,83 +65,130 @@ def _brief(event: ev.Event) -> str:
     return msgspec.json.encode(data).decode()
 
 
-def audit(
-    records: Sequence[Record], decider: Decider[Any], progress: Callable[[int], None] | None = None
-) -> AuditReport:
-    report = AuditReport(decider=decider.name, events=len(records))
-    by_seq = {r.seq: r for r in records}
-    batches: dict[int, list[Record]] = defaultdict(list)  # cause seq -> recorded decisions
-    answers: dict[int, list[Record]] = defaultdict(list)  # based_on -> recorded answers to outside inputs
-    fence = 0  # the sequence of the service's latest LeadershipTaken so far
-    for record in records:
-        event = record.event
+class Audit:
+    """One audit, in two reads of the log, a record at a time (the log itself is never held): the
+    first (``see``) takes the decider's own decisions and answers, the second (``fold``) folds the
+    log and re-decides each batch once the state reaches its ``based_on``. What it holds is the
+    decider's recorded decisions, and of the rest of the log only the causes it still has to
+    re-decide. ``report`` once both reads are done."""
+
+    def __init__(self, decider: Decider[Any]) -> None:
+        self.decider = decider
+        self.report = AuditReport(decider=decider.name)
+        self._batches: dict[int, list[Record]] = defaultdict(list)  # cause seq -> recorded decisions
+        self._answers: dict[int, list[Record]] = defaultdict(list)  # based_on -> recorded answers to outside inputs
+        self._fence = 0  # the sequence of the service's latest LeadershipTaken so far
+        self._checkpoints: dict[int, list[int]] = {}  # based_on -> cause seqs (made by the first read's end)
+        self._causes: dict[int, Record | None] = {}  # cause seq -> its record, once the second read met it
+        self._state: Any = None
+        self._reached: set[int] = {0}  # the based_on positions the second read met
+
+    def see(self, record: Record) -> None:
+        """The first read: the decider's decisions, by the event that caused them."""
+        report, decider, event = self.report, self.decider, record.event
+        report.events += 1
         if isinstance(event, ev.LeadershipTaken) and event.service == decider.name:
-            fence = record.seq
+            self._fence = record.seq
         if event.source != decider.name:
-            continue
-        if isinstance(event, ev.Decision) and event.based_on < fence:
+            return
+        if isinstance(event, ev.Decision) and event.based_on < self._fence:
             report.mismatches.append(
                 Mismatch(
                     record.seq,
                     event.id,
                     "stale",
-                    f"decided on the log up to {event.based_on}, stored after a newer leader took over at {fence}",
+                    f"decided on the log up to {event.based_on}, "
+                    f"stored after a newer leader took over at {self._fence}",
                 )
             )
         cause = cause_seq_of(event, decider.name)
         if cause is not None and _DECISION_ID.match(event.id):
-            batches[cause].append(record)
-            continue
+            self._batches[cause].append(record)
+            return
         kind = event.id.split(":")[1] if event.id.count(":") >= 2 else ""
         if isinstance(event, ev.Decision) and decider.answers(event):
-            answers[event.based_on].append(record)
+            self._answers[event.based_on].append(record)
         elif not isinstance(event, _RECORDED_INPUTS.get(kind, ())):
             report.mismatches.append(
                 Mismatch(
                     record.seq, event.id, "unattributable", f"not a decision {decider.name} makes: {_brief(event)}"
                 )
             )
-    checkpoints: dict[int, list[int]] = defaultdict(list)  # based_on -> cause seqs
-    for cause, recorded in batches.items():
-        first = recorded[0].event
-        checkpoints[getattr(first, "based_on", 0)].append(cause)
 
-    state = decider.initial_state()
-    for at in answers.get(0, ()):  # answered before anything was folded
-        _recheck(report, decider, state, at)
-    for i, record in enumerate(records):
-        state = decider.evolve(state, record.seq, record.event)
-        for cause in checkpoints.get(record.seq, ()):
-            recorded = [r.event for r in batches[cause]]
-            trigger = by_seq.get(cause)
+    def _start_folding(self) -> None:
+        checkpoints: dict[int, list[int]] = defaultdict(list)
+        for cause, recorded in self._batches.items():
+            checkpoints[getattr(recorded[0].event, "based_on", 0)].append(cause)
+        self._checkpoints = checkpoints
+        self._causes = dict.fromkeys(self._batches)
+        self._state = self.decider.initial_state()
+        for answer in self._answers.get(0, ()):  # answered before anything was folded
+            _recheck(self.report, self.decider, self._state, answer)
+
+    def fold(self, record: Record) -> None:
+        """The second read: the log folded, each batch re-decided on the state of its ``based_on``."""
+        if self._state is None:
+            self._start_folding()
+        decider, report, seq = self.decider, self.report, record.seq
+        state = self._state = decider.evolve(self._state, seq, record.event)
+        if seq in self._causes:
+            self._causes[seq] = record
+        causes = self._checkpoints.get(seq)
+        answers = self._answers.get(seq)
+        if causes is None and answers is None:
+            return
+        self._reached.add(seq)
+        for cause in causes or ():
+            batch = self._batches[cause]
+            trigger = self._causes.pop(cause, None)
             report.batches_checked += 1
-            report.decisions_checked += len(recorded)
-            if trigger is None:
-                for r in batches[cause]:
-                    report.mismatches.append(Mismatch(r.seq, r.event.id, "unattributable", f"cause {cause} not in log"))
+            report.decisions_checked += len(batch)
+            if trigger is None:  # (not in the log, or after the state the batch says it was decided on)
+                why = f"cause {cause} is not in the log up to its based_on {seq}"
+                report.mismatches.extend(Mismatch(r.seq, r.event.id, "unattributable", why) for r in batch)
                 continue
-            _compare(report, batches[cause], decide_stamped(decider, decider.audit_state(state, recorded), trigger))
-        for answer in answers.get(record.seq, ()):
+            recorded = [r.event for r in batch]
+            _compare(report, batch, decide_stamped(decider, decider.audit_state(state, recorded), trigger))
+        for answer in answers or ():
             _recheck(report, decider, state, answer)
-        if progress is not None and i % 1000 == 0:
-            progress(i)
-    # Decisions whose based_on never appeared in the log (forged provenance).
-    seen = {r.seq for r in records} | {0}
-    for based_on, causes in checkpoints.items():
-        if based_on not in seen or based_on == 0:  # (a decision folds its cause first: never based on nothing)
-            for cause in causes:
-                for r in batches[cause]:
+
+    def finish(self) -> AuditReport:
+        """The report, once both reads are done: with the decisions based on a position the log
+        does not hold (forged provenance)."""
+        if self._state is None:
+            self._start_folding()
+        report = self.report
+        for based_on, causes in self._checkpoints.items():
+            if (
+                based_on not in self._reached or based_on == 0
+            ):  # (a decision folds its cause first: never based on nothing)
+                for cause in causes:
+                    for r in self._batches[cause]:
+                        report.mismatches.append(
+                            Mismatch(r.seq, r.event.id, "unattributable", f"based_on {based_on} is not in the log")
+                        )
+        for based_on, recorded_answers in self._answers.items():
+            if based_on not in self._reached:
+                for r in recorded_answers:
                     report.mismatches.append(
                         Mismatch(r.seq, r.event.id, "unattributable", f"based_on {based_on} is not in the log")
                     )
-    for based_on, recorded_answers in answers.items():
-        if based_on not in seen:
-            for r in recorded_answers:
-                report.mismatches.append(
-                    Mismatch(r.seq, r.event.id, "unattributable", f"based_on {based_on} is not in the log")
-                )
-    report.mismatches.sort(key=lambda m: m.seq)
-    return report
+        report.mismatches.sort(key=lambda m: m.seq)
+        return report
+
+
+def audit(
+    records: Sequence[Record], decider: Decider[Any], progress: Callable[[int], None] | None = None
+) -> AuditReport:
+    """``Audit`` of records in hand (``progress`` is told the records folded so far)."""
+    check = Audit(decider)
+    for record in records:
+        check.see(record)
+    for i, record in enumerate(records):
+        check.fold(record)
+        if progress is not None and i % 1000 == 0:
+            progress(i)
+    return check.finish()
 
 
 def _recheck(report: AuditReport, decider: Decider[Any], state: Any, record: Record) -> None:
