@@ -37,7 +37,7 @@ from gpuherd.log.health import nats_overview
 from gpuherd.metrics import ServiceMetrics, read_statuses, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
-from gpuherd.runtime.audit import audit
+from gpuherd.runtime.audit import Audit
 from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.service_args import add_yield_arguments, read_linger_s, yield_cpu
@@ -58,6 +58,7 @@ PAGES_SHUTDOWN_TIMEOUT_S = 0.1
 # pings) and the log's follow merely sees no events, as on a quiet cluster: the pages showed "live".
 NATS_PROBE_EVERY_S = 1.0
 NATS_PROBE_TIMEOUT_S = 2.0
+AUDIT_CHUNK = 4096  # records an audit takes at a time, in a thread
 NATS_PROBE_SUBJECT = "$JS.API.INFO"  # (JetStream's account info: cheap, and what the dashboard reads through)
 
 
@@ -66,7 +67,7 @@ class Tools:
     """Other services' code the dashboard uses, handed in by the composition layer."""
 
     queue: Callable[[], QueueExplainer] | None = None  # a fresh explainer folding from the start
-    audit: Callable[[Sequence[Record]], dict[str, Any]] | None = None  # the audit of a whole log
+    audit: Callable[[], dict[str, Audit]] | None = None  # a fresh audit of each auditable decider, by name
 
     @classmethod
     def from_peers(cls, peers: Sequence[ServiceSpec]) -> Tools:
@@ -75,14 +76,10 @@ class Tools:
         explainers = [p.explainer for p in peers if p.explainer is not None]
         auditable = [p for p in peers if p.auditable and p.decider is not None]
 
-        def audit_all(records: Sequence[Record]) -> dict[str, Any]:
-            reports = {p.name: audit(records, p.decider()) for p in auditable}  # type: ignore[misc]
-            return {
-                "ok": all(r.ok for r in reports.values()),
-                "deciders": {name: msgspec.to_builtins(r) | {"ok": r.ok} for name, r in reports.items()},
-            }
+        def audits() -> dict[str, Audit]:
+            return {p.name: Audit(p.decider()) for p in auditable}  # type: ignore[misc]
 
-        return cls(queue=explainers[0] if explainers else None, audit=audit_all if auditable else None)
+        return cls(queue=explainers[0] if explainers else None, audit=audits if auditable else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,11 +229,40 @@ class Dashboard:
         }
 
     async def audit(self) -> dict[str, Any]:
+        """Every auditable decider's audit of the log as it is now: two reads of it, a chunk of
+        records at a time, each chunk taken by the audits in a thread (the pages go on being served).
+        What it holds is the deciders' own decisions, not the log: a long-running dashboard asked for
+        an audit of a year's log does not take a year's log into its memory."""
         assert self.tools.audit is not None
-        records = await self.log.read_all()
+        audits = self.tools.audit()
         started = time.perf_counter()
-        result = await asyncio.to_thread(self.tools.audit, records)
-        return result | {"events": len(records), "took_s": time.perf_counter() - started, "at": time.time()}
+        last = await self.log.last_seq()
+        events = 0  # (in the log up to ``last``: each read sees them all)
+        for read in ("see", "fold"):
+            takers = [getattr(check, read) for check in audits.values()]
+
+            def take(chunk: list[Record], takers: list[Callable[[Record], None]] = takers) -> None:
+                for record in chunk:
+                    for taker in takers:
+                        taker(record)
+
+            chunk: list[Record] = []
+            events = 0
+            async for record in self.log.read(1, stop=last):
+                chunk.append(record)
+                events += 1
+                if len(chunk) >= AUDIT_CHUNK:
+                    await asyncio.to_thread(take, chunk)
+                    chunk = []
+            await asyncio.to_thread(take, chunk)
+        reports = {name: check.finish() for name, check in audits.items()}
+        return {
+            "ok": all(r.ok for r in reports.values()),
+            "deciders": {name: msgspec.to_builtins(r) | {"ok": r.ok} for name, r in reports.items()},
+            "events": events,
+            "took_s": time.perf_counter() - started,
+            "at": time.time(),
+        }
 
     async def report_status(self, port: int) -> None:
         """Its entry in the services' status, as every service writes it (role ``reader``)."""

@@ -699,3 +699,29 @@ def test_a_workflow_whose_timed_out_step_was_forgotten_still_says_it_timed_out()
     assert whole["states"] == remembered["states"] == {"timeout": 1, "completed": 1}
     graph = kept.workflow(remembered["workflow"])
     assert graph is not None and [s["step"] for s in graph["steps"]] == ["train"], "a step it remembers no job of goes"
+
+
+async def test_the_dashboards_audit_reads_the_log_a_chunk_at_a_time_and_reports_as_the_audit_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It read the whole log into the dashboard's memory; a long-running dashboard asked for an
+    audit of a year's log would have held a year's log."""
+    from apps.registry import specs
+    from gpuherd.log.inprocess import InProcessLog
+    from gpuherd.runtime.audit import audit
+    from services.dashboard import service
+    from services.dashboard.service import Dashboard, Tools
+    from tests.unit.test_workflows import job, pipeline, simulate
+
+    monkeypatch.setattr(service, "Client", lambda *args, **kwargs: None)  # (no NATS: no action is taken here)
+    monkeypatch.setattr(service, "AUDIT_CHUNK", 7)  # (many chunks)
+    records = simulate([(1.0, pipeline()), (2.0, job("sweep", duration=5, array={"count": 3}))]).records
+    log_ = InProcessLog()
+    for record in records:
+        assert (await log_.append([record.event])).seqs == (record.seq,)
+    answer = await Dashboard(log_, tools=Tools.from_peers(specs())).audit()
+    expected = {s.name: audit(records, s.decider()) for s in specs() if s.auditable and s.decider is not None}
+    assert answer["ok"] and answer["events"] == len(records) and set(answer["deciders"]) == set(expected)
+    for name, report in expected.items():
+        assert answer["deciders"][name] == msgspec.to_builtins(report) | {"ok": True}, name
+    assert sum(report.decisions_checked for report in expected.values()) > 10
