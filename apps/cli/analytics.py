@@ -363,10 +363,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _history_or_live(args: argparse.Namespace) -> Any:
     if args.source:
         return load_history(args.source, getattr(args, "kind", None))
-    from apps.cli.common import read_records
+    from apps.cli.common import records_of
     from services.analytics.jobs import job_table
 
-    return job_table(read_records(args), name="gpuherd")
+    return job_table(records_of(args), name="gpuherd")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

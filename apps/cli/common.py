@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,19 +113,6 @@ async def open_cli_log(args: argparse.Namespace) -> EventLog:
         raise GpuherdError(f"cannot reach NATS at {url}: {_where_to_look(args)} ({_reason(exc)})") from None
 
 
-async def load_records(args: argparse.Namespace) -> list[Record]:
-    """The whole log: from ``--log FILE`` when given (a simulation's), else from NATS."""
-    if getattr(args, "log", None):
-        from gpuherd.log.files import read_log_file
-
-        return read_log_file(args.log)
-    log_ = await open_cli_log(args)
-    try:
-        return await log_.read_all()
-    finally:
-        await log_.close()
-
-
 class LogReader:
     """The log read a record at a time, as often as a command needs: every read runs from the start
     to ``last``, where the log ended at the first read, so each sees the same records. Nothing of
@@ -171,8 +158,40 @@ async def each_record(reader: LogReader, take: Callable[[Record], None], progres
     progress.update(task, completed=reader.last)
 
 
-def read_records(args: argparse.Namespace) -> list[Record]:
-    return asyncio.run(load_records(args))
+READ_CHUNK = 4096  # records ``records_of`` takes from NATS at a time
+
+
+def records_of(args: argparse.Namespace) -> Iterator[Record]:
+    """The log a record at a time, for code that takes an iterable (an analytics table, the
+    rescales): what was read is let go as it is taken. From ``--log FILE`` or from NATS (read a
+    chunk at a time on a loop of its own, so the caller need not be async)."""
+    if getattr(args, "log", None):
+        from gpuherd.log.files import iter_log_file
+
+        yield from iter_log_file(args.log)
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        log_ = loop.run_until_complete(open_cli_log(args))
+        try:
+            last = loop.run_until_complete(log_.last_seq())
+            reading = log_.read(1, stop=last)
+            while chunk := loop.run_until_complete(_next_chunk(reading)):
+                yield from chunk
+            loop.run_until_complete(reading.aclose())  # type: ignore[attr-defined] - (an async generator)
+        finally:
+            loop.run_until_complete(log_.close())
+    finally:
+        loop.close()
+
+
+async def _next_chunk(reading: AsyncIterator[Record]) -> list[Record]:
+    chunk: list[Record] = []
+    async for record in reading:
+        chunk.append(record)
+        if len(chunk) >= READ_CHUNK:
+            break
+    return chunk
 
 
 def log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> Any:

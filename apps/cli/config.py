@@ -21,7 +21,7 @@ from apps.cli.common import (
     parse_duration,
     policy_names,
     print_json,
-    read_records,
+    records_of,
 )
 from apps.registry import make_decider
 from gpuherd.errors import GpuherdError
@@ -144,11 +144,11 @@ def cmd_policy_advise(args: argparse.Namespace) -> int:
         history = load_trace(args.source, args.kind)
     else:
         if args.source:
-            from gpuherd.log.files import read_log_file
+            from gpuherd.log.files import iter_log_file
 
-            records = read_log_file(args.source)
+            records = iter_log_file(args.source)
         else:
-            records = read_records(args)
+            records = records_of(args)
         history = finished_runs(job_table(records, name="gpuherd"))
     history = recent(history, args.days or None)
     if history.jobs.empty:

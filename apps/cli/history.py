@@ -25,7 +25,7 @@ from apps.cli.common import (
     open_cli_log,
     plain,
     print_json,
-    read_records,
+    records_of,
 )
 from apps.cli.rescales import rescale_rows, rescale_table
 from apps.registry import make_decider
@@ -157,7 +157,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
 
 
 def cmd_rescales(args: argparse.Namespace) -> int:
-    rows = rescale_rows(read_records(args), args.job)
+    rows = rescale_rows(records_of(args), args.job)
     if args.json:
         print_json(rows)
     else:
