@@ -30,11 +30,11 @@ def load_history(source: str, kind: str | None = None, *, completed_runs_only: b
     rest are counted as not used): a log also holds jobs that never ran or are still running."""
     path = Path(source)
     if path.suffix == ".jsonl":
-        from gpuherd.log.files import read_log_file
+        from gpuherd.log.files import iter_log_file
         from services.analytics.jobs import job_table
         from services.analytics.traces import finished_runs
 
-        table = job_table(read_log_file(path), name=path.stem)
+        table = job_table(iter_log_file(path), name=path.stem)
         return finished_runs(table) if completed_runs_only else table
     from services.analytics.traces import load_trace
 

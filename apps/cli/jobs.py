@@ -29,7 +29,7 @@ from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, apply, fold
+from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, apply
 from gpuherd.output import fetch_output
 from gpuherd.runtime.decider import Decider
 from services.scheduler.explain import NEXT_PASS, NEXT_PASS_WHY, Wait, WaitFinder, WaitReplay
@@ -415,10 +415,18 @@ def cmd_logs(args: argparse.Namespace) -> int:
     async def run() -> list[dict[str, Any]]:
         log_ = await open_cli_log(args)
         try:
-            records = await log_.read_all()
-            placed = [r.event for r in records if isinstance(r.event, ev.JobPlaced) and r.event.job == args.job]
+            # (Read a record at a time: only the job's placements are kept, and a second read folds
+            # the log only for a job that has none.)
+            last = await log_.last_seq()
+            placed = [
+                record.event
+                async for record in log_.read(1, stop=last)
+                if isinstance(record.event, ev.JobPlaced) and record.event.job == args.job
+            ]
             if not placed:
-                state = fold((r.seq, r.event) for r in records)
+                state = ClusterState()
+                async for record in log_.read(1, stop=last):
+                    apply(state, record.seq, record.event)
                 job = state.jobs.get(args.job)
                 if job is None:
                     raise GpuherdError(_no_job_output(state, args.job))
