@@ -133,12 +133,14 @@ class LogReader:
         if path:
             from gpuherd.log.files import count_log_file, iter_log_file
 
+            list(itertools.islice(iter_log_file(path), 1))  # (a missing file is said before anything runs)
+            lines = count_log_file(path)  # (the whole lines now: a simulation may be writing it still)
+
             async def from_file() -> AsyncIterator[Record]:
-                for record in iter_log_file(path):
+                for record in itertools.islice(iter_log_file(path), lines):
                     yield record
 
-            list(itertools.islice(iter_log_file(path), 1))  # (a missing file is said before anything runs)
-            yield LogReader(count_log_file(path), from_file)
+            yield LogReader(lines, from_file)
             return
         log_ = await open_cli_log(args)
         try:

@@ -64,3 +64,25 @@ def test_every_read_of_a_log_reader_sees_the_same_records_though_the_log_grows(h
 
     first, second = asyncio.run(two_reads())
     assert [r.event for r in first] == events and first == second
+
+
+def test_every_read_of_a_log_file_sees_the_lines_it_had_when_first_opened(tmp_path: Path) -> None:
+    from gpuherd import events as ev
+    from gpuherd.log import Record
+    from gpuherd.log.files import write_log_file
+
+    submitted = [(1.0, pipeline())]
+    records = simulate(submitted).records
+    path = tmp_path / "events.jsonl"
+    write_log_file(records[:-3], path)
+
+    async def two_reads() -> tuple[list[Record], list[Record]]:
+        async with LogReader.open(argparse.Namespace(log=str(path))) as reader:
+            first = [record async for record in reader.read()]
+            with path.open("ab") as f:  # (a simulation still writing it: a whole line, then half of one)
+                f.write(ev.encode(records[-3].event) + b"\n" + ev.encode(records[-2].event)[:20])
+            second = [record async for record in reader.read()]
+        return first, second
+
+    first, second = asyncio.run(two_reads())
+    assert first == second == records[:-3]
