@@ -228,11 +228,11 @@ class ProcessExecutor(Executor):
                 await asyncio.wait_for(task.ended.wait(), checkpoint_grace_s + self.kill_grace_s + 5.0)
             except TimeoutError:
                 log.warning("shim did not stop; killing it", job=key.job, attempt=key.attempt)
-                self._kill_everything(task)
+                await self._kill_everything(task)
                 await task.ended.wait()
             # What escaped the task's process group (a grandchild in a session of its own) outlives
             # the group's SIGKILL: a shim of the version before left it running.
-            leftovers = _kill_leftovers(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
+            leftovers = await _kill_leftovers_off_loop(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
             if leftovers:
                 log.warning("killed processes a stopped task left", job=key.job, attempt=key.attempt, killed=leftovers)
         self._tasks.pop(key, None)
@@ -255,7 +255,7 @@ class ProcessExecutor(Executor):
             if info is None:
                 continue  # no pid to judge the shim by: if it lives, it fences itself
             if not _is_shim(info.pid, task_dir, info.start_ticks):
-                self._end_orphans(key, task_dir, info)
+                await self._end_orphans(key, task_dir, info)
                 continue
             self._adopt(key, task_dir)
             adopted.add(key)
@@ -460,25 +460,25 @@ class ProcessExecutor(Executor):
         record = _read(task.dir / taskfiles.EXIT_FILE, ExitRecord)
         if record is None:
             # The shim died without a word (SIGKILL, OOM killer): make sure its ranks are gone too.
-            self._kill_everything(task)
+            await self._kill_everything(task)
         task.exit = exit_from_record(task.key, record, task.dir, stopping=task.stopping)
         task.ended.set()
         if task.stopping is None:
             self._tasks.pop(task.key, None)
             self.exits.put_nowait(task.exit)
 
-    def _kill_everything(self, task: _Task) -> None:
+    async def _kill_everything(self, task: _Task) -> None:
         if task.shim_running():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(task.pid, signal.SIGKILL)  # type: ignore[arg-type] - the shim leads a group of its own
-        _kill_leftovers(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
+        await _kill_leftovers_off_loop(task.dir, _read(task.dir / taskfiles.SHIM_FILE, ShimInfo))
 
-    def _end_orphans(self, key: TaskKey, task_dir: Path, info: ShimInfo) -> None:
+    async def _end_orphans(self, key: TaskKey, task_dir: Path, info: ShimInfo) -> None:
         """The shim of a task from before the restart died without an exit record: kill what it
         left running, and record the task's end for it."""
         if (task_dir / taskfiles.EXIT_FILE).exists():
             return  # it wrote its record just before it ended
-        killed = _kill_leftovers(task_dir, info)
+        killed = await _kill_leftovers_off_loop(task_dir, info)
         taskfiles.write(task_dir / taskfiles.EXIT_FILE, ExitRecord(stopped=SHIM_DIED, ended_at=time.time()))
         log.warning(
             "the task's shim died while no agent ran; its processes were killed",
@@ -622,6 +622,12 @@ def _start_ticks(pid: int) -> int:
 
 
 LEFTOVERS_GONE_S = 5.0  # a process in uninterruptible sleep (a GPU driver call) may take a while to die
+
+
+async def _kill_leftovers_off_loop(task_dir: Path, info: ShimInfo | None) -> int:
+    """``_kill_leftovers`` in a thread: its wait for the killed to be gone (up to
+    ``LEFTOVERS_GONE_S``) must not stop the agent's heartbeats and lease renewals."""
+    return await asyncio.to_thread(_kill_leftovers, task_dir, info)
 
 
 def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
