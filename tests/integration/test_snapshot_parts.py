@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 from structlog.testing import capture_logs
 
@@ -88,12 +89,51 @@ class CannotPurge(InProcessLog):
         raise ConnectionError("gone")
 
 
-async def test_parts_that_cannot_be_removed_are_said_and_the_snapshot_still_counts() -> None:
+async def test_a_whole_snapshot_replaces_one_in_parts_only_once_the_parts_are_removed() -> None:
+    """Its manifest stays until then: parts a failed removal left are still known to the next save
+    (written over by the whole snapshot first, they would stay for good)."""
     log = CannotPurge()
-    assert await save_snapshot(log, KEY, FORMAT, 10, state_of(PART_BYTES + 1000)) is not None  # (two parts)
+    first = state_of(PART_BYTES + 1000)  # (two parts)
+    assert await save_snapshot(log, KEY, FORMAT, 10, first) is not None
     with capture_logs() as logs:
-        assert await save_snapshot(log, KEY, FORMAT, 20, b"small again") is not None  # stored, whatever is left
-    (said,) = [entry for entry in logs if entry["event"] == "parts of an older snapshot not removed"]
-    assert said["keys"] == [part_key(KEY, 0, 0), part_key(KEY, 0, 1)]
+        assert await save_snapshot(log, KEY, FORMAT, 20, b"small again") is None  # missed: tried a cadence later
+    assert any(entry["event"] == "snapshot not saved" for entry in logs)
     snap = await load_snapshot(log, KEY, FORMAT)
-    assert snap is not None and snap.state == b"small again"
+    assert snap is not None and snap.state == first, "the last snapshot stands"
+
+
+class DiesBeforeItsManifest(InProcessLog):
+    """Its manifest of a snapshot in parts is never stored (the saver died after the parts)."""
+
+    dying = False
+    parts_written = 0
+
+    async def kv_put(self, bucket: str, key: str, value: bytes) -> None:
+        if self.dying and key == KEY:
+            raise ConnectionError("gone")
+        self.parts_written += self.dying
+        await super().kv_put(bucket, key, value)
+
+
+async def test_what_a_failed_save_left_in_a_slot_is_removed_by_the_next_save_there() -> None:
+    log = DiesBeforeItsManifest()
+    assert await save_snapshot(log, KEY, FORMAT, 10, state_of(PART_BYTES + 1000)) is not None  # slot 0
+    log.dying = True
+    assert await save_snapshot(log, KEY, FORMAT, 20, state_of(5 * PART_BYTES)) is None
+    assert log.parts_written == 6  # in slot 1, which no manifest names
+    log.dying = False
+    assert await save_snapshot(log, KEY, FORMAT, 30, state_of(PART_BYTES + 1000)) is not None  # slot 1 again
+    two_each = {KEY, *(part_key(KEY, slot, n) for slot in (0, 1) for n in (0, 1))}
+    assert set(await log.kv_entries(SNAPSHOT_BUCKET)) == two_each
+    assert await save_snapshot(log, KEY, FORMAT, 40, b"whole") is not None
+    assert set(await log.kv_entries(SNAPSHOT_BUCKET)) == {KEY}
+
+
+async def test_a_manifest_naming_no_slot_is_not_trusted_and_does_not_stop_later_saves() -> None:
+    log = InProcessLog()
+    bad = snapshots.PARTS_MAGIC + msgspec.msgpack.encode({"slot": 2, "parts": 1, "size": 1, "crc": 0})
+    await log.kv_put(SNAPSHOT_BUCKET, KEY, bad)
+    assert await load_snapshot(log, KEY, FORMAT) is None
+    assert await save_snapshot(log, KEY, FORMAT, 10, state_of(PART_BYTES + 1000)) is not None
+    snap = await load_snapshot(log, KEY, FORMAT)
+    assert snap is not None and snap.seq == 10

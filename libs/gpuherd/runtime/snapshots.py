@@ -9,9 +9,10 @@ A snapshot larger than ``PART_BYTES`` (compressed) is stored in parts, and the k
 manifest, written last: a state that outgrows what one NATS message may carry (the server's
 ``max_payload``, 1 MB unless raised) is still snapshotted. Parts go to one of two slots
 (``<key>.parts.<slot>.<n>``), the one the manifest does not name, so a save that fails or dies
-half-way leaves the last snapshot whole, and the parts stored never exceed two snapshots'. A reader
-checks the parts against the manifest's checksum; one that finds them rewritten under it (two saves
-while it read) reads the manifest again.
+half-way leaves the last snapshot whole; what it left in its slot is removed by the next save
+there (a save removes the run of parts beyond its own). A reader checks the parts against the
+manifest's checksum; one that finds them rewritten under it (two saves while it read) reads the
+manifest again.
 """
 
 from __future__ import annotations
@@ -44,14 +45,12 @@ READ_TRIES = 3  # manifests read while parts change under a reader
 
 
 class SnapshotParts(msgspec.Struct):
-    """What the key of a snapshot stored in parts holds: where its parts are, how to check them,
-    and how many parts each slot holds (what a later save overwrites or removes)."""
+    """What the key of a snapshot stored in parts holds: where its parts are and how to check them."""
 
     slot: int  # 0 or 1
     parts: int
     size: int  # bytes in all
     crc: int  # zlib.crc32 of them
-    stored: list[int]  # parts held in each slot
 
 
 def part_key(key: str, slot: int, n: int) -> str:
@@ -59,9 +58,14 @@ def part_key(key: str, slot: int, n: int) -> str:
 
 
 def _manifest(data: bytes | None) -> SnapshotParts | None:
+    """The manifest ``data`` holds; None where it holds a whole snapshot (or nothing). A manifest
+    that does not read, or names no slot, raises one of ``UNDECODABLE``."""
     if data is None or not data.startswith(PARTS_MAGIC):
         return None
-    return msgspec.msgpack.decode(data[len(PARTS_MAGIC) :], type=SnapshotParts)
+    manifest = msgspec.msgpack.decode(data[len(PARTS_MAGIC) :], type=SnapshotParts)
+    if manifest.slot not in (0, 1) or manifest.parts < 1:
+        raise msgspec.ValidationError(f"not a manifest of snapshot parts: {manifest}")
+    return manifest
 
 
 async def load_snapshot(store: KeyValue, key: str, state_format: int) -> Snapshot | None:
@@ -126,25 +130,32 @@ def beyond_the_log(key: str, seq: int, head: int) -> bool:
 
 async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, state: bytes) -> int | None:
     """Store a snapshot; its size in bytes, or None when it could not be stored (a missed snapshot
-    costs a longer catch-up, nothing else). One over ``PART_BYTES`` is stored in parts."""
+    costs a longer catch-up, nothing else). One over ``PART_BYTES`` is stored in parts: in the slot
+    the manifest does not name, then the parts beyond them there (an earlier, larger snapshot's,
+    or a failed save's) are removed, then the manifest is written. One stored whole that replaces
+    a snapshot in parts first removes the parts (its manifest stays until they are gone, so a
+    failure leaves them known to the next save)."""
     data = zlib.compress(msgspec.msgpack.encode(Snapshot(v=state_format, seq=seq, state=state)), 1)
     try:
         try:
             before = _manifest(await store.kv_get(SNAPSHOT_BUCKET, key))
         except UNDECODABLE:
-            before = None  # (its parts, if any, are overwritten in time)
-        stored = list(before.stored) if before is not None else [0, 0]
+            before = None  # (a slot's parts are then overwritten, and those beyond removed, in time)
         if len(data) <= PART_BYTES:
+            if before is not None:
+                await _purge_from(store, key, 1 - before.slot, 0)
+                await _purge_from(store, key, before.slot, 0)
             await store.kv_put(SNAPSHOT_BUCKET, key, data)
-            await _purge_parts(store, key, stored, keep=(0, 0))
             return len(data)
         slot = 1 - before.slot if before is not None else 0  # (the other slot holds the last snapshot)
         parts = -(-len(data) // PART_BYTES)
         for n in range(parts):
             await store.kv_put(SNAPSHOT_BUCKET, part_key(key, slot, n), data[n * PART_BYTES : (n + 1) * PART_BYTES])
-        purged = await _purge_parts(store, key, stored, keep=(parts, stored[1]) if slot == 0 else (stored[0], parts))
-        stored[slot] = parts if purged else max(parts, stored[slot])  # (the next save in this slot tries again)
-        manifest = SnapshotParts(slot=slot, parts=parts, size=len(data), crc=zlib.crc32(data), stored=stored)
+        try:
+            await _purge_from(store, key, slot, parts)
+        except Exception as exc:  # (they only take room: removed by a later save in this slot)
+            log.warning("parts of an older snapshot not removed", key=key, slot=slot, error=repr(exc))
+        manifest = SnapshotParts(slot=slot, parts=parts, size=len(data), crc=zlib.crc32(data))
         await store.kv_put(SNAPSHOT_BUCKET, key, PARTS_MAGIC + msgspec.msgpack.encode(manifest))
     except Exception as exc:
         log.warning("snapshot not saved", key=key, error=repr(exc), bytes=len(data))
@@ -152,18 +163,13 @@ async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, 
     return len(data)
 
 
-async def _purge_parts(store: KeyValue, key: str, stored: list[int], keep: tuple[int, int]) -> bool:
-    """Remove the parts of each slot beyond the first ``keep[slot]`` (what a smaller snapshot in
-    that slot, or one stored whole, no longer uses). Whether all went: parts left only take room,
-    so a failure is said, not raised."""
-    unused = [part_key(key, slot, n) for slot in (0, 1) for n in range(keep[slot], stored[slot])]
-    try:
-        for name in unused:
-            await store.kv_purge(SNAPSHOT_BUCKET, name)
-    except Exception as exc:
-        log.warning("parts of an older snapshot not removed", bucket=SNAPSHOT_BUCKET, keys=unused, error=repr(exc))
-        return False
-    return True
+async def _purge_from(store: KeyValue, key: str, slot: int, first: int) -> None:
+    """Remove the slot's parts from part ``first`` on. Every save writes its parts from 0 up, so
+    what is left beyond is one run of them: removed until the first missing one."""
+    n = first
+    while await store.kv_get(SNAPSHOT_BUCKET, part_key(key, slot, n)) is not None:
+        await store.kv_purge(SNAPSHOT_BUCKET, part_key(key, slot, n))
+        n += 1
 
 
 @dataclass
