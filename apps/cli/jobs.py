@@ -198,23 +198,24 @@ class _JobWhy(NamedTuple):
     pending: Any  # why the scheduler's pass leaves it waiting (None: it does not wait, or is placed next)
     estimated_start: float | None
     waits: list[Wait]
-    reasons: bool  # whether ``waits`` hold the scheduler's reasons (its passes replayed)
+    history: bool  # whether the waits are part of the answer (their reasons replayed)
 
 
 async def _job_why(args: argparse.Namespace, progress: Progress) -> _JobWhy:
     """Two reads of the log, a record at a time (nothing of it is held, whatever its length): the
     first finds the job's waits, the second folds the log as the scheduler does and replays its pass
-    within them. A job waiting at the log's end has its reasons replayed only with ``--history``
-    (its pass now says why it waits), or when that pass would place it (a third read)."""
+    within them. The waits are the answer for a job that waits no more, or that the pass would place
+    (a third read where the second did not replay them), and with ``--history``; a job waiting at
+    the log's end is otherwise answered by its pass now."""
+    history = getattr(args, "history", False)
     async with LogReader.open(args) as reader:
         finder = WaitFinder(args.job)
         await each_record(reader, finder.see, progress, "finding its waits")
         if not finder.windows:
             raise GpuherdError(f"no job {args.job!r}: see `gpuherd jobs` for the ids")
-        waiting_now = finder.windows[-1].end is None
-        reasons = not waiting_now or getattr(args, "history", False)
-        replay = WaitReplay(args.job, finder.windows, replay_passes=reasons)
-        await each_record(reader, replay.fold, progress, "replaying its waits" if reasons else "folding the log")
+        replayed = finder.windows[-1].end is not None or history  # (where the waits are likely the answer)
+        replay = WaitReplay(args.job, finder.windows, replay_passes=replayed)
+        await each_record(reader, replay.fold, progress, "replaying its waits" if replayed else "folding the log")
         state, decider, job = replay.state, replay.decider, replay.job_state
         if job is None:  # (its submission was one the fold ignores: a job id the log held already)
             raise GpuherdError(f"no job {args.job!r} was ever held: see `gpuherd events` for its submission")
@@ -224,10 +225,11 @@ async def _job_why(args: argparse.Namespace, progress: Progress) -> _JobWhy:
             policy = policy_in_force.name
             pending = decider.plan(state).pending.get(job.job)
             start = forecast_starts(state, policy_in_force, [job.job]).get(job.job)
-        if pending is None and not reasons:  # placed on the next pass: how it waited so far is the answer
-            replay, reasons = WaitReplay(args.job, finder.windows), True
+        show = pending is None or history
+        if show and not replayed:
+            replay = WaitReplay(args.job, finder.windows)
             await each_record(reader, replay.fold, progress, "replaying its waits")
-        return _JobWhy(job, state.now, len(state.queue), policy, pending, start, replay.waits(), reasons)
+        return _JobWhy(job, state.now, len(state.queue), policy, pending, start, replay.waits() if show else [], show)
 
 
 def cmd_why(args: argparse.Namespace) -> int:
@@ -251,9 +253,9 @@ def cmd_why(args: argparse.Namespace) -> int:
         answer["why"] = where_it_is(job) or job.status
     # "Why did my job wait?": a job that waits no more is answered by its waits, replayed (a waiting
     # one by the pass above; with --history, by its waits so far too).
-    waits = found.waits if found.reasons else []
+    waits = found.waits
     if args.json:
-        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if found.reasons else {}))
+        print_json(answer | ({"waits": msgspec.to_builtins(waits)} if found.history else {}))
         return 0
     if pending is not None:
         console.print(

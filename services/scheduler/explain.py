@@ -13,7 +13,7 @@ import msgspec
 
 from gpuherd import events as ev
 from gpuherd.explain import QueueAnswer, Waiting
-from gpuherd.fold import JobState
+from gpuherd.fold import TERMINAL, JobState
 from gpuherd.log import Record
 from services.scheduler.decide import SchedulerDecider
 from services.scheduler.forecast import forecast_starts
@@ -214,8 +214,10 @@ class WaitReplay:
     def fold(self, record: Record) -> None:
         event, seq, job = record.event, record.seq, self.job
         state = self.state = self.decider.evolve(self.state, seq, event)
-        if getattr(event, "job", None) == job:
-            self.job_state = state.jobs.get(job, self.job_state)  # (an end updates it, then drops it)
+        if getattr(event, "job", None) == job and (self.job_state is None or self.job_state.status not in TERMINAL):
+            # (An end updates it, then drops it from the state. Once it ended it stays as it ended,
+            # as the core fold holds it: a later submission under its id is no job of its.)
+            self.job_state = state.jobs.get(job, self.job_state)
         if event.id in self._causes:
             self._described[event.id] = _described(event)
         window = self._current

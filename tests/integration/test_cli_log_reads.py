@@ -86,3 +86,18 @@ def test_every_read_of_a_log_file_sees_the_lines_it_had_when_first_opened(tmp_pa
 
     first, second = asyncio.run(two_reads())
     assert first == second == records[:-3]
+
+
+def test_a_log_files_last_line_without_a_newline_is_read(tmp_path: Path) -> None:
+    from gpuherd.log.files import write_log_file
+
+    records = simulate([(1.0, pipeline())]).records
+    path = tmp_path / "events.jsonl"
+    write_log_file(records, path)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # (a file written by hand, or by another tool)
+
+    async def read() -> list:
+        async with LogReader.open(argparse.Namespace(log=str(path))) as reader:
+            return [record async for record in reader.read()]
+
+    assert asyncio.run(read()) == records

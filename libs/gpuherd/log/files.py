@@ -48,9 +48,17 @@ def iter_log_file(path: str | Path) -> Iterator[Record]:
 
 
 def count_log_file(path: str | Path) -> int:
-    """How many records the file holds (its lines), without decoding them."""
-    count = 0
+    """How many records the file holds: its lines, without decoding them, and a last line without
+    a newline if it reads as an event (one half written by a writer still at work does not)."""
+    count, tail = 0, b""
     with Path(path).open("rb") as f:
         while chunk := f.read(1 << 20):
             count += chunk.count(b"\n")
+            tail = (tail + chunk).rpartition(b"\n")[2] if b"\n" in chunk else tail + chunk
+    if tail.strip():
+        try:
+            ev.decode(tail)
+        except EventDecodeError:
+            return count
+        count += 1
     return count
