@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -236,6 +237,42 @@ async def test_recover_kills_the_processes_of_a_task_whose_shim_was_killed_while
         assert done.outcome == "stopped" and "shim died" in done.reason
     finally:
         kill_processes_of_job("orphan1")
+
+
+async def test_recover_waits_for_the_killed_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for killed processes to be gone (up to seconds for one stuck in the kernel) runs in a
+    thread: on the agent's loop it stopped its heartbeats, and the node's other tasks fenced."""
+    from services.nodeagent.executors import process
+
+    real = process._kill_leftovers
+    killing, loop_ran, seen = threading.Event(), threading.Event(), []
+
+    def slow_kill(task_dir: Path, info: object) -> int:
+        killing.set()
+        seen.append((threading.current_thread() is threading.main_thread(), loop_ran.wait(timeout=10)))
+        return real(task_dir, info)  # type: ignore[arg-type]
+
+    async def the_loop_runs_meanwhile() -> None:
+        while not killing.is_set():
+            await asyncio.sleep(0.01)
+        loop_ran.set()
+
+    try:
+        first = executor(tmp_path)
+        await first.start(launch("orphan2", "print('ready', flush=True); import time; time.sleep(60)"))
+        await wait_until(lambda: len(pids_of_job("orphan2")) == 1)
+        await first.shutdown()
+        shim = json.loads((tmp_path / "jobs/orphan2/attempt-0/shim.json").read_text())["pid"]
+        os.kill(shim, signal.SIGKILL)
+        await wait_until(lambda: not Path(f"/proc/{shim}").exists())
+        monkeypatch.setattr(process, "_kill_leftovers", slow_kill)
+        meanwhile = asyncio.create_task(the_loop_runs_meanwhile())
+        assert await executor(tmp_path).recover() == set()
+        await meanwhile
+        assert seen == [(False, True)], "killed in a thread, while the loop went on"
+        assert pids_of_job("orphan2") == []
+    finally:
+        kill_processes_of_job("orphan2")
 
 
 def spawn_at_pid(pid: int, argv: list[str]) -> subprocess.Popen[bytes] | None:

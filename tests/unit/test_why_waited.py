@@ -8,6 +8,7 @@ import itertools
 import json
 from pathlib import Path
 
+import msgspec
 import pandas as pd
 import pytest
 
@@ -16,6 +17,7 @@ from apps.sim.cluster import ClusterSpec, VcSpec
 from apps.sim.run import simulate
 from gpuherd import events as ev
 from gpuherd.errors import GpuherdError
+from gpuherd.log import Record
 from gpuherd.log.files import write_log_file
 from services.analytics.traces import load_philly_csv, submissions
 from services.scheduler import explain
@@ -160,3 +162,39 @@ def test_why_of_a_job_the_next_pass_places_replays_its_wait_so_far(
     assert answer["status"] == "pending" and answer["why"].startswith("nothing holds it back")
     (wait,) = answer["waits"]
     assert wait["until"] is None and [span["kind"] for span in wait["spans"]] == [NEXT_PASS]
+
+
+def _why_json(path: Path, job: str, capsys: pytest.CaptureFixture[str]) -> dict:
+    args = build_parser().parse_args(["why", job, "--log", str(path), "--json"])
+    assert args.func(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_job_that_ended_stays_ended_though_a_later_submission_reuses_its_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(A hand-built log: intake never accepts an id twice.) The fold the answer comes from holds the
+    ended job and ignores the second submission; the scheduler's own fold forgets ended jobs, and
+    took it for a new, waiting one."""
+    records = _log(tmp_path, [(0, 100.0, 1)])
+    submitted = next(r.event for r in records if isinstance(r.event, ev.JobSubmitted))
+    again = msgspec.structs.replace(submitted, id="hand-made", at=records[-1].event.at + 1)
+    path = tmp_path / "events.jsonl"
+    write_log_file([*records, Record(len(records) + 1, again)], path)
+    answer = _why_json(path, submitted.job, capsys)
+    assert answer["status"] == "completed" and "kind" not in answer
+
+
+def test_a_waiting_job_whose_placement_the_fold_ignored_is_answered_by_its_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A placement of an attempt the job never had ends no wait in the fold: the job waits, and its
+    pass says why (its waits only with --history), whatever a first read took that placement for."""
+    records = _log(tmp_path, [(0, 5000.0, 4), (10, 100.0, 2)])
+    second = _job_of(records, 1)
+    placed = next(i for i, r in enumerate(records) if isinstance(r.event, ev.JobPlaced) and r.event.job == second)
+    stale = msgspec.structs.replace(records[placed].event, id="scheduler:999999:0", attempt=99)
+    path = tmp_path / "events.jsonl"
+    write_log_file([*records[: placed - 1], Record(placed, stale)], path)
+    answer = _why_json(path, second, capsys)
+    assert answer["status"] == "pending" and "GPU" in answer["why"] and "waits" not in answer
