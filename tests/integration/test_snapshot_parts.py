@@ -137,3 +137,23 @@ async def test_a_manifest_naming_no_slot_is_not_trusted_and_does_not_stop_later_
     assert await save_snapshot(log, KEY, FORMAT, 10, state_of(PART_BYTES + 1000)) is not None
     snap = await load_snapshot(log, KEY, FORMAT)
     assert snap is not None and snap.seq == 10
+
+
+class PurgeFailsOnce(InProcessLog):
+    """Its second removal of a part fails, once (a removal that stops half-way through a slot)."""
+
+    purges = 0
+
+    async def kv_purge(self, bucket: str, key: str) -> None:
+        self.purges += 1
+        if self.purges == 2:
+            raise ConnectionError("gone")
+        await super().kv_purge(bucket, key)
+
+
+async def test_a_removal_that_stops_half_way_leaves_no_part_the_next_save_misses() -> None:
+    log = PurgeFailsOnce()
+    assert await save_snapshot(log, KEY, FORMAT, 10, state_of(2 * PART_BYTES)) is not None  # (three parts)
+    assert await save_snapshot(log, KEY, FORMAT, 20, b"whole") is None  # one part removed, then a failure
+    assert await save_snapshot(log, KEY, FORMAT, 30, b"whole") is not None
+    assert set(await log.kv_entries(SNAPSHOT_BUCKET)) == {KEY}

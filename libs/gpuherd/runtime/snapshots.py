@@ -164,12 +164,14 @@ async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, 
 
 
 async def _purge_from(store: KeyValue, key: str, slot: int, first: int) -> None:
-    """Remove the slot's parts from part ``first`` on. Every save writes its parts from 0 up, so
-    what is left beyond is one run of them: removed until the first missing one."""
-    n = first
-    while await store.kv_get(SNAPSHOT_BUCKET, part_key(key, slot, n)) is not None:
-        await store.kv_purge(SNAPSHOT_BUCKET, part_key(key, slot, n))
-        n += 1
+    """Remove the slot's parts from part ``first`` on. Every save writes its parts from 0 up, and
+    parts are removed from the last down, so a slot holds one run of parts from 0 whatever failed:
+    those from ``first`` are found by reading on until one is missing."""
+    names = []
+    while await store.kv_get(SNAPSHOT_BUCKET, name := part_key(key, slot, first + len(names))) is not None:
+        names.append(name)
+    for name in reversed(names):
+        await store.kv_purge(SNAPSHOT_BUCKET, name)
 
 
 @dataclass
