@@ -58,8 +58,8 @@ PAGES_SHUTDOWN_TIMEOUT_S = 0.1
 # pings) and the log's follow merely sees no events, as on a quiet cluster: the pages showed "live".
 NATS_PROBE_EVERY_S = 1.0
 NATS_PROBE_TIMEOUT_S = 2.0
-AUDIT_CHUNK = 4096  # records an audit takes at a time, in a thread
 NATS_PROBE_SUBJECT = "$JS.API.INFO"  # (JetStream's account info: cheap, and what the dashboard reads through)
+AUDIT_CHUNK = 4096  # records an audit takes at a time, in a thread
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,6 @@ class Dashboard:
         audits = self.tools.audit()
         started = time.perf_counter()
         last = await self.log.last_seq()
-        events = 0  # (in the log up to ``last``: each read sees them all)
         for read in ("see", "fold"):
             takers = [getattr(check, read) for check in audits.values()]
 
@@ -247,7 +246,7 @@ class Dashboard:
                         taker(record)
 
             chunk: list[Record] = []
-            events = 0
+            events = 0  # (in the log up to ``last``: each read sees them all)
             async for record in self.log.read(1, stop=last):
                 chunk.append(record)
                 events += 1
