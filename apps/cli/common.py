@@ -196,31 +196,42 @@ async def _next_chunk(reading: AsyncIterator[Record]) -> list[Record]:
     return chunk
 
 
-def log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> Any:
-    """The log folded as it is read, nothing of it held: by the core fold (every job the log ever
-    held, as the CLI shows history too), or by ``decider``'s own fold (its state)."""
-    return counted_log_state(args, decider)[0]
+class Folding:
+    """One fold of the log as it is read: the core fold (every job the log ever held, as the CLI
+    shows history too), or ``decider``'s own (its state). ``take`` each record; ``state`` so far."""
+
+    def __init__(self, decider: Decider[Any] | None = None) -> None:
+        self.decider = decider
+        self.state: Any = ClusterState() if decider is None else decider.initial_state()
+
+    def take(self, record: Record) -> None:
+        if self.decider is None:
+            apply(self.state, record.seq, record.event)
+        else:
+            self.state = self.decider.evolve(self.state, record.seq, record.event)
 
 
-def counted_log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> tuple[Any, int]:
-    """``log_state``, and how many events the log held."""
+def read_log(args: argparse.Namespace, *takers: Callable[[Record], None]) -> int:
+    """One read of the log, each record to every one of ``takers`` (nothing of it held); how many
+    records it held."""
 
-    async def run() -> tuple[Any, int]:
+    async def run() -> int:
         events = 0
         async with LogReader.open(args) as reader:
-            if decider is None:
-                cluster = ClusterState()
-                async for record in reader.read():
-                    apply(cluster, record.seq, record.event)
-                    events += 1
-                return cluster, events
-            state = decider.initial_state()
             async for record in reader.read():
-                state = decider.evolve(state, record.seq, record.event)
+                for take in takers:
+                    take(record)
                 events += 1
-            return state, events
+        return events
 
     return asyncio.run(run())
+
+
+def log_state(args: argparse.Namespace, decider: Decider[Any] | None = None) -> Any:
+    """The log's state by one ``Folding``, folded as the log is read."""
+    folding = Folding(decider)
+    read_log(args, folding.take)
+    return folding.state
 
 
 def client_call(args: argparse.Namespace, call: Callable[[Client], Awaitable[Any]], *, source: str = "cli") -> Any:

@@ -17,14 +17,15 @@ from rich.table import Table
 
 from apps import registry
 from apps.cli.common import (
+    Folding,
     LogReader,
     console,
-    counted_log_state,
     each_record,
     fmt_time,
     open_cli_log,
     plain,
     print_json,
+    read_log,
     records_of,
 )
 from apps.cli.rescales import rescale_rows, rescale_table
@@ -176,7 +177,9 @@ async def _audited(args: argparse.Namespace, check: Audit, progress: Progress) -
 
 def cmd_replay(args: argparse.Namespace) -> int:
     if not args.audit:
-        state, events = counted_log_state(args)
+        core = Folding()
+        events = read_log(args, core.take)
+        state = core.state
         summary = {
             "events": events,
             "jobs": len(state.jobs),

@@ -13,6 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from apps.cli.common import (
+    Folding,
     LogReader,
     client_call,
     console,
@@ -24,29 +25,16 @@ from apps.cli.common import (
     parse_duration,
     plain,
     print_json,
+    read_log,
 )
 from apps.registry import make_decider
 from gpuherd import events as ev
 from gpuherd.client import load_spec_file
 from gpuherd.errors import GpuherdError
-from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus, apply
+from gpuherd.fold import TERMINAL, ClusterState, JobState, JobStatus
 from gpuherd.output import fetch_output
-from gpuherd.runtime.decider import Decider
 from services.scheduler.explain import NEXT_PASS, NEXT_PASS_WHY, Wait, WaitFinder, WaitReplay
 from services.scheduler.forecast import forecast_starts
-
-
-async def _cluster_and_queue(args: argparse.Namespace) -> tuple[ClusterState, Decider[Any], Any]:
-    """One read of the log, folded two ways as it goes (nothing of the log is held): the core fold,
-    every job it ever held, and the scheduler's own (its queue, as its pass sees it)."""
-    state = ClusterState()
-    scheduler = make_decider("scheduler")
-    queue = scheduler.initial_state()
-    async with LogReader.open(args) as reader:
-        async for record in reader.read():
-            apply(state, record.seq, record.event)
-            queue = scheduler.evolve(queue, record.seq, record.event)
-    return state, scheduler, queue
 
 
 def why_waiting(scheduler: Any, state: Any, *, forecast: bool = True) -> tuple[str, dict[str, Any], dict[str, float]]:
@@ -337,8 +325,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.limit < 0:  # jobs[-args.limit:] would drop the first jobs instead
         raise GpuherdError(f"--limit takes the number of latest jobs to show (0: all), got {args.limit}")
     statuses = _statuses_asked(args.status)  # (before the log is read: a typo is no empty table)
-    state, scheduler, queue = asyncio.run(_cluster_and_queue(args))
-    _, pending, starts = why_waiting(scheduler, queue, forecast=statuses is None or "pending" in statuses)
+    # (One read, folded two ways: every job the log held, and the queue as the scheduler's pass sees it.)
+    core, queue = Folding(), Folding(make_decider("scheduler"))
+    read_log(args, core.take, queue.take)
+    state = core.state
+    _, pending, starts = why_waiting(queue.decider, queue.state, forecast=statuses is None or "pending" in statuses)
     if args.workflow or args.array:
         jobs = members(state, args.workflow or args.array)
         if not jobs:
@@ -426,9 +417,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 if isinstance(record.event, ev.JobPlaced) and record.event.job == args.job
             ]
             if not placed:
-                state = ClusterState()
+                core = Folding()
                 async for record in log_.read(1, stop=last):
-                    apply(state, record.seq, record.event)
+                    core.take(record)
+                state = core.state
                 job = state.jobs.get(args.job)
                 if job is None:
                     raise GpuherdError(_no_job_output(state, args.job))

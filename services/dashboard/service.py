@@ -82,6 +82,13 @@ class Tools:
         return cls(queue=explainers[0] if explainers else None, audit=audits if auditable else None)
 
 
+def _feed(takers: list[Callable[[Record], None]], chunk: list[Record]) -> None:
+    """Each record of ``chunk`` to every one of ``takers`` (an audit's read, in a thread)."""
+    for record in chunk:
+        for take in takers:
+            take(record)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuherd serve dashboard", description="gpuherd live web dashboard (read-only unless given a token)"
@@ -239,21 +246,15 @@ class Dashboard:
         last = await self.log.last_seq()
         for read in ("see", "fold"):
             takers = [getattr(check, read) for check in audits.values()]
-
-            def take(chunk: list[Record], takers: list[Callable[[Record], None]] = takers) -> None:
-                for record in chunk:
-                    for taker in takers:
-                        taker(record)
-
             chunk: list[Record] = []
             events = 0  # (in the log up to ``last``: each read sees them all)
             async for record in self.log.read(1, stop=last):
                 chunk.append(record)
                 events += 1
                 if len(chunk) >= AUDIT_CHUNK:
-                    await asyncio.to_thread(take, chunk)
+                    await asyncio.to_thread(_feed, takers, chunk)
                     chunk = []
-            await asyncio.to_thread(take, chunk)
+            await asyncio.to_thread(_feed, takers, chunk)
         reports = {name: check.finish() for name, check in audits.items()}
         return {
             "ok": all(r.ok for r in reports.values()),
