@@ -329,6 +329,8 @@ async def run(args: argparse.Namespace) -> dict:
             await log_.append_pipelined([registration(i, args.gpus) for i in range(args.nodes)], window=512)
         for name in SERVICES:
             argv = service_argv(name, "--nats-url", server.url, "--metrics-port", str(ports[name]))
+            if args.max_in_flight is not None:
+                argv += ["--max-in-flight", str(args.max_in_flight)]
             if name == "scheduler":
                 argv += ["--lost-after", "36000"]  # the fleet sends no heartbeats
             procs[name] = Supervised(name, argv, data_dir, env)
@@ -550,6 +552,12 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=20000)
     parser.add_argument("--window", type=int, default=512, help="submissions in flight")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="each service's --max-in-flight (1: every batch folded back before the next is decided)",
+    )
     parser.add_argument("--max-duration", type=float, default=1.0, help="longest job (seconds)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=1)

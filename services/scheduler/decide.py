@@ -135,6 +135,8 @@ ROUTES: dict[type[ev.Event], Route] = {
 
 # Events all ``decide`` makes of is a pass (no reaction of its own): of several waiting, the last decides.
 COALESCIBLE: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() if r.react is None and r.passes is True)
+# Events all ``decide`` may make of is a pass, maybe only on a condition (a placement, a prediction).
+PASSES_ONLY: frozenset[type[ev.Event]] = frozenset(k for k, r in ROUTES.items() if r.react is None)
 
 # Events after which a pass can place nothing the pass before could not (no GPU freed, no job,
 # node, quota or order changed): ``decide`` answers them with nothing. Every other event it does
@@ -206,6 +208,9 @@ class SchedulerDecider(Decider[SchedulerState]):
 
     def coalescible(self, event: ev.Event) -> bool:
         return type(event) in COALESCIBLE
+
+    def only_passes(self, event: ev.Event) -> bool:
+        return type(event) in PASSES_ONLY
 
     def independent(self, event: ev.Event) -> str | None:
         # Settling a task's attempt reads and decides about that job alone (and makes no pass).

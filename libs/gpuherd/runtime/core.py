@@ -27,6 +27,15 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
   the cause) are not decided again.
 * **External inputs** (submissions from intake) wait in the same queue as records, are decided on
   the state of their turn, and get an ``Answer`` (the verdict) for the shell to send back.
+* **In flight** (live). The runner may hand a batch to the log (``dispatched``) and ask for the
+  next one before the first is folded back: its append's fsync is then not a wait of every
+  decision behind it. What is decided meanwhile is what could have joined that batch, decided on
+  the state of now (never a guess at the log to come, so the audit re-decides every batch on
+  exactly ``fold(log[1..based_on])``): inputs of other keys than those of the batches in flight,
+  and while a pass is in flight, no pass or other input that reads the whole state. A pass is
+  decided once no pass is in flight, beside the batches of other keys (as it joins their batch).
+  The simulation dispatches nothing: for it, and for ``serial`` cores, every batch is folded
+  before the next is decided, as above.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from gpuherd.log import Record
 from gpuherd.runtime.decider import MAX_BATCH_DECISIONS, Answer, Decider, S, cause_seq_of, decide_stamped
 
 MAX_PASS_DEFERRAL_S = 0.005  # live: a pass waiting this long is decided in its turn, not put off again
+SCAN_BESIDE = 2048  # waiting inputs looked at for ones decidable beside the batches in flight
 
 
 @dataclass(slots=True)
@@ -52,6 +62,7 @@ class Decided:
     outputs: list[ev.Event]
     answer: Answer | None = None
     refusal: Exception | None = None  # the log refused its outputs (set by the live runner)
+    key: str | None = None  # its key (``Decider.independent``/``external_key``): None for a pass or alike
 
     @property
     def external(self) -> bool:
@@ -64,6 +75,18 @@ class _Waiting:
     arrived: float
     external: bool
     coalescible: bool = False  # a record that only makes a pass (asked of the decider once, as it is folded)
+    passing: bool = False  # a record that makes a pass or nothing (``Decider.only_passes``)
+
+
+@dataclass(slots=True)
+class Flight:
+    """A batch handed to the log and not yet folded back (``DecisionCore.dispatched``)."""
+
+    keys: frozenset[str]  # what it decides about: its inputs' keys, and the keys its passes decide about
+    whole: bool  # it holds a pass (or another decision on an event of no key)
+    unknown: bool  # a pass of it decides about keys ``Decider.keys_of`` does not know
+    sole: bool  # it answers an input of no key (e.g. a workflow): nothing is decided beside it
+    last: int | None = None  # the position of its last output, once stored
 
 
 @dataclass
@@ -73,6 +96,7 @@ class DecisionCore(Generic[S]):
     max_batch: int = MAX_BATCH_DECISIONS
     wait_until: int = 0  # decide nothing before its own outputs up to here are folded
     coalesced: int = 0  # passes made by a later waiting input instead (a metric)
+    serial: bool = False  # decide nothing while a dispatched batch is not folded back
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -81,6 +105,11 @@ class DecisionCore(Generic[S]):
         self._passes = 0  # waiting inputs the decider calls coalescible
         self._head: int | None = None  # catching up to this sequence
         self._decided: set[int] = set()  # causes whose decisions the tail holds (while catching up)
+        self._flights: list[Flight] = []  # dispatched, not folded back yet (live)
+        # The head of the queue, looked at beside the flights and left waiting, in order (before
+        # ``_pending``): looked at again only once a flight is over (what held them back is gone).
+        self._held: list[_Waiting] = []
+        self._held_keys: set[str] = set()  # their keys: a later input of one of them waits too
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -107,7 +136,8 @@ class DecisionCore(Generic[S]):
                 self._decided.add(cause)
         if decider.follows(event):
             coalescible = decider.coalescible(event)
-            self._pending.append(_Waiting(record, arrived, False, coalescible))
+            passing = coalescible or decider.only_passes(event)
+            self._pending.append(_Waiting(record, arrived, False, coalescible, passing))
             self._passes += coalescible
         if self._head is not None and record.seq >= self._head:
             self._head = None
@@ -128,21 +158,91 @@ class DecisionCore(Generic[S]):
 
     @property
     def waiting(self) -> int:
-        return len(self._pending)
+        return len(self._held) + len(self._pending)
 
     def ready(self) -> bool:
         """Something waits, and the decider's own outputs are folded."""
-        return bool(self._pending) and self._head is None and self.state.seq >= self.wait_until
+        return bool(self._pending or self._held) and self._head is None and self.state.seq >= self.wait_until
 
     def quiescent(self) -> bool:
         """Nothing waits and every output is folded: the state is a valid snapshot."""
-        return not self._pending and self._head is None and self.state.seq >= self.wait_until
+        return (
+            not self._pending
+            and not self._held
+            and self._head is None
+            and self.state.seq >= self.wait_until
+            and not self._open_flights()
+        )
+
+    # -- batches in flight (live) ---------------------------------------------------------------------
+
+    def dispatched(self, batch: list[Decided]) -> Flight:
+        """``batch`` is being appended: until it is folded back (``landed``, then folded), what is
+        decided is only what it cannot have changed."""
+        keys: set[str] = set()
+        whole = unknown = sole = False
+        for decided in batch:
+            if decided.key is not None:
+                keys.add(decided.key)
+            elif decided.external:
+                sole = True
+            else:
+                whole = True
+                touched = self.decider.keys_of(decided.outputs)
+                if touched is None:
+                    unknown = True
+                else:
+                    keys |= touched
+        flight = Flight(frozenset(keys), whole, unknown, sole)
+        self._flights.append(flight)
+        return flight
+
+    def landed(self, flight: Flight, seqs: Iterable[int]) -> None:
+        """``flight``'s outputs are stored at ``seqs`` (none: refused, or stored already): it is over
+        once they are folded."""
+        flight.last = max(seqs, default=0)
+        if flight.last <= self.state.seq:
+            self._flights.remove(flight)
+            self._release_held()
+
+    @property
+    def in_flight(self) -> int:
+        """Dispatched batches not folded back yet."""
+        return len(self._open_flights())
+
+    def _open_flights(self) -> list[Flight]:
+        flights = self._flights
+        if flights:
+            seq = self.state.seq
+            open_ = [f for f in flights if f.last is None or f.last > seq]
+            if len(open_) != len(flights):
+                self._flights = flights = open_
+                self._release_held()
+        return flights
+
+    def _release_held(self) -> None:
+        """A flight is over: what it held back is looked at again, in its turn at the head."""
+        if self._held:
+            self._pending.extendleft(reversed(self._held))
+            self._held = []
+        self._held_keys.clear()
 
     def next_batch(self, now: float | None = None) -> list[Decided]:
         """The next waiting inputs that have decisions (or answers), decided on the current state: one
         input, or a run of independent ones with distinct keys. Inputs decided to nothing, and passes
         a later waiting input makes too, are consumed on the way. ``now`` (live: the clock of
-        ``arrived``) lets a pass that has waited ``MAX_PASS_DEFERRAL_S`` be decided in its turn."""
+        ``arrived``) lets a pass that has waited ``MAX_PASS_DEFERRAL_S`` be decided in its turn.
+
+        With batches in flight (``dispatched``), what they cannot have changed: [] when nothing
+        waiting is (nothing consumed then; ask again once something arrived or landed)."""
+        flights = self._open_flights()
+        if not flights:
+            return self._next_batch(now)
+        if self.serial or self._head is not None or any(f.sole for f in flights):
+            return []
+        return self._next_beside(flights)
+
+    def _next_batch(self, now: float | None) -> list[Decided]:
         decider, state = self.decider, self.state
         batch: list[Decided] = []
         keys: set[str] = set()
@@ -160,7 +260,7 @@ class DecisionCore(Generic[S]):
             self._pending.popleft()
             if waiting.external:
                 answer = decider.take(state, waiting.item)
-                batch.append(Decided(waiting.item, waiting.arrived, answer.events, answer))
+                batch.append(Decided(waiting.item, waiting.arrived, answer.events, answer, key=key))
                 size += len(answer.events)
             else:
                 record: Record = waiting.item  # type: ignore[assignment]
@@ -178,7 +278,7 @@ class DecisionCore(Generic[S]):
                     self._passes += coalescible
                     break
                 if outputs:
-                    batch.append(Decided(record, waiting.arrived, outputs))
+                    batch.append(Decided(record, waiting.arrived, outputs, key=key))
                     size += len(outputs)
                     if key is not None:
                         record_keys.add(key)
@@ -188,6 +288,85 @@ class DecisionCore(Generic[S]):
                 answers_only = answers_only or bool(batch)
                 continue
             keys.add(key)
+        return batch
+
+    def _next_beside(self, flights: list[Flight]) -> list[Decided]:
+        """The waiting inputs of a key that every batch in flight leaves alone, passed over by the
+        others (a pass in flight, or a key in flight at the head of the queue): answers (where the
+        decider takes them beside passes) and independent events, in their order per key. An input
+        that makes only a pass waits while a pass is in flight; otherwise the first one is decided
+        (and the other waiting passes are dropped: it sees what they would) unless its pass decides
+        about a key of the batch or of one in flight, and only answers join the batch behind it.
+        Everything from the first other input of no key on waits (it may read anything)."""
+        decider, state = self.decider, self.state
+        busy = frozenset().union(*(f.keys for f in flights))
+        records_ok = not any(f.unknown for f in flights)
+        passes_ok = not any(f.whole for f in flights)
+        answers_ok = decider.TAKES_BESIDE_PASSES
+        batch: list[Decided] = []
+        keys = self._held_keys  # held back, or taken into this batch
+        kept = self._held
+        taken: set[str] = set()  # the keys of this batch
+        drop_passes = False
+        size = 0
+        pending = self._pending
+        for _ in range(min(len(pending), SCAN_BESIDE)):
+            if size >= self.max_batch:
+                break
+            waiting = pending[0]
+            if waiting.external:
+                key = decider.external_key(waiting.item)
+                if key is None:
+                    break
+                eligible = answers_ok
+            elif waiting.passing:
+                if not passes_ok:
+                    kept.append(pending.popleft())  # once no pass is in flight
+                    continue
+                pending.popleft()
+                if waiting.coalescible:
+                    self._passes -= 1
+                    if drop_passes:  # a pass on this state was decided already: it is this one's too
+                        self.coalesced += 1
+                        continue
+                    drop_passes = True
+                record: Record = waiting.item  # type: ignore[assignment]
+                outputs = decide_stamped(decider, state, record)
+                if outputs:
+                    touched = decider.keys_of(outputs)
+                    if touched is None or not touched.isdisjoint(busy) or not touched.isdisjoint(taken):
+                        kept.append(waiting)  # it waits for those to be folded, and so do the passes behind it
+                        self._passes += waiting.coalescible
+                        drop_passes = passes_ok = False
+                        continue
+                    batch.append(Decided(record, waiting.arrived, outputs))
+                    size += len(outputs)
+                    passes_ok = records_ok = False  # one pass a batch, then only answers beside it
+                continue
+            else:
+                key = decider.independent(waiting.item.event)  # type: ignore[union-attr]
+                if key is None:
+                    break
+                eligible = records_ok
+            if not eligible or key in busy or key in keys:
+                keys.add(key)
+                kept.append(pending.popleft())
+                continue
+            keys.add(key)
+            taken.add(key)
+            pending.popleft()
+            if waiting.external:
+                answer = decider.take(state, waiting.item)
+                batch.append(Decided(waiting.item, waiting.arrived, answer.events, answer, key=key))
+                size += len(answer.events)
+            else:
+                record = waiting.item  # type: ignore[assignment]
+                outputs = decide_stamped(decider, state, record)
+                if outputs:
+                    batch.append(Decided(record, waiting.arrived, outputs, key=key))
+                    size += len(outputs)
+        if drop_passes:
+            self._drop_passes()  # the pass decided sees all they would (they are folded)
         return batch
 
     def _pass_may_join(self, waiting: _Waiting) -> bool:
@@ -204,8 +383,10 @@ class DecisionCore(Generic[S]):
     def _drop_passes(self) -> None:
         """Forget every waiting input that only makes a pass: the one being decided makes it."""
         kept = collections.deque(w for w in self._pending if w.external or not w.coalescible)
-        self.coalesced += len(self._pending) - len(kept)
+        held = [w for w in self._held if w.external or not w.coalescible]
+        self.coalesced += len(self._pending) - len(kept) + len(self._held) - len(held)
         self._pending = kept
+        self._held = held
         self._passes = 0
 
     def appended(self, seqs: Iterable[int]) -> None:

@@ -71,6 +71,12 @@ class Decider(abc.ABC, Generic[S]):
         it sees the same state, so it makes the same pass, once."""
         return False
 
+    def only_passes(self, event: ev.Event) -> bool:
+        """True when all ``decide`` may make of ``event`` is a pass (or nothing): coalescible, or a
+        pass only on some condition. Live, while a pass is being appended, such an event waits for
+        it, and the independent inputs behind it are decided meanwhile."""
+        return self.coalescible(event)
+
     def independent(self, event: ev.Event) -> str | None:
         """A key (e.g. the job) when what ``decide`` makes of ``event`` depends on nothing this decider
         decides about other keys: waiting events with different keys are then decided on one state

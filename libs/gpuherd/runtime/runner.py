@@ -5,6 +5,9 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
 * **Output ids come from the input.** The n-th decision caused by the event at sequence ``s`` has
   id ``<service>:<s>:<n>`` and is stamped with ``based_on`` and ``cause``. A re-run after a crash
   produces the same ids, and the log's dedupe makes the append a no-op.
+* **Appends overlap.** A batch is handed to the log and the next decided while its append waits
+  for the fsync (at most ``max_in_flight`` at once): the core decides meanwhile only what the
+  batches in flight cannot have changed, on the state folded so far (``core.py``, "In flight").
 * **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
   ``STATE_FORMAT``, or one beyond the log's head, is ignored), then folds the log to its head; the
   core decides what the tail still lacks.
@@ -44,12 +47,15 @@ from gpuherd.log import AppendResult, EventLog, EventStore, Leadership, Record
 from gpuherd.log.interfaces import Traces, trace_of
 from gpuherd.metrics import ServiceMetrics, status_reporter
 from gpuherd.obs import child_traceparent, get_logger
-from gpuherd.runtime.core import Decided, DecisionCore, outputs_of
+from gpuherd.runtime.core import Decided, DecisionCore, Flight, outputs_of
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.decider import Decider, S
 from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, save_snapshot
 from gpuherd.runtime.stages import BatchTrace, StageTracer
 
+# Batches being appended at once. Each waits for the log's fsync; meanwhile the decider decides
+# what those batches cannot have changed (``DecisionCore``). 1: every batch is folded back first.
+MAX_IN_FLIGHT = 8
 REPORT_FOLDED_EVERY = 256  # records folded between two updates of ``events_consumed`` (while catching up)
 # A stopping process asks NATS once more (to release its leadership) for this long at most: stopped
 # with NATS away, it must not wait out a request timeout (seconds) before it ends.
@@ -131,13 +137,15 @@ class DeciderRunner(Generic[S]):
         on_refused: OnRefused | None = None,
         read_linger_s: float = 0.0,
         parameters: Callable[[], ev.Event] | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self.log = log_
         self.decider = decider
         self.instance = instance
         self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self.extra_tasks = list(extra_tasks)
-        self.core = DecisionCore(decider)
+        self.max_in_flight = max_in_flight  # appends under way at once (1: each batch folded before the next)
+        self.core = self._new_core()
         self.is_leader = False
         self.caught_up = asyncio.Event()
         self.decisions_appended = 0
@@ -373,13 +381,16 @@ class DeciderRunner(Generic[S]):
 
     def _reset(self) -> None:
         """Forget everything folded: a standby that leads again starts from the snapshot and the log."""
-        self.core = DecisionCore(self.decider)
+        self.core = self._new_core()
         self.caught_up = asyncio.Event()
         self.snapshots.seq = self.snapshots.since = 0
         self._coalesced_seen = 0
         self._fence = None
         self._fence_after = None
         self._fence_id = ""
+
+    def _new_core(self) -> DecisionCore[S]:
+        return DecisionCore(self.decider, serial=self.max_in_flight <= 1)
 
     def offer(self, external: Any) -> None:
         """An input from outside the log (intake), decided in its turn."""
@@ -428,19 +439,47 @@ class DeciderRunner(Generic[S]):
             raise LeadershipLost(f"{self.name}: {event.instance} took the lead at position {record.seq}")
 
     async def _decide(self) -> None:
-        """Decide whenever the core is ready; append; wait for the outputs to come back folded."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            self._report_folded()
-            while self.core.ready():
-                stages = self.stages if self.stages is not None and self.stages.active else None
-                start = time.time()
-                batch = self.core.next_batch(time.perf_counter())
-                if batch:
+        """Decide whenever the core has something decidable; hand each batch to the log without
+        waiting for the last one's append (``DecisionCore``: what is decided meanwhile is what that
+        batch cannot have changed), at most ``max_in_flight`` appends at a time."""
+        commits: set[asyncio.Task[None]] = set()
+        failed: list[BaseException] = []
+
+        def finished(task: asyncio.Task[None]) -> None:
+            commits.discard(task)
+            if task.cancelled():  # (not by this loop, which cancels them only as it ends)
+                failed.append(asyncio.CancelledError())
+            elif task.exception() is not None:
+                failed.append(task.exception())  # type: ignore[arg-type]
+            self._wake.set()
+
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if failed:
+                    raise failed[0]
+                self._report_folded()
+                while self.core.ready() and len(commits) < self.max_in_flight:
+                    stages = self.stages if self.stages is not None and self.stages.active else None
+                    start = time.time()
+                    waiting = self.core.waiting
+                    batch = self.core.next_batch(time.perf_counter())
+                    if not batch:
+                        if self.core.waiting == waiting:
+                            break  # nothing decidable until a batch in flight is folded back
+                        continue
                     trace = stages.decided(batch, start, time.time()) if stages is not None else None
-                    await self._commit(batch, trace)
-            await self._maybe_snapshot()
+                    flight = self.core.dispatched(batch)
+                    task = asyncio.create_task(self._commit(batch, flight, trace))
+                    commits.add(task)
+                    task.add_done_callback(finished)
+                if not commits:
+                    await self._maybe_snapshot()
+        finally:
+            for task in list(commits):
+                task.cancel()
+            await asyncio.gather(*commits, return_exceptions=True)
 
     def _report_folded(self) -> None:
         """Count the records folded since the last call in ``events_consumed`` (once per wake of the
@@ -462,7 +501,7 @@ class DeciderRunner(Generic[S]):
             out += [child_traceparent(trace_in, f"{self.name}.decide", cause=cause_id)] * len(decided.outputs)
         return out
 
-    async def _commit(self, batch: list[Decided], trace: BatchTrace | None = None) -> None:
+    async def _commit(self, batch: list[Decided], flight: Flight, trace: BatchTrace | None = None) -> None:
         outputs = outputs_of(batch)
         traces = self._traces(batch)
         refused: list[Decided] = []
@@ -481,8 +520,7 @@ class DeciderRunner(Generic[S]):
             self.metrics.decisions.labels(kind).inc(count)
         self.metrics.coalesced.inc(self.core.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.core.coalesced
-        if result.seqs:
-            self.core.appended(result.seqs)
+        self.core.landed(flight, result.seqs)
         if trace is not None and self.stages is not None:
             self.stages.appended(trace, result.seqs, acked)
         for decided in batch:

@@ -16,7 +16,7 @@ from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import serve_until_signal_with_http
 from gpuherd.obs import get_logger
 from gpuherd.runtime.decider import ConfiguredDecider, Decider, params_problem
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask
+from gpuherd.runtime.runner import MAX_IN_FLIGHT, DeciderRunner, ExtraTask
 
 log = get_logger("gpuherd.runtime")
 
@@ -71,6 +71,7 @@ async def serve_decider(
     metrics_port: int | None = None,
     setup: Callable[[DeciderRunner[Any]], None] | None = None,
     read_linger_s: float = 0.0,
+    max_in_flight: int = MAX_IN_FLIGHT,
 ) -> None:
     """Run ``decider`` on the log at ``url`` until SIGTERM. ``configured`` makes its parameters
     command, recorded when this instance first leads (see ``DeciderRunner``). ``setup`` adjusts the
@@ -85,6 +86,7 @@ async def serve_decider(
             extra_tasks=extra_tasks,
             read_linger_s=read_linger_s,
             parameters=configured,
+            max_in_flight=max_in_flight,
         )
         if setup is not None:
             setup(runner)

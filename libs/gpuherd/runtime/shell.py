@@ -17,7 +17,7 @@ from typing import Any
 
 from gpuherd.obs import configure
 from gpuherd.runtime.decider import Decider
-from gpuherd.runtime.runner import DeciderRunner, ExtraTask
+from gpuherd.runtime.runner import MAX_IN_FLIGHT, DeciderRunner, ExtraTask
 from gpuherd.runtime.serve import configured_event, end_remaining_tasks, serve_decider
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.runtime.timers import clock_ticker
@@ -42,6 +42,13 @@ def build_parser(spec: ServiceSpec) -> argparse.ArgumentParser:
     if spec.timer is not None:
         parser.add_argument("--tick", type=float, default=spec.timer.every_s, help="seconds between its timer's ticks")
     add_yield_arguments(parser, read_linger_s=spec.read_linger_s, nice=spec.nice)
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=MAX_IN_FLIGHT,
+        help="batches of decisions being appended at once, the next decided while the last ones wait for "
+        f"the log's fsync (1: each folded back before the next is decided; default {MAX_IN_FLIGHT})",
+    )
     if spec.add_arguments is not None:
         spec.add_arguments(parser)
     return parser
@@ -102,6 +109,7 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
                 metrics_port=args.metrics_port,
                 setup=setup,
                 read_linger_s=read_linger_s(args),
+                max_in_flight=max(1, args.max_in_flight),
             )
         finally:
             await end_remaining_tasks()

@@ -17,6 +17,7 @@ when the log stored each cause; ``outputs``: each cause's decisions (their ids a
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections.abc import Sequence
@@ -83,7 +84,8 @@ class StageTracer:
         trace.acked = acked
         trace.last_seq = max(seqs, default=0)
         if trace.last_seq:
-            self._open.append(trace)
+            # (Several batches may be appended at once: kept in the order their outputs fold back.)
+            bisect.insort(self._open, trace, key=lambda t: t.last_seq)
         else:
             self._write(trace)
 
