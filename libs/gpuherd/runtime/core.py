@@ -4,10 +4,11 @@ Live (``runner.DeciderRunner``, on JetStream) and in simulation (``apps/sim``, o
 the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
 
 * **Fold, then decide.** Every record is folded; the ones the decider follows wait to be decided.
-* **A decision sees every earlier decision of its decider.** After its outputs are appended, the
-  core decides nothing more until they are folded (``appended`` -> ``wait_until``); the inputs that
-  arrive meanwhile wait in order. So the state a decision was made on is exactly
-  ``fold(log[1..based_on])``, which is what the audit re-runs.
+* **A decision sees every earlier decision of its decider** that could change it. After its outputs
+  are appended, the core decides nothing more until they are folded (``appended`` -> ``wait_until``);
+  the inputs that arrive meanwhile wait in order (live, only those the batch could change: see "In
+  flight" below). So the state a decision was made on is exactly ``fold(log[1..based_on])``, which
+  is what the audit re-runs.
 * **Coalescing.** Of several waiting inputs that only make a pass over the whole state
   (``Decider.coalescible``), only the last is decided: same state, same pass, once. Live, a pass
   is not put off for longer than ``MAX_PASS_DEFERRAL_S``: under a steady stream of events there is
@@ -161,7 +162,8 @@ class DecisionCore(Generic[S]):
         return len(self._held) + len(self._pending)
 
     def ready(self) -> bool:
-        """Something waits, and the decider's own outputs are folded."""
+        """Something waits, and the decider's own outputs appended (``appended``) are folded. (Live,
+        with batches in flight, ``next_batch`` says what of it is decidable now.)"""
         return bool(self._pending or self._held) and self._head is None and self.state.seq >= self.wait_until
 
     def quiescent(self) -> bool:

@@ -12,7 +12,7 @@ machine. A line:
 ``arrived``: when each input reached the core (a record folded, a submission fetched); ``stored``:
 when the log stored each cause; ``outputs``: each cause's decisions (their ids and jobs);
 ``start``/``decided``: the core's decision; ``acked``: the log acknowledged the batch's append;
-``folded``: the decider folded its own outputs back (from then on it may decide again).
+``folded``: the decider folded its own outputs back (from then on what they could change is decidable).
 """
 
 from __future__ import annotations
