@@ -401,6 +401,7 @@ class _IntakeId(msgspec.Struct):
     workflow: Any = None
     steps: Any = None
     array: Any = None
+    depends_on: Any = None
 
 
 _intake_id_decoder = msgspec.json.Decoder(_IntakeId)
@@ -408,13 +409,14 @@ _intake_id_decoder = msgspec.json.Decoder(_IntakeId)
 
 def submission_key(sub: Submission) -> str | None:
     """The intake key a submission would take (decided together with others only if distinct);
-    None when it cannot be read, or makes several jobs (it is decided alone: its jobs then fit one
-    atomic append)."""
+    None when it cannot be read, makes several jobs (it is decided alone: its jobs then fit one
+    atomic append), or depends on other jobs (decided once every verdict sent before is folded: a
+    client told its job was accepted may name it at once)."""
     try:
         head = _intake_id_decoder.decode(sub.data)
     except UNDECODABLE:
         return None
-    if head.workflow is not None or head.steps is not None or head.array is not None:
+    if head.workflow is not None or head.steps is not None or head.array is not None or head.depends_on is not None:
         return None
     return intake_key(sub.source, _intake_id_or_default(sub, head.intake_id))
 

@@ -20,8 +20,8 @@ from tests.helpers import ended, node, submit
 decider = SchedulerDecider()
 
 
-def submission(seq: int, intake_id: str | None = None, gpus: int = 1) -> Submission:
-    body = {"name": f"s{seq}", "user": "u", "gpus": gpus, "duration_s": 5}
+def submission(seq: int, intake_id: str | None = None, gpus: int = 1, **more: object) -> Submission:
+    body = {"name": f"s{seq}", "user": "u", "gpus": gpus, "duration_s": 5, **more}
     if intake_id is not None:
         body["intake_id"] = intake_id
     return Submission(source="t", seq=seq, data=msgspec.json.encode(body), at=1.0)
@@ -190,6 +190,21 @@ def test_nothing_is_decided_beside_an_answer_of_no_key() -> None:
     world.land()
     world.read_all()
     assert [d.cause.seq for d in world.decide() if d.external] == [2]
+
+
+def test_a_submission_naming_a_job_whose_verdict_was_sent_sees_that_job() -> None:
+    """A verdict is sent once stored, before it is folded back: a client may name that job at once.
+    A submission that depends on other jobs waits for every verdict sent before to be folded."""
+    world = World(node("n1", 4))
+    world.core.offer(submission(1, "a"))
+    (a,) = world.decide()
+    job = a.outputs[0].job
+    world.land()  # stored and acknowledged: its submitter hears "accepted"
+    world.core.offer(submission(2, "b", depends_on={"afterok": [job]}))
+    assert world.decide() == []
+    world.read_all()
+    (b,) = world.decide()
+    assert isinstance(b.outputs[0], ev.JobSubmitted), b.outputs[0]
 
 
 def test_a_serial_core_decides_nothing_until_its_batch_is_folded_back() -> None:

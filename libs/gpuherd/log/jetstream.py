@@ -91,6 +91,9 @@ log = get_logger("gpuherd.log")
 _T = TypeVar("_T")
 
 ERR_WRONG_LAST_SEQUENCE = 10071
+# A clustered stream refuses an append that checks a subject's last sequence while another one checking
+# the same subject is not applied yet ("wrong last sequence", without one): worth retrying at once.
+ERR_SUBJECT_CHECK_BUSY = 10164
 ERR_BATCH_DUPLICATE_ID = 10201
 ERR_JETSTREAM_NOT_ENABLED_FOR_ACCOUNT = 10039
 ERR_JETSTREAM_NOT_ENABLED = 10076
@@ -693,6 +696,8 @@ class JetStreamLog(EventLog):
     def _map_error(exc: nats.js.errors.APIError, subject: str, expect: Mapping[str, int] | None) -> Exception:
         if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
             return ConcurrencyError(subject, (expect or {}).get(subject, 0))
+        if exc.err_code == ERR_SUBJECT_CHECK_BUSY:
+            return LogUnavailable(f"append to {subject}: another append checking {subject} is not applied yet")
         return _refusal(
             f"append to {subject}", {"code": exc.code, "err_code": exc.err_code, "description": exc.description}
         )
@@ -1033,9 +1038,10 @@ def _same_config(info: Any, wanted: StreamConfig) -> bool:
 
 
 def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
-    """A server-side 5xx (JetStream recovering, no quorum) is worth retrying; anything else is final."""
+    """A server-side 5xx (JetStream recovering, no quorum), or a subject check that waits for another
+    append, is worth retrying; anything else is final."""
     message = f"{what} refused: {error.get('description')} (code {error.get('err_code')})"
-    if int(error.get("code") or 0) >= 500:
+    if int(error.get("code") or 0) >= 500 or error.get("err_code") == ERR_SUBJECT_CHECK_BUSY:
         return LogUnavailable(message)
     return LogError(message)
 

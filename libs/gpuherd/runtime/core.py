@@ -111,6 +111,7 @@ class DecisionCore(Generic[S]):
         # ``_pending``): looked at again only once a flight is over (what held them back is gone).
         self._held: list[_Waiting] = []
         self._held_keys: set[str] = set()  # their keys: a later input of one of them waits too
+        self._busy: frozenset[str] | None = None  # the flights' keys (None: to be gathered again)
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class DecisionCore(Generic[S]):
                     keys |= touched
         flight = Flight(frozenset(keys), whole, unknown, sole)
         self._flights.append(flight)
+        self._busy = None
         return flight
 
     def landed(self, flight: Flight, seqs: Iterable[int]) -> None:
@@ -224,6 +226,7 @@ class DecisionCore(Generic[S]):
 
     def _release_held(self) -> None:
         """A flight is over: what it held back is looked at again, in its turn at the head."""
+        self._busy = None
         if self._held:
             self._pending.extendleft(reversed(self._held))
             self._held = []
@@ -301,7 +304,9 @@ class DecisionCore(Generic[S]):
         about a key of the batch or of one in flight, and only answers join the batch behind it.
         Everything from the first other input of no key on waits (it may read anything)."""
         decider, state = self.decider, self.state
-        busy = frozenset().union(*(f.keys for f in flights))
+        busy = self._busy
+        if busy is None:
+            busy = self._busy = frozenset().union(*(f.keys for f in flights))
         records_ok = not any(f.unknown for f in flights)
         passes_ok = not any(f.whole for f in flights)
         answers_ok = decider.TAKES_BESIDE_PASSES

@@ -38,6 +38,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic
 
 from gpuherd import events as ev
@@ -118,6 +119,15 @@ async def unless_stopped(work: Coroutine[Any, Any, bool], stop: asyncio.Event) -
 ExtraTask = Callable[["DeciderRunner[Any]"], Awaitable[None]]
 OnDecided = Callable[[Decided], Awaitable[None]]
 OnRefused = Callable[[Decided, LogError], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """A batch decided and handed to the log (``Flight``), not stored yet."""
+
+    batch: list[Decided]
+    flight: Flight
+    trace: BatchTrace | None
 
 
 class DeciderRunner(Generic[S]):
@@ -441,13 +451,13 @@ class DeciderRunner(Generic[S]):
     async def _decide(self) -> None:
         """Decide whenever the core has something decidable; hand each batch to the log without
         waiting for the last one's append (``DecisionCore``: what is decided meanwhile is what that
-        batch cannot have changed), at most ``max_in_flight`` appends at a time."""
-        commits: set[asyncio.Task[None]] = set()
+        batch cannot have changed), at most ``max_in_flight`` batches not yet stored."""
+        outbox: list[_Outgoing] = []
+        appender: asyncio.Task[None] | None = None
         failed: list[BaseException] = []
 
         def finished(task: asyncio.Task[None]) -> None:
-            commits.discard(task)
-            if task.cancelled():  # (not by this loop, which cancels them only as it ends)
+            if task.cancelled():  # (not by this loop, which cancels it only as it ends)
                 failed.append(asyncio.CancelledError())
             elif task.exception() is not None:
                 failed.append(task.exception())  # type: ignore[arg-type]
@@ -460,7 +470,7 @@ class DeciderRunner(Generic[S]):
                 if failed:
                     raise failed[0]
                 self._report_folded()
-                while self.core.ready() and len(commits) < self.max_in_flight:
+                while self.core.ready() and len(outbox) < self.max_in_flight:
                     stages = self.stages if self.stages is not None and self.stages.active else None
                     start = time.time()
                     waiting = self.core.waiting
@@ -470,16 +480,34 @@ class DeciderRunner(Generic[S]):
                             break  # nothing decidable until a batch in flight is folded back
                         continue
                     trace = stages.decided(batch, start, time.time()) if stages is not None else None
-                    flight = self.core.dispatched(batch)
-                    task = asyncio.create_task(self._commit(batch, flight, trace))
-                    commits.add(task)
-                    task.add_done_callback(finished)
-                if not commits:
+                    outbox.append(_Outgoing(batch, self.core.dispatched(batch), trace))
+                    if appender is None or appender.done():
+                        if appender is not None and (appender.cancelled() or appender.exception() is not None):
+                            raise failed[0] if failed else appender.exception() or asyncio.CancelledError()
+                        appender = asyncio.create_task(self._send(outbox))
+                        appender.add_done_callback(finished)
+                if not outbox:
                     await self._maybe_snapshot()
         finally:
-            for task in list(commits):
-                task.cancel()
-            await asyncio.gather(*commits, return_exceptions=True)
+            if appender is not None and not appender.done():
+                appender.cancel()
+                await asyncio.gather(appender, return_exceptions=True)
+
+    async def _send(self, outbox: list[_Outgoing]) -> None:
+        """Append what the decider put in ``outbox``, in order, one append at a time: the batches
+        decided while an append waits for its fsync go together in the next one (one page, one
+        fsync, all or nothing; and one fenced append in flight, which a clustered stream requires
+        of appends that check the same subject)."""
+        while outbox:
+            group, size = [outbox[0]], sum(len(d.outputs) for d in outbox[0].batch)
+            for item in outbox[1:]:
+                more = sum(len(d.outputs) for d in item.batch)
+                if size + more > self.log.max_batch:
+                    break
+                group.append(item)
+                size += more
+            await self._commit_group(group)
+            del outbox[: len(group)]
 
     def _report_folded(self) -> None:
         """Count the records folded since the last call in ``events_consumed`` (once per wake of the
@@ -501,7 +529,27 @@ class DeciderRunner(Generic[S]):
             out += [child_traceparent(trace_in, f"{self.name}.decide", cause=cause_id)] * len(decided.outputs)
         return out
 
-    async def _commit(self, batch: list[Decided], flight: Flight, trace: BatchTrace | None = None) -> None:
+    async def _commit_group(self, group: list[_Outgoing]) -> None:
+        """Append the outputs of several batches as one; refused, each batch on its own."""
+        if len(group) == 1:
+            await self._commit(group[0])
+            return
+        outputs = [out for item in group for out in outputs_of(item.batch)]
+        traces = [trace for item in group for trace in self._traces(item.batch)]
+        try:
+            result = await self._append(outputs, traces)
+        except LogError:
+            for item in group:  # (each as alone: one with answers to outside inputs is refused alone)
+                await self._commit(item)
+            return
+        seqs = list(result.seqs)
+        for item in group:
+            count = sum(len(d.outputs) for d in item.batch)
+            mine, seqs = (seqs[:count], seqs[count:]) if len(result.seqs) == len(outputs) else ([], seqs)
+            await self._stored(item, AppendResult(seqs=tuple(mine)), [])
+
+    async def _commit(self, item: _Outgoing) -> None:
+        batch = item.batch
         outputs = outputs_of(batch)
         traces = self._traces(batch)
         refused: list[Decided] = []
@@ -511,6 +559,12 @@ class DeciderRunner(Generic[S]):
             if not any(decided.external for decided in batch):
                 raise  # the decider's own decisions refused: a bug to stop on, not to skip
             result, refused = await self._append_each(batch, exc)
+        await self._stored(item, result, refused)
+
+    async def _stored(self, item: _Outgoing, result: AppendResult, refused: list[Decided]) -> None:
+        """A batch's outputs are stored (or refused): count them, let the core know, answer."""
+        batch = item.batch
+        outputs = outputs_of(batch)
         acked = time.time()
         self.decisions_appended += len(outputs)
         now = time.perf_counter()
@@ -520,9 +574,9 @@ class DeciderRunner(Generic[S]):
             self.metrics.decisions.labels(kind).inc(count)
         self.metrics.coalesced.inc(self.core.coalesced - self._coalesced_seen)
         self._coalesced_seen = self.core.coalesced
-        self.core.landed(flight, result.seqs)
-        if trace is not None and self.stages is not None:
-            self.stages.appended(trace, result.seqs, acked)
+        self.core.landed(item.flight, result.seqs)
+        if item.trace is not None and self.stages is not None:
+            self.stages.appended(item.trace, result.seqs, acked)
         for decided in batch:
             if not decided.external:
                 continue
