@@ -5,9 +5,10 @@ All of a decider's I/O is here; what is decided on which state is the core's (``
 * **Output ids come from the input.** The n-th decision caused by the event at sequence ``s`` has
   id ``<service>:<s>:<n>`` and is stamped with ``based_on`` and ``cause``. A re-run after a crash
   produces the same ids, and the log's dedupe makes the append a no-op.
-* **Appends overlap.** A batch is handed to the log and the next decided while its append waits
-  for the fsync (at most ``max_in_flight`` at once): the core decides meanwhile only what the
-  batches in flight cannot have changed, on the state folded so far (``core.py``, "In flight").
+* **Decisions overlap appends.** A batch is handed to the log and the next decided while its append
+  waits for the fsync (at most ``max_in_flight`` batches not yet stored; one append in flight, the
+  batches decided meanwhile stored together in the next): the core decides meanwhile only what
+  the batches in flight cannot have changed, on the state folded so far (``core.py``, "In flight").
 * **Restart.** The runner loads its snapshot (state, sequence; a snapshot of another
   ``STATE_FORMAT``, or one beyond the log's head, is ignored), then folds the log to its head; the
   core decides what the tail still lacks.
@@ -54,8 +55,9 @@ from gpuherd.runtime.decider import Decider, S
 from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, save_snapshot
 from gpuherd.runtime.stages import BatchTrace, StageTracer
 
-# Batches being appended at once. Each waits for the log's fsync; meanwhile the decider decides
-# what those batches cannot have changed (``DecisionCore``). 1: every batch is folded back first.
+# Batches decided and not yet stored, at most. One append is in flight (waiting for the log's
+# fsync) while the decider decides what the batches before cannot have changed (``DecisionCore``);
+# those go together in the next append. 1: every batch is folded back before the next is decided.
 MAX_IN_FLIGHT = 8
 REPORT_FOLDED_EVERY = 256  # records folded between two updates of ``events_consumed`` (while catching up)
 # A stopping process asks NATS once more (to release its leadership) for this long at most: stopped
