@@ -156,7 +156,7 @@ class DeciderRunner(Generic[S]):
         self.instance = instance
         self.snapshots = Cadence(snapshot_every, snapshot_interval_s)
         self.extra_tasks = list(extra_tasks)
-        self.max_in_flight = max_in_flight  # appends under way at once (1: each batch folded before the next)
+        self.max_in_flight = max_in_flight  # batches decided, not yet stored (1: each folded before the next)
         self.core = self._new_core()
         self.is_leader = False
         self.caught_up = asyncio.Event()
@@ -484,8 +484,8 @@ class DeciderRunner(Generic[S]):
                     trace = stages.decided(batch, start, time.time()) if stages is not None else None
                     outbox.append(_Outgoing(batch, self.core.dispatched(batch), trace))
                     if appender is None or appender.done():
-                        if appender is not None and (appender.cancelled() or appender.exception() is not None):
-                            raise failed[0] if failed else appender.exception() or asyncio.CancelledError()
+                        if appender is not None:
+                            appender.result()  # (raises what ended it, if anything did, before its callback ran)
                         appender = asyncio.create_task(self._send(outbox))
                         appender.add_done_callback(finished)
                 if not outbox:
