@@ -238,8 +238,9 @@ class DecisionCore(Generic[S]):
         a later waiting input makes too, are consumed on the way. ``now`` (live: the clock of
         ``arrived``) lets a pass that has waited ``MAX_PASS_DEFERRAL_S`` be decided in its turn.
 
-        With batches in flight (``dispatched``), what they cannot have changed: [] when nothing
-        waiting is (nothing consumed then; ask again once something arrived or landed)."""
+        With batches in flight (``dispatched``), what they cannot have changed: [] when none of what
+        waits is, or what was is decided to nothing (``waiting`` then fell); ask again once something
+        arrives or a flight ends."""
         flights = self._open_flights()
         if not flights:
             return self._next_batch(now)
@@ -248,6 +249,7 @@ class DecisionCore(Generic[S]):
         return self._next_beside(flights)
 
     def _next_batch(self, now: float | None) -> list[Decided]:
+        """``next_batch`` with nothing in flight (always, in a simulation)."""
         decider, state = self.decider, self.state
         batch: list[Decided] = []
         keys: set[str] = set()
