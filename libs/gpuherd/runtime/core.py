@@ -342,8 +342,7 @@ class DecisionCore(Generic[S]):
                 record: Record = waiting.item  # type: ignore[assignment]
                 outputs = decide_stamped(decider, state, record)
                 if outputs:
-                    touched = decider.keys_of(outputs)
-                    if touched is None or not touched.isdisjoint(busy) or not touched.isdisjoint(taken):
+                    if self._overlaps(outputs, busy | taken):
                         kept.append(waiting)  # it waits for those to be folded, and so do the passes behind it
                         self._passes += waiting.coalescible
                         drop_passes = passes_ok = False

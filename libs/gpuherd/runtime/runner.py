@@ -131,6 +131,11 @@ class _Outgoing:
     flight: Flight
     trace: BatchTrace | None
 
+    @property
+    def size(self) -> int:
+        """Its outputs: events to append."""
+        return sum(len(decided.outputs) for decided in self.batch)
+
 
 class DeciderRunner(Generic[S]):
     """Runs one decider against a log: leadership, snapshot, catch-up, live loop."""
@@ -501,13 +506,12 @@ class DeciderRunner(Generic[S]):
         fsync, all or nothing; and one fenced append in flight, which a clustered stream requires
         of appends that check the same subject)."""
         while outbox:
-            group, size = [outbox[0]], sum(len(d.outputs) for d in outbox[0].batch)
+            group, size = [outbox[0]], outbox[0].size
             for item in outbox[1:]:
-                more = sum(len(d.outputs) for d in item.batch)
-                if size + more > self.log.max_batch:
+                if size + item.size > self.log.max_batch:
                     break
                 group.append(item)
-                size += more
+                size += item.size
             await self._commit_group(group)
             del outbox[: len(group)]
 
@@ -546,7 +550,7 @@ class DeciderRunner(Generic[S]):
             return
         seqs = list(result.seqs)
         for item in group:
-            count = sum(len(d.outputs) for d in item.batch)
+            count = item.size
             mine, seqs = (seqs[:count], seqs[count:]) if len(result.seqs) == len(outputs) else ([], seqs)
             await self._stored(item, AppendResult(seqs=tuple(mine)), [])
 
