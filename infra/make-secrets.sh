@@ -11,7 +11,7 @@ set -eu
 HERE="$(cd "$(dirname "$0")" && pwd)"
 DIR="$HERE/secrets"
 ENV="$HERE/secrets.env"
-USERS="admin reader sys scheduler elastic memory analytics dashboard agent-gpu-1 agent-sim-1 agent-sim-2 agent-cpu-1 submit-ci submit-notebook"
+USERS="admin reader sys scheduler elastic memory analytics dashboard relay agent-gpu-1 agent-sim-1 agent-sim-2 agent-cpu-1 submit-ci submit-notebook"
 OTHERS="grafana-admin dashboard-token"  # not NATS users: never in secrets.env
 mkdir -p "$DIR"
 chmod 700 "$DIR"

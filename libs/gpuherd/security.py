@@ -171,7 +171,7 @@ def users(specs: Iterable[ServiceSpec], nodes: Iterable[str], sources: Iterable[
     an agent), and one submitter per source."""
     nodes = [check_token("node", n) for n in nodes]
     out = [User("admin", "admin", None), User("reader", "reader", reader_permissions())]
-    for spec in sorted(specs, key=lambda s: ({"decider": 0, "reader": 1, "agent": 2}[s.role], s.name)):
+    for spec in sorted(specs, key=lambda s: ({"decider": 0, "reader": 1, "proxy": 2, "agent": 3}[s.role], s.name)):
         out += [User(user, spec.role, spec.permissions_for(spec.instance_of(user))) for user in spec.users(nodes)]
     out += [User(f"submit-{s}", "submitter", submitter_permissions(s)) for s in sources]
     return out

@@ -39,6 +39,8 @@ from gpuherd import events as ev
 from gpuherd.aio import run_until_stopped
 from gpuherd.errors import UNDECODABLE
 from gpuherd.log import EventLog, Leadership, open_log
+from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.log.relay import RelayClient
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
@@ -158,6 +160,7 @@ class Agent:
         clock: Callable[[], float] = time.time,
         snapshot_every: int = 5000,
         snapshot_interval_s: float = 30.0,
+        relay: RelayClient | None = None,
     ) -> None:
         self.log = log_
         self.node = node
@@ -169,7 +172,7 @@ class Agent:
         self.boot_id = uuid.uuid4().hex[:12]
         self.state: AgentState = new_state(node)
         self.caught_up = asyncio.Event()
-        self.writer = AgentWriter(log_, AgentEvents(node), clock)
+        self.writer = AgentWriter(log_, AgentEvents(node), clock, relay)
         # What borrowers' runtimes say they hold (messages) goes into the memory reports (upkeep).
         holdings = leases.LeaseHoldings(started_at=self.writer.clock())
         self.messages = JobMessages(
@@ -639,6 +642,7 @@ async def serve(args: argparse.Namespace) -> None:
         warm_min_free_mb=args.warm_min_free_mb,
     )
     log_ = await open_log(args.nats_url, name=f"agent-{args.node}")
+    relay = RelayClient(log_.nc, args.node) if args.relay and isinstance(log_, JetStreamLog) else None
     agent = Agent(
         log_,
         args.node,
@@ -649,6 +653,7 @@ async def serve(args: argparse.Namespace) -> None:
         heartbeat_s=args.heartbeat,
         telemetry_s=args.telemetry,
         power_hook=args.power_hook,
+        relay=relay,
     )
     try:
         await serve_until_signal_with_http(agent, args.metrics_port)
@@ -691,6 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MB",
         help="host memory the warm pool leaves free: below it, warm workers are given back "
         "(default: a tenth of the RAM, at least 1024)",
+    )
+    parser.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send reports to a report relay (stored with other agents' reports in one commit); the agent "
+        "appends a report itself whenever no relay answers (default: on)",
     )
     parser.add_argument(
         "--power-hook",

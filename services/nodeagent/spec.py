@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from gpuherd import events as ev
 from gpuherd.log import CONTROL_PREFIX, DEAD_LETTER_PREFIX, LEADERSHIP_BUCKET, SNAPSHOT_BUCKET, STATUS_BUCKET
+from gpuherd.log.relay import report_subject
 from gpuherd.log.streams import TELEMETRY_PREFIX
 from gpuherd.runtime.spec import LocalContext, ServiceSpec
 from gpuherd.security import Permissions, appends_of, check_token, inbox, kv_write, read_log
@@ -30,13 +31,15 @@ EMITS: frozenset[type[ev.Event]] = frozenset(
 
 
 def permissions(node: str) -> Permissions:
-    """``agent-<node>``: its own node's events and telemetry, its leadership, snapshot and status,
-    and it answers questions about its node (``herd.ctl.<node>.>``: job output)."""
+    """``agent-<node>``: its own node's events (appended, or sent to a report relay) and telemetry,
+    its leadership, snapshot and status, and it answers questions about its node
+    (``herd.ctl.<node>.>``: job output)."""
     check_token("node", node)
     user = f"agent-{node}"
     publish = (
         *appends_of(EMITS, node=node, source=f"agent.{node}"),
         f"{TELEMETRY_PREFIX}.{node}.>",
+        report_subject(node),  # (its reports, through a report relay)
         *read_log(),
         f"{DEAD_LETTER_PREFIX}.{user}",
         kv_write(LEADERSHIP_BUCKET, f"agent.{node}"),

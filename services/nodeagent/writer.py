@@ -1,5 +1,7 @@
 """How a node's agent writes to the log: events stamped by ``AgentEvents`` (ids derived from what
-they are about, so a repeat after a crash is a no-op), appended at once or in the background."""
+they are about, so a repeat after a crash is a no-op), appended at once or in the background:
+through a report relay where one answers (stored with other agents' reports in one commit), else
+by the agent itself."""
 
 from __future__ import annotations
 
@@ -9,28 +11,33 @@ from typing import Any
 
 from gpuherd import events as ev
 from gpuherd.log import EventStore
-from gpuherd.log.interfaces import Traces
+from gpuherd.log.relay import RelayClient
 from gpuherd.runtime.runner import append_reliably
 from services.nodeagent.reconcile import AgentEvents
 
 
 class AgentWriter:
-    def __init__(self, log: EventStore, events: AgentEvents, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, log: EventStore, events: AgentEvents, clock: Callable[[], float], relay: RelayClient | None = None
+    ) -> None:
         self.log = log
         self.events = events
         self.clock = clock
+        self.relay = relay
         self._background: set[asyncio.Task[Any]] = set()
 
     def stamp(self, kind: str, *parts: str) -> dict[str, Any]:
         """id, at and source of an event this agent writes."""
         return self.events.stamp(kind, *parts, at=self.clock())
 
-    async def append(self, event: ev.Event, trace: Traces = None) -> None:
+    async def append(self, event: ev.Event, trace: str | None = None) -> None:
+        if self.relay is not None and await self.relay.store(event, trace):
+            return
         await append_reliably(self.log, [event], trace=trace)
 
     def append_soon(self, event: ev.Event) -> None:
         """Append in the background (from a callback that cannot wait)."""
-        self.soon(append_reliably(self.log, [event]))
+        self.soon(self.append(event))
 
     def soon(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -148,6 +148,33 @@ async def test_each_agent_appends_only_its_own_nodes_events(secured: Any, connec
     await admin.nc.close()
 
 
+async def test_an_agent_reports_through_the_relay_only_for_its_own_node(secured: Any, connect: Any) -> None:
+    """An agent may ask a relay to store its reports on its own node's subject only; the relay may
+    append every agent's reports and answer them, and nothing else of anyone's."""
+    admin = await _admin_log(secured)
+    agent = await connect("agent-n1")
+    relay = await connect("relay")
+    before = await _count(admin, "HERD")
+    assert not await agent.refused("herd.report.n1")
+    assert await agent.refused("herd.report.n2")
+    reports = await relay.nc.subscribe("herd.report.*", queue="relay")
+    ack = await relay.js.publish("herd.job.j1.by.n2", _event("j1"))
+    assert ack.stream == "HERD"
+    for subject in (
+        "herd.job.j1",  # a scheduler decision
+        "herd.lease.l1",  # a broker decision
+        "herd.vc.a",
+        "herd.intake.ci",
+        "herd.telemetry.n1.heartbeat",
+        "$KV.herd_snapshots.scheduler",
+        "$KV.herd_leases.agent.n1",
+    ):
+        assert await relay.refused(subject), subject
+    assert await _count(admin, "HERD") == before + 1
+    await reports.unsubscribe()
+    await admin.nc.close()
+
+
 async def test_each_service_appends_only_its_decisions(secured: Any, connect: Any) -> None:
     admin = await _admin_log(secured)
     allowed = {
@@ -243,11 +270,18 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
     log_start = server.log_file.stat().st_size  # the other tests' refusals are before this
     admin = await _admin_log(secured)
     services = Services(server.url, tmp_path, agents=2, gpus=2)
-    for name in registry.required():
+    for name in [*registry.required(), "relay"]:  # (the relay too: the agents' reports go through it)
         services.specs[name] = ["-m", f"services.{name}", "--nats-url", server.url]
     for name in services.specs:
         user = name.replace("agent-", "agent-n") if name.startswith("agent-") else name
         services.env_of[name] = {"NATS_USER": user, "NATS_PASSWORD": passwords[user], "GPUHERD_STREAMS": "require"}
+    relayed: list[bytes] = []  # the relay's answers that say a report is stored
+
+    async def on_inbox(msg: Any) -> None:
+        if msg.data.startswith(b'{"ok":true,"position"'):
+            relayed.append(msg.data)
+
+    watch = await admin.nc.subscribe("_INBOX.>", cb=on_inbox)
     services.start_all()
     try:
         await wait_scheduler_ready(admin, timeout=60)
@@ -259,6 +293,8 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
         assert state.jobs[job].status == "completed"
         # The submitter may follow its job: it asks the scheduler, without reading the log.
         assert (await client.job_status(job))["status"] == "completed"
+        assert relayed, "the agents' reports went through the relay"
+        await watch.unsubscribe()
         assert not services.crashed(), services.logs()
         # The read-only role's view of it all: status and dead letters.
         reader_env = {

@@ -101,10 +101,10 @@ class InProcessLog(EventLog):
         """Every record so far, in sequence order (index = seq - 1)."""
         return self._records
 
-    async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
+    async def append_pipelined(self, events: Sequence[Event], window: int = 256, *, trace: Traces = None) -> list[int]:
         seqs = []
-        for event in events:
-            result = await self.append([event])
+        for n, event in enumerate(events):
+            result = await self.append([event], trace=trace_of(trace, n))
             seqs.extend(result.seqs)
         return seqs
 

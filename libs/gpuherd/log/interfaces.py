@@ -72,9 +72,10 @@ class EventStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def append_pipelined(self, events: Sequence[Event], window: int = 256) -> list[int]:
+    async def append_pipelined(self, events: Sequence[Event], window: int = 256, *, trace: Traces = None) -> list[int]:
         """Append events one by one with up to ``window`` in flight (not atomic as a whole); each
-        is idempotent by its id, so a batch refused for one duplicate can be appended this way."""
+        is idempotent by its id, so a batch refused for one duplicate can be appended this way;
+        ``trace``: the traceparent of all, or of each."""
 
     @abc.abstractmethod
     def read(

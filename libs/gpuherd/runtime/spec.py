@@ -28,10 +28,12 @@ if TYPE_CHECKING:  # (the runner imports the log client: a spec is read without 
     from gpuherd.runtime.runner import DeciderRunner, ExtraTask
     from gpuherd.security import Permissions
 
-Role = Literal["decider", "agent", "reader"]
+Role = Literal["decider", "agent", "reader", "proxy"]
 # decider: folds the log and appends decisions, one leader at a time (the generic shell runs it);
 # agent:   one process per node, carrying decisions out (its own main);
-# reader:  reads the log and decides nothing (its own main; e.g. the dashboard).
+# reader:  reads the log and decides nothing (its own main; e.g. the dashboard);
+# proxy:   stores other processes' events for them and decides nothing (its own main; e.g. the
+#          report relay).
 
 # The ``nice`` of a decider no decision waits on within milliseconds (predictions, rescales, leases):
 # on a host it shares, the CPU goes first to the scheduler, the agents and NATS when they need it.

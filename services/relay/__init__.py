@@ -1,0 +1,1 @@
+"""The report relay: node agents' reports stored many at a time (``gpuherd.log.relay``)."""

@@ -1,0 +1,4 @@
+from gpuherd.runtime.shell import main
+from services.relay.spec import SPEC
+
+main(SPEC)

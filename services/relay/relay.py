@@ -1,0 +1,161 @@
+"""The report relay's process: it takes node agents' reports on ``herd.report.<node>`` and stores
+those that arrived while its last append was out in one commit, then answers each agent.
+
+What a relay may store, and why an agent loses nothing through it, is in ``gpuherd.log.relay``. One
+append is out at a time, as in a decider's runner: a relay under load stores what piled up meanwhile
+together (up to the log's ``max_batch``), and an idle one stores a lone report at once. A report it
+cannot store it answers with the reason, and the agent appends the report itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from typing import Any, NamedTuple
+
+from prometheus_client import Counter, Histogram
+
+from gpuherd import events as ev
+from gpuherd.log import open_log
+from gpuherd.log.jetstream import JetStreamLog
+from gpuherd.log.relay import RELAY_QUEUE, REPORT_PREFIX, RelayAnswer, check_report, encode_answer
+from gpuherd.log.streams import TRACEPARENT
+from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http
+from gpuherd.obs import configure, get_logger
+from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
+from gpuherd.service_args import service_parser
+
+log = get_logger("gpuherd.relay")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
+
+
+class _Report(NamedTuple):
+    event: ev.Event
+    trace: str | None
+    reply: str
+
+
+class ReportRelay:
+    """Served by ``serve_until_signal_with_http``: ``run`` until stopped, with /metrics and /healthz."""
+
+    def __init__(self, log_: JetStreamLog, *, max_batch: int | None = None) -> None:
+        self.log = log_
+        self.max_batch = min(max_batch or log_.max_batch, log_.max_batch)
+        self.metrics = ServiceMetrics("relay")
+        registry = self.metrics.registry
+        self.reports = Counter(
+            "gpuherd_relay_reports",
+            "Agents' reports this relay took: stored, refused (not the asking agent's to write), or "
+            "failed (the log did not take them; their agents append them themselves)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.batches = Histogram(
+            "gpuherd_relay_batch_reports", "Reports stored per append", buckets=BATCH_BUCKETS, registry=registry
+        )
+        self.metrics.watch_connection(log_.is_connected)
+        self.metrics_port: int | None = None
+        self._pending: list[_Report] = []
+        self._arrived = asyncio.Event()
+        self._listening = False
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        connected = self.log.is_connected()
+        return self._listening and connected, {"service": "relay", "nats_connected": connected}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        return self.health()
+
+    async def _on_report(self, msg: Any) -> None:
+        node = msg.subject[len(REPORT_PREFIX) + 1 :]
+        event, problem = check_report(node, msg.data)
+        if event is None:
+            self.reports.labels("refused").inc()
+            log.warning("report refused", subject=msg.subject, error=problem)
+            await self._answer(msg.reply, RelayAnswer(ok=False, error=problem))
+            return
+        self._pending.append(_Report(event, (msg.headers or {}).get(TRACEPARENT), msg.reply))
+        self._arrived.set()
+
+    async def _answer(self, reply: str, answer: RelayAnswer) -> None:
+        if not reply:
+            return
+        with contextlib.suppress(Exception):  # (the connection is gone: the agent falls back on its timeout)
+            await self.log.nc.publish(reply, encode_answer(answer))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.log.nc.subscribe(f"{REPORT_PREFIX}.*", queue=RELAY_QUEUE, cb=self._on_report)
+        self._listening = True
+        log.info("relaying reports", subject=f"{REPORT_PREFIX}.*", queue=RELAY_QUEUE, max_batch=self.max_batch)
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                if not self._pending:
+                    self._arrived.clear()
+                    arrived = asyncio.ensure_future(self._arrived.wait())
+                    await asyncio.wait({arrived, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    arrived.cancel()
+                    continue
+                await self.store_next()
+        finally:
+            stopping.cancel()
+            self._listening = False
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            # What arrived and is not stored is answered at once: its agents append it themselves.
+            left, self._pending = self._pending, []
+            for report in left:
+                await self._answer(report.reply, RelayAnswer(ok=False, error="the relay is stopping"))
+            with contextlib.suppress(Exception):
+                await self.log.nc.flush(timeout=1)
+
+    async def store_next(self) -> None:
+        """Store the reports waiting (up to ``max_batch``), in the order they came, and answer them."""
+        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        try:
+            positions = await self.log.append_each([r.event for r in batch], trace=[r.trace for r in batch])
+        except Exception as exc:  # the log away or refusing: the agents store these themselves
+            self.reports.labels("failed").inc(len(batch))
+            log.warning("reports not stored; their agents append them", reports=len(batch), error=repr(exc))
+            for report in batch:
+                await self._answer(report.reply, RelayAnswer(ok=False, error=f"not stored: {exc!r}"))
+            return
+        self.reports.labels("stored").inc(len(batch))
+        self.batches.observe(len(batch))
+        for report, position in zip(batch, positions, strict=True):
+            await self._answer(report.reply, RelayAnswer(ok=True, position=position))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    log_ = await open_log(args.nats_url, name="relay")
+    if not isinstance(log_, JetStreamLog):
+        raise SystemExit(f"the relay stores into a JetStream log; {args.nats_url} is not one")
+    try:
+        await serve_until_signal_with_http(ReportRelay(log_, max_batch=args.max_batch), args.metrics_port)
+    finally:
+        await close_promptly(log_)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = service_parser("relay", "gpuherd report relay: stores the node agents' reports many at a time")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="reports stored in one commit at most (default and upper bound: the log's atomic batch limit, 1000)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure("relay")
+
+    async def serve_then_end() -> None:
+        try:
+            await serve(args)
+        finally:
+            await end_remaining_tasks()
+
+    asyncio.run(serve_then_end())

@@ -1,0 +1,166 @@
+"""The report relay against a real nats-server: agents' reports stored many per commit, each once,
+on its own subject; what is not the asking agent's to write refused; and an agent that gets no
+answer appends its report itself, with nothing lost or doubled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+
+from gpuherd import events as ev
+from gpuherd.log import open_log
+from gpuherd.log.jetstream import ATOMIC_FROM, JetStreamLog
+from gpuherd.log.pages import PAGE_SLOTS
+from gpuherd.log.relay import REPORT_PREFIX, RelayClient, report_subject
+from services.nodeagent.reconcile import AgentEvents
+from services.nodeagent.writer import AgentWriter
+from services.relay.relay import ReportRelay
+
+pytestmark = pytest.mark.slow
+
+
+def started(job: str, node: str, tag: str) -> ev.JobStarted:
+    return ev.JobStarted(
+        id=f"relay-test:{tag}:{job}:{node}", at=1.0, source=f"agent.{node}", job=job, attempt=0, node=node
+    )
+
+
+@pytest.fixture
+async def log_(nats_url: str) -> AsyncIterator[JetStreamLog]:
+    opened = await open_log(nats_url, name="relay-test")
+    assert isinstance(opened, JetStreamLog)
+    yield opened
+    await opened.close()
+
+
+@contextlib.asynccontextmanager
+async def running(relay: ReportRelay) -> AsyncIterator[ReportRelay]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        for _ in range(100):  # (subscribed once it says it is healthy)
+            if relay.health()[0]:
+                break
+            await asyncio.sleep(0.01)
+        yield relay
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def stored_after(log_: JetStreamLog, head: int, prefix: str) -> list[Any]:
+    return [r for r in await log_.read_all(head + 1) if r.event.id.startswith(prefix)]
+
+
+def counted(relay: ReportRelay, outcome: str) -> float:
+    return relay.reports.labels(outcome)._value.get()
+
+
+async def test_many_agents_reports_are_stored_together_each_once_on_its_own_subject(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    reports = [started(f"j{n}", f"n{n}", "many") for n in range(300)]
+    async with running(ReportRelay(log_)) as relay:
+        clients = [RelayClient(log_.nc, f"n{n}") for n in range(300)]
+        answers = await asyncio.gather(*(c.store(r) for c, r in zip(clients, reports, strict=True)))
+    assert all(answers), "every report stored through the relay"
+    records = await stored_after(log_, head, "relay-test:many:")
+    assert sorted(r.event.id for r in records) == sorted(r.id for r in reports), "each once"
+    assert all(r.event.subject() == f"herd.job.j{n}.by.n{n}" for n, r in enumerate(sorted(records, key=_job_number)))
+    # Each its own message (a position per message, as its agent would have stored it), not a page.
+    assert all(r.seq % PAGE_SLOTS == 0 for r in records)
+    appends = relay.batches._sum.get(), sum(b.get() for b in relay.batches._buckets)
+    assert appends[0] == 300 and appends[1] < 300, f"reports stored together: {appends[1]} appends for 300 reports"
+
+
+def _job_number(record: Any) -> int:
+    return int(record.event.job[1:])
+
+
+async def test_a_report_for_another_node_is_refused_and_nothing_is_stored(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    async with running(ReportRelay(log_)) as relay:
+        client = RelayClient(log_.nc, "a")
+        assert not await client.store(started("j1", "b", "other")), "agent a may not write node b's reports"
+        bare = ev.NodeDrained(id="relay-test:other:drain", at=1.0, source="agent.a", node="a")
+        assert await client.store(bare), "its own node's subject: stored (as NATS lets agent a append there)"
+        msg = await log_.nc.request(report_subject("a"), b"{not json", timeout=2)
+        assert b"ok" in msg.data and b"false" in msg.data
+        assert counted(relay, "refused") == 2
+    assert [r.event.id for r in await stored_after(log_, head, "relay-test:other:")] == ["relay-test:other:drain"]
+
+
+async def test_without_a_relay_an_agent_appends_itself_and_asks_again_only_later(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    now = [100.0]
+    client = RelayClient(log_.nc, "solo", clock=lambda: now[0], rest_s=10.0)
+    writer = AgentWriter(log_, AgentEvents("solo"), lambda: 1.0, client)
+    await writer.append(started("j1", "solo", "solo"))
+    assert client.fell_back == 1 and client.stored == 0
+    async with running(ReportRelay(log_)):
+        await writer.append(started("j2", "solo", "solo"))  # (resting: not asked)
+        assert client.stored == 0
+        now[0] += 11.0
+        await writer.append(started("j3", "solo", "solo"))
+        assert client.stored == 1, "asked again once the rest is over"
+    ids = [r.event.id for r in await stored_after(log_, head, "relay-test:solo:")]
+    assert ids == [f"relay-test:solo:j{n}:solo" for n in (1, 2, 3)]
+
+
+async def test_a_relay_that_never_answers_costs_its_timeout_and_loses_nothing(log_: JetStreamLog) -> None:
+    """A relay that took the report and died before answering: the agent appends it itself; were it
+    stored by the relay after all, the log drops the second copy by its id."""
+    head = await log_.last_seq()
+    taken: list[Any] = []
+
+    async def swallow(msg: Any) -> None:
+        taken.append(msg)
+
+    silent = await log_.nc.subscribe(f"{REPORT_PREFIX}.*", queue="relay", cb=swallow)
+    try:
+        client = RelayClient(log_.nc, "mute", timeout_s=0.3)
+        writer = AgentWriter(log_, AgentEvents("mute"), lambda: 1.0, client)
+        report = started("j1", "mute", "mute")
+        await writer.append(report)
+        assert taken and client.fell_back == 1
+    finally:
+        await silent.unsubscribe()
+    stored = await log_.append_each([report])  # the dead relay's copy, stored late
+    assert (await log_.read_all(stored[0], stored[0]))[0].event.id == report.id
+    ids = [r.event.id for r in await stored_after(log_, head, "relay-test:mute:")]
+    assert ids == [report.id], "stored once"
+
+
+async def test_a_batch_holding_a_report_stored_before_stores_every_other_report_once(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    first = started("j0", "d0", "dup")
+    await log_.append([first])  # (its agent appended it itself after a relay's timeout)
+    batch = [first] + [started(f"j{n}", f"d{n}", "dup") for n in range(1, ATOMIC_FROM + 4)]
+    positions = await log_.append_each(batch)
+    assert len(positions) == len(batch)
+    ids = [r.event.id for r in await stored_after(log_, head, "relay-test:dup:")]
+    assert sorted(ids) == sorted(e.id for e in batch), "the atomic batch was refused whole; each stored alone, once"
+
+
+async def test_a_stopping_relay_answers_what_it_holds_so_its_agents_append_it(log_: JetStreamLog) -> None:
+    relay = ReportRelay(log_)
+    reply = log_.nc.new_inbox()
+    answers: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_answer(msg: Any) -> None:
+        await answers.put(msg.data)
+
+    sub = await log_.nc.subscribe(reply, cb=on_answer)
+    stop = asyncio.Event()
+    stop.set()  # (stopped before it stores anything it holds)
+    msg = nats.aio.msg.Msg(log_.nc, subject=report_subject("s1"), reply=reply, data=b"")
+    msg.data = ev.encode(started("j1", "s1", "stopping"))
+    await relay._on_report(msg)
+    await relay.run(stop)
+    answer = await asyncio.wait_for(answers.get(), 5)
+    assert b'"ok":false' in answer and b"stopping" in answer
+    await sub.unsubscribe()
