@@ -14,7 +14,7 @@ from apps import registry
 from apps.cli.common import console, nats_monitor_urls, nats_url_of, open_cli_log, plain
 from apps.deployment import COMPOSE_NODES, COMPOSE_SOURCES, accounts
 from gpuherd.errors import GpuherdError
-from gpuherd.log import STATUS_BUCKET, open_log
+from gpuherd.log import HERD_INTAKE, STATUS_BUCKET, open_log
 from gpuherd.log.health import nats_overview
 from gpuherd.metrics import read_statuses
 from gpuherd.security import check_token
@@ -81,7 +81,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         highlight=False,
     )
     streams = Table(title="streams", title_justify="left")
-    for col in ("stream", "messages", "bytes", "replicas", "leader", "peers (current / lag)"):
+    for col in ("stream", "messages", "bytes", "storage", "replicas", "leader", "peers (current / lag)"):
         streams.add_column(col)
     for st in nats_view["streams"]:
         peers = ", ".join(
@@ -89,9 +89,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             for p in st["peers"]
         )
         streams.add_row(
-            st["name"], str(st["messages"]), _size(st["bytes"]), str(st["replicas"]), st["leader"] or "-", peers
+            st["name"],
+            str(st["messages"]),
+            _size(st["bytes"]),
+            st.get("storage", "?"),
+            str(st["replicas"]),
+            st["leader"] or "-",
+            peers,
         )
     console.print(streams)
+    if any(st["name"] == HERD_INTAKE and st.get("storage") == "memory" for st in nats_view["streams"]):
+        console.print(
+            f"[yellow]{HERD_INTAKE} keeps submissions in memory (GPUHERD_INTAKE_STORAGE=memory):[/yellow] one not "
+            "yet judged is lost if every server holding it stops (its client gets no verdict and may resubmit); "
+            "accepted jobs are not, their verdicts are in the log",
+            highlight=False,
+        )
     durability = nats_view["durability"]
     if not durability:
         console.print(

@@ -88,7 +88,9 @@ def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) 
     """The log's settings as this deployment sets them: ``GPUHERD_LEADERSHIP_TTL`` and
     ``GPUHERD_REPLICAS`` (the lease TTL and stream replicas when the streams are first created; 3
     replicas in the compose cluster), ``GPUHERD_STREAMS`` (``create``, or ``require`` for a user
-    without the right to manage streams). ``settings`` override them."""
+    without the right to manage streams), ``GPUHERD_INTAKE_STORAGE`` (``file``, or ``memory``: where
+    submissions wait for their verdict, ``JetStreamSettings.intake_storage``; unset: as the stream
+    is). ``settings`` override them."""
     import os
 
     from gpuherd.log.jetstream import JetStreamSettings
@@ -100,6 +102,10 @@ def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) 
     if streams not in ("create", "require"):
         raise LogError(f"GPUHERD_STREAMS={streams!r}: set it to create (the default) or require")
     settings.setdefault("streams", streams)
+    intake_storage = env.get("GPUHERD_INTAKE_STORAGE") or None
+    if intake_storage not in (None, "file", "memory"):
+        raise LogError(f"GPUHERD_INTAKE_STORAGE={intake_storage!r}: set it to file or memory, or leave it unset")
+    settings.setdefault("intake_storage", intake_storage)
     return JetStreamSettings(**settings)  # type: ignore[arg-type]
 
 

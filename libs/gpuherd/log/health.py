@@ -53,7 +53,15 @@ async def nats_overview(log_: Any, monitor_urls: Sequence[str] = ()) -> dict[str
             si = await log_.js.stream_info(config.name)
         except Exception as exc:  # a stream missing or without a leader: show it, do not fail the command
             streams.append(
-                {"name": config.name, "messages": 0, "bytes": 0, "replicas": 0, "leader": f"? ({exc!r})", "peers": []}
+                {
+                    "name": config.name,
+                    "messages": 0,
+                    "bytes": 0,
+                    "replicas": 0,
+                    "storage": "?",
+                    "leader": f"? ({exc!r})",
+                    "peers": [],
+                }
             )
             continue
         cluster = si.cluster
@@ -67,6 +75,7 @@ async def nats_overview(log_: Any, monitor_urls: Sequence[str] = ()) -> dict[str
                 "messages": int(si.state.messages),
                 "bytes": int(si.state.bytes),
                 "replicas": int(si.config.num_replicas or 1),
+                "storage": str(getattr(si.config.storage, "value", si.config.storage) or "file"),
                 "leader": cluster.leader if cluster else info.get("server_name", ""),
                 "peers": peers,
             }
