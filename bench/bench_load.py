@@ -6,9 +6,12 @@ nats-server. This benchmark plays the other two parties:
 - **submitters**: 20,000 intake messages (plain NATS, ``--window`` in flight), each awaiting its
   verdict;
 - **the fleet**: 1,000 nodes registered as agents would register them; for every ``JobPlaced`` it
-  appends what each node's agent would (``JobStarted``, then ``TaskEnded`` after the job's
-  duration), so GPUs free up and the queue keeps moving. (1,000 agent processes do not fit on one
-  machine; at the log they are indistinguishable from this.)
+  reports what each node's agent would (``JobStarted``, then ``TaskEnded`` after the job's
+  duration), so GPUs free up and the queue keeps moving. Each report goes as its agent's would: a
+  request to the report relay (``services/relay``, started with the services), appended by the
+  node itself when no relay answers; ``--no-relay`` appends every report directly, as agents
+  without a relay do. (1,000 agent processes do not fit on one machine; at the log they are
+  indistinguishable from this.)
 
 It prints submissions/s (verdicts received), placements/s (sustained, first to last), decision
 latency p50/p99 (a scheduler decision stored minus its cause stored, from the log's own
@@ -17,6 +20,8 @@ each service's peak memory and its time to exit after SIGTERM, the CPU every pro
 (steadier than the rates on a shared machine), and checks that no job was lost:
 every accepted job submitted once, placed, and finished exactly once. The baseline, measured in
 the same run, is raw JetStream appends of the same number of events (pipelined).
+``--intake-storage memory`` keeps the submissions waiting for their verdict in memory
+(``GPUHERD_INTAKE_STORAGE``: an operator's choice; the log itself still fsyncs every write).
 
 Targets (2 cores, the log fsyncing every acknowledged write): at the default window >= 2,000
 submissions/s and placements/s with decision p99 <= 250 ms; at ``--window 8`` (a few users) decision
@@ -27,7 +32,8 @@ SIGTERM.
 from the submitter's publish to the launch, with p50/p99 of each (``gpuherd.runtime.stages``
 records the scheduler's side): where a decision's time goes.
 
-Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512] [--trace-decisions N] [--json]
+Usage: python bench/bench_load.py [--nodes 1000] [--jobs 20000] [--window 512] [--no-relay] [--trace-decisions N]
+       [--json]
 """
 
 from __future__ import annotations
@@ -56,9 +62,11 @@ from apps.cluster.local import Supervised, service_argv, stop_together
 from gpuherd import events as ev
 from gpuherd.client import Client
 from gpuherd.log import Record, open_log
+from gpuherd.log.relay import RelayClient
 from gpuherd.metrics import http_get, parse_metrics
 from gpuherd.natsd import NatsServer, free_port
 from gpuherd.obs import configure
+from gpuherd.runtime.runner import append_reliably
 from gpuherd.runtime.stages import TRACE_DIR_ENV, TRACE_MAX_ENV, BatchTrace, read_traces
 
 console = Console(stderr=True)
@@ -109,9 +117,11 @@ def cpu_s(pid: int) -> float:
 class Fleet:
     """Plays every node's agent at the log: start what is placed, end it after its duration."""
 
-    def __init__(self, log_, durations: dict[str, float]) -> None:
+    def __init__(self, log_, durations: dict[str, float], *, relay: bool) -> None:
         self.log = log_
         self.durations = durations
+        self.relays: dict[str, RelayClient] | None = {} if relay else None  # node -> its agent's relay client
+        self._reporting: set[asyncio.Task] = set()
         self.placed: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.place_times: list[float] = []
@@ -150,7 +160,26 @@ class Fleet:
             batch = [await self.outbox.get()]
             while not self.outbox.empty() and len(batch) < 1000:
                 batch.append(self.outbox.get_nowait())
-            await self.log.append_pipelined(batch)
+            if self.relays is None:
+                await self.log.append_pipelined(batch)
+                continue
+            for report in batch:  # (each node's agent asks on its own, concurrently with the others)
+                task = asyncio.create_task(self._report(report))
+                self._reporting.add(task)
+                task.add_done_callback(self._reporting.discard)
+
+    async def _report(self, report: ev.JobStarted | ev.TaskEnded) -> None:
+        assert self.relays is not None
+        client = self.relays.get(report.node)
+        if client is None:
+            client = self.relays[report.node] = RelayClient(self.log.nc, report.node)
+        if not await client.store(report):
+            await append_reliably(self.log, [report])
+
+    def relayed(self) -> tuple[int, int]:
+        """Reports a relay stored, and reports the nodes appended themselves."""
+        clients = list((self.relays or {}).values())
+        return sum(c.stored for c in clients), sum(c.fell_back for c in clients)
 
 
 async def scrape(port: int) -> dict[str, float]:
@@ -313,8 +342,10 @@ async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     data_dir = Path(tempfile.mkdtemp(prefix="gpuherd-load-"))
     server = NatsServer(data_dir / "nats").start()
-    ports = {name: free_port() for name in SERVICES}
+    services = [*SERVICES, "relay"] if args.relay else list(SERVICES)
+    ports = {name: free_port() for name in services}
     env = dict(os.environ, NATS_URL=server.url, PYTHONUNBUFFERED="1", GPUHERD_LOG_LEVEL="WARNING")
+    env["GPUHERD_INTAKE_STORAGE"] = args.intake_storage
     stage_dir = data_dir / "stages"
     if args.trace_decisions:
         env |= {TRACE_DIR_ENV: str(stage_dir), TRACE_MAX_ENV: str(10**9)}
@@ -322,14 +353,14 @@ async def run(args: argparse.Namespace) -> dict:
     exit_s: dict[str, float | None] = {}
     try:
         base_rate = await baseline(server.url, args.jobs)
-        log_ = await open_log(server.url, name="bench-load")
+        log_ = await open_log(server.url, name="bench-load", intake_storage=args.intake_storage)
         head0 = await log_.last_seq()
         messages0 = int((await log_.js.stream_info("HERD")).state.last_seq)
         with console.status(f"registering {args.nodes} nodes x {args.gpus} GPUs"):
             await log_.append_pipelined([registration(i, args.gpus) for i in range(args.nodes)], window=512)
-        for name in SERVICES:
+        for name in services:
             argv = service_argv(name, "--nats-url", server.url, "--metrics-port", str(ports[name]))
-            if args.max_in_flight is not None:
+            if args.max_in_flight is not None and name != "relay":
                 argv += ["--max-in-flight", str(args.max_in_flight)]
             if name == "scheduler":
                 argv += ["--lost-after", "36000"]  # the fleet sends no heartbeats
@@ -350,7 +381,7 @@ async def run(args: argparse.Namespace) -> dict:
             spec = {"name": f"l{i}", "user": f"u{i % 50}", "gpus": rng.choice(sizes), "intake_id": f"l{i}"}
             spec["duration_s"] = rng.uniform(0.1, args.max_duration)
             specs.append(spec)
-        fleet = Fleet(log_, durations)
+        fleet = Fleet(log_, durations, relay=args.relay)
         follower = asyncio.create_task(fleet.follow(head0 + 1))
         sender = asyncio.create_task(fleet.send())
 
@@ -434,12 +465,21 @@ async def run(args: argparse.Namespace) -> dict:
     lost = [j for j in accepted if fleet.placed[j] < 1 or fleet.finished[j] != 1]
     hist = metrics["scheduler"]
     own_ms = hist["gpuherd_decision_latency_seconds_sum"] / max(1, hist["gpuherd_decision_latency_seconds_count"]) * 1e3
-    clean = all(s is not None and s <= CLEAN_EXIT_S for s in exit_s.values()) and len(exit_s) == len(SERVICES)
+    clean = all(s is not None and s <= CLEAN_EXIT_S for s in exit_s.values()) and len(exit_s) == len(services)
+    relayed, appended_by_nodes = fleet.relayed()
+    relay_metrics = metrics.get("relay", {})
+    commits = relay_metrics.get("gpuherd_relay_batch_reports_count", 0.0)
     return {
         "nodes": args.nodes,
         "gpus_per_node": args.gpus,
         "jobs": args.jobs,
         "window": args.window,
+        "relay": args.relay,
+        "intake_storage": args.intake_storage,
+        "reports_relayed": relayed,  # stored by the relay
+        "reports_appended_by_nodes": appended_by_nodes,  # (no relay answered: the node appended it)
+        "relay_commits": commits,  # the relay's appends (each one commit, one fsync)
+        "relay_reports_per_commit": relay_metrics.get("gpuherd_relay_batch_reports_sum", 0.0) / max(commits, 1),
         "baseline_appends_per_s": base_rate,
         "submissions_per_s": submit_rate,
         "placements_per_s": place_rate,
@@ -477,7 +517,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def print_table(r: dict) -> None:
-    table = Table(title=f"load: {r['nodes']:,} sim nodes x {r['gpus_per_node']} GPUs, {r['jobs']:,} jobs through NATS")
+    how = f"reports {'through the relay' if r['relay'] else 'appended by each node'}, intake in {r['intake_storage']}"
+    table = Table(
+        title=f"load: {r['nodes']:,} sim nodes x {r['gpus_per_node']} GPUs, {r['jobs']:,} jobs through NATS ({how})"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("vs baseline", justify="right")
@@ -505,6 +548,15 @@ def print_table(r: dict) -> None:
         f"{r['log_messages_per_s'] / base:.2f}x",
         "",
     )
+    if r["relay"]:
+        table.add_row(
+            "agents' reports: relayed / appended by their node",
+            f"{r['reports_relayed']:,} / {r['reports_appended_by_nodes']:,}",
+            "",
+            "",
+        )
+        per_commit = f"{r['relay_commits']:,.0f} ({r['relay_reports_per_commit']:.1f})"
+        table.add_row("relay: commits (reports per commit)", per_commit, "", "")
     table.add_row("scheduler's own wait+decide+append, mean (ms)", f"{r['scheduler_own_mean_ms']:.1f}", "", "")
     table.add_row("consumer lag, median / max (stored messages)", f"{r['lag_median']:.0f} / {r['lag_max']:.0f}", "", "")
     for name, mb in r["peak_rss_mb"].items():
@@ -557,6 +609,18 @@ def main() -> None:
         type=int,
         default=None,
         help="each service's --max-in-flight (1: every batch folded back before the next is decided)",
+    )
+    parser.add_argument(
+        "--relay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the fleet's reports go through a report relay, as agents' do (--no-relay: each appended directly)",
+    )
+    parser.add_argument(
+        "--intake-storage",
+        choices=["file", "memory"],
+        default="file",
+        help="where submissions wait for their verdict (GPUHERD_INTAKE_STORAGE; the log itself always fsyncs)",
     )
     parser.add_argument("--max-duration", type=float, default=1.0, help="longest job (seconds)")
     parser.add_argument("--timeout", type=float, default=1800.0)
