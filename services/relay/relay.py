@@ -97,7 +97,14 @@ class ReportRelay:
                     await asyncio.wait({arrived, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     arrived.cancel()
                     continue
-                await self.store_next()
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                storing = asyncio.ensure_future(self.store(batch))
+                await asyncio.wait({storing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not storing.done():  # stopped while the log is slow: its agents append these
+                    storing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await storing
+                    self._pending = batch + self._pending
         finally:
             stopping.cancel()
             self._listening = False
@@ -110,11 +117,15 @@ class ReportRelay:
             with contextlib.suppress(Exception):
                 await self.log.nc.flush(timeout=1)
 
-    async def store_next(self) -> None:
-        """Store the reports waiting (up to ``max_batch``), in the order they came, and answer them."""
-        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+    async def store(self, batch: list[_Report]) -> None:
+        """Store ``batch``, in the order it came, each report once (an agent may ask twice for one,
+        e.g. after its restart), and answer every asker."""
+        first: dict[str, _Report] = {}
+        for report in batch:
+            first.setdefault(report.event.id, report)
+        unique = list(first.values())
         try:
-            positions = await self.log.append_each([r.event for r in batch], trace=[r.trace for r in batch])
+            stored = await self.log.append_each([r.event for r in unique], trace=[r.trace for r in unique])
         except Exception as exc:  # the log away or refusing: the agents store these themselves
             self.reports.labels("failed").inc(len(batch))
             log.warning("reports not stored; their agents append them", reports=len(batch), error=repr(exc))
@@ -122,9 +133,10 @@ class ReportRelay:
                 await self._answer(report.reply, RelayAnswer(ok=False, error=f"not stored: {exc!r}"))
             return
         self.reports.labels("stored").inc(len(batch))
-        self.batches.observe(len(batch))
-        for report, position in zip(batch, positions, strict=True):
-            await self._answer(report.reply, RelayAnswer(ok=True, position=position))
+        self.batches.observe(len(unique))
+        positions = dict(zip(first, stored, strict=True))
+        for report in batch:
+            await self._answer(report.reply, RelayAnswer(ok=True, position=positions[report.event.id]))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -137,11 +149,18 @@ async def serve(args: argparse.Namespace) -> None:
         await close_promptly(log_)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want 1 or more, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = service_parser("relay", "gpuherd report relay: stores the node agents' reports many at a time")
     parser.add_argument(
         "--max-batch",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="reports stored in one commit at most (default and upper bound: the log's atomic batch limit, 1000)",
     )

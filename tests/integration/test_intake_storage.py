@@ -52,4 +52,8 @@ async def test_a_memory_intake_is_kept_by_every_process_and_never_changed_in_pla
     assert await _storage(local_nats.url, HERD_INTAKE) == StorageType.MEMORY, "a process that does not ask keeps it"
     with pytest.raises(LogError, match=r"cannot change a stream's storage in place.*nats stream rm HERD_INTAKE"):
         await open_log(local_nats.url, name="other", intake_storage="file")
+    with pytest.raises(LogError, match=r"cannot change a stream's storage in place"):  # (one that may not create)
+        await open_log(local_nats.url, name="service", intake_storage="file", streams="require")
     assert await _storage(local_nats.url, HERD_INTAKE) == StorageType.MEMORY
+    with pytest.raises(LogError, match="file or memory"):
+        await open_log(local_nats.url, name="typo", intake_storage="memroy")

@@ -135,6 +135,17 @@ async def test_a_relay_that_never_answers_costs_its_timeout_and_loses_nothing(lo
     assert ids == [report.id], "stored once"
 
 
+async def test_a_report_asked_for_twice_in_one_batch_is_stored_once_and_both_are_answered(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    async with running(ReportRelay(log_)) as relay:
+        reports = [started(f"j{n}", "twice", "twice") for n in range(ATOMIC_FROM)]
+        client = RelayClient(log_.nc, "twice")
+        answers = await asyncio.gather(*(client.store(r) for r in [*reports, reports[0]]))
+        assert all(answers) and counted(relay, "failed") == 0
+    ids = [r.event.id for r in await stored_after(log_, head, "relay-test:twice:")]
+    assert sorted(ids) == sorted(r.id for r in reports)
+
+
 async def test_a_batch_holding_a_report_stored_before_stores_every_other_report_once(log_: JetStreamLog) -> None:
     head = await log_.last_seq()
     first = started("j0", "d0", "dup")

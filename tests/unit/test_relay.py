@@ -56,3 +56,24 @@ def test_a_report_that_is_no_event_or_has_no_id_is_refused_with_the_reason() -> 
     assert check_report("n1", b"{not json")[0] is None
     event, problem = check_report("n1", ev.encode(ev.NodePoweredDown(id="", at=1.0, source="agent.n1", node="n1")))
     assert event is None and "no id" in problem
+
+
+def test_a_relay_takes_only_a_report_it_would_write_to_the_same_bytes() -> None:
+    report = ev.JobStarted(id="x", at=1.0, source="agent.n1", job="j1", attempt=0, node="n1")
+    data = ev.encode(report)
+    newer = data[:-1] + b',"field_of_a_newer_agent":1}'
+    event, problem = check_report("n1", newer)
+    assert event is None and "another version" in problem, "left to its agent, stored as written"
+    spaced = ev.encode(ev.JobStarted(id="y", at=1.0, source="agent.n1", job="a b", attempt=0, node="n1"))
+    event, problem = check_report("n1", spaced)
+    assert event is None and "no NATS subject" in problem
+
+
+def test_a_copy_being_stored_elsewhere_or_a_full_queue_is_retried_not_final() -> None:
+    from gpuherd.errors import LogError, LogUnavailable
+    from gpuherd.log.jetstream import _refusal
+
+    for code in (10158, 10164, 10167):
+        assert isinstance(_refusal("append", {"code": 409, "err_code": code}), LogUnavailable), code
+    assert not isinstance(_refusal("append", {"code": 400, "err_code": 10071}), LogUnavailable)
+    assert isinstance(_refusal("append", {"code": 400, "err_code": 10071}), LogError)

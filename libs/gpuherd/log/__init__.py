@@ -106,6 +106,8 @@ def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) 
     if intake_storage not in (None, "file", "memory"):
         raise LogError(f"GPUHERD_INTAKE_STORAGE={intake_storage!r}: set it to file or memory, or leave it unset")
     settings.setdefault("intake_storage", intake_storage)
+    if settings["intake_storage"] not in (None, "file", "memory"):
+        raise LogError(f"intake_storage={settings['intake_storage']!r}: file or memory, or None")
     return JetStreamSettings(**settings)  # type: ignore[arg-type]
 
 

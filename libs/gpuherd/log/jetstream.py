@@ -95,6 +95,11 @@ ERR_WRONG_LAST_SEQUENCE = 10071
 # the same subject is not applied yet ("wrong last sequence", without one): worth retrying at once.
 ERR_SUBJECT_CHECK_BUSY = 10164
 ERR_BATCH_DUPLICATE_ID = 10201
+# A clustered stream answers a second copy of a message id whose first copy is still being stored
+# (a report its relay is storing, appended by its agent too): the retry gets the duplicate ack.
+ERR_DUPLICATE_IN_PROCESS = 10158
+ERR_TOO_MANY_REQUESTS = 10167  # the stream's ingest queue is full: nothing was stored
+_BUSY = frozenset({ERR_SUBJECT_CHECK_BUSY, ERR_DUPLICATE_IN_PROCESS, ERR_TOO_MANY_REQUESTS})
 ERR_JETSTREAM_NOT_ENABLED_FOR_ACCOUNT = 10039
 ERR_JETSTREAM_NOT_ENABLED = 10076
 JS_API_INFO = "$JS.API.INFO"  # answered by JetStream itself: nobody answers it on a server without
@@ -367,7 +372,7 @@ class JetStreamLog(EventLog):
             StreamConfig(
                 name=HERD_INTAKE,
                 subjects=[f"{INTAKE_PREFIX}.>"],
-                storage=StorageType.MEMORY if s.intake_storage == "memory" else StorageType.FILE,
+                storage=StorageType.MEMORY if check_intake_storage(s.intake_storage) == "memory" else StorageType.FILE,
                 num_replicas=s.replicas,
                 max_age=s.intake_max_age_s,
                 # A plain NATS request to herd.intake.* must get the scheduler's
@@ -447,6 +452,8 @@ class JetStreamLog(EventLog):
                     else:
                         self._kv[bucket] = kv
             if not missing:
+                if self.settings.intake_storage is not None:  # (asked for: said if the stream differs)
+                    self._intake_storage((await self.js.stream_info(HERD_INTAKE)).config.storage)
                 return
             if time.monotonic() >= deadline:
                 waited = f" after {timeout:.0f}s" if timeout > 0 else ""
@@ -532,6 +539,8 @@ class JetStreamLog(EventLog):
             except nats.js.errors.BadRequestError as exc:
                 if exc.err_code != 10058:  # exists with another config
                     raise
+                if config.name == HERD_INTAKE:  # (made meanwhile by another process: keep its storage)
+                    config.storage = self._intake_storage((await self.js.stream_info(HERD_INTAKE)).config.storage)
                 await self.js.update_stream(config)
 
         await self._setup_step(ensure, f"create stream {config.name}")
@@ -540,7 +549,7 @@ class JetStreamLog(EventLog):
         """The intake stream's storage: as it is, unless this process asks for another, which a
         stream cannot change in place (LogError, with how to change it)."""
         existing = StorageType(existing or StorageType.FILE)  # (nats-py reads it back as a plain string)
-        asked = self.settings.intake_storage
+        asked = check_intake_storage(self.settings.intake_storage)
         if asked is None or asked == existing.value:
             return existing
         raise LogError(
@@ -724,6 +733,8 @@ class JetStreamLog(EventLog):
             return ConcurrencyError(subject, (expect or {}).get(subject, 0))
         if exc.err_code == ERR_SUBJECT_CHECK_BUSY:
             return LogUnavailable(f"append to {subject}: another append checking {subject} is not applied yet")
+        if exc.err_code in _BUSY:
+            return LogUnavailable(f"append to {subject}: {exc.description} (code {exc.err_code}); worth retrying")
         return _refusal(
             f"append to {subject}", {"code": exc.code, "err_code": exc.err_code, "description": exc.description}
         )
@@ -1081,11 +1092,19 @@ def _same_config(info: Any, wanted: StreamConfig) -> bool:
     return True
 
 
+def check_intake_storage(storage: str | None) -> str | None:
+    """``storage`` if it names one (``file``, ``memory``) or none (None), else LogError."""
+    if storage not in (None, "file", "memory"):
+        raise LogError(f"intake storage {storage!r}: set GPUHERD_INTAKE_STORAGE to file or memory, or leave it unset")
+    return storage
+
+
 def _refusal(what: str, error: Mapping[str, Any]) -> Exception:
-    """A server-side 5xx (JetStream recovering, no quorum), or a subject check that waits for another
-    append, is worth retrying; anything else is final."""
+    """A server-side 5xx (JetStream recovering, no quorum), a subject check that waits for another
+    append, a message id another copy of which is being stored, or a full ingest queue is worth
+    retrying; anything else is final."""
     message = f"{what} refused: {error.get('description')} (code {error.get('err_code')})"
-    if int(error.get("code") or 0) >= 500 or error.get("err_code") == ERR_SUBJECT_CHECK_BUSY:
+    if int(error.get("code") or 0) >= 500 or error.get("err_code") in _BUSY:
         return LogUnavailable(message)
     return LogError(message)
 
