@@ -270,7 +270,7 @@ class ServiceStatus(msgspec.Struct, kw_only=True):
 
     service: str
     instance: str
-    role: str  # "leader", "standby", "starting", or "agent"
+    role: str  # "leader", "standby", "starting", "agent", or "relay"
     seq: int = 0
     head: int = 0
     lag: int = 0
@@ -304,12 +304,13 @@ async def status_reporter(
     *,
     instance: str,
     role: Callable[[], str],
-    folded: Callable[[], int],
+    folded: Callable[[], int] | None,
     decisions: Callable[[], int],
     metrics_port: int | None,
     every_s: float = STATUS_EVERY_S,
 ) -> None:
-    """Every ``every_s``: measure the lag against the log's head, update the gauges, and say it in the KV."""
+    """Every ``every_s``: measure the lag against the log's head, update the gauges, and say it in the
+    KV. ``folded`` None: a process that folds no log (the report relay) says no position or lag."""
     started = time.time()
     host = socket.gethostname()
     key = f"{metrics.service}.{instance}".replace(" ", "_")
@@ -317,10 +318,11 @@ async def status_reporter(
     while True:
         try:
             head = await log_.last_seq()
-            seq = folded()
-            lag = log_.behind(seq, head)
-            metrics.consumer_lag.set(lag)
-            metrics.folded_seq.set(seq)
+            seq = folded() if folded is not None else 0
+            lag = log_.behind(seq, head) if folded is not None else 0
+            if folded is not None:
+                metrics.consumer_lag.set(lag)
+                metrics.folded_seq.set(seq)
             status = ServiceStatus(
                 service=metrics.service,
                 instance=instance,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import socket
 from typing import Any, NamedTuple
 
 from prometheus_client import Counter, Histogram
@@ -20,7 +22,7 @@ from gpuherd.log import open_log
 from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.log.relay import RELAY_QUEUE, REPORT_PREFIX, RelayAnswer, check_report, encode_answer
 from gpuherd.log.streams import TRACEPARENT
-from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http
+from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
 from gpuherd.service_args import service_parser
@@ -39,8 +41,9 @@ class _Report(NamedTuple):
 class ReportRelay:
     """Served by ``serve_until_signal_with_http``: ``run`` until stopped, with /metrics and /healthz."""
 
-    def __init__(self, log_: JetStreamLog, *, max_batch: int | None = None) -> None:
+    def __init__(self, log_: JetStreamLog, *, max_batch: int | None = None, instance: str = "") -> None:
         self.log = log_
+        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
         self.max_batch = min(max_batch or log_.max_batch, log_.max_batch)
         self.metrics = ServiceMetrics("relay")
         registry = self.metrics.registry
@@ -87,6 +90,18 @@ class ReportRelay:
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.log.nc.subscribe(f"{REPORT_PREFIX}.*", queue=RELAY_QUEUE, cb=self._on_report)
         self._listening = True
+        # In `gpuherd status` (role "relay"; its "decisions" are the reports it stored).
+        status = asyncio.ensure_future(
+            status_reporter(
+                self.log,
+                self.metrics,
+                instance=self.instance,
+                role=lambda: "relay",
+                folded=None,
+                decisions=lambda: int(self.reports.labels("stored")._value.get()),
+                metrics_port=self.metrics_port,
+            )
+        )
         log.info("relaying reports", subject=f"{REPORT_PREFIX}.*", queue=RELAY_QUEUE, max_batch=self.max_batch)
         stopping = asyncio.ensure_future(stop.wait())
         try:
@@ -107,6 +122,7 @@ class ReportRelay:
                     self._pending = batch + self._pending
         finally:
             stopping.cancel()
+            status.cancel()
             self._listening = False
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -144,7 +160,8 @@ async def serve(args: argparse.Namespace) -> None:
     if not isinstance(log_, JetStreamLog):
         raise SystemExit(f"the relay stores into a JetStream log; {args.nats_url} is not one")
     try:
-        await serve_until_signal_with_http(ReportRelay(log_, max_batch=args.max_batch), args.metrics_port)
+        relay = ReportRelay(log_, max_batch=args.max_batch, instance=args.instance or "")
+        await serve_until_signal_with_http(relay, args.metrics_port)
     finally:
         await close_promptly(log_)
 

@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from gpuherd import events as ev
-from gpuherd.log import open_log
+from gpuherd.log import STATUS_BUCKET, open_log
 from gpuherd.log.jetstream import ATOMIC_FROM, JetStreamLog
 from gpuherd.log.pages import PAGE_SLOTS
 from gpuherd.log.relay import REPORT_PREFIX, RelayClient, report_subject
@@ -67,6 +67,8 @@ async def test_many_agents_reports_are_stored_together_each_once_on_its_own_subj
     async with running(ReportRelay(log_)) as relay:
         clients = [RelayClient(log_.nc, f"n{n}") for n in range(300)]
         answers = await asyncio.gather(*(c.store(r) for c, r in zip(clients, reports, strict=True)))
+        statuses = await log_.kv_entries(STATUS_BUCKET)
+    assert any(b'"role":"relay"' in value for value in statuses.values()), "gpuherd status lists it"
     assert all(answers), "every report stored through the relay"
     records = await stored_after(log_, head, "relay-test:many:")
     assert sorted(r.event.id for r in records) == sorted(r.id for r in reports), "each once"
