@@ -33,7 +33,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
 
 
 class _Report(NamedTuple):
-    event: ev.Event
+    event: ev.Event  # (to check it, and for its subject and id)
+    data: bytes  # what its agent wrote: stored as it is
     trace: str | None
     reply: str
 
@@ -78,7 +79,7 @@ class ReportRelay:
             log.warning("report refused", subject=msg.subject, error=problem)
             await self._answer(msg.reply, RelayAnswer(ok=False, error=problem))
             return
-        self._pending.append(_Report(event, (msg.headers or {}).get(TRACEPARENT), msg.reply))
+        self._pending.append(_Report(event, msg.data, (msg.headers or {}).get(TRACEPARENT), msg.reply))
         self._arrived.set()
 
     async def _answer(self, reply: str, answer: RelayAnswer) -> None:
@@ -141,7 +142,9 @@ class ReportRelay:
             first.setdefault(report.event.id, report)
         unique = list(first.values())
         try:
-            stored = await self.log.append_each([r.event for r in unique], trace=[r.trace for r in unique])
+            stored = await self.log.append_each(
+                [r.event for r in unique], trace=[r.trace for r in unique], encoded=[r.data for r in unique]
+            )
         except Exception as exc:  # the log away or refusing: the agents store these themselves
             self.reports.labels("failed").inc(len(batch))
             log.warning("reports not stored; their agents append them", reports=len(batch), error=repr(exc))

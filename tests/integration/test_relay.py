@@ -83,6 +83,20 @@ def _job_number(record: Any) -> int:
     return int(record.event.job[1:])
 
 
+async def test_a_relay_stores_the_bytes_the_agent_wrote(log_: JetStreamLog) -> None:
+    """An agent of a newer version may write a field this relay does not know: it is stored, not
+    dropped by a decode and encode on the way."""
+    head = await log_.last_seq()
+    report = started("j1", "newer", "bytes")
+    data = ev.encode(report)[:-1] + b',"field_of_a_newer_agent":1}'
+    async with running(ReportRelay(log_)):
+        answer = await log_.nc.request(report_subject("newer"), data, timeout=2)
+        assert b'"ok":true' in answer.data
+    [record] = await stored_after(log_, head, "relay-test:bytes:")
+    stored = await log_.js.get_msg("HERD", record.seq // PAGE_SLOTS)
+    assert stored.data == data
+
+
 async def test_a_report_for_another_node_is_refused_and_nothing_is_stored(log_: JetStreamLog) -> None:
     head = await log_.last_seq()
     async with running(ReportRelay(log_)) as relay:

@@ -684,6 +684,7 @@ class JetStreamLog(EventLog):
         expect: Mapping[str, int] | None,
         trace: Traces,
         slots: int,
+        encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
         batch_id = f"{self.nc.client_id}-{next(_batch_numbers)}-{time.monotonic_ns() % 10**12}"
         seen: set[str] = set()  # the same subject twice in one batch is checked on its first event only
@@ -697,7 +698,7 @@ class JetStreamLog(EventLog):
             headers = self._headers(event, check, trace_of(trace, n - 1), fences.get(n - 1))
             headers["Nats-Batch-Id"] = batch_id
             headers["Nats-Batch-Sequence"] = str(n)
-            data = ev.encode(event)
+            data = ev.encode(event) if encoded is None else encoded[n - 1]
             if n == last:
                 headers["Nats-Batch-Commit"] = "1"
                 reply = await self.nc.request(subject, data, headers=headers, timeout=timeout)
@@ -739,24 +740,32 @@ class JetStreamLog(EventLog):
             f"append to {subject}", {"code": exc.code, "err_code": exc.err_code, "description": exc.description}
         )
 
-    async def append_each(self, events: Sequence[ev.Event], *, trace: Traces = None) -> list[int]:
+    async def append_each(
+        self, events: Sequence[ev.Event], *, trace: Traces = None, encoded: Sequence[bytes] | None = None
+    ) -> list[int]:
         """Store ``events`` each as a message of its own, deduplicated by its id as when appended
         alone (never a page, whose id is the page's), with as few disk syncs as the server allows:
         from ``ATOMIC_FROM`` events on, one atomic batch (one commit, one fsync, where each of them
         alone would cost one); fewer, pipelined. A batch the server refuses because one of its
         events is stored already is stored event by event. Their positions, in order. What a
-        report relay stores for many writers at once (``gpuherd.log.relay``)."""
+        report relay stores for many writers at once (``gpuherd.log.relay``), with ``encoded``: the
+        bytes each writer wrote, stored as they are."""
         if len(events) > self.max_batch:
             raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
         if len(events) >= ATOMIC_FROM:
-            stored = await self._append_batch(events, None, trace, await self._positions())
+            stored = await self._append_batch(events, None, trace, await self._positions(), encoded)
             if stored.seqs:
                 return list(stored.seqs)
             # (refused whole as a duplicate: some were stored before, e.g. by their writer itself)
-        return await self.append_pipelined(events, window=max(1, len(events)), trace=trace)
+        return await self.append_pipelined(events, window=max(1, len(events)), trace=trace, encoded=encoded)
 
     async def append_pipelined(
-        self, events: Sequence[ev.Event], window: int = 256, *, trace: Traces = None
+        self,
+        events: Sequence[ev.Event],
+        window: int = 256,
+        *,
+        trace: Traces = None,
+        encoded: Sequence[bytes] | None = None,
     ) -> list[int]:
         """Each event on its own (one message, deduplicated by its id), ``window`` unacknowledged at
         most; their positions. The acknowledgements come on one subscription of this log's
@@ -779,7 +788,8 @@ class JetStreamLog(EventLog):
                 ack.add_done_callback(lambda _: in_flight.release())
                 waiting.append(ack)
                 headers = self._headers(event, None, trace_of(trace, n))
-                await self.nc.publish(event.subject(), ev.encode(event), reply=reply, headers=headers)
+                data = ev.encode(event) if encoded is None else encoded[n]
+                await self.nc.publish(event.subject(), data, reply=reply, headers=headers)
             async with asyncio.timeout(timeout):
                 seqs = await asyncio.gather(*waiting)
         except TimeoutError as exc:  # (nats-py's own, as js.publish raised: a caller may catch nats.errors.Error)
