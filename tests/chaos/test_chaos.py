@@ -1,5 +1,5 @@
-"""Chaos on a real 3-node JetStream cluster: SIGKILL every service, an agent and a NATS server at
-random moments, several times, while sim and cpu agents run a workload.
+"""Chaos on a real 3-node JetStream cluster: SIGKILL every service (the report relay too), an agent
+and a NATS server at random moments, several times, while sim and cpu agents run a workload.
 
 At the end every accepted job has exactly one terminal state, no GPU was ever double-booked
 (checked from the log), the audit finds no decision it would not make again, and the recovery
@@ -36,7 +36,9 @@ pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 SEED = int(os.environ.get("CHAOS_SEED", "2026"))
 JOBS_PER_ROUND = 40
-SERVICES = tuple(sorted(registry.required(), key=lambda name: name != "scheduler"))  # the scheduler first
+# The scheduler first; the report relay last (the agents' reports go through it, and a report it
+# held when killed is appended by its agent).
+SERVICES = (*sorted(registry.required(), key=lambda name: name != "scheduler"), "relay")
 AGENTS = ("agent-1", "agent-2", "agent-3")  # two sim nodes, one cpu node
 LOST_AFTER_S = 6.0
 
