@@ -35,6 +35,8 @@ from gpuherd.obs import get_logger
 
 log = get_logger("gpuherd.metrics")
 
+# Reports a relay stored per commit (one commit holds up to the log's max_batch, 1000).
+RELAY_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
 # Decision latency: from an event reaching the decider to its decisions being stored in the log.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 STATUS_EVERY_S = 5.0
@@ -89,6 +91,25 @@ class ServiceMetrics:
         """``gpuherd_gpu_seconds_total{vc,user}``: GPU-seconds used, read at scrape time from
         ``get_usage`` ((VC, user) -> GPU-seconds so far, running jobs included)."""
         self.registry.register(_UsageCollector(get_usage))
+
+    def count_relayed(self) -> tuple[Counter, Histogram]:
+        """The report relay's own: the agents' reports it took by outcome (stored; refused, not the
+        asking agent's to write; failed, the log did not take them and their agents appended them),
+        and the reports stored per commit."""
+        reports = Counter(
+            "gpuherd_relay_reports",
+            "Agents' reports this relay took: stored, refused (not the asking agent's to write), or "
+            "failed (the log did not take them; their agents append them themselves)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        batches = Histogram(
+            "gpuherd_relay_batch_reports",
+            "Reports stored per commit",
+            buckets=RELAY_BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        return reports, batches
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,8 +15,6 @@ import os
 import socket
 from typing import Any, NamedTuple
 
-from prometheus_client import Counter, Histogram
-
 from gpuherd import events as ev
 from gpuherd.log import open_log
 from gpuherd.log.jetstream import JetStreamLog
@@ -28,8 +26,6 @@ from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
 from gpuherd.service_args import service_parser
 
 log = get_logger("gpuherd.relay")
-
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
 
 
 class _Report(NamedTuple):
@@ -47,17 +43,7 @@ class ReportRelay:
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}"
         self.max_batch = min(max_batch or log_.max_batch, log_.max_batch)
         self.metrics = ServiceMetrics("relay")
-        registry = self.metrics.registry
-        self.reports = Counter(
-            "gpuherd_relay_reports",
-            "Agents' reports this relay took: stored, refused (not the asking agent's to write), or "
-            "failed (the log did not take them; their agents append them themselves)",
-            ["outcome"],
-            registry=registry,
-        )
-        self.batches = Histogram(
-            "gpuherd_relay_batch_reports", "Reports stored per append", buckets=BATCH_BUCKETS, registry=registry
-        )
+        self.reports, self.batches = self.metrics.count_relayed()
         self.metrics.watch_connection(log_.is_connected)
         self.metrics_port: int | None = None
         self._pending: list[_Report] = []

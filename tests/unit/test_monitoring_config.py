@@ -61,6 +61,7 @@ def exported_series() -> set[str]:
     metrics = ServiceMetrics("monitoring-test")
     metrics.watch_cluster(ClusterState)  # the cluster gauges are collected only from a state
     metrics.watch_usage(dict)  # (the scheduler's GPU-seconds by VC and user)
+    metrics.count_relayed()  # (the report relay's)
     names: set[str] = set()
     for family in metrics.registry.collect():
         names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",)))
