@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -37,6 +39,34 @@ async def patiently(
             log.warning(f"{what}: failed; retrying", error=repr(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+async def off_loop(call: Callable[[], T], *, name: str) -> T:
+    """``call()`` in a daemon thread of its own, awaited: like ``asyncio.to_thread``, except that
+    the process may end while it runs. ``asyncio.run`` joins the default executor's threads at its
+    end, so a call blocked in the kernel (a wait for killed processes to be gone, a GPU driver that
+    hangs) would hold a stopped process past its exit deadline."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result, error = call(), None
+        except BaseException as exc:  # (handed to the awaiting task, not lost in the thread)
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await done
 
 
 async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:

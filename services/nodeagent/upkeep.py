@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from gpuherd import events as ev
+from gpuherd.aio import off_loop
 from gpuherd.errors import LeadershipLost
 from gpuherd.log import Leadership, TelemetryBus
 from gpuherd.obs import get_logger
@@ -99,7 +100,7 @@ class NodeUpkeep:
             await asyncio.sleep(self.telemetry_s)
             # What borrowers hold, as they said before the sample: any allocation said is in it.
             borrowed = self.holdings.borrowed_mb(self._state().leases, self.node, self._gpu_count())
-            samples = await asyncio.to_thread(self.executor.sample)
+            samples = await off_loop(self.executor.sample, name="gpu-sample")  # (a hung driver call: no exit wait)
             if not samples:
                 continue
             me = self._state().me

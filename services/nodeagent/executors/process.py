@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ from typing import TypeVar
 import msgspec
 
 from gpuherd import jobenv
+from gpuherd.aio import off_loop
 from gpuherd.control import MessageError, RescaleReport, decode_message
 from gpuherd.events import MAX_OUTPUT_TAIL
 from gpuherd.jobenv import ElasticPlan
@@ -626,8 +628,10 @@ LEFTOVERS_GONE_S = 5.0  # a process in uninterruptible sleep (a GPU driver call)
 
 async def _kill_leftovers_off_loop(task_dir: Path, info: ShimInfo | None) -> int:
     """``_kill_leftovers`` in a thread: its wait for the killed to be gone (up to
-    ``LEFTOVERS_GONE_S``) must not stop the agent's heartbeats and lease renewals."""
-    return await asyncio.to_thread(_kill_leftovers, task_dir, info)
+    ``LEFTOVERS_GONE_S``) must not stop the agent's heartbeats and lease renewals, nor hold the
+    agent past its exit when it is stopped meanwhile (its SIGKILLs are sent; a restarted agent's
+    recovery finds whatever is left)."""
+    return await off_loop(functools.partial(_kill_leftovers, task_dir, info), name="kill-leftovers")
 
 
 def _kill_leftovers(task_dir: Path, info: ShimInfo | None) -> int:
