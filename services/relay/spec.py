@@ -8,16 +8,17 @@ and it stores for each node only what that node's agent may write itself."""
 
 from __future__ import annotations
 
+from gpuherd.log import STATUS_BUCKET
 from gpuherd.log.relay import REPORT_PREFIX, subjects_of
 from gpuherd.runtime.spec import ServiceSpec
-from gpuherd.security import Permissions, inbox, read_log
+from gpuherd.security import Permissions, inbox, kv_write, read_log
 from services.relay import relay
 
 
 def permissions(_: str) -> Permissions:
-    """Every agent's report subjects; the stream's description (its positions); the reports
-    (``herd.report.*``), which it answers."""
-    publish = (*subjects_of("*"), *read_log())
+    """Every agent's report subjects; the stream's description (its positions); its status entry;
+    the reports (``herd.report.*``), which it answers."""
+    publish = (*subjects_of("*"), *read_log(), kv_write(STATUS_BUCKET, "relay.>"))
     return Permissions(publish=publish, subscribe=(inbox("relay"), f"{REPORT_PREFIX}.*"), allow_responses=True)
 
 
