@@ -107,6 +107,10 @@ class ReportRelay:
                     with contextlib.suppress(asyncio.CancelledError):
                         await storing
                     self._pending = batch + self._pending
+                elif storing.exception() is not None:  # (a defect: said, and its agents append these)
+                    log.error("reports not relayed", reports=len(batch), error=repr(storing.exception()))
+                    for report in batch:
+                        await self._answer(report.reply, RelayAnswer(ok=False, error="the relay failed"))
         finally:
             stopping.cancel()
             status.cancel()
