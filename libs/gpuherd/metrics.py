@@ -291,7 +291,7 @@ class ServiceStatus(msgspec.Struct, kw_only=True):
 
     service: str
     instance: str
-    role: str  # "leader", "standby", "starting", "agent", or "relay"
+    role: str  # a decider's "leader", "standby" or "starting"; any other process names its kind
     seq: int = 0
     head: int = 0
     lag: int = 0
