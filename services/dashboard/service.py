@@ -38,7 +38,7 @@ from gpuherd.metrics import ServiceMetrics, read_statuses, status_reporter
 from gpuherd.obs import configure, get_logger
 from gpuherd.output import fetch_output
 from gpuherd.runtime.audit import Audit
-from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
+from gpuherd.runtime.serve import close_promptly, run_process
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.service_args import add_yield_arguments, read_linger_s, yield_cpu
 from services.dashboard.server import Actions, Backend, make_app
@@ -335,15 +335,7 @@ def main(argv: list[str] | None = None, *, peers: Sequence[ServiceSpec] = ()) ->
         parser.error(f"--operator-token-file: {exc}")
     tools = Tools.from_peers(peers)
 
-    async def serve_then_end() -> None:
-        try:
-            await serve_until_signal(lambda stop: serve(args, tools, stop))
-        finally:
-            # nats-py's reconnect loop can swallow asyncio.run's one cancellation: with NATS gone the
-            # process could wait for it for good.
-            await end_remaining_tasks()
-
-    asyncio.run(serve_then_end())
+    run_process(lambda: serve_until_signal(lambda stop: serve(args, tools, stop)))
     # Everything it had to do is done (the pages answered, the connection closed or left): the
     # interpreter's own teardown of its modules took up to a second more on a busy machine, past the
     # second a stop may take.

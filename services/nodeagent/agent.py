@@ -45,7 +45,7 @@ from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status
 from gpuherd.obs import configure, current_traceparent, get_logger, span_from
 from gpuherd.runtime.deadletters import report_unreadable
 from gpuherd.runtime.runner import SHUTDOWN_REQUEST_TIMEOUT_S, unless_stopped
-from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
+from gpuherd.runtime.serve import close_promptly, run_process
 from gpuherd.runtime.snapshots import Cadence, beyond_the_log, load_snapshot, save_snapshot
 from gpuherd.service_args import service_parser
 from services.nodeagent import leases
@@ -715,13 +715,4 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure(f"agent.{args.node}")
-
-    async def serve_then_end() -> None:
-        try:
-            await serve(args)
-        finally:
-            # nats-py's reconnect loop can swallow asyncio.run's one cancellation: with NATS gone the
-            # process could wait for it for good.
-            await end_remaining_tasks()
-
-    asyncio.run(serve_then_end())
+    run_process(lambda: serve(args))

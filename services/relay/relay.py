@@ -22,7 +22,7 @@ from gpuherd.log.relay import RELAY_QUEUE, REPORT_PREFIX, RelayAnswer, check_rep
 from gpuherd.log.streams import TRACEPARENT
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, get_logger
-from gpuherd.runtime.serve import close_promptly, end_remaining_tasks
+from gpuherd.runtime.serve import close_promptly, run_process
 from gpuherd.service_args import service_parser
 
 log = get_logger("gpuherd.relay")
@@ -180,11 +180,4 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     configure("relay")
-
-    async def serve_then_end() -> None:
-        try:
-            await serve(args)
-        finally:
-            await end_remaining_tasks()
-
-    asyncio.run(serve_then_end())
+    run_process(lambda: serve(args))

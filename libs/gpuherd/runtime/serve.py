@@ -106,6 +106,20 @@ async def close_promptly(log_: EventLog) -> None:
         log.warning("log connection not closed in time; leaving it", timeout_s=CLOSE_TIMEOUT_S)
 
 
+def run_process(serve: Callable[[], Awaitable[None]]) -> None:
+    """``asyncio.run(serve())``, then the process's other tasks ended (``end_remaining_tasks``):
+    how every gpuherd process runs. nats-py's reconnect loop can swallow asyncio.run's one
+    cancellation, and with NATS gone the process could wait for it for good."""
+
+    async def serve_then_end() -> None:
+        try:
+            await serve()
+        finally:
+            await end_remaining_tasks()
+
+    asyncio.run(serve_then_end())
+
+
 async def end_remaining_tasks(timeout_s: float = END_TIMEOUT_S) -> None:
     """Cancel the process's other tasks (the NATS client's, a closing left running) until they end,
     for ``timeout_s`` at most. asyncio.run cancels each once at the end and waits for it, and some

@@ -10,7 +10,6 @@ runner (leadership, snapshots, catch-up, decide, append) until SIGTERM.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from gpuherd.obs import configure
 from gpuherd.runtime.decider import Decider
 from gpuherd.runtime.runner import MAX_IN_FLIGHT, DeciderRunner, ExtraTask
-from gpuherd.runtime.serve import configured_event, end_remaining_tasks, serve_decider
+from gpuherd.runtime.serve import configured_event, run_process, serve_decider
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.runtime.timers import clock_ticker
 from gpuherd.service_args import (
@@ -98,20 +97,16 @@ def main(spec: ServiceSpec, argv: list[str] | None = None, *, peers: Sequence[Se
         if spec.setup is not None:
             spec.setup(runner, args)
 
-    async def serve() -> None:
-        try:
-            await serve_decider(
-                args.nats_url,
-                decider,
-                extra_tasks=live_tasks(spec, decider, args),
-                configured=configured,
-                instance=args.instance,
-                metrics_port=args.metrics_port,
-                setup=setup,
-                read_linger_s=read_linger_s(args),
-                max_in_flight=max(1, args.max_in_flight),
-            )
-        finally:
-            await end_remaining_tasks()
-
-    asyncio.run(serve())
+    run_process(
+        lambda: serve_decider(
+            args.nats_url,
+            decider,
+            extra_tasks=live_tasks(spec, decider, args),
+            configured=configured,
+            instance=args.instance,
+            metrics_port=args.metrics_port,
+            setup=setup,
+            read_linger_s=read_linger_s(args),
+            max_in_flight=max(1, args.max_in_flight),
+        )
+    )
