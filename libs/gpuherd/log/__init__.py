@@ -93,7 +93,7 @@ def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) 
     is). ``settings`` override them."""
     import os
 
-    from gpuherd.log.jetstream import JetStreamSettings
+    from gpuherd.log.jetstream import JetStreamSettings, check_intake_storage
 
     env = os.environ if env is None else env
     settings.setdefault("leadership_ttl_s", float(env.get("GPUHERD_LEADERSHIP_TTL", "6")))
@@ -102,12 +102,8 @@ def settings_from_env(env: Mapping[str, str] | None = None, **settings: object) 
     if streams not in ("create", "require"):
         raise LogError(f"GPUHERD_STREAMS={streams!r}: set it to create (the default) or require")
     settings.setdefault("streams", streams)
-    intake_storage = env.get("GPUHERD_INTAKE_STORAGE") or None
-    if intake_storage not in (None, "file", "memory"):
-        raise LogError(f"GPUHERD_INTAKE_STORAGE={intake_storage!r}: set it to file or memory, or leave it unset")
-    settings.setdefault("intake_storage", intake_storage)
-    if settings["intake_storage"] not in (None, "file", "memory"):
-        raise LogError(f"intake_storage={settings['intake_storage']!r}: file or memory, or None")
+    settings.setdefault("intake_storage", env.get("GPUHERD_INTAKE_STORAGE") or None)
+    check_intake_storage(settings["intake_storage"])  # type: ignore[arg-type]
     return JetStreamSettings(**settings)  # type: ignore[arg-type]
 
 

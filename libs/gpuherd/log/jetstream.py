@@ -1105,7 +1105,7 @@ def _same_config(info: Any, wanted: StreamConfig) -> bool:
 def check_intake_storage(storage: str | None) -> str | None:
     """``storage`` if it names one (``file``, ``memory``) or none (None), else LogError."""
     if storage not in (None, "file", "memory"):
-        raise LogError(f"intake storage {storage!r}: set GPUHERD_INTAKE_STORAGE to file or memory, or leave it unset")
+        raise LogError(f"GPUHERD_INTAKE_STORAGE={storage!r}: set it to file or memory, or leave it unset")
     return storage
 
 
