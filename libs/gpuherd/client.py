@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import yaml
@@ -31,8 +31,10 @@ from gpuherd import events as ev
 from gpuherd.errors import UNDECODABLE, LogUnavailable, SubmissionError
 from gpuherd.fold import fold, vc_problem
 from gpuherd.log import HERD_INTAKE, INTAKE_PREFIX, REPLY_HEADER
-from gpuherd.obs import call_span
+from gpuherd.obs import call_span, get_logger
 from gpuherd.security import check_token
+
+log = get_logger("gpuherd.client")
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Unanswered this long, a submission that names its intake id is stored again under a new message
@@ -43,6 +45,19 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 RESEND_AFTER_S = 10.0
 # The status a NATS server answers a publish's reply subject with when nothing takes its subject.
 _NO_RESPONDERS = "503"
+# First copies of submissions started in one turn of the event loop are stored as one atomic batch
+# of at most this many (the server takes up to 1,000): one disk sync for all of them, where each
+# alone costs one. Retries go alone: the stream refuses a whole batch that repeats a stored message id.
+INTAKE_BATCH_MAX = 256
+BATCH_PAUSE_S = 60.0  # no batches for this long after one went unanswered (see ``_batch_not_answered``)
+
+
+class _Outgoing(NamedTuple):
+    subject: str
+    data: bytes
+    inbox: str
+    headers: dict[str, str]
+    published: asyncio.Future[bool]  # done once published: whether in a batch
 
 
 class _IntakeIdOnly(msgspec.Struct):
@@ -187,6 +202,12 @@ class Client:
         # Subscribing may wait (a connection whose write buffer is full): submissions started
         # meanwhile must wait for that one subscription, not make another (every reply handled twice).
         self._subscribing = asyncio.Lock()
+        # First copies of submissions are published together, as one atomic batch, where several
+        # start in one turn of the event loop (``INTAKE_BATCH_MAX``); paused after one went unanswered.
+        self.batching = True
+        self._alone_until = 0.0  # (monotonic) each submission alone until then
+        self._outbox: list[_Outgoing] = []  # first copies waiting for this turn's batch
+        self._flushing: set[asyncio.Task[None]] = set()
 
     async def _reply_inbox(self) -> tuple[str, asyncio.Future[Verdict]]:
         if self._reply_sub is None:
@@ -291,6 +312,8 @@ class Client:
         may_resend = _names_its_intake_id(data)
         stamped = time.monotonic()
         published = 0
+        in_batch = False
+        subject = f"{INTAKE_PREFIX}.{self.source}"
         try:
             with call_span("client.submit", source=self.source) as trace:
                 headers = {REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex}
@@ -299,18 +322,81 @@ class Client:
                 while True:
                     if may_resend and time.monotonic() - stamped >= resend_after_s:
                         headers["Nats-Msg-Id"], stamped = uuid.uuid4().hex, time.monotonic()
-                    await self.nc.publish(f"{INTAKE_PREFIX}.{self.source}", data, reply=inbox, headers=headers)
+                    if published:
+                        await self.nc.publish(subject, data, reply=inbox, headers=headers)
+                    else:
+                        in_batch = await self._publish_first(subject, data, inbox, dict(headers))
                     published += 1
                     try:
                         wait = min(attempt_timeout, max(0.1, deadline - time.monotonic()))
                         return await asyncio.wait_for(asyncio.shield(reply), wait)
                     except TimeoutError:
+                        if in_batch and published == 1:
+                            self._batch_not_answered()
                         if time.monotonic() >= deadline:
                             raise SubmissionError(self._no_verdict(timeout, published, inbox)) from None
         finally:
             self._replies.pop(inbox, None)
             self._unrouted.pop(inbox, None)
             self._not_verdicts.pop(inbox, None)
+
+    async def _publish_first(self, subject: str, data: bytes, inbox: str, headers: dict[str, str]) -> bool:
+        """Publish a submission's first copy with the others started in this turn of the event loop:
+        alone, or with them as one atomic batch (``INTAKE_BATCH_MAX`` at most). True if it went in a
+        batch. (A stream that refuses the batch says nothing, as it says nothing of what it stores:
+        each of them is then stored by its retry, which goes alone.)"""
+        if not self.batching or time.monotonic() < self._alone_until:
+            await self.nc.publish(subject, data, reply=inbox, headers=headers)
+            return False
+        loop = asyncio.get_running_loop()
+        outgoing = _Outgoing(subject, data, inbox, headers, loop.create_future())
+        self._outbox.append(outgoing)
+        if len(self._outbox) == 1:
+            loop.call_soon(self._start_flush)
+        return await outgoing.published
+
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush_outbox())
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for start in range(0, len(outbox), INTAKE_BATCH_MAX):
+            batch = outbox[start : start + INTAKE_BATCH_MAX]
+            batched = len(batch) > 1
+            if batched:
+                batch_id = uuid.uuid4().hex
+                for n, out in enumerate(batch, start=1):
+                    out.headers["Nats-Batch-Id"] = batch_id
+                    out.headers["Nats-Batch-Sequence"] = str(n)
+                batch[-1].headers["Nats-Batch-Commit"] = "1"
+            try:
+                for out in batch:
+                    await self.nc.publish(out.subject, out.data, reply=out.inbox, headers=out.headers)
+            except Exception as exc:  # (the connection closed: each submitter hears it, as from its own publish)
+                for out in batch:
+                    if not out.published.done():
+                        out.published.set_exception(exc)
+                continue
+            for out in batch:
+                if not out.published.done():
+                    out.published.set_result(batched)
+
+    def _batch_not_answered(self) -> None:
+        """A submission sent in a batch got no verdict in time: the stream may not take batches (an
+        intake stream set up before them, not updated yet), which it refuses without a word, or the
+        scheduler is slow or away. This client sends each submission alone for ``BATCH_PAUSE_S``
+        (what it did before batches), then tries batches again."""
+        now = time.monotonic()
+        if now >= self._alone_until:
+            log.warning(
+                "a submission sent in an atomic batch got no verdict in time; sending each alone for a while "
+                "(the intake stream may lack allow_atomic: the scheduler or `gpuherd log init` sets it)",
+                source=self.source,
+                pause_s=BATCH_PAUSE_S,
+            )
+        self._alone_until = now + BATCH_PAUSE_S
 
     def _no_verdict(self, timeout: float, published: int, inbox: str) -> str:
         if self._unrouted.get(inbox, 0) >= published:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 import uuid
 
 import msgspec
@@ -232,3 +234,62 @@ async def test_a_retry_under_one_msg_id_never_takes_a_later_request_s_verdict(cl
     assert all(answer["ok"] for answer in later), later
     assert len({first["job_id"], *(answer["job_id"] for answer in later)}) == 3  # three jobs, each told its own
     await wait_state(log, lambda s: all(a["job_id"] in s.jobs for a in (first, *later)), 15)
+
+
+async def _batches_stored(log, first_seq: int) -> list[str | None]:
+    """The Nats-Batch-Id of every intake message stored from ``first_seq`` on (None: stored alone)."""
+    last = (await log.js.stream_info("HERD_INTAKE")).state.last_seq
+    ids = []
+    for seq in range(first_seq, last + 1):
+        msg = await log.js.get_msg("HERD_INTAKE", seq)
+        ids.append((msg.headers or {}).get("Nats-Batch-Id"))
+    return ids
+
+
+async def test_submissions_started_together_are_stored_as_atomic_batches_each_with_its_own_verdict(cluster) -> None:
+    """A client's submissions started in one turn of the event loop go to the intake stream as one
+    atomic batch (one disk sync for all): each is still its own message, judged and answered alone."""
+    services, log = cluster
+    first = (await log.js.stream_info("HERD_INTAKE")).state.last_seq + 1
+    client = await Client.connect(services.url, source="teamB")
+    try:
+        specs = [GOOD | {"name": f"b{i}", "intake_id": f"batch-{i}"} for i in range(24)]
+        specs[5] = specs[5] | {"gpus": 0}  # one bad submission in the batch: rejected, alone
+        verdicts = await asyncio.gather(*(client.submit_raw(msgspec.json.encode(s), timeout=30) for s in specs))
+    finally:
+        await client.close()
+    assert [v.ok for v in verdicts] == [i != 5 for i in range(24)], verdicts
+    assert "`gpus` must be at least 1" in (verdicts[5].error or "")
+    assert len({v.job_id for v in verdicts if v.ok}) == 23
+    batches = await _batches_stored(log, first)
+    assert len(batches) == 24, "one message per submission"
+    sizes = collections.Counter(batches)
+    assert None not in sizes and max(sizes.values()) > 1, f"no batch held more than one submission: {sizes}"
+    state = await wait_state(log, lambda s: sum(j.spec.name.startswith("b") for j in s.jobs.values()) == 23, 30)
+    assert state.rejected >= 1
+
+
+async def test_a_stream_that_takes_no_batches_still_stores_every_submission_by_its_retry(cluster) -> None:
+    """An intake stream set up before batches (no ``allow_atomic``) drops a batch without a word, as
+    it says nothing of what it stores: each submission is stored by its retry, which goes alone, and
+    the client sends submissions alone for a while."""
+    services, log = cluster
+    config = (await log.js.stream_info("HERD_INTAKE")).config
+    config.allow_atomic = False
+    await log.js.update_stream(config)
+    first = (await log.js.stream_info("HERD_INTAKE")).state.last_seq + 1
+    client = await Client.connect(services.url, source="teamO")
+    try:
+        specs = [GOOD | {"name": f"o{i}", "intake_id": f"old-{i}"} for i in range(6)]
+        verdicts = await asyncio.gather(
+            *(client.submit_raw(msgspec.json.encode(s), timeout=30, attempt_timeout=0.5) for s in specs)
+        )
+        assert all(v.ok for v in verdicts), verdicts
+        assert client._alone_until > time.monotonic(), "the client goes on batching into a stream that drops them"
+        started = time.monotonic()
+        alone = await client.submit_raw(msgspec.json.encode(GOOD | {"name": "o-alone"}), timeout=30, attempt_timeout=5)
+        assert alone.ok and time.monotonic() - started < 5, "sent alone, the next submission waits for no retry"
+    finally:
+        await client.close()
+    assert set(await _batches_stored(log, first)) == {None}, "a batch was stored where none can be"
+    await wait_state(log, lambda s: sum(j.spec.name.startswith("o") for j in s.jobs.values()) == 7, 30)

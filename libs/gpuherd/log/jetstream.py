@@ -380,6 +380,7 @@ class JetStreamLog(EventLog):
                 no_ack=True,
                 deny_delete=True,
                 deny_purge=True,
+                allow_atomic=True,  # a client's submissions of one moment: one batch, one disk sync
             ),
             StreamConfig(
                 name=HERD_TELEMETRY,
