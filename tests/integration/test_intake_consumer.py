@@ -69,3 +69,47 @@ async def test_a_deleted_consumer_is_added_again_and_delivers(nats_url: str) -> 
     finally:
         await consumer.close()
         await log_.close()
+
+
+async def test_a_fetch_hands_on_what_arrives_while_it_waits_and_more_than_its_pull_holds(nats_url: str) -> None:
+    """One pull open across fetches: a message stored while a fetch waits is handed on then, not
+    when the wait ends; a fetch never hands on more than it asked for, and what else arrived is
+    handed on by the next fetches, each message once."""
+    log_ = await open_log(nats_url, name="intake-consumer")
+    source = f"s{uuid.uuid4().hex[:8]}"
+    subject = f"herd.intake.{source}"
+    consumer = log_.intake_consumer(f"c-{uuid.uuid4().hex[:8]}", ack_wait=30.0)
+    try:
+        for delivery in await consumer.fetch(1000, timeout=0.3):  # (what other tests left)
+            await consumer.ack(delivery)
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            await log_.publish_intake(source, b"late")
+
+        publisher = asyncio.create_task(later())
+        started = asyncio.get_running_loop().time()
+        got = [d for d in await consumer.fetch(10, timeout=20.0) if d.subject == subject]
+        waited = asyncio.get_running_loop().time() - started
+        await publisher
+        assert [d.data for d in got] == [b"late"] and waited < 10.0, (got, waited)
+        for delivery in got:
+            await consumer.ack(delivery)
+        sent = [f"m{n}".encode() for n in range(25)]
+        for data in sent:
+            await log_.publish_intake(source, data)
+        seen: list[bytes] = []
+        # (The open pull asked for 10 and has brought 1; once it has brought the rest, the next fetch
+        # asks again at once rather than wait out that pull's 20 s.)
+        async with asyncio.timeout(10):
+            while len(seen) < len(sent):
+                batch = await consumer.fetch(10, timeout=5.0)
+                assert len(batch) <= 10
+                for delivery in batch:
+                    await consumer.ack(delivery)
+                    if delivery.subject == subject:
+                        seen.append(delivery.data)
+        assert seen == sent
+    finally:
+        await consumer.close()
+        await log_.close()

@@ -1181,6 +1181,7 @@ class _PublishAcks:
 # of a later request of the same bytes.
 REQUEST_PATIENCE_S = 60.0
 MSG_ID_HEADER = "Nats-Msg-Id"
+PULL_GRACE_S = 1.0  # a durable consumer's pull not ended by the server this long after it expired is over
 
 
 def _request_key(subject: str, data: bytes, msg_id: str) -> bytes:
@@ -1203,6 +1204,14 @@ class _JetStreamConsumer(DurableConsumer):
         self._name = name
         self._ack_wait = ack_wait
         self._sub: Any = None
+        self._inbox = ""  # each pull is answered on a subject below it (``_reply``: the open one's)
+        self._reply = ""
+        self._pulls = itertools.count()
+        self._arrived: collections.deque[Msg] = collections.deque()  # delivered, not fetched yet
+        self._wake = asyncio.Event()  # something arrived, or a pull ended
+        self._pull_left = 0  # messages the open pull may still bring (0: none is open)
+        self._pull_until = 0.0  # (monotonic) when the open pull is over, at the latest
+        self._lost = False  # the server ended a pull unexpectedly: subscribe again
         self._requests: Any = None
         # (oldest first; an OrderedDict drops its oldest at once, where a dict scans the holes of earlier drops)
         self._reply_inboxes: collections.OrderedDict[bytes, collections.deque[tuple[str, float]]] = (
@@ -1225,42 +1234,107 @@ class _JetStreamConsumer(DurableConsumer):
         self._requests = await self._log.nc.subscribe(f"{INTAKE_PREFIX}.>", queue=f"{self._name}-requests", cb=remember)
 
     async def _subscription(self) -> Any:
+        """The consumer (made if missing; one that exists is used as it is) and this reader's inbox for
+        its pulls, answered by a callback: nats-py's ``fetch`` waits on each message with a task, a
+        timer and a uuid (3-4x the client's CPU per message, measured: the scheduler's intake)."""
         if self._sub is None:
-            config = ConsumerConfig(
-                durable_name=self._name,
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self._ack_wait,
-                deliver_policy=DeliverPolicy.ALL,
-                max_ack_pending=10_000,
-            )
-            self._sub = await self._log.js.pull_subscribe("", durable=self._name, stream=self._stream, config=config)
+            js = self._log.js
+            try:
+                await js.consumer_info(self._stream, self._name)
+            except nats.js.errors.NotFoundError:
+                config = ConsumerConfig(
+                    durable_name=self._name,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=self._ack_wait,
+                    deliver_policy=DeliverPolicy.ALL,
+                    max_ack_pending=10_000,
+                )
+                await js.add_consumer(self._stream, config)
+            self._inbox = self._log.nc.new_inbox()
+            self._pull_left = 0
+            self._sub = await self._log.nc.subscribe(f"{self._inbox}.*", cb=self._delivered)
         return self._sub
+
+    async def _delivered(self, msg: Msg) -> None:
+        """A message of a pull, or the server's word that a pull is over (a status: 404/408 nothing
+        more before it expired; 409 e.g. the consumer was deleted or its leader changed). Each pull
+        has a reply subject of its own, where its end comes: an earlier one's says nothing of the
+        open one."""
+        status = (msg.headers or {}).get("Status") if not msg.data else None
+        if status is None:  # (delivered under its stored subject: counted against the open pull)
+            self._arrived.append(msg)
+            self._pull_left -= 1
+        elif status == "100" or msg.subject != self._reply:  # (a heartbeat, none asked for; an earlier pull's end)
+            return
+        else:
+            self._pull_left = 0
+            if status not in ("404", "408"):
+                log.warning(
+                    "intake pull ended by the server", consumer=self._name, status=status,
+                    description=(msg.headers or {}).get("Description", ""),
+                )  # fmt: skip
+                self._lost = True  # (the consumer may be gone: looked up, or made, again)
+        self._wake.set()
+
+    async def _pull(self, max_messages: int, wait_s: float) -> None:
+        """Ask for up to ``max_messages``, waiting at most ``wait_s`` for them, unless a pull is open."""
+        now = time.monotonic()
+        if self._pull_left > 0 and now < self._pull_until:
+            return
+        self._pull_left = max_messages
+        # (A pull whose end never came, lost in a reconnect, is given up on a little after it expired.)
+        self._pull_until = now + wait_s + PULL_GRACE_S
+        self._reply = f"{self._inbox}.{next(self._pulls)}"
+        request = msgspec.json.encode({"batch": max_messages, "expires": max(int(wait_s * 1e9), 1_000_000)})
+        await self._log.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self._stream}.{self._name}", request, reply=self._reply)
 
     async def open(self) -> None:
         await self._watch_requests()
         await self._subscription()
 
     async def close(self) -> None:
-        """Unsubscribe at once: left to the connection's drain, a pull subscription whose last fetch
-        was cancelled holds the drain until its timeout (seconds of a service's shutdown)."""
-        subs, self._sub, self._requests = (self._sub, self._requests), None, None
-        for sub in subs:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+        """Unsubscribe at once: left to the connection's drain, a subscription with a pull open
+        would hold the drain until the pull expires (seconds of a service's shutdown)."""
+        await self._unsubscribe()
+        requests, self._requests = self._requests, None
+        if requests is not None:
+            with contextlib.suppress(Exception):
+                await requests.unsubscribe()
+
+    async def _unsubscribe(self) -> None:
+        """Stop pulling: what arrived and was not fetched is left unacknowledged (delivered again
+        after ack_wait, to whoever reads next)."""
+        sub, self._sub = self._sub, None
+        self._arrived.clear()
+        self._pull_left = 0
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def fetch(self, max_messages: int = 64, timeout: float = 1.0) -> list[Delivery]:
         try:
             await self._watch_requests()
-            sub = await self._subscription()
-            msgs = await sub.fetch(batch=max_messages, timeout=timeout)
-        except TimeoutError:  # nats-py raises both its own and the builtin one
-            return []
+            if self._lost:
+                self._lost = False
+                await self._unsubscribe()
+            await self._subscription()
+            deadline = time.monotonic() + timeout
+            while not self._arrived:  # (a pull may end before the wait does: another is asked for)
+                wait_s = deadline - time.monotonic()
+                if wait_s <= 0:
+                    break
+                self._wake.clear()
+                await self._pull(max_messages, wait_s)
+                if not self._arrived:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait_s)
         except (nats.errors.Error, nats.js.errors.Error, ConnectionError) as exc:
             log.warning("durable consumer fetch failed; retrying", consumer=self._name, error=repr(exc))
-            self._sub = None
+            await self._unsubscribe()
             await asyncio.sleep(0.2)
             return []
+        arrived = self._arrived
+        msgs = [arrived.popleft() for _ in range(min(max_messages, len(arrived)))]
         out = []
         for msg in msgs:
             meta = msg.metadata
