@@ -9,7 +9,10 @@ Runs against a fresh embedded nats-server (file storage, as deployed) on this ma
    (fsync every 2 minutes), in the same run: appends/s and the ack latency (p50/p99) one at a time,
    pipelined, and in appends of 4 and of 100 events, each stored as a page and as an atomic batch
    (one message per event, as before pages): the cost of an acknowledged job surviving a power cut;
-2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline);
+2. full replay through gpuherd's ordered reader, against nats-py's ``fetch`` loop (baseline); and
+   submissions taken from the intake stream and acknowledged by the scheduler's durable consumer,
+   against nats-py's ``fetch`` loop on a durable consumer of its own (baseline): messages/s and
+   this process's CPU per message;
 3. 2,000 submissions through the intake path (the Python client) to a real scheduler
    process, with 100 sim nodes x 8 GPUs emulated in this process (they register, send
    heartbeats, and finish each job after its duration): latency from publishing the
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,7 +40,7 @@ from rich.table import Table
 
 from gpuherd import events as ev
 from gpuherd.client import Client
-from gpuherd.log import open_log
+from gpuherd.log import HERD_INTAKE, open_log
 from gpuherd.log.jetstream import JetStreamLog
 from gpuherd.log.pages import PAGE_HEADER, decode_page
 from gpuherd.natsd import SYNC_ALWAYS, UNSAFE_SYNC, NatsServer
@@ -181,6 +185,57 @@ async def bench_replay(log: JetStreamLog) -> list[tuple[str, float, float]]:
         (f"replay {n_base:,} events, nats-py fetch loop", base, 1.0),
         (f"replay {n:,} events, ordered reader", ours, ours / base),
     ]
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def bench_intake_fetch(log: JetStreamLog, quick: bool) -> list[tuple[str, float, float]]:
+    """Submissions fetched and acknowledged in 512s, as the scheduler's intake takes them."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    n = 2_000 if quick else 20_000
+    payload = b'{"name":"bench","user":"u","gpus":1,"duration_s":60,"intake_id":"%d"}'
+    for i in range(n):
+        await log.publish_intake("bench", payload % i)
+
+    async def naive() -> int:
+        config = ConsumerConfig(
+            durable_name="bench-naive", ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL
+        )
+        sub = await log.js.pull_subscribe("", durable="bench-naive", stream=HERD_INTAKE, config=config)
+        seen: set[int] = set()
+        got = 0
+        while got < n:
+            for msg in await sub.fetch(batch=512, timeout=5):
+                seen.add(msg.metadata.sequence.stream)  # (the intake reads each one's sequence, time, deliveries)
+                await msg.ack()
+                got += 1
+        await sub.unsubscribe()
+        return got
+
+    async def ours() -> int:
+        consumer = log.intake_consumer("bench-ours")
+        got = 0
+        while got < n:
+            for delivery in await consumer.fetch(512, timeout=5):
+                await consumer.ack(delivery)
+                got += 1
+        await consumer.close()
+        return got
+
+    rows = []
+    for name, take in (("nats-py fetch loop", naive), ("intake consumer", ours)):
+        cpu, wall = _cpu_s(), time.perf_counter()
+        got = await take()
+        wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
+        rows.append(
+            (f"intake: {got:,} submissions fetched + acked, {name} ({cpu / got * 1e6:.1f} us CPU each)", got / wall)
+        )
+    base = rows[0][1]
+    return [(name, rate, rate / base) for name, rate in rows]
 
 
 class SimNodes:
@@ -332,7 +387,13 @@ async def bench_latency(url: str, data_dir: Path, quick: bool) -> list[tuple[str
         await client.close()
         await log.close()
         scheduler.terminate()
-        scheduler.wait(10)
+        try:
+            scheduler.wait(10)
+        except subprocess.TimeoutExpired:  # (said, and stopped: a bench leaves nothing running)
+            tail = (data_dir / "scheduler.log").read_text(errors="replace")[-2000:]
+            console.print(f"[red]the scheduler did not exit within 10 s of SIGTERM; killed. Log:[/red]\n{tail}")
+            scheduler.kill()
+            scheduler.wait()
 
 
 async def main(quick: bool, as_json: bool) -> None:
@@ -343,7 +404,7 @@ async def main(quick: bool, as_json: bool) -> None:
             log = await open_log(server.url, name="bench")
             assert isinstance(log, JetStreamLog)
             appends = await bench_appends(log, quick)
-            replay = await bench_replay(log)
+            replay = await bench_replay(log) + await bench_intake_fetch(log, quick)
             await log.close()
         finally:
             server.stop()
