@@ -3,7 +3,8 @@
 Its loops share one ``DeciderRunner`` and run only while this instance leads the scheduler:
 - the runner (folds the log, decides, appends);
 - intake: raw submissions from HERD_INTAKE are handed to the runner, which decides them in turn
-  with the log's events; once a verdict is stored, the submitter gets its reply and the message is
+  with the log's events (``MAX_HANDED`` at most not yet answered, so the log's events never wait
+  behind many); once a verdict is stored, the submitter gets its reply and the message is
   acknowledged (a message whose handling fails ``MAX_DELIVERIES`` times becomes a dead letter, and
   is acknowledged only once that is stored; while a verdict or a dead letter is on its way, its
   message is kept from being delivered again, and a delivery that came anyway is skipped and not
@@ -54,6 +55,10 @@ log = get_logger("gpuherd.scheduler")
 
 INTAKE_CONSUMER = "scheduler-intake"  # its durable consumer of HERD_INTAKE
 FETCH = 512  # intake messages fetched at once (decided together when their intake ids differ)
+# Submissions handed to the runner and not answered yet, at most. The runner decides its inputs in
+# order, so each one waiting there is one that the log's events (a task's end, a node's report)
+# wait behind; more stay stored in the intake stream until some are answered.
+MAX_HANDED = 64
 
 
 def submission_of(delivery: Delivery) -> Submission:
@@ -96,6 +101,8 @@ class Intake:
         # Deliveries of a message that came while it was in flight, by intake sequence: they handled
         # nothing, so they do not count towards MAX_DELIVERIES.
         self._skipped: collections.Counter[int] = collections.Counter()
+        self._room = asyncio.Event()  # set while fewer than MAX_HANDED submissions are handed
+        self._room.set()
 
     def attempt(self, delivery: Delivery) -> int:
         """How many deliveries of this message were handled (handed to the runner, or given up on),
@@ -107,6 +114,7 @@ class Intake:
         # A new leadership's runner holds nothing the last one was handed: its redeliveries are new.
         self._in_flight.clear()
         self._skipped.clear()
+        self._room.set()
         await runner.caught_up.wait()
         consumer = self.consumer = runner.log.intake_consumer(INTAKE_CONSUMER, ack_wait=self.ack_wait_s)
         # The intake stream may be electing its leader, or NATS failing over: wait for it.
@@ -117,7 +125,8 @@ class Intake:
         in_progress = asyncio.create_task(self._keep_in_progress(consumer))
         try:
             while True:
-                for delivery in await consumer.fetch(FETCH, timeout=1.0):
+                await self._room.wait()
+                for delivery in await consumer.fetch(max(1, min(FETCH, MAX_HANDED - self._handed())), timeout=1.0):
                     if delivery.seq in self._in_flight:
                         # Redelivered while its verdict is on its way (answered once stored): not a
                         # failure, so not counted; and the server is told it is still being handled.
@@ -130,6 +139,7 @@ class Intake:
                         continue
                     self._in_flight[delivery.seq] = Handed(delivery, attempt)
                     runner.offer(submission_of(delivery))
+                self._check_room()
         finally:
             # What is being handled stays unacknowledged: delivered again, to whoever leads next.
             self.consumer = None
@@ -142,6 +152,16 @@ class Intake:
             with contextlib.suppress(Exception):
                 await stop_job()
             await consumer.close()
+
+    def _handed(self) -> int:
+        """Submissions handed to the runner and not answered (dead letters on their way are not)."""
+        return len(self._in_flight) - len(self._giving_up)
+
+    def _check_room(self) -> None:
+        if self._handed() < MAX_HANDED:
+            self._room.set()
+        else:
+            self._room.clear()
 
     async def _keep_in_progress(self, consumer: DurableConsumer) -> None:
         """Tell the server, well within ``ack_wait``, that the messages whose verdicts are on their
@@ -158,6 +178,7 @@ class Intake:
         delivery: Delivery = sub.delivery
         self._in_flight.pop(sub.seq, None)
         self._skipped.pop(sub.seq, None)
+        self._check_room()
         accepted = bool(decided.outputs) and isinstance(decided.outputs[0], ev.JobSubmitted)
         duplicate = not decided.outputs
         self.runner.metrics.intake.labels("accepted" if accepted or duplicate else "rejected").inc()
@@ -175,6 +196,7 @@ class Intake:
         last delivery, when it becomes a dead letter (its submitter is told why)."""
         sub: Submission = decided.cause
         handed = self._in_flight.pop(sub.seq, None)
+        self._check_room()
         attempt = handed.attempt if handed is not None else self.attempt(sub.delivery)
         log.error("verdict not stored", intake_seq=sub.seq, deliveries=attempt, error=str(error))
         if attempt >= MAX_DELIVERIES:

@@ -104,3 +104,33 @@ async def test_a_dead_letter_not_stored_leaves_its_message_for_redelivery_until_
         assert letter.deliveries > MAX_DELIVERIES and "stopped while handling it each time" in letter.reason
     finally:
         await log_.close()
+
+
+async def test_the_scheduler_hands_its_runner_at_most_max_handed_submissions_not_yet_answered(
+    local_nats: NatsServer,
+) -> None:
+    """While no verdict can be stored, intake takes no more than ``MAX_HANDED`` submissions from the
+    stream (the log's events would wait behind every one of them); the rest stay stored there, and
+    every one is judged once the log is back."""
+    log_ = await open_log(local_nats.url, name="intake-handed")
+    assert isinstance(log_, JetStreamLog)
+    total = service.MAX_HANDED + 40
+    try:
+        await log_.append([node("n1", 8)])
+        outage = HerdOutage(log_)
+        async with running_scheduler(log_, "a"):
+            for i in range(total):
+                await log_.publish_intake("teamH", msgspec.json.encode(GOOD | {"intake_id": f"h{i}"}))
+            async with asyncio.timeout(20):
+                while (await log_.js.consumer_info(HERD_INTAKE, service.INTAKE_CONSUMER)).num_ack_pending < 1:
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # (time to take more, were it to)
+            info = await log_.js.consumer_info(HERD_INTAKE, service.INTAKE_CONSUMER)
+            assert 0 < info.num_ack_pending <= service.MAX_HANDED, info
+            assert info.num_pending >= total - service.MAX_HANDED, "the rest wait in the stream"
+            outage.on = False
+            async with asyncio.timeout(30):
+                while len([r for r in await log_.read_all() if isinstance(r.event, ev.JobSubmitted)]) < total:
+                    await asyncio.sleep(0.2)
+    finally:
+        await log_.close()
