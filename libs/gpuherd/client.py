@@ -10,6 +10,10 @@ creates a second job.
 The intake stream does not acknowledge what it stores (``no_ack``: a plain NATS request must get
 the scheduler's verdict as its reply, not the stream's receipt), so only a verdict proves a
 submission was stored. Without one the client says so, and never claims the submission is stored.
+
+Submissions started together (in one turn of the event loop) are published as one JetStream atomic
+batch: one disk sync for all of them, each still its own message with its own verdict
+(``INTAKE_BATCH_MAX``; ``docs/intake.md`` says how any client may do the same).
 """
 
 from __future__ import annotations
