@@ -19,6 +19,7 @@ import pytest
 from apps import registry
 from apps.deployment import accounts, nats_users
 from gpuherd import events as ev
+from gpuherd.log import HERD_INTAKE
 from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.snapshots import PART_BYTES, load_snapshot, save_snapshot
@@ -289,7 +290,20 @@ async def test_every_service_and_agent_works_under_its_own_role(secured: Any, tm
         submitter = await connect("submit-ci")
         client = Client(submitter.nc, "ci")
         job = await client.submit({"name": "roles", "user": "u", "gpus": 2, "duration_s": 1.0})
-        state = await wait_state(admin, lambda s: s.jobs.get(job) and s.jobs[job].status == "completed", timeout=60)
+        # Two at once: the client sends them as one atomic batch, which the role may send too.
+        more = await asyncio.gather(
+            *(client.submit({"name": f"roles-{n}", "user": "u", "gpus": 1, "duration_s": 1.0}) for n in (1, 2))
+        )
+        last = (await admin.js.stream_info(HERD_INTAKE)).state.last_seq
+        batch_ids = {
+            ((await admin.js.get_msg(HERD_INTAKE, seq)).headers or {}).get("Nats-Batch-Id") for seq in (last - 1, last)
+        }
+        assert len(batch_ids) == 1 and None not in batch_ids, "the two went as one batch"
+
+        def done(s: Any) -> bool:
+            return all(s.jobs.get(j) and s.jobs[j].status == "completed" for j in (job, *more))
+
+        state = await wait_state(admin, done, timeout=60)
         assert state.jobs[job].status == "completed"
         # The submitter may follow its job: it asks the scheduler, without reading the log.
         assert (await client.job_status(job))["status"] == "completed"
