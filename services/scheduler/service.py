@@ -54,10 +54,10 @@ from services.scheduler.state import SchedulerState, gpu_seconds_by_user
 log = get_logger("gpuherd.scheduler")
 
 INTAKE_CONSUMER = "scheduler-intake"  # its durable consumer of HERD_INTAKE
-FETCH = 512  # intake messages fetched at once (decided together when their intake ids differ)
-# Submissions handed to the runner and not answered yet, at most. The runner decides its inputs in
-# order, so each one waiting there is one that the log's events (a task's end, a node's report)
-# wait behind; more stay stored in the intake stream until some are answered.
+# Submissions handed to the runner and not answered yet, at most (fetched as room frees; decided
+# together where their intake ids differ). The runner decides its inputs in order, so each one
+# waiting there is one that the log's events (a task's end, a node's report) wait behind; more stay
+# stored in the intake stream until some are answered.
 MAX_HANDED = 64
 
 
@@ -126,7 +126,7 @@ class Intake:
         try:
             while True:
                 await self._room.wait()
-                for delivery in await consumer.fetch(max(1, min(FETCH, MAX_HANDED - self._handed())), timeout=1.0):
+                for delivery in await consumer.fetch(max(1, MAX_HANDED - self._handed()), timeout=1.0):
                     if delivery.seq in self._in_flight:
                         # Redelivered while its verdict is on its way (answered once stored): not a
                         # failure, so not counted; and the server is told it is still being handled.
