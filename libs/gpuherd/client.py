@@ -208,6 +208,7 @@ class Client:
         self._subscribing = asyncio.Lock()
         # First copies of submissions are published together, as one atomic batch, where several
         # start in one turn of the event loop (``INTAKE_BATCH_MAX``); paused after one went unanswered.
+        # False: each alone (a caller's choice, e.g. a NATS server older than atomic batches).
         self.batching = True
         self._alone_until = 0.0  # (monotonic) each submission alone until then
         self._outbox: list[_Outgoing] = []  # first copies waiting for this turn's batch
