@@ -7,7 +7,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from gpuherd.errors import LogUnavailable
@@ -69,12 +69,39 @@ async def off_loop(call: Callable[[], T], *, name: str) -> T:
     return await done
 
 
+# A task that swallows a cancellation is cancelled again this often, for this long at most, when a
+# process stops its loops (``cancel_until_done``): a stopped process ends within a second.
+RECANCEL_S = 0.01
+STOP_LOOPS_S = 0.5
+
+
+async def cancel_until_done(
+    tasks: Iterable[asyncio.Task[Any]], *, timeout_s: float, retry_s: float = RECANCEL_S
+) -> set[asyncio.Task[Any]]:
+    """Cancel ``tasks`` and wait for them to end, cancelling again every ``retry_s`` those still
+    running, for ``timeout_s`` at most; the ones still running then. A task may swallow a
+    cancellation: Python 3.11's ``wait_for`` returns a failure (a timeout) that came with it, and a
+    retry loop around it (nats-py's reconnect, a request retried until NATS answers) goes on. One
+    cancellation, then waiting, kept a scheduler stopped with SIGTERM running for over an hour."""
+    pending = {task for task in tasks if not task.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            break
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(retry_s, left_s))
+    return pending
+
+
 async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
     """Run named coroutines together until ``stop`` is set or one of them fails (its error is raised).
     One that simply returns (a one-off job, like recording a setting at start) ends alone; one
     cancelled from inside ends them all.
 
-    All of them are cancelled and awaited before this returns."""
+    All of them are cancelled and awaited before this returns (one that will not end within
+    ``STOP_LOOPS_S`` is left, and said)."""
     tasks = [asyncio.create_task(coro, name=name) for name, coro in coroutines.items()]
     stopper = asyncio.create_task(stop.wait(), name="stop")
     tasks.append(stopper)
@@ -90,9 +117,12 @@ async def run_until_stopped(coroutines: dict[str, Coroutine[Any, Any, None]], st
                 if task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        left = await cancel_until_done(tasks, timeout_s=STOP_LOOPS_S)
+        if left:
+            log.warning("loops still running after being stopped", tasks=sorted(t.get_name() for t in left))
+        for task in tasks:  # (their errors are retrieved: raised above, or of no interest once stopping)
+            if task.done() and not task.cancelled():
+                task.exception()
 
 
 async def serve_until_signal(run: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gpuherd import events as ev
+from gpuherd.aio import cancel_until_done
 from gpuherd.log import EventLog, open_log
 from gpuherd.metrics import serve_until_signal_with_http
 from gpuherd.obs import get_logger
@@ -122,11 +123,10 @@ def run_process(serve: Callable[[], Awaitable[None]]) -> None:
 
 async def end_remaining_tasks(timeout_s: float = END_TIMEOUT_S) -> None:
     """Cancel the process's other tasks (the NATS client's, a closing left running) until they end,
-    for ``timeout_s`` at most. asyncio.run cancels each once at the end and waits for it, and some
-    swallow a cancellation: nats-py's drain does (and flushes on for 10 s), and so does its reconnect
-    loop when a cancellation comes as a connection attempt fails (Python 3.11's wait_for returns the
-    failure, the loop catches it and tries again), which kept a process stopped with NATS gone
-    running for good."""
+    for ``timeout_s`` at most (``cancel_until_done``; the ones they start meanwhile too). asyncio.run
+    cancels each once at the end and waits for it, and some swallow a cancellation: nats-py's drain
+    does (and flushes on for 10 s), and so does its reconnect loop, which kept a process stopped with
+    NATS gone running for good."""
     current = asyncio.current_task()
     deadline = time.monotonic() + timeout_s
     while remaining := [task for task in asyncio.all_tasks() if task is not current]:
@@ -134,6 +134,4 @@ async def end_remaining_tasks(timeout_s: float = END_TIMEOUT_S) -> None:
         if left_s <= 0:
             log.warning("tasks still running at exit", tasks=[task.get_name() for task in remaining])
             return
-        for task in remaining:
-            task.cancel()
-        await asyncio.wait(remaining, timeout=min(END_RETRY_S, left_s))
+        await cancel_until_done(remaining, timeout_s=left_s, retry_s=END_RETRY_S)
