@@ -36,6 +36,7 @@ import hashlib
 import heapq
 import math
 import statistics
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -231,17 +232,26 @@ _TREES: dict[str, Trees] = {}
 
 
 class Trees:
-    """A LightGBM model's trees as flat lists, evaluated in Python: one row at a time, as the decider
-    predicts, this is several times faster than a call into LightGBM, and gives the same numbers
-    (``tests/unit/test_predict.py`` holds it to ``Booster.predict``)."""
+    """A LightGBM model's trees, evaluated in Python: one row at a time, as the decider predicts, this
+    is many times faster than a call into LightGBM, and gives the same numbers
+    (``tests/unit/test_predict.py`` holds it to ``Booster.predict``).
+
+    The trees become the source of one Python function, nested ``if``s with their thresholds as
+    literals, compiled once per model (a few ms, once per refit): it walks a row some 4x faster than
+    a loop over the trees' arrays (``walk``, which stays for trees too deep to nest)."""
 
     def __init__(self, text: str) -> None:
-        import lightgbm
+        trees = _read_trees(text)
+        if trees is None:  # (a kind of model the reader does not know: LightGBM reads it)
+            import lightgbm
 
-        dump = lightgbm.Booster(model_str=text).dump_model()
-        self.trees = [_flatten(info["tree_structure"]) for info in dump["tree_info"]]
+            dump = lightgbm.Booster(model_str=text).dump_model()
+            trees = [_flatten(info["tree_structure"]) for info in dump["tree_info"]]
+        self.trees = trees
+        self.predict: Callable[[list[float]], float] = _compile(self.trees) or self.walk
 
-    def predict(self, x: list[float]) -> float:
+    def walk(self, x: list[float]) -> float:
+        """The trees' sum for row ``x``, walked node by node."""
         total = 0.0
         for feature, threshold, left, right, mode, leaf_value in self.trees:
             node = 0
@@ -258,6 +268,54 @@ class Trees:
                     node = left[node] if value <= threshold[node] else right[node]
             total += leaf_value[-node - 1]
         return total
+
+
+_MAX_NESTING = 80  # nested ``if``s a generated function may hold (Python's parser allows 100 levels)
+
+
+def _compile(trees: list[Tree]) -> Callable[[list[float]], float] | None:
+    """``Trees.walk`` as one generated function (None if a tree is too deep to nest): the same
+    comparisons, and the leaves added in the same order, so the same float, bit for bit."""
+    lines = ["def predict(x):", " total = 0.0"]
+    for tree in trees:
+        if not _emit(tree, 0, 1, lines):
+            return None
+    lines.append(" return total")
+    namespace: dict[str, Any] = {}
+    exec(compile("\n".join(lines), "<gpuherd trees>", "exec"), namespace)  # (numbers only: see _emit)
+    return namespace["predict"]
+
+
+def _emit(tree: Tree, node: int, depth: int, lines: list[str]) -> bool:
+    """The source of ``tree`` from ``node`` on, at ``depth``; False if it nests too deep. Only ints and
+    float reprs reach the source (a float's repr reads back as the same float)."""
+    feature, threshold, left, right, mode, leaf_value = tree
+    pad = " " * depth
+    if node < 0:
+        leaf = float(leaf_value[-node - 1])
+        lines.append(f"{pad}total += {leaf!r}")
+        return math.isfinite(leaf)
+    value, limit, how = f"x[{int(feature[node])}]", float(threshold[node]), mode[node]
+    if limit == math.inf and how == 0 and left[node] == right[node]:  # (a tree of one leaf)
+        return _emit(tree, left[node], depth, lines)
+    if depth > _MAX_NESTING or not math.isfinite(limit) or how not in (0, 1, 2, 5, 6):
+        return False  # (walked instead)
+    lines.append(f"{pad}v = {value}")
+    # When NaN (or, for mode 5/6, zero too) goes left: the test that is true exactly for the rows that
+    # go left. ``v <= t`` is false for NaN; ``not v > t`` is true for it.
+    if how == 0:
+        test = f"not v > {limit!r}" if limit >= 0.0 else f"v <= {limit!r}"  # (NaN reads as 0.0)
+    elif how in (1, 2):
+        test = f"not v > {limit!r}" if how == 1 else f"v <= {limit!r}"
+    elif how == 5:
+        test = f"v != v or -1e-35 <= v <= 1e-35 or v <= {limit!r}"
+    else:  # 6: NaN and zero go right
+        test = f"v <= {limit!r} and not -1e-35 <= v <= 1e-35"
+    lines.append(f"{pad}if {test}:")
+    if not _emit(tree, left[node], depth + 1, lines):
+        return False
+    lines.append(f"{pad}else:")
+    return _emit(tree, right[node], depth + 1, lines)
 
 
 Tree = tuple[list[int], list[float], list[int], list[int], list[int], list[float]]
@@ -297,6 +355,41 @@ def _flatten(root: dict) -> Tree:
         right.append(-1)
         mode.append(0)
     return feature, threshold, left, right, mode, leaf_value
+
+
+def _read_trees(text: str) -> list[Tree] | None:
+    """The trees of a LightGBM model's text (``Booster.model_to_string``), read directly: what
+    ``dump_model`` gives (``_flatten``), without its JSON, in a fraction of the time. None for what
+    this reader does not know (categorical splits, linear trees, averaged outputs)."""
+    if "average_output" in text.split("\nTree=", 1)[0]:
+        return None
+    trees: list[Tree] = []
+    for block in text.split("\nTree=")[1:]:
+        fields = dict(line.split("=", 1) for line in block.split("\n")[1:] if "=" in line)
+        if fields.get("is_linear", "0") != "0" or fields.get("num_cat", "0") != "0":
+            return None
+        leaf_value = [float(v) for v in fields["leaf_value"].split()]
+        if int(fields["num_leaves"]) == 1:
+            trees.append(([0], [math.inf], [-1], [-1], [0], leaf_value))
+            continue
+        kinds = [int(v) for v in fields["decision_type"].split()]
+        if any(kind & 1 for kind in kinds):  # (categorical)
+            return None
+        # decision_type: bit 1 default left; bits 2-3 missing type (0 none, 1 zero, 2 NaN).
+        mode = [
+            0 if (kind >> 2) & 3 == 0 else (1 if kind & 2 else 2) + (4 if (kind >> 2) & 3 == 1 else 0) for kind in kinds
+        ]
+        trees.append(
+            (
+                [int(v) for v in fields["split_feature"].split()],
+                [float(v) for v in fields["threshold"].split()],
+                [int(v) for v in fields["left_child"].split()],
+                [int(v) for v in fields["right_child"].split()],
+                mode,
+                leaf_value,
+            )
+        )
+    return trees or None
 
 
 _LAST: list[Any] = [None, None]  # the text last compiled, and its trees (most calls ask for it again)
@@ -682,7 +775,9 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
 
 def features_digest(x: Iterable[float]) -> str:
     """A short digest of a feature vector (what ``JobDurationPredicted.features`` records)."""
-    return hashlib.blake2b(np.asarray(tuple(x), dtype=np.float64).tobytes(), digest_size=6).hexdigest()
+    values = tuple(x)
+    # (The bytes of a float64 array in native order, packed without building one.)
+    return hashlib.blake2b(struct.pack(f"={len(values)}d", *values), digest_size=6).hexdigest()
 
 
 def list_names() -> list[str]:

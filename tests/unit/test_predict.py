@@ -264,3 +264,44 @@ def test_a_submission_stored_earlier_than_its_burst_s_first_is_predicted_not_a_c
         state = analytics.evolve(state, seq, submitted)
         (made,) = analytics.decide(state, submitted)
         assert made.seconds == pytest.approx(3600.0)  # nothing known: the default
+
+
+def test_generated_trees_take_every_way_a_missing_value_can_go_as_the_walk_does() -> None:
+    """Each split mode (a missing value as 0.0; NaN left or right; NaN or zero left or right) on
+    rows of NaN, zeros, the threshold itself and either side of it: the generated function and the
+    node-by-node walk give the same float."""
+    from services.analytics.predict import Trees, _compile
+
+    def stump(mode: int, threshold: float) -> tuple:
+        # feature 0 at the root, two leaves
+        return [0], [threshold], [-1], [-2], [mode], [1.5, -2.25]
+
+    trees = [stump(mode, threshold) for mode in (0, 1, 2, 5, 6) for threshold in (-0.5, 0.0, 0.75)]
+    trees.append(([0], [math.inf], [-1], [-1], [0], [0.125]))  # a tree of one leaf
+    walker = Trees.__new__(Trees)
+    walker.trees = trees
+    generated = _compile(trees)
+    assert generated is not None
+    for value in (math.nan, 0.0, -0.0, 1e-36, -0.5, 0.0, 0.75, -1.0, 2.0, 0.3):
+        assert generated([value]) == walker.walk([value]), value
+    one = [stump(1, 0.0)[0], [0.0], [-1], [-2], [7], [1.0, 2.0]]
+    assert _compile([tuple(one)]) is None  # a mode it does not know: walked instead
+
+
+@pytest.mark.parametrize("zero_as_missing", [False, True])
+def test_trees_read_from_the_model_text_predict_what_lightgbm_does(zero_as_missing: bool) -> None:
+    """The trees are read from the model's text, not from LightGBM's JSON dump: every way a missing
+    value or a zero can go, on rows that hold both."""
+    from services.analytics.predict import Trees
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2000, 4))
+    x[::4, 1], x[::3, 2] = np.nan, 0.0
+    y = 2 * x[:, 0] + np.nan_to_num(x[:, 1]) + x[:, 2]
+    params = {"objective": "regression_l1", "num_leaves": 15, "min_data_in_leaf": 20, "verbosity": -1}
+    booster = lightgbm.train({**params, "zero_as_missing": zero_as_missing}, lightgbm.Dataset(x, label=y), 20)
+    rows = rng.normal(size=(500, 4))
+    rows[::3, 1], rows[::5, 2], rows[::7, 0] = np.nan, 0.0, np.nan
+    trees = Trees(booster.model_to_string())
+    np.testing.assert_allclose([trees.predict(list(r)) for r in rows], booster.predict(rows), rtol=0, atol=1e-12)
+    assert [trees.predict(list(r)) for r in rows] == [trees.walk(list(r)) for r in rows]
