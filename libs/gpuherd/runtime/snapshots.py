@@ -129,13 +129,22 @@ def beyond_the_log(key: str, seq: int, head: int) -> bool:
 
 
 async def save_snapshot(store: KeyValue, key: str, state_format: int, seq: int, state: bytes) -> int | None:
-    """Store a snapshot; its size in bytes, or None when it could not be stored (a missed snapshot
-    costs a longer catch-up, nothing else). One over ``PART_BYTES`` is stored in parts: in the slot
-    the manifest does not name, then the parts beyond them there (an earlier, larger snapshot's,
-    or a failed save's) are removed, then the manifest is written. One stored whole that replaces
-    a snapshot in parts first removes the parts (its manifest stays until they are gone, so a
-    failure leaves them known to the next save)."""
-    data = zlib.compress(msgspec.msgpack.encode(Snapshot(v=state_format, seq=seq, state=state)), 1)
+    """Store a snapshot (``pack_snapshot``, ``store_snapshot``)."""
+    return await store_snapshot(store, key, pack_snapshot(state_format, seq, state))
+
+
+def pack_snapshot(state_format: int, seq: int, state: bytes) -> bytes:
+    """A snapshot of an encoded state, as stored (compressed)."""
+    return zlib.compress(msgspec.msgpack.encode(Snapshot(v=state_format, seq=seq, state=state)), 1)
+
+
+async def store_snapshot(store: KeyValue, key: str, data: bytes) -> int | None:
+    """Store a packed snapshot; its size in bytes, or None when it could not be stored (a missed
+    snapshot costs a longer catch-up, nothing else). One over ``PART_BYTES`` is stored in parts: in
+    the slot the manifest does not name, then the parts beyond them there (an earlier, larger
+    snapshot's, or a failed save's) are removed, then the manifest is written. One stored whole that
+    replaces a snapshot in parts first removes the parts (its manifest stays until they are gone,
+    so a failure leaves them known to the next save)."""
     try:
         try:
             before = _manifest(await store.kv_get(SNAPSHOT_BUCKET, key))
@@ -179,22 +188,34 @@ class Cadence:
     """When a fold's next snapshot is due: ``every`` events after the last one, or ``interval_s``
     after it if anything was folded since (a quiet fold is not snapshotted again and again).
     Events are counted as they are folded (``folded``): log positions are not contiguous (a page
-    of events spans a message's positions), so a distance between positions counts nothing."""
+    of events spans a message's positions), so a distance between positions counts nothing.
+
+    A snapshot that cost ``cost_s`` to make (``taken``) puts the next one off until ``cost_s /
+    share`` has passed: a large state under a fast log (the duration model's training rows, some
+    7 MB, at 10,000 events a second) would otherwise be encoded and compressed every second, a
+    tenth of its service's time; so snapshots take at most ``share`` of it, and a restart folds at
+    most that much longer a tail of the log."""
 
     every: int
     interval_s: float
+    share: float = 0.02
     seq: int = 0  # the position the last snapshot (saved or loaded) was folded to
     at: float = field(default_factory=time.monotonic)
     since: int = 0  # events folded since that snapshot
+    not_before: float = 0.0  # (monotonic) the time the last one's cost puts the next one off to
 
     def folded(self, events: int = 1) -> None:
         self.since += events
 
     def due(self, seq: int) -> bool:
-        return seq > self.seq and (self.since >= self.every or time.monotonic() - self.at >= self.interval_s)
+        if seq <= self.seq:
+            return False
+        now = time.monotonic()
+        return now >= self.not_before and (self.since >= self.every or now - self.at >= self.interval_s)
 
-    def taken(self, seq: int) -> None:
+    def taken(self, seq: int, cost_s: float = 0.0) -> None:
         self.seq, self.at, self.since = seq, time.monotonic(), 0
+        self.not_before = self.at + cost_s / self.share
 
     def missed(self) -> None:
         """A snapshot could not be stored: the next try is a whole cadence later. (Tried again at every
