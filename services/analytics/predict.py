@@ -75,6 +75,7 @@ FEATURES: tuple[str, ...] = (
     "ladder",  # the back-off median (the trees learn a correction of it)
 )
 _NAN = float("nan")
+_NO_HISTORY = (_NAN, _NAN, _NAN, 0.0)  # a history key's features where it has none
 
 
 class Features(msgspec.Struct, frozen=True):
@@ -408,8 +409,9 @@ def _trees(text: str) -> Trees:
     return trees
 
 
-class DurationModel(msgspec.Struct, kw_only=True, gc=False):
-    """The learned history (part of the analytics decider's state, so it snapshots and replays)."""
+class DurationModel(msgspec.Struct, kw_only=True, dict=True):
+    """The learned history (part of the analytics decider's state, so it snapshots and replays).
+    (``dict``: it also keeps what it works out of its history, ``_stats``, which is not encoded.)"""
 
     window: int = 32  # finished jobs per history key
     min_samples: int = 3  # before a key's median counts for the fallback ladder
@@ -472,14 +474,8 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
             x += [_NAN, _NAN]
         present = dict(f.history_keys())
         for kind in KEYS:
-            recent = self.history.get(present.get(kind, ""))
-            if recent:
-                ordered = sorted(recent)
-                n = len(ordered)
-                med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
-                x += [med, ordered[(3 * n) // 4] - ordered[n // 4], recent[-1], float(n)]
-            else:
-                x += [_NAN, _NAN, _NAN, 0.0]
+            stats = self._key_stats(present.get(kind, ""))
+            x += stats if stats is not None else _NO_HISTORY
         burst = self.bursts.get(burst_id) if burst_id is not None else None
         key = f.burst_key()
         size, med = self.previous_burst.get(key, (0, _NAN))
@@ -497,6 +493,31 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
         x += [math.log1p(max(gap, 0.0)) if gap == gap else _NAN, math.log1p(size), med]
         x.append(self._ladder(f)[0] if ladder is None else ladder)
         return x
+
+    def _stats(self) -> dict[str, tuple[float, float, float, float]]:
+        """History key -> (median, spread, last, count) of its recent values, as worked out: every
+        submission reads seven keys, and a key changes only when a job of it finishes (``observe``
+        forgets it then). Not part of the state: a copy or a decoded snapshot starts without."""
+        try:
+            return self.__dict__["stats"]
+        except KeyError:
+            cache = self.__dict__["stats"] = {}
+            return cache
+
+    def _key_stats(self, key: str) -> tuple[float, float, float, float] | None:
+        """The median, spread (interquartile), latest value and count of the history of ``key``
+        (None: it has none)."""
+        cache = self._stats()
+        stats = cache.get(key)
+        if stats is None:
+            recent = self.history.get(key)
+            if not recent:
+                return None
+            ordered = sorted(recent)
+            n = len(ordered)
+            med = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+            stats = cache[key] = (med, ordered[(3 * n) // 4] - ordered[n // 4], recent[-1], float(n))
+        return stats
 
     # -- predicting ---------------------------------------------------------------------------------
 
@@ -642,9 +663,9 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     def _ladder(self, f: Features) -> tuple[float, str]:
         """The back-off median: of the most specific history key with ``min_samples`` jobs."""
         for kind, key in f.history_keys():
-            recent = self.history.get(key)
-            if recent is not None and len(recent) >= self.min_samples:
-                return statistics.median(recent), f"{kind}: last {len(recent)} jobs"
+            stats = self._key_stats(key)
+            if stats is not None and stats[3] >= self.min_samples:
+                return stats[0], f"{kind}: last {int(stats[3])} jobs"  # (the median, as statistics.median)
         return math.log(self.default_s), "default: no history yet"
 
     def _burst_posterior(self, burst: Burst) -> BurstPosterior:
@@ -692,11 +713,13 @@ class DurationModel(msgspec.Struct, kw_only=True, gc=False):
     def observe(self, job: str, f: Features, seconds: float) -> None:
         """A job finished after running ``seconds``: learn it."""
         value = math.log(max(seconds, 1.0))
+        stats = self._stats()
         for _, key in f.history_keys():
             recent = self.history.setdefault(key, [])
             recent.append(value)
             if len(recent) > self.window:
                 del recent[0]
+            stats.pop(key, None)
         self.observed += 1
         pending = self.pending.pop(job, None)
         if pending is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import lightgbm
+import msgspec
 import numpy as np
 import pandas as pd
 import pytest
@@ -305,3 +306,19 @@ def test_trees_read_from_the_model_text_predict_what_lightgbm_does(zero_as_missi
     trees = Trees(booster.model_to_string())
     np.testing.assert_allclose([trees.predict(list(r)) for r in rows], booster.predict(rows), rtol=0, atol=1e-12)
     assert [trees.predict(list(r)) for r in rows] == [trees.walk(list(r)) for r in rows]
+
+
+def test_what_the_model_works_out_of_its_history_stays_in_step_with_it() -> None:
+    """The model keeps each history key's median, spread, last value and count between submissions
+    (not in its state). Interleaving ends and submissions of shared keys, it must predict what a
+    copy of it read back from its encoding, which works everything out afresh, predicts."""
+    model = DurationModel(learner="ladder", min_samples=2)
+    rng = np.random.default_rng(7)
+    for n in range(300):
+        f = Features(vc=f"v{n % 3}", gpus=int(rng.choice([1, 2, 4])), user=f"u{n % 5}", name=f"j{n % 7}", at=1.6e9 + n)
+        model.submit(f"job{n}", f)
+        if n % 2:
+            model.observe(f"job{n - 1}", f, float(rng.lognormal(6, 1)))
+        fresh = msgspec.msgpack.decode(msgspec.msgpack.encode(model), type=DurationModel)  # (as a snapshot)
+        assert "stats" not in fresh.__dict__
+        assert fresh.predict(f) == model.predict(f)
