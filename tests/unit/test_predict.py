@@ -322,3 +322,27 @@ def test_what_the_model_works_out_of_its_history_stays_in_step_with_it() -> None
         fresh = msgspec.msgpack.decode(msgspec.msgpack.encode(model), type=DurationModel)  # (as a snapshot)
         assert "stats" not in fresh.__dict__
         assert fresh.predict(f) == model.predict(f)
+
+
+def test_trees_too_deep_to_nest_are_walked() -> None:
+    """A tree deeper than a generated function may nest (Python's parser limits nesting) is not
+    compiled: the model walks its trees instead, with the same result."""
+    from services.analytics.predict import _MAX_NESTING, Trees, _compile
+
+    def chain(depth: int) -> tuple:  # each split sends the row left to a leaf or right to the next
+        right = [*range(1, depth), -(depth + 1)]
+        return (
+            [0] * depth,
+            [float(i) for i in range(depth)],
+            [-(i + 1) for i in range(depth)],
+            right,
+            [1] * depth,
+            [float(i) for i in range(depth + 1)],
+        )
+
+    shallow, deep = chain(_MAX_NESTING), chain(_MAX_NESTING + 1)
+    walker = Trees.__new__(Trees)
+    walker.trees = [shallow]
+    generated = _compile([shallow])
+    assert generated is not None and generated([50.5]) == walker.walk([50.5]) == 51.0
+    assert _compile([shallow, deep]) is None
