@@ -242,13 +242,7 @@ class Trees:
     a loop over the trees' arrays (``walk``, which stays for trees too deep to nest)."""
 
     def __init__(self, text: str) -> None:
-        trees = _read_trees(text)
-        if trees is None:  # (a kind of model the reader does not know: LightGBM reads it)
-            import lightgbm
-
-            dump = lightgbm.Booster(model_str=text).dump_model()
-            trees = [_flatten(info["tree_structure"]) for info in dump["tree_info"]]
-        self.trees = trees
+        self.trees = _read_trees(text)
         self.predict: Callable[[list[float]], float] = _compile(self.trees) or self.walk
 
     def walk(self, x: list[float]) -> float:
@@ -319,63 +313,34 @@ def _emit(tree: Tree, node: int, depth: int, lines: list[str]) -> bool:
     return _emit(tree, right[node], depth + 1, lines)
 
 
+# One tree as lists: split feature, threshold, left and right child (a leaf as a negative index, -1
+# the first), how a missing value goes (0: as 0.0; 1/2: NaN goes left/right; 5/6: NaN or zero goes
+# left/right), leaf values.
 Tree = tuple[list[int], list[float], list[int], list[int], list[int], list[float]]
 
 
-def _flatten(root: dict) -> Tree:
-    """One tree of ``dump_model`` as lists: split feature, threshold, left and right child (a leaf
-    as a negative index, -1 the first), how a missing value goes (0: as 0.0; 1/2: NaN goes left/right;
-    5/6: NaN or zero goes left/right), leaf values."""
-    feature: list[int] = []
-    threshold: list[float] = []
-    left: list[int] = []
-    right: list[int] = []
-    mode: list[int] = []
-    leaf_value: list[float] = []
-
-    def add(node: dict) -> int:
-        if "split_feature" not in node:
-            leaf_value.append(float(node.get("leaf_value", 0.0)))
-            return -len(leaf_value)
-        i = len(feature)
-        feature.append(int(node["split_feature"]))
-        threshold.append(float(node["threshold"]))
-        missing = node.get("missing_type", "None")
-        way = 1 if node.get("default_left", True) else 2
-        mode.append(0 if missing == "None" else way + (4 if missing == "Zero" else 0))
-        left.append(0)
-        right.append(0)
-        left[i] = add(node["left_child"])
-        right[i] = add(node["right_child"])
-        return i
-
-    if add(root) < 0:  # a tree of one leaf: a split that always goes to it
-        feature.append(0)
-        threshold.append(math.inf)
-        left.append(-1)
-        right.append(-1)
-        mode.append(0)
-    return feature, threshold, left, right, mode, leaf_value
+class UnsupportedModel(ValueError):
+    """A LightGBM model of a kind the duration model never fits, and ``Trees`` does not evaluate."""
 
 
-def _read_trees(text: str) -> list[Tree] | None:
-    """The trees of a LightGBM model's text (``Booster.model_to_string``), read directly: what
-    ``dump_model`` gives (``_flatten``), without its JSON, in a fraction of the time. None for what
-    this reader does not know (categorical splits, linear trees, averaged outputs)."""
+def _read_trees(text: str) -> list[Tree]:
+    """The trees of a LightGBM model's text (``Booster.model_to_string``). The duration model fits
+    numeric splits only (``DurationModel.refit``): categorical splits, linear trees and averaged
+    outputs (random forests) are refused (``UnsupportedModel``), not evaluated wrongly."""
     if "average_output" in text.split("\nTree=", 1)[0]:
-        return None
+        raise UnsupportedModel("a LightGBM model that averages its trees (a random forest)")
     trees: list[Tree] = []
     for block in text.split("\nTree=")[1:]:
         fields = dict(line.split("=", 1) for line in block.split("\n")[1:] if "=" in line)
         if fields.get("is_linear", "0") != "0" or fields.get("num_cat", "0") != "0":
-            return None
+            raise UnsupportedModel("a LightGBM model with linear trees or categorical splits")
         leaf_value = [float(v) for v in fields["leaf_value"].split()]
-        if int(fields["num_leaves"]) == 1:
+        if int(fields["num_leaves"]) == 1:  # a tree of one leaf: a split that always goes to it
             trees.append(([0], [math.inf], [-1], [-1], [0], leaf_value))
             continue
         kinds = [int(v) for v in fields["decision_type"].split()]
-        if any(kind & 1 for kind in kinds):  # (categorical)
-            return None
+        if any(kind & 1 for kind in kinds):
+            raise UnsupportedModel("a LightGBM model with categorical splits")
         # decision_type: bit 1 default left; bits 2-3 missing type (0 none, 1 zero, 2 NaN).
         mode = [
             0 if (kind >> 2) & 3 == 0 else (1 if kind & 2 else 2) + (4 if (kind >> 2) & 3 == 1 else 0) for kind in kinds
@@ -390,7 +355,7 @@ def _read_trees(text: str) -> list[Tree] | None:
                 leaf_value,
             )
         )
-    return trees or None
+    return trees
 
 
 _LAST: list[Any] = [None, None]  # the text last compiled, and its trees (most calls ask for it again)

@@ -346,3 +346,15 @@ def test_trees_too_deep_to_nest_are_walked() -> None:
     generated = _compile([shallow])
     assert generated is not None and generated([50.5]) == walker.walk([50.5]) == 51.0
     assert _compile([shallow, deep]) is None
+
+
+def test_a_model_of_a_kind_the_duration_model_never_fits_is_refused_not_evaluated_wrongly() -> None:
+    from services.analytics.predict import Trees, UnsupportedModel
+
+    rng = np.random.default_rng(9)
+    x = np.column_stack([rng.integers(0, 5, 1000), rng.normal(size=1000)])
+    y = (x[:, 0] == 2) * 3.0 + x[:, 1]
+    params = {"objective": "regression", "num_leaves": 7, "min_data_in_leaf": 20, "verbosity": -1}
+    booster = lightgbm.train(params, lightgbm.Dataset(x, label=y, categorical_feature=[0]), 5)
+    with pytest.raises(UnsupportedModel, match="categorical"):
+        Trees(booster.model_to_string())
