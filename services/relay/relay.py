@@ -1,5 +1,6 @@
 """The report relay's process: it takes node agents' reports on ``herd.report.<node>`` and stores
-those that arrived while its last append was out in one commit, then answers each agent.
+those that arrived while its last append was out together (starts and ends of tasks as one page),
+then answers each agent.
 
 What a relay may store, and why an agent loses nothing through it, is in ``gpuherd.log.relay``. One
 append is out at a time, as in a decider's runner: a relay under load stores what piled up meanwhile
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import socket
 from typing import Any, NamedTuple
@@ -18,7 +20,7 @@ from typing import Any, NamedTuple
 from gpuherd import events as ev
 from gpuherd.log import open_log
 from gpuherd.log.jetstream import JetStreamLog
-from gpuherd.log.relay import RELAY_QUEUE, REPORT_PREFIX, RelayAnswer, check_report, encode_answer
+from gpuherd.log.relay import PAGED_REPORTS, RELAY_QUEUE, REPORT_PREFIX, RelayAnswer, check_report, encode_answer
 from gpuherd.log.streams import TRACEPARENT
 from gpuherd.metrics import ServiceMetrics, serve_until_signal_with_http, status_reporter
 from gpuherd.obs import configure, get_logger
@@ -126,25 +128,30 @@ class ReportRelay:
 
     async def store(self, batch: list[_Report]) -> None:
         """Store ``batch``, in the order it came, each report once (an agent may ask twice for one,
-        e.g. after its restart), and answer every asker."""
+        e.g. after its restart), and answer every asker: each run of ``PAGED_REPORTS`` as a page,
+        each run of other reports as messages of their own (``gpuherd.log.relay``)."""
         first: dict[str, _Report] = {}
         for report in batch:
             first.setdefault(report.event.id, report)
-        unique = list(first.values())
+        positions: dict[str, int] = {}
         try:
-            stored = await self.log.append_each(
-                [r.event for r in unique], trace=[r.trace for r in unique], encoded=[r.data for r in unique]
-            )
-        except Exception as exc:  # the log away or refusing: the agents store these themselves
-            self.reports.labels("failed").inc(len(batch))
-            log.warning("reports not stored; their agents append them", reports=len(batch), error=repr(exc))
-            for report in batch:
+            for paged, run in itertools.groupby(first.values(), key=lambda r: type(r.event) in PAGED_REPORTS):
+                reports = list(run)
+                append = self.log.append_relayed if paged else self.log.append_each
+                stored = await append(
+                    [r.event for r in reports], trace=[r.trace for r in reports], encoded=[r.data for r in reports]
+                )
+                positions.update(zip((r.event.id for r in reports), stored, strict=True))
+                self.batches.observe(len(reports))
+        except Exception as exc:  # the log away or refusing: the agents store the rest themselves
+            left = [r for r in batch if r.event.id not in positions]
+            self.reports.labels("failed").inc(len(left))
+            log.warning("reports not stored; their agents append them", reports=len(left), error=repr(exc))
+            for report in left:
                 await self._answer(report.reply, RelayAnswer(ok=False, error=f"not stored: {exc!r}"))
-            return
-        self.reports.labels("stored").inc(len(batch))
-        self.batches.observe(len(unique))
-        positions = dict(zip(first, stored, strict=True))
-        for report in batch:
+        stored_now = [r for r in batch if r.event.id in positions]
+        self.reports.labels("stored").inc(len(stored_now))
+        for report in stored_now:
             await self._answer(report.reply, RelayAnswer(ok=True, position=positions[report.event.id]))
 
 

@@ -4,21 +4,22 @@ a busy cluster's reports cost the log one disk sync per batch instead of one eac
 It decides nothing and folds nothing; any number may run (they share the reports). An agent falls
 back to appending its reports itself when no relay answers, so a deployment without one works, only
 with more syncs. Its NATS user may append exactly what agents may (``REPORT_SUBJECTS``, any node),
-and it stores for each node only what that node's agent may write itself."""
+and its pages of them (``RELAYED_SUBJECT``, which no one else may write); it stores for each node
+only what that node's agent may write itself."""
 
 from __future__ import annotations
 
 from gpuherd.log import STATUS_BUCKET
-from gpuherd.log.relay import REPORT_PREFIX, subjects_of
+from gpuherd.log.relay import RELAYED_SUBJECT, REPORT_PREFIX, subjects_of
 from gpuherd.runtime.spec import ServiceSpec
 from gpuherd.security import Permissions, inbox, kv_write, read_log
 from services.relay import relay
 
 
 def permissions(_: str) -> Permissions:
-    """Every agent's report subjects; the stream's description (its positions); its status entry;
-    the reports (``herd.report.*``), which it answers."""
-    publish = (*subjects_of("*"), *read_log(), kv_write(STATUS_BUCKET, "relay.>"))
+    """Every agent's report subjects and its pages of them; the stream's description (its
+    positions); its status entry; the reports (``herd.report.*``), which it answers."""
+    publish = (*subjects_of("*"), RELAYED_SUBJECT, *read_log(), kv_write(STATUS_BUCKET, "relay.>"))
     return Permissions(publish=publish, subscribe=(inbox("relay"), f"{REPORT_PREFIX}.*"), allow_responses=True)
 
 

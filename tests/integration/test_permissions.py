@@ -21,6 +21,8 @@ from apps.deployment import accounts, nats_users
 from gpuherd import events as ev
 from gpuherd.log import HERD_INTAKE
 from gpuherd.log.jetstream import JetStreamLog, JetStreamSettings, credentials_from_env
+from gpuherd.log.pages import PAGE_HEADER, encode_page
+from gpuherd.log.relay import RELAYED_SUBJECT
 from gpuherd.natsd import NatsServer
 from gpuherd.runtime.snapshots import PART_BYTES, load_snapshot, save_snapshot
 from gpuherd.security import password_env
@@ -131,6 +133,7 @@ async def test_each_agent_appends_only_its_own_nodes_events(secured: Any, connec
         "herd.node.n2",
         "herd.lease.l1",  # a broker decision
         "herd.lease.l1.by.n2",
+        RELAYED_SUBJECT,  # a relay's page of reports (of any node)
         "herd.intake.ci",
         "$KV.herd_snapshots.scheduler",
         "$KV.herd_leases.agent.n2",
@@ -151,7 +154,8 @@ async def test_each_agent_appends_only_its_own_nodes_events(secured: Any, connec
 
 async def test_an_agent_reports_through_the_relay_only_for_its_own_node(secured: Any, connect: Any) -> None:
     """An agent may ask a relay to store its reports on its own node's subject only; the relay may
-    append every agent's reports and answer them, and nothing else of anyone's."""
+    append every agent's reports (alone, or as its pages) and answer them, and nothing else of
+    anyone's."""
     admin = await _admin_log(secured)
     agent = await connect("agent-n1")
     relay = await connect("relay")
@@ -160,6 +164,8 @@ async def test_an_agent_reports_through_the_relay_only_for_its_own_node(secured:
     assert await agent.refused("herd.report.n2")
     reports = await relay.nc.subscribe("herd.report.*", queue="relay")
     ack = await relay.js.publish("herd.job.j1.by.n2", _event("j1"))
+    assert ack.stream == "HERD"
+    ack = await relay.js.publish(RELAYED_SUBJECT, encode_page([_event("j2")], [None]), headers={PAGE_HEADER: "1"})
     assert ack.stream == "HERD"
     for subject in (
         "herd.job.j1",  # a scheduler decision
@@ -171,7 +177,7 @@ async def test_an_agent_reports_through_the_relay_only_for_its_own_node(secured:
         "$KV.herd_leases.agent.n1",
     ):
         assert await relay.refused(subject), subject
-    assert await _count(admin, "HERD") == before + 1
+    assert await _count(admin, "HERD") == before + 2
     await reports.unsubscribe()
     await admin.nc.close()
 

@@ -7,6 +7,7 @@ import pytest
 
 from gpuherd import events as ev
 from gpuherd.log.pages import PAGE_SLOTS, decode_page, decode_page_events, encode_page, page_id, pageable
+from gpuherd.log.relay import RELAYED_SUBJECT
 
 
 def cancel(job: str, n: int = 0) -> ev.JobCancelRequested:
@@ -94,6 +95,16 @@ def test_pages_hold_as_many_events_as_an_append() -> None:
         ("herd.job.a", "herd.node.n1", False),
         ("herd.cluster.leader.scheduler", "herd.cluster.leader.memory", False),
         ("herd.clock.scheduler", "herd.clock.elastic", False),
+        # A relay's page: the reports of every node, and nothing else
+        (RELAYED_SUBJECT, "herd.job.a.by.n1", True),
+        (RELAYED_SUBJECT, "herd.job.b.by.n2", True),
+        (RELAYED_SUBJECT, "herd.lease.l1.by.n2", True),
+        (RELAYED_SUBJECT, "herd.node.n3", True),
+        (RELAYED_SUBJECT, "herd.job.a", False),  # a scheduler's decision
+        (RELAYED_SUBJECT, "herd.lease.l1", False),  # a broker's
+        (RELAYED_SUBJECT, "herd.job.relayed.reports", False),
+        ("herd.job.a.by.n1", RELAYED_SUBJECT, False),
+        ("herd.job.relayed", "herd.job.a.by.n1", False),  # (the decisions about a job named "relayed")
     ],
 )
 def test_a_page_holds_only_what_its_subject_permits(page_subject: str, subject: str, ok: bool) -> None:
@@ -113,5 +124,7 @@ def test_no_permission_fixes_the_id_of_an_aggregate_whose_pages_mix_ids() -> Non
             continue
         for subject in user.permissions.publish:
             tokens = subject.split(".")
+            if subject == RELAYED_SUBJECT:
+                continue  # (a relay's pages: only reports, of any node; see the cases above)
             if tokens[0] == "herd" and len(tokens) >= 3 and tokens[1] in FREE_IDS:
                 assert tokens[2] in ("*", ">"), f"{user.name} may publish {subject}: an id fixed under {tokens[1]}"

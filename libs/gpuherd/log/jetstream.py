@@ -68,6 +68,7 @@ from gpuherd.log.pages import (
     page_id,
 )
 from gpuherd.log.records import AppendResult, DeadLetter, Delivery, Record
+from gpuherd.log.relay import RELAYED_SUBJECT
 from gpuherd.log.streams import (
     ALSO_REPLY_HEADER,
     CONTROL_PREFIX,
@@ -759,6 +760,46 @@ class JetStreamLog(EventLog):
                 return list(stored.seqs)
             # (refused whole as a duplicate: some were stored before, e.g. by their writer itself)
         return await self.append_pipelined(events, window=max(1, len(events)), trace=trace, encoded=encoded)
+
+    async def append_relayed(
+        self, events: Sequence[ev.Event], *, trace: Traces = None, encoded: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """Store agents' reports of any nodes as a report relay's page (on ``RELAYED_SUBJECT``; see
+        ``gpuherd.log.relay``), or as pages in order where one would exceed the server's message
+        size; their positions. Deduplicated as a page (a repeat of this very append is dropped), not
+        report by report. A log whose positions are message sequences (older than pages) stores
+        them ``append_each``."""
+        if len(events) > self.max_batch:
+            raise LogError(f"an atomic append holds at most {self.max_batch} events, got {len(events)}")
+        slots = await self._positions()
+        if slots == 1 or not self.settings.pages:
+            return await self.append_each(events, trace=trace, encoded=encoded)
+        data = [ev.encode(e) for e in events] if encoded is None else list(encoded)
+        traces = [trace_of(trace, n) for n in range(len(events))]
+        positions: list[int] = []
+        await self._store_relayed(events, data, traces, slots, positions)
+        return positions
+
+    async def _store_relayed(
+        self,
+        events: Sequence[ev.Event],
+        data: Sequence[bytes],
+        traces: Sequence[str | None],
+        slots: int,
+        positions: list[int],
+    ) -> None:
+        page = encode_page(data, traces)
+        if len(page) > self.nc.max_payload - _HEADROOM and len(events) > 1:
+            half = len(events) // 2
+            await self._store_relayed(events[:half], data[:half], traces[:half], slots, positions)
+            await self._store_relayed(events[half:], data[half:], traces[half:], slots, positions)
+            return
+        headers = {PAGE_HEADER: str(len(events)), "Nats-Msg-Id": page_id([e.id for e in events])}
+        try:
+            ack = await self.js.publish(RELAYED_SUBJECT, page, headers=headers)
+        except nats.js.errors.APIError as exc:
+            raise self._map_error(exc, RELAYED_SUBJECT, None) from exc
+        positions.extend(range(ack.seq * slots, ack.seq * slots + len(events)))
 
     async def append_pipelined(
         self,

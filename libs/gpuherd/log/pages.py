@@ -21,9 +21,11 @@ What else a page may hold keeps those permissions whole (``pageable``): events w
 differ from the page's only in the aggregate's id, for the aggregates whose id no permission fixes
 (jobs, leases, VCs, rejected submissions: every writer of those may write them for any id). An
 agent may append only to its own node's subjects, so ``herd.node.<id>`` pages hold one node's
-events; the node's token of an agent's report (``herd.job.<job>.by.<node>``) must match too.
-Writers page only such appends (others go as an atomic batch); readers turn anything else found in
-a page into ``Unreadable`` (a dead letter), so a page cannot carry what its writer may not append.
+events; the node's token of an agent's report (``herd.job.<job>.by.<node>``) must match too. A
+report relay's page (on ``RELAYED_SUBJECT``, which only relays may write) holds reports of any node
+(``gpuherd.log.relay``): what a relay may append one by one. Writers page only such appends (others
+go as an atomic batch); readers turn anything else found in a page into ``Unreadable`` (a dead
+letter), so a page cannot carry what its writer may not append.
 
 JetStream's per-subject lookups (the last message on a subject, expected-last-subject-sequence)
 see only a page's own subject: a subject that must be found or checked by the server has its
@@ -40,6 +42,7 @@ import msgspec
 from gpuherd.errors import UNDECODABLE
 from gpuherd.events import Event, any_event
 from gpuherd.events.codec import as_decoded
+from gpuherd.log.relay import RELAYED_SUBJECT, relayed
 
 PAGE_SLOTS = 1000
 PAGE_HEADER = "Gpuherd-Page"  # the number of events in a page; absent: the message is one event
@@ -57,6 +60,8 @@ def pageable(page_subject: str, subject: str) -> bool:
 def page_admits(page_subject: str) -> Callable[[str], bool]:
     """``pageable`` for one page's subject, asked of each of its events: the page's subject is split
     once per page, not once per event."""
+    if page_subject == RELAYED_SUBJECT:
+        return relayed
     page_tokens = page_subject.split(".")
     if len(page_tokens) < 3 or page_tokens[1] not in FREE_IDS:
         return page_subject.__eq__

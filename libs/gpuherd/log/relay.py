@@ -4,17 +4,27 @@ Every node's agent appends its own reports (``JobStarted``, ``TaskEnded``, ...) 
 subjects. With the log's fsync on every acknowledged write, each one costs a disk sync, and each
 agent has too few of them at a time to batch: 1,000 agents reporting once each cost 1,000 syncs. A
 relay takes their reports as requests on ``herd.report.<node>``, stores the reports that arrived
-while its last append was out in one commit (``JetStreamLog.append_each``: each event still its own
-message, on its own subject, deduplicated by its own id, exactly as its agent would have stored it),
-and answers each agent once its report is stored. Readers see nothing different.
+while its last append was out in one commit, and answers each agent once its report is stored.
 
-Nothing is lost or doubled through a relay:
+How a commit stores them:
+- the reports every reader takes the first word of (``PAGED_REPORTS``: a task started, a task
+  ended, the bulk of them) as one page (``gpuherd.log.pages``) on ``RELAYED_SUBJECT``: one message
+  for the lot, which every reader then takes in as one, where a message per report cost the server
+  and every reader a delivery each;
+- any other report as its own message, on its own subject, deduplicated by its own id, exactly as
+  its agent would have stored it (``JetStreamLog.append_each``: an atomic batch, one commit).
+
+Nothing is lost through a relay, and nothing doubled changes anything:
 - an agent that gets no answer (no relay runs, a relay died or is slow, the log is away) appends the
-  report itself (``RelayClient.store`` returns False); if the relay stored it as well, the log drops
-  the second copy by its id;
+  report itself (``RelayClient.store`` returns False). Were it stored by the relay after all, a
+  report of its own message is dropped by its id; a paged one is stored twice, and the second copy
+  changes no state and makes no decision: each fold keeps the first word on a task
+  (``tests/unit/test_report_twice.py`` runs whole simulations with every such report doubled);
 - a relay stores for ``<node>`` only events on the subjects that node's agent may append to itself
   (``REPORT_SUBJECTS``), and NATS lets each agent ask only on its own node's subject: a relay does
-  not widen what an agent may write.
+  not widen what an agent may write. Only a relay may publish on ``RELAYED_SUBJECT``, and readers
+  take from a page there only events on those subjects (of any node): an agent's own page holds
+  its node's events alone.
 """
 
 from __future__ import annotations
@@ -38,6 +48,12 @@ RELAY_QUEUE = "relay"  # relays share the reports (a NATS queue group): any numb
 # The HERD subjects a node's agent may append to, ``{node}`` its node (as its NATS permissions say):
 # all a relay stores for that node.
 REPORT_SUBJECTS = ("herd.job.*.by.{node}", "herd.lease.*.by.{node}", "herd.node.{node}")
+# Where a relay stores reports of many nodes as one page. (Under ``herd.job.>``, which the log's
+# stream holds already; four tokens, which no other writer's permission covers.)
+RELAYED_SUBJECT = "herd.job.relayed.reports"
+# Reports that every reader takes the first word of (per job, attempt and node): a second copy,
+# stored when a relay paged one and its answer was lost, changes nothing. A relay pages these.
+PAGED_REPORTS: frozenset[type[ev.Event]] = frozenset({ev.JobStarted, ev.TaskEnded})
 # How long an agent waits for a relay's answer before it appends the report itself: a relay stores
 # within milliseconds unless the log is away, when the agent's own append waits as long anyway.
 ANSWER_TIMEOUT_S = 2.0
@@ -74,6 +90,9 @@ def subjects_of(node: str) -> tuple[str, ...]:
     return tuple(pattern.format(node=node) for pattern in REPORT_SUBJECTS)
 
 
+_ANY_NODE = subjects_of("*")
+
+
 def matches(pattern: str, subject: str) -> bool:
     """Whether ``subject`` is one of NATS subject ``pattern``'s (``*``: any one token, ``>``: the rest)."""
     want, have = pattern.split("."), subject.split(".")
@@ -83,6 +102,12 @@ def matches(pattern: str, subject: str) -> bool:
         if n >= len(have) or (token != "*" and token != have[n]):
             return False
     return len(want) == len(have)
+
+
+def relayed(subject: str) -> bool:
+    """Whether an event on ``subject`` may travel in a page a relay stored (``RELAYED_SUBJECT``):
+    a report subject of any node."""
+    return any(matches(pattern, subject) for pattern in _ANY_NODE)
 
 
 def check_report(node: str, data: bytes) -> tuple[ev.Event | None, str]:

@@ -26,6 +26,10 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
 * **Catch-up.** After a restart the core folds the log to its head before deciding anything; the
   inputs of that tail whose decisions are already in the log (found by their ids, which encode
   the cause) are not decided again.
+* **Repeats.** A report a relay paged may be stored twice (``gpuherd.log.relay``). Every fold
+  takes the first word on a task, so the second copy is folded as nothing new, and it is not
+  decided either: a copy of an event among the last ``RECENT_REPORTS`` followed is passed over.
+  (Decided, it would make a pass at a moment no other input asked for one.)
 * **External inputs** (submissions from intake) wait in the same queue as records, are decided on
   the state of their turn, and get an ``Answer`` (the verdict) for the shell to send back.
 * **In flight** (live). The runner may hand a batch to the log (``dispatched``) and ask for the
@@ -48,10 +52,14 @@ from typing import Any, Generic
 
 from gpuherd import events as ev
 from gpuherd.log import Record
+from gpuherd.log.relay import PAGED_REPORTS
 from gpuherd.runtime.decider import MAX_BATCH_DECISIONS, Answer, Decider, S, cause_seq_of, decide_stamped
 
 MAX_PASS_DEFERRAL_S = 0.005  # live: a pass waiting this long is decided in its turn, not put off again
 SCAN_BESIDE = 2048  # waiting inputs looked at for ones decidable beside the batches in flight
+# Reports followed lately, by id, to pass over a second copy: it comes a relay's answer timeout (2 s)
+# and an agent's own append after the first; this many cover that at the 2,000 jobs/s targeted.
+RECENT_REPORTS = 32_768
 
 
 @dataclass(slots=True)
@@ -112,6 +120,7 @@ class DecisionCore(Generic[S]):
         self._held: list[_Waiting] = []
         self._held_keys: set[str] = set()  # their keys: a later input of one of them waits too
         self._busy: frozenset[str] | None = None  # the flights' keys (None: to be gathered again)
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()  # reports followed lately
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -136,7 +145,7 @@ class DecisionCore(Generic[S]):
             cause = cause_seq_of(event, decider.name)
             if cause is not None:
                 self._decided.add(cause)
-        if decider.follows(event):
+        if decider.follows(event) and not (type(event) in PAGED_REPORTS and self._repeated(event.id)):
             coalescible = decider.coalescible(event)
             passing = coalescible or decider.only_passes(event)
             self._pending.append(_Waiting(record, arrived, False, coalescible, passing))
@@ -151,6 +160,16 @@ class DecisionCore(Generic[S]):
             )
             self._passes = sum(w.coalescible for w in self._pending if not w.external)
             self._decided = set()
+
+    def _repeated(self, event_id: str) -> bool:
+        """Whether a report of ``event_id`` was followed lately (this is its second copy)."""
+        recent = self._recent
+        if event_id in recent:
+            return True
+        recent[event_id] = None
+        if len(recent) > RECENT_REPORTS:
+            recent.popitem(last=False)
+        return False
 
     def offer(self, external: Any, arrived: float = 0.0) -> None:
         """An input from outside the log (a submission), decided in turn with the records."""
