@@ -90,7 +90,9 @@ def subjects_of(node: str) -> tuple[str, ...]:
     return tuple(pattern.format(node=node) for pattern in REPORT_SUBJECTS)
 
 
-_ANY_NODE = subjects_of("*")
+_ANY_NODE: dict[int, list[list[str]]] = {}  # the report subjects of any node, split, by their number of tokens
+for _pattern in subjects_of("*"):
+    _ANY_NODE.setdefault(_pattern.count(".") + 1, []).append(_pattern.split("."))
 
 
 def matches(pattern: str, subject: str) -> bool:
@@ -106,8 +108,12 @@ def matches(pattern: str, subject: str) -> bool:
 
 def relayed(subject: str) -> bool:
     """Whether an event on ``subject`` may travel in a page a relay stored (``RELAYED_SUBJECT``):
-    a report subject of any node."""
-    return any(matches(pattern, subject) for pattern in _ANY_NODE)
+    a report subject of any node. (Asked of every event of such a page by every reader.)"""
+    tokens = subject.split(".")
+    for pattern in _ANY_NODE.get(len(tokens), ()):
+        if all(want == "*" or want == have for want, have in zip(pattern, tokens, strict=True)):
+            return True
+    return False
 
 
 def check_report(node: str, data: bytes) -> tuple[ev.Event | None, str]:
