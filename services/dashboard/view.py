@@ -24,6 +24,7 @@ from gpuherd.fold import TERMINAL, ClusterState, JobState, apply
 from gpuherd.fold.accounting import Accounting
 from gpuherd.fold.state import NodeState
 from gpuherd.log import Record
+from gpuherd.log.relay import PAGED_REPORTS
 from gpuherd.metrics import gpu_state
 
 GPU_STATES = ("free", "busy", "unhealthy", "drained", "powered_off", "lost")
@@ -173,11 +174,14 @@ class DashboardView:
         if job is not None and job not in state.jobs:
             return  # (a forgotten job's late event, or a submission refused: no page shows it)
         if what is not None and job is not None:
+            timeline = self.timelines.setdefault(job, [])
+            if type(event) in PAGED_REPORTS and any(e.id == event.id for e in timeline):
+                return  # a second copy of a report a relay paged (``gpuherd.log.relay``): shown once
             cause = getattr(event, "cause", "")
             entry = TimelineEntry(
                 seq, event.at, what, event.id, event.source, cause, getattr(event, "based_on", 0), _detail(event)
             )
-            self.timelines.setdefault(job, []).append(entry)
+            timeline.append(entry)
         if isinstance(event, ev.JobPlaced):
             self._placed(event, stamp)
         elif isinstance(event, ev.RescaleCompleted):

@@ -82,6 +82,18 @@ def test_a_job_has_its_timeline_with_causes_and_where_it_ran() -> None:
     assert view.job("nope") is None
 
 
+def test_a_report_stored_twice_shows_once_in_the_timeline() -> None:
+    """A report relay's page and its agent's own append may both hold it (``gpuherd.log.relay``)."""
+    records = history()
+    started = next(r.event for r in records if isinstance(r.event, ev.JobStarted))
+    at = next(n for n, r in enumerate(records) if r.event is started) + 1
+    twice = [*records[:at], Record(at + 1, started), *(Record(r.seq + 1, r.event) for r in records[at:])]
+    view = DashboardView(None)
+    view.fold_all(twice)
+    assert [r.seq for r in twice] == list(range(1, len(records) + 2))
+    assert [e["what"] for e in view.job("a")["timeline"]] == ["submitted", "placed", "started", "finished"]
+
+
 def test_jobs_filter_and_sort_and_refuse_an_unknown_sort() -> None:
     view = folded()
     total, rows = view.jobs(status="pending")
