@@ -230,3 +230,22 @@ async def test_a_stopping_relay_answers_what_it_holds_so_its_agents_append_it(lo
     answer = await asyncio.wait_for(answers.get(), 5)
     assert b'"ok":false' in answer and b"stopping" in answer
     await sub.unsubscribe()
+
+
+async def test_reports_too_large_for_one_message_are_stored_as_pages_in_order(log_: JetStreamLog) -> None:
+    head = await log_.last_seq()
+    tail = "x" * (log_.nc.max_payload // log_.max_batch + 1000)  # (together more than a message holds)
+    ends = [
+        ev.TaskEnded(
+            id=f"relay-test:large:{n}", at=1.0, source=f"agent.l{n}", job=f"j{n}", attempt=0, node=f"l{n}",
+            outcome="failed", exit_code=1, output_tail=tail,
+        )
+        for n in range(log_.max_batch)
+    ]  # fmt: skip
+    positions = await log_.append_relayed(ends)
+    assert positions == sorted(positions) and len(set(positions)) == len(ends)
+    records = await stored_after(log_, head, "relay-test:large:")
+    assert [r.event for r in records] == ends and [r.seq for r in records] == positions
+    messages = sorted({p // PAGE_SLOTS for p in positions})
+    assert len(messages) > 1, "more than one page"
+    assert {(await log_.js.get_msg("HERD", seq)).subject for seq in messages} == {RELAYED_SUBJECT}
