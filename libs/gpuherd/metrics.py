@@ -105,7 +105,7 @@ class ServiceMetrics:
         )
         batches = Histogram(
             "gpuherd_relay_batch_reports",
-            "Reports stored per commit",
+            "Reports stored per commit (a run of starts and ends of tasks as pages, or of other reports)",
             buckets=RELAY_BATCH_BUCKETS,
             registry=self.registry,
         )

@@ -165,7 +165,7 @@ class DashboardView:
                 jobs.append(event.job)
         self.version += 1
         stamp = event.at if stored_at is None else stored_at
-        if event.id:
+        if event.id and event.id not in self._cause_at:  # (a report stored twice: its first copy's time)
             self._cause_at[event.id] = stamp
             if len(self._cause_at) > CAUSES_KEPT:
                 self._cause_at.popitem(last=False)
@@ -175,11 +175,12 @@ class DashboardView:
             return  # (a forgotten job's late event, or a submission refused: no page shows it)
         if what is not None and job is not None:
             timeline = self.timelines.setdefault(job, [])
-            if type(event) in PAGED_REPORTS and any(e.id == event.id for e in timeline):
+            detail = _detail(event)
+            if type(event) in PAGED_REPORTS and any(e.id == event.id and e.detail == detail for e in timeline):
                 return  # a second copy of a report a relay paged (``gpuherd.log.relay``): shown once
             cause = getattr(event, "cause", "")
             entry = TimelineEntry(
-                seq, event.at, what, event.id, event.source, cause, getattr(event, "based_on", 0), _detail(event)
+                seq, event.at, what, event.id, event.source, cause, getattr(event, "based_on", 0), detail
             )
             timeline.append(entry)
         if isinstance(event, ev.JobPlaced):

@@ -15,7 +15,8 @@ out its actions with the executor, one by one, deciding nothing itself. Its part
 What it writes: ``JobStarted`` when it starts its part, ``TaskEnded`` when its part ends
 (completed, failed with the output's tail, or stopped because the attempt is ending elsewhere),
 and what the job's processes report. Every id is derived from what the event is about, so a
-repeat after a crash is a no-op.
+repeat after a crash changes nothing (the log drops it by its id, or, stored twice through a report
+relay's page, every reader folds the second copy as nothing new).
 """
 
 from __future__ import annotations

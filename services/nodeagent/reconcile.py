@@ -125,7 +125,8 @@ class Tasks(NamedTuple):
 
 class AgentEvents:
     """The events a node's agent writes: ids derived from what they are about (never random), so
-    writing one again after a crash is a no-op; ``source`` is ``agent.<node>``."""
+    writing one again after a crash changes nothing (dropped by the log, or folded as nothing new);
+    ``source`` is ``agent.<node>``."""
 
     def __init__(self, node: str) -> None:
         self.node = node

@@ -1,5 +1,6 @@
 """How a node's agent writes to the log: events stamped by ``AgentEvents`` (ids derived from what
-they are about, so a repeat after a crash is a no-op), appended at once or in the background:
+they are about, so a repeat after a crash changes nothing: the log drops it, or every reader
+folds its second copy as nothing new), appended at once or in the background:
 through a report relay where one answers (stored with other agents' reports in one commit), else
 by the agent itself."""
 

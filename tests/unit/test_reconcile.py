@@ -306,6 +306,10 @@ def test_an_elastic_job_back_on_a_node_it_left_has_its_second_end_recorded_too()
         id="g2", at=7.0, job="e", attempt=0, generation=2, allocations=both, rendezvous=RENDEZVOUS, joiners=("n2/0",)
     )
     state = fold(first.event, done, grow, state=state)
+    # A second copy of the first end (a relay's page and the agent's own append) lands now: it does
+    # not speak for the part that came back, which is started.
+    state = fold(first.event, state=state)
+    assert "n2" not in state.jobs["e"].parts_ended
     (start, _plan) = act(state, "e")
     assert isinstance(start, StartTask) and start.started is not None
     state = fold(start.started, state=state)
@@ -317,6 +321,24 @@ def test_an_elastic_job_back_on_a_node_it_left_has_its_second_end_recorded_too()
     assert [r.duplicate for r in stored] == [False, False], "a repeat of the first end's id is dropped by the log"
     state = fold(second.event, state=state)
     assert state.jobs["e"].parts_ended["n2"].outcome == "failed"
+
+
+def test_a_start_of_a_part_that_left_its_elastic_job_changes_nothing() -> None:
+    """Folded after the shrink (late, or its second copy), a start of the part that left would
+    read as started when the job comes back to that node, and the new part would not be started."""
+    submitted = ev.JobSubmitted(id="s", job="e", spec=ELASTIC, intake_source="t")
+    both = (ev.Allocation("n1", (0, 1)), ev.Allocation("n2", (0,)))
+    shrink = ev.JobResized(
+        id="s1", at=5.0, job="e", attempt=0, generation=1, allocations=both[:1], releasing=both[1:],
+        kind="shrink", rendezvous=RENDEZVOUS,
+    )  # fmt: skip
+    state = fold(
+        node("n1", 2), node("n2", 2), submitted, placed("e", *((a.node, a.gpus) for a in both), rendezvous=True),
+        started("e", "n1"), started("e", "n2"), shrink, me="n2",
+    )  # fmt: skip
+    assert state.jobs["e"].started_nodes == ["n1"]
+    state = fold(started("e", "n2"), state=state)
+    assert state.jobs["e"].started_nodes == ["n1"]
 
 
 async def _append_each(log: InProcessLog, *events: ev.Event) -> list[AppendResult]:

@@ -317,6 +317,7 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     job.rendezvous = e.rendezvous
     job.last_nodes = [a.node for a in e.allocations]
     job.parts_ended = {}
+    job.reports = []
     job.borrowed = e.borrowed
     job.generation = 0
     job.committed = e.allocations
@@ -335,10 +336,25 @@ def _job_placed(state: ClusterState, seq: int, e: ev.JobPlaced) -> None:
     _dequeue(state, e.job)
 
 
+def _reported_before(job: JobState, report: ev.JobStarted | ev.TaskEnded) -> bool:
+    """Whether this report of an elastic job's part was folded already in this attempt (its second
+    copy: the same id from the same node, which another node's agent cannot write). A job whose
+    parts never leave needs no record: the first word on each part stands."""
+    if job.spec.elastic is None:
+        return False
+    key = f"{report.node} {report.id}"
+    if key in job.reports:
+        return True
+    job.reports.append(key)
+    return False
+
+
 def _job_started(state: ClusterState, seq: int, e: ev.JobStarted) -> None:
     job = state.jobs.get(e.job)
-    if job is None or job.status not in ACTIVE or e.attempt != job.attempt:
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or _reported_before(job, e):
         return
+    if e.node not in job.nodes:
+        return  # a part that left the job already (an elastic shrink): its start changes nothing
     if e.node not in job.started_nodes:
         job.started_nodes.append(e.node)
     if job.status == "placed":
@@ -360,6 +376,7 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
     job.reason = e.reason
     job.final_metrics = e.metrics
     job.parts_ended = {}  # the outcome above sums them up; finished jobs stay small in snapshots
+    job.reports = []
     state.ended[e.outcome] = state.ended.get(e.outcome, 0) + 1
     if not state.retain_finished:
         del state.jobs[e.job]
@@ -367,7 +384,9 @@ def _job_finished(state: ClusterState, seq: int, e: ev.JobFinished) -> None:
 
 def _task_ended(state: ClusterState, seq: int, e: ev.TaskEnded) -> None:
     job = state.jobs.get(e.job)
-    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or e.node not in job.nodes:
+    if job is None or job.status not in ACTIVE or e.attempt != job.attempt or _reported_before(job, e):
+        return
+    if e.node not in job.nodes:
         return
     if e.node in job.parts_ended:
         return  # the first word on a part stands (a lost node's late report changes nothing)
@@ -414,6 +433,7 @@ def _job_requeued(state: ClusterState, seq: int, e: ev.JobRequeued) -> None:
     job.started_at = None
     job.started_nodes = []
     job.parts_ended = {}
+    job.reports = []
     job.rendezvous = None
     job.reason = e.reason
     job.preempt_reason = None

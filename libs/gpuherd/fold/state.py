@@ -153,6 +153,10 @@ class JobState(msgspec.Struct, kw_only=True, gc=False):
     state_from: str = ""  # the worker whose state the current generation took
     joiners: tuple[str, ...] = ()  # the workers new in the current generation
     lost_workers: list[str] = msgspec.field(default_factory=list)
+    # Elastic jobs: "<node> <id>" of the current attempt's starts and ends of parts folded so far. A part
+    # may leave a node and come back within an attempt, and a report stored twice (a relay's page
+    # and its agent's own append, ``gpuherd.log.relay``) must not speak for the part that came back.
+    reports: list[str] = msgspec.field(default_factory=list)
 
     @property
     def gpus(self) -> int:

@@ -18,8 +18,12 @@ Nothing is lost through a relay, and nothing doubled changes anything:
 - an agent that gets no answer (no relay runs, a relay died or is slow, the log is away) appends the
   report itself (``RelayClient.store`` returns False). Were it stored by the relay after all, a
   report of its own message is dropped by its id; a paged one is stored twice, and the second copy
-  changes no state and makes no decision: each fold keeps the first word on a task
-  (``tests/unit/test_report_twice.py`` runs whole simulations with every such report doubled);
+  changes no state and makes no decision: each fold keeps the first word on a task (an elastic
+  job keeps its attempt's reports by node and id, ``JobState.reports``: its part may leave a node
+  and come back, and an old copy must not speak for the new part), and a decider passes over a
+  report it followed lately (``DecisionCore``). ``tests/unit/test_report_twice.py`` runs whole
+  simulations with every such report doubled, ``tests/unit/test_reconcile.py`` an elastic part
+  that comes back;
 - a relay stores for ``<node>`` only events on the subjects that node's agent may append to itself
   (``REPORT_SUBJECTS``), and NATS lets each agent ask only on its own node's subject: a relay does
   not widen what an agent may write. Only a relay may publish on ``RELAYED_SUBJECT``, and readers
@@ -158,7 +162,7 @@ class RelayClient:
 
     async def store(self, event: ev.Event, trace: str | None = None) -> bool:
         """True once a relay has stored ``event``; False: no relay did, append it yourself (a copy
-        a relay stores later is dropped by its id)."""
+        a relay stores later is dropped by its id, or, in a relay's page, folded as nothing new)."""
         if self.clock() < self._resting_until:
             self.fell_back += 1
             return False

@@ -28,7 +28,8 @@ the same ``DecisionCore`` decides; only the I/O around it differs. Its rules:
   the cause) are not decided again.
 * **Repeats.** A report a relay paged may be stored twice (``gpuherd.log.relay``). Every fold
   takes the first word on a task, so the second copy is folded as nothing new, and it is not
-  decided either: a copy of an event among the last ``RECENT_REPORTS`` followed is passed over.
+  decided either: a copy (the same node and id) of a report among the last ``RECENT_REPORTS``
+  followed is passed over.
   (Decided, it would make a pass at a moment no other input asked for one.)
 * **External inputs** (submissions from intake) wait in the same queue as records, are decided on
   the state of their turn, and get an ``Answer`` (the verdict) for the shell to send back.
@@ -120,7 +121,8 @@ class DecisionCore(Generic[S]):
         self._held: list[_Waiting] = []
         self._held_keys: set[str] = set()  # their keys: a later input of one of them waits too
         self._busy: frozenset[str] | None = None  # the flights' keys (None: to be gathered again)
-        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()  # reports followed lately
+        # Reports followed lately, as (node, id): a second copy is not decided again (``_repeated``).
+        self._recent: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     # -- feeding -----------------------------------------------------------------------------------
 
@@ -145,7 +147,7 @@ class DecisionCore(Generic[S]):
             cause = cause_seq_of(event, decider.name)
             if cause is not None:
                 self._decided.add(cause)
-        if decider.follows(event) and not (type(event) in PAGED_REPORTS and self._repeated(event.id)):
+        if decider.follows(event) and not (type(event) in PAGED_REPORTS and self._repeated(event)):
             coalescible = decider.coalescible(event)
             passing = coalescible or decider.only_passes(event)
             self._pending.append(_Waiting(record, arrived, False, coalescible, passing))
@@ -161,12 +163,14 @@ class DecisionCore(Generic[S]):
             self._passes = sum(w.coalescible for w in self._pending if not w.external)
             self._decided = set()
 
-    def _repeated(self, event_id: str) -> bool:
-        """Whether a report of ``event_id`` was followed lately (this is its second copy)."""
+    def _repeated(self, report: Any) -> bool:
+        """Whether ``report`` was followed lately (this is its second copy: the same id from the
+        same node, which another node's agent cannot write)."""
         recent = self._recent
-        if event_id in recent:
+        key = (report.node, report.id)
+        if key in recent:
             return True
-        recent[event_id] = None
+        recent[key] = None
         if len(recent) > RECENT_REPORTS:
             recent.popitem(last=False)
         return False
