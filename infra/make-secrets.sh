@@ -17,7 +17,9 @@ mkdir -p "$DIR"
 chmod 700 "$DIR"
 for user in $USERS $OTHERS; do
   if [ ! -s "$DIR/$user" ]; then
-    od -An -N18 -tx1 /dev/urandom | tr -d ' \n' > "$DIR/$user"
+    # (A letter first: nats-server reads $GPUHERD_PW_<USER> as a config value, so an all-digit
+    # password would be a number, which it refuses as a password.)
+    { printf 'p'; od -An -N18 -tx1 /dev/urandom | tr -d ' \n'; } > "$DIR/$user"
     chmod 644 "$DIR/$user"  # the directory keeps other host users out; the container's user must read it
   fi
 done

@@ -35,7 +35,9 @@ SOURCES = ("ci",)
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    passwords = {u.name: secrets.token_hex(8) for u in nats_users(NODES, SOURCES)} | {"sys": secrets.token_hex(8)}
+    # (A letter first: nats-server reads a variable's value as a config value, and an all-digit hex
+    # password as a number, which it then refuses as a password; one run in a hundred or so.)
+    passwords = {u.name: f"pw{secrets.token_hex(8)}" for u in nats_users(NODES, SOURCES)} | {"sys": "pw-sys"}
     env = {password_env(name): pw for name, pw in passwords.items()}
     server = NatsServer(tmp_path_factory.mktemp("nats-secured"), extra_config=accounts(NODES, SOURCES), env=env).start()
     yield server, passwords
