@@ -463,11 +463,7 @@ class DurationModel(msgspec.Struct, kw_only=True, dict=True):
         """History key -> (median, spread, last, count) of its recent values, as worked out: every
         submission reads seven keys, and a key changes only when a job of it finishes (``observe``
         forgets it then). Not part of the state: a copy or a decoded snapshot starts without."""
-        try:
-            return self.__dict__["stats"]
-        except KeyError:
-            cache = self.__dict__["stats"] = {}
-            return cache
+        return self.__dict__.setdefault("stats", {})
 
     def _key_stats(self, key: str) -> tuple[float, float, float, float] | None:
         """The median, spread (interquartile), latest value and count of the history of ``key``

@@ -94,14 +94,15 @@ def subjects_of(node: str) -> tuple[str, ...]:
     return tuple(pattern.format(node=node) for pattern in REPORT_SUBJECTS)
 
 
-_ANY_NODE: dict[int, list[list[str]]] = {}  # the report subjects of any node, split, by their number of tokens
-for _pattern in subjects_of("*"):
-    _ANY_NODE.setdefault(_pattern.count(".") + 1, []).append(_pattern.split("."))
-
-
 def matches(pattern: str, subject: str) -> bool:
     """Whether ``subject`` is one of NATS subject ``pattern``'s (``*``: any one token, ``>``: the rest)."""
-    want, have = pattern.split("."), subject.split(".")
+    return _matches(pattern.split("."), subject.split("."))
+
+
+def _matches(want: list[str], have: list[str]) -> bool:
+    """``matches``, on subjects split into tokens."""
+    if len(want) != len(have) and ">" not in want:
+        return False
     for n, token in enumerate(want):
         if token == ">":
             return len(have) > n
@@ -110,14 +111,14 @@ def matches(pattern: str, subject: str) -> bool:
     return len(want) == len(have)
 
 
+_ANY_NODE = [pattern.split(".") for pattern in subjects_of("*")]  # (split once: see ``relayed``)
+
+
 def relayed(subject: str) -> bool:
     """Whether an event on ``subject`` may travel in a page a relay stored (``RELAYED_SUBJECT``):
     a report subject of any node. (Asked of every event of such a page by every reader.)"""
-    tokens = subject.split(".")
-    for pattern in _ANY_NODE.get(len(tokens), ()):
-        if all(want == "*" or want == have for want, have in zip(pattern, tokens, strict=True)):
-            return True
-    return False
+    have = subject.split(".")
+    return any(_matches(want, have) for want in _ANY_NODE)
 
 
 def check_report(node: str, data: bytes) -> tuple[ev.Event | None, str]:
